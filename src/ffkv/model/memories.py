@@ -1,0 +1,301 @@
+"""A causal LM seen as L layers of d_m key-value memories.
+
+Definitions owned here (everything else calls them):
+- `MemoryModel.coefficients`: the memory coefficient m_i.
+- `is_active`: the active-memory test.
+- `Lens`: top(h) and softmax(h·E), naive or through the final norm.
+- `rank_of`: a target's rank, by counting logits above it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ffkv.errors import FfkvError
+from ffkv.model.arch import ARCHITECTURES, Architecture, get_path
+
+QUANTITIES = ("r", "x", "m", "y", "o")
+
+
+class _Stop(Exception):
+    """Raised by a hook after the last layer needed, to skip the rest of the forward pass."""
+
+
+@dataclass
+class Captures:
+    """Per requested layer, the captured tensors (B, T, ·) by name: r, x, m, y, o."""
+    layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+
+    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.layers[layer]
+
+
+def is_active(m: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """The paper's active memory is m_i > 0; with eps > 0 it is |m_i| > eps (for SiLU/GELU)."""
+    return m > 0 if eps <= 0 else m.abs() > eps
+
+
+def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """0-based rank of `target` in each row: the number of logits strictly above it."""
+    t = logits.gather(-1, target.unsqueeze(-1))
+    return (logits > t).sum(-1)
+
+
+class Lens:
+    """Read a d-vector as a distribution over the vocabulary.
+
+    mode "naive": h·E, the paper's projection. mode "norm": through the model's final norm,
+    so the last layer's output gives exactly the model's logits. For weight vectors
+    (values, keys) "norm" applies only the norm's gain, since a direction has no scale.
+    """
+
+    MODES = ("naive", "norm")
+
+    def __init__(self, mm: "MemoryModel", mode: str = "norm"):
+        if mode not in self.MODES:
+            raise FfkvError(f"unknown lens {mode!r}; choose naive or norm")
+        self.mm, self.mode = mm, mode
+        self.unembed = get_path(mm.hf, mm.arch.unembed)
+        self.final_norm = get_path(mm.hf, mm.arch.final_norm)
+        self.E = self.unembed.weight  # (V, d)
+        self.bias = getattr(self.unembed, "bias", None)
+        gain = getattr(self.final_norm, "weight", None)
+        self.gain = gain if gain is not None else torch.ones(self.E.shape[1], device=self.E.device)
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) residual-stream states -> (..., V) logits."""
+        h = h.to(self.E.dtype)
+        if self.mode == "norm":
+            h = self.final_norm(h)
+        out = h @ self.E.T
+        return out + self.bias if self.bias is not None else out
+
+    @torch.no_grad()
+    def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., d) weight directions (values, keys) -> (..., V) logits, or (..., len(tokens))."""
+        v = v.to(self.E.dtype)
+        if self.mode == "norm":
+            v = v * self.gain
+        return v @ (self.E if tokens is None else self.E[tokens]).T
+
+    def top(self, h: torch.Tensor) -> torch.Tensor:
+        return self.logits(h).argmax(-1)
+
+    def probs(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.logits(h).float(), -1)
+
+
+class MemoryModel:
+    """Uniform view of a HF causal LM's FFNs as memories, plus capture hooks."""
+
+    def __init__(self, hf, tokenizer, spec=None, lens: str = "norm"):
+        self.hf, self.tok, self.spec = hf, tokenizer, spec
+        cfg = hf.config
+        mt = getattr(cfg, "model_type", "?")
+        if mt not in ARCHITECTURES:
+            raise FfkvError(f"unsupported architecture {mt!r}; supported: "
+                            f"{', '.join(sorted(ARCHITECTURES))}")
+        self.arch: Architecture = ARCHITECTURES[mt]
+        if mt == "opt" and not getattr(cfg, "do_layer_norm_before", True):
+            raise FfkvError("post-norm OPT (e.g. opt-350m) is not supported: its FFN output is "
+                            "normalised after the residual add, so o = y + r does not hold")
+        if mt == "opt" and getattr(cfg, "word_embed_proj_dim", cfg.hidden_size) != cfg.hidden_size:
+            raise FfkvError("OPT with project_out (word_embed_proj_dim != hidden_size) is not supported")
+        self.blocks = get_path(hf, self.arch.layers)
+        self.n_layers = len(self.blocks)
+        self.gated = self.arch.up is not None
+        k = self._w(0, self.arch.key)
+        self.d_m, self.d = k.shape
+        self.lens = Lens(self, lens)
+        self.vocab_size = self.lens.E.shape[0]
+        act = get_path(self.blocks[0], self.arch.act) if self.arch.act else None
+        self.act_name = str(getattr(cfg, self.arch.act_config, None) or type(act).__name__)
+
+    @property
+    def device(self):
+        return self.lens.E.device
+
+    @property
+    def dtype(self):
+        return self.lens.E.dtype
+
+    # ---- weights, all as (d_m, d) rows ---------------------------------------------------
+    def _mod(self, layer: int, path: str):
+        return get_path(self.blocks[layer], path)
+
+    def _w(self, layer: int, path: str) -> torch.Tensor:
+        w = self._mod(layer, path).weight
+        return w.T if self.arch.layout == "conv1d" else w
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """K (d_m, d): the gate keys for a gated FFN."""
+        return self._w(layer, self.arch.key)
+
+    def up_keys(self, layer: int) -> torch.Tensor | None:
+        return self._w(layer, self.arch.up) if self.gated else None
+
+    def values(self, layer: int) -> torch.Tensor:
+        """V (d_m, d): row i is the value v_i written with weight m_i."""
+        w = self._mod(layer, self.arch.value).weight
+        return w if self.arch.layout == "conv1d" else w.T
+
+    def key_bias(self, layer: int):
+        return getattr(self._mod(layer, self.arch.key), "bias", None)
+
+    def up_bias(self, layer: int):
+        return getattr(self._mod(layer, self.arch.up), "bias", None) if self.gated else None
+
+    def value_bias(self, layer: int):
+        return getattr(self._mod(layer, self.arch.value), "bias", None)
+
+    def act(self, layer: int):
+        return self._mod(layer, self.arch.act)
+
+    # ---- the definitions -------------------------------------------------------------------
+    @torch.no_grad()
+    def coefficients(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """m (..., d_m) from the FFN input x (..., d).
+
+        Gated: m_i = f(x·g_i)·(x·u_i), signed. Otherwise m_i = f(x·k_i + b_i).
+        The capture reads m at the value projection's input, which is this same quantity as
+        the model computes it; tests hold the two equal.
+        """
+        pre = x @ self.keys(layer).T
+        if self.key_bias(layer) is not None:
+            pre = pre + self.key_bias(layer)
+        m = self.act(layer)(pre)
+        if self.gated:
+            up = x @ self.up_keys(layer).T
+            if self.up_bias(layer) is not None:
+                up = up + self.up_bias(layer)
+            m = m * up
+        return m
+
+    @torch.no_grad()
+    def ffn_from_memories(self, layer: int, m: torch.Tensor) -> torch.Tensor:
+        """y = Σ_i m_i·v_i + b: the FFN output rebuilt from its memories."""
+        y = m @ self.values(layer)
+        b = self.value_bias(layer)
+        return y + b if b is not None else y
+
+    # ---- tokenization ------------------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        cfg = self.hf.config
+        for a in ("max_position_embeddings", "n_positions", "n_ctx"):
+            if getattr(cfg, a, None):
+                return int(getattr(cfg, a))
+        return 2048
+
+    def pad_id(self) -> int:
+        pid = self.tok.pad_token_id
+        return int(pid if pid is not None else 0)
+
+    def batch(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad token id lists into (B, T) ids and mask."""
+        T = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), T), self.pad_id(), dtype=torch.long)
+        mask = torch.zeros((len(seqs), T), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[b, : len(s)] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    # ---- capture -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                layers=None, what=("m",), logits: bool = False, callback=None) -> Captures:
+        """One forward pass capturing `what` (subset of r, x, m, y, o) at `layers`.
+
+        Stops after the last requested layer unless logits are asked for. With `callback`,
+        each captured tensor is handed to callback(layer, name, tensor) instead of kept,
+        so a tracker can reduce it at once.
+        """
+        layers = sorted(set(range(self.n_layers) if layers is None else layers))
+        bad = [l for l in layers if not 0 <= l < self.n_layers]
+        if bad:
+            raise FfkvError(f"layer(s) {bad} out of range 0..{self.n_layers - 1}")
+        what = tuple(what)
+        unknown = set(what) - set(QUANTITIES)
+        if unknown:
+            raise FfkvError(f"unknown quantity {sorted(unknown)}; choose from {QUANTITIES}")
+        out = Captures()
+        need_y = any(q in what for q in ("y", "r"))
+        need_o = any(q in what for q in ("o", "r"))
+        hooks = []
+        store: dict[int, dict[str, torch.Tensor]] = {}
+
+        def emit(layer, name, t):
+            if name in what:
+                if callback is not None:
+                    callback(layer, name, t)
+                else:
+                    out.layers.setdefault(layer, {})[name] = t
+
+        for l in layers:
+            store[l] = {}
+            if "x" in what:
+                hooks.append(self._mod(l, self.arch.key).register_forward_pre_hook(
+                    lambda mod, args, l=l: emit(l, "x", args[0].detach())))
+            if "m" in what:
+                hooks.append(self._mod(l, self.arch.value).register_forward_pre_hook(
+                    lambda mod, args, l=l: emit(l, "m", args[0].detach())))
+            if need_y:
+                def on_y(mod, args, res, l=l):
+                    store[l]["y"] = res.detach()
+                    emit(l, "y", res.detach())
+                hooks.append(self._mod(l, self.arch.value).register_forward_hook(on_y))
+            if need_o:
+                def on_o(mod, args, res, l=l):
+                    o = (res[0] if isinstance(res, tuple) else res).detach()
+                    if "r" in what:
+                        emit(l, "r", o - store[l]["y"])
+                    emit(l, "o", o)
+                    store[l].clear()
+                hooks.append(self.blocks[l].register_forward_hook(on_o))
+        last = layers[-1]
+        if not logits:
+            def stop(mod, args, res):
+                raise _Stop
+            hooks.append(self.blocks[last].register_forward_hook(stop))
+        try:
+            if logits:
+                res = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                out.logits = res.logits
+            else:
+                self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for h in hooks:
+                h.remove()
+        return out
+
+    def info(self) -> dict:
+        return {
+            "model": self.spec.model_id if self.spec else type(self.hf).__name__,
+            "architecture": self.arch.name,
+            "class": type(self.hf).__name__,
+            "layers": self.n_layers,
+            "d": self.d,
+            "d_m": self.d_m,
+            "activation": self.act_name,
+            "gated": self.gated,
+            "memories": self.n_layers * self.d_m,
+            "vocab_size": self.vocab_size,
+            "tokenizer_vocab": len(self.tok) if self.tok is not None else None,
+            "context": self.max_length,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+        }
+
+
+def open_model(model: str | None = None, device: str = "auto", dtype: str = "auto",
+               lens: str = "norm") -> MemoryModel:
+    from ffkv.model.load import load_model
+
+    hf, tok, spec = load_model(model, device=device, dtype=dtype)
+    return MemoryModel(hf, tok, spec, lens=lens)
