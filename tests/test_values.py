@@ -1,0 +1,465 @@
+"""`ffkv values`: every number checked against a direct full-vocabulary computation (argsort,
+softmax over the whole row) on tiny models, with planted memories, hand counts and CLI errors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from conftest import run_cli
+from ffkv.experiments.values import (KINDS, compute_values, format_summary, precision_at_k,
+                                     summarize_logits, wilson)
+from ffkv.model.memories import open_model
+from ffkv.store.run import Run
+
+
+# ---- a hand-made run: sentences + triggers following DEVELOPING.md --------------------------------
+class Synth:
+    """Random sentences and a schema-valid `triggers` table; planted rows keep sentences consistent."""
+
+    def __init__(self, L, d_m, V, n_rank=60, signs=(1, -1), n_sent=300, sent_len=12, seed=0):
+        rng = self.rng = np.random.default_rng(seed)
+        self.V, self.sent_len = V, sent_len
+        self.sents = [rng.integers(1, V, sent_len).tolist() for _ in range(n_sent)]
+        keys = [(l, i, s) for l in range(L) for i in range(d_m) for s in signs]
+        n = len(keys) * n_rank
+        self.t = {
+            "layer": np.repeat([k[0] for k in keys], n_rank).astype(np.int16),
+            "dim": np.repeat([k[1] for k in keys], n_rank).astype(np.int32),
+            "sign": np.repeat([k[2] for k in keys], n_rank).astype(np.int8),
+            "rank": np.tile(np.arange(1, n_rank + 1), len(keys)).astype(np.int16),
+        }
+        base = np.repeat(rng.exponential(1.0, len(keys)) + 0.1, n_rank)
+        self.t["coef"] = (self.t["sign"] * base * (1 - 0.01 * self.t["rank"])).astype(np.float32)
+        self.t["sentence_id"] = rng.integers(0, n_sent, n).astype(np.int64)
+        self.t["position"] = rng.integers(0, sent_len, n).astype(np.int32)  # last position: null next
+        self.n_rank = n_rank
+
+    def row(self, l, i, s, r):
+        t = self.t
+        idx = np.nonzero((t["layer"] == l) & (t["dim"] == i) & (t["sign"] == s) & (t["rank"] == r))[0]
+        assert len(idx) == 1
+        return int(idx[0])
+
+    def set_next(self, l, i, s, r, token):
+        """Give row (l, i, s, r) a fresh sentence whose next token is `token` (None: sentence end)."""
+        j = self.row(l, i, s, r)
+        toks = self.rng.integers(1, self.V, self.sent_len).tolist()
+        if token is None:
+            pos = self.sent_len - 1
+        else:
+            pos = 4
+            toks[pos + 1] = int(token)
+        self.sents.append(toks)
+        self.t["sentence_id"][j] = len(self.sents) - 1
+        self.t["position"][j] = pos
+
+    def set_coef(self, l, i, s, coef_rank1):
+        for r in range(1, self.n_rank + 1):
+            self.t["coef"][self.row(l, i, s, r)] = coef_rank1 * (1 - 0.01 * r)
+
+    def next_tokens(self):
+        sid, pos = self.t["sentence_id"], self.t["position"]
+        return [self.sents[a][p + 1] if p + 1 < self.sent_len else None for a, p in zip(sid, pos)]
+
+    def write(self, run):
+        run.write_table("sentences", pa.table({
+            "sentence_id": pa.array(range(len(self.sents)), pa.int64()),
+            "doc_id": pa.array([0] * len(self.sents), pa.int64()),
+            "text": pa.array([""] * len(self.sents), pa.string()),
+            "token_ids": pa.array(self.sents, pa.list_(pa.int32())),
+            "n_tokens": pa.array([len(s) for s in self.sents], pa.int32())}))
+        cols = {c: pa.array(v) for c, v in self.t.items()}
+        cols["next_token"] = pa.array(self.next_tokens(), pa.int32())
+        run.write_table("triggers", pa.table(cols))
+
+
+def make_run(path, mm, synth, lens="norm", mine=True) -> Run:
+    run = Run(path, create=True)
+    run.record_model(mm)
+    run.manifest["lens"] = lens
+    run.save()
+    if synth is not None:
+        synth.write(run)
+    if mine:
+        run.start_step("mine", {"synthetic": True})
+        run.finish_step("mine")
+    return run
+
+
+# ---- independent references from the raw modules ----------------------------------------------
+def raw_weights(mm, arch, l):
+    """(values (d_m, d), keys (d_m, d)) read straight from the HF modules."""
+    hf = mm.hf
+    if arch == "llama":
+        mlp = hf.model.layers[l].mlp
+        return mlp.down_proj.weight.T, mlp.gate_proj.weight
+    if arch == "gpt2":
+        mlp = hf.transformer.h[l].mlp
+        return mlp.c_proj.weight, mlp.c_fc.weight.T
+    if arch == "opt":
+        lay = hf.model.decoder.layers[l]
+        return lay.fc2.weight.T, lay.fc1.weight
+    raise ValueError(arch)
+
+
+def raw_gain(mm, arch):
+    return {"llama": lambda h: h.model.norm.weight, "gpt2": lambda h: h.transformer.ln_f.weight,
+            "opt": lambda h: h.model.decoder.final_layer_norm.weight}[arch](mm.hf)
+
+
+@torch.no_grad()
+def direct_logits(mm, arch, lens, W):
+    E = mm.hf.lm_head.weight.detach().double()
+    g = raw_gain(mm, arch).detach().double() if lens == "norm" else torch.ones(E.shape[1], dtype=torch.float64)
+    return (W.double() * g) @ E.T
+
+
+def plant_token(mm, arch, lens):
+    """A token t and a direction u with argmax(u·E) = t for sure: t = the longest unembedding row,
+    u = E[t] / gain (Cauchy–Schwarz), scaled so that the logit gap to the runner-up is 30."""
+    E = mm.hf.lm_head.weight.detach().double()
+    t = int(E.norm(dim=1).argmax())
+    g = raw_gain(mm, arch).detach().double() if lens == "norm" else torch.ones(E.shape[1], dtype=torch.float64)
+    lg = E @ E[t]
+    gap = float(lg[t] - lg[torch.arange(len(lg)) != t].max())
+    assert gap > 0
+    return t, (E[t] / g * (30.0 / gap)).float()
+
+
+# ---- unit tests -----------------------------------------------------------------------------------
+def test_wilson_known_values():
+    lo, hi = wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    lo, hi = wilson(0, 10)
+    assert lo == 0 and abs(hi - 0.2775) < 1e-4
+    lo, hi = wilson(0, 0)
+    assert math.isnan(lo) and math.isnan(hi)
+
+
+def test_summarize_logits_vs_full_softmax():
+    torch.manual_seed(0)
+    z = torch.randn(9, 700) * torch.linspace(0.1, 30, 9)[:, None]
+    s = summarize_logits(z, 5)
+    for name, zz in (("pos", z), ("neg", -z)):
+        lp = torch.log_softmax(zz.double(), -1)
+        p = lp.exp()
+        order = torch.argsort(zz, dim=-1, descending=True, stable=True)[:, :5]
+        ti, pr, mx, en, lse = s[name]
+        assert torch.equal(ti, order)
+        assert torch.allclose(pr.double(), p.gather(-1, order), rtol=1e-5, atol=1e-7)
+        assert torch.allclose(mx.double(), p.max(-1).values, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(en.double(), -(p * lp).sum(-1), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(lse.double(), torch.logsumexp(zz.double(), -1), rtol=1e-6, atol=1e-5)
+
+
+def test_precision_at_k_hand_count():
+    # 8 examples of one key; top token 42. Ranks 1..8, k = 6 cuts ranks 7 and 8.
+    nxt = [7, 42, None, 42, 5, 42, 42, 42]
+    rk = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert precision_at_k(nxt, rk, 42, k=6) == (6, 3, 2)   # ranks 2, 4, 6 match
+    assert precision_at_k(nxt, rk, 42, k=50) == (8, 5, 2)
+    assert precision_at_k(nxt, rk, 9, k=50) == (8, 0, None)
+    assert precision_at_k([None, 3], [2, 1], 3, k=1) == (1, 1, 1)
+
+
+# ---- the step against argsort, with planted memories --------------------------------------------
+CASES = [("llama", "norm"), ("llama", "naive"), ("gpt2", "naive"), ("opt", "norm")]
+
+
+@pytest.mark.parametrize("arch,lens", CASES)
+def test_values_step_vs_argsort(tmp_path, tiny_dirs, arch, lens):
+    mm = open_model(str(tiny_dirs[arch]), device="cpu")  # a private copy: we plant into it
+    L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
+    signs = (1, -1)
+    syn = Synth(L, d_m, V, signs=signs, seed=1)
+    Lp, i_pos, i_neg = L - 1, 3, 5
+    t, u = plant_token(mm, arch, lens)
+    with torch.no_grad():
+        mm.values(Lp)[i_pos] = u        # v = c·E[t]/gain: top(v) = t
+        mm.values(Lp)[i_neg] = -u       # −v = c·E[t]/gain: top(−v) = t
+    # the view wrote the module's weight
+    assert torch.equal(raw_weights(mm, arch, Lp)[0][i_pos], u)
+    assert torch.equal(raw_weights(mm, arch, Lp)[0][i_neg], -u)
+    # planted key i_pos: positive list wins; matches at ranks 1,3,9,22,31,40,50 (+ 55 beyond k);
+    # a sentence end at rank 12; every other example of both lists does not match.
+    syn.set_coef(Lp, i_pos, 1, 5.0)
+    syn.set_coef(Lp, i_pos, -1, -1.0)
+    syn.set_coef(Lp, i_neg, 1, 1.0)
+    syn.set_coef(Lp, i_neg, -1, -5.0)
+    other = (t + 1) % V or 1
+    for s in signs:
+        for r in range(1, syn.n_rank + 1):
+            for i in (i_pos, i_neg):
+                syn.set_next(Lp, i, s, r, other)
+    for r in (1, 3, 9, 22, 31, 40, 50, 55):
+        syn.set_next(Lp, i_pos, 1, r, t)
+    syn.set_next(Lp, i_pos, 1, 12, None)
+    for r in (1, 2, 5, 57):  # planted key i_neg: negative list, 3 matches within the top 50
+        syn.set_next(Lp, i_neg, -1, r, t)
+    # a key whose top-1 ends its sentence, and one with a negative top-1 coef in the + list
+    syn.set_next(0, 0, 1, 1, None)
+    syn.set_coef(0, 0, 1, 9.0)
+    syn.set_coef(0, 1, 1, -8.0)   # the + list's best is negative (a key that never fires > 0)
+    syn.set_coef(0, 1, -1, -1.0)
+    run = make_run(tmp_path / "run", mm, syn, lens="naive" if lens == "norm" else "norm")
+    summary = compute_values(run, mm, lens=lens, top_k=7, chunk=17, permutations=50, seed=3,
+                             bins=4, table2_n=6, precision_k=50, show_progress=False)
+    assert run.manifest["settings"]["values"]["lens"] == lens
+
+    ag = run.read_table("values_agreement").to_pydict()
+    vt = run.read_table("values").to_pydict()
+    assert len(ag["layer"]) == L * d_m and len(vt["layer"]) == L * d_m * 3
+    nxt_all = syn.next_tokens()
+    t_idx = {(int(a), int(b), int(c), int(d)): j for j, (a, b, c, d) in
+             enumerate(zip(syn.t["layer"], syn.t["dim"], syn.t["sign"], syn.t["rank"]))}
+    n_eval = n_agree = 0
+    for l in range(L):
+        W, K = raw_weights(mm, arch, l)
+        lv = direct_logits(mm, arch, lens, W.detach())      # (d_m, V), float64, full rows
+        lk = direct_logits(mm, arch, lens, K.detach())
+        for i in range(d_m):
+            # values table: all three kinds against a full softmax + argsort
+            for kind, row_logits in (("value", lv[i]), ("neg_value", -lv[i]), ("key", lk[i])):
+                r = (l * d_m + i) * 3 + KINDS.index(kind)
+                assert (vt["layer"][r], vt["dim"][r], vt["kind"][r]) == (l, i, kind)
+                lp = torch.log_softmax(row_logits, -1)
+                order = torch.argsort(row_logits, descending=True, stable=True)[:7]
+                assert vt["top_tokens"][r] == order.tolist(), (l, i, kind)
+                assert np.allclose(vt["top_probs"][r], lp[order].exp().numpy(), rtol=1e-4, atol=1e-7)
+                assert abs(vt["max_prob"][r] - lp.max().exp().item()) < 1e-5 + 1e-4 * lp.max().exp().item()
+                assert abs(vt["entropy"][r] - float(-(lp.exp() * lp).sum())) < 1e-4
+            # top-1 trigger by hand
+            p1 = t_idx[(l, i, 1, 1)]
+            n1 = t_idx[(l, i, -1, 1)]
+            j = p1 if abs(syn.t["coef"][p1]) >= abs(syn.t["coef"][n1]) else n1
+            coef = float(syn.t["coef"][j])
+            target = nxt_all[j]
+            s = 1 if coef >= 0 else -1
+            row = l * d_m + i
+            assert ag["trigger_sign"][row] == int(syn.t["sign"][j])
+            assert ag["direction"][row] == s
+            assert ag["sentence_id"][row] == int(syn.t["sentence_id"][j])
+            full = s * lv[i]
+            order = torch.argsort(full, descending=True, stable=True)
+            assert ag["value_top"][row] == int(order[0])
+            if target is None:
+                assert ag["agree"][row] is None and ag["rank"][row] is None
+                continue
+            n_eval += 1
+            direct_rank = int((order == target).nonzero()[0, 0])
+            assert ag["rank"][row] == direct_rank, (l, i)
+            assert ag["agree"][row] == (int(order[0]) == target)
+            n_agree += int(order[0]) == target
+            p = torch.softmax(full, -1)[target].item()
+            assert abs(ag["target_prob"][row] - p) < 1e-6 + 1e-4 * p
+    # the planted memories
+    for i, s in ((i_pos, 1), (i_neg, -1)):
+        row = Lp * d_m + i
+        assert ag["direction"][row] == s and ag["next_token"][row] == t
+        assert ag["agree"][row] is True and ag["rank"][row] == 0 and ag["value_top"][row] == t
+    assert ag["agree"][0] is None  # key (0, 0): its top-1 ends the sentence; no fall-back
+    assert (ag["trigger_sign"][1], ag["direction"][1]) == (1, -1)  # compared with −v
+    assert summary["evaluated"] == n_eval and summary["agree"] == n_agree
+    assert summary["sentence_end"] == L * d_m - n_eval and summary["no_trigger"] == 0
+
+    # per-layer table: counts, Wilson interval, rank quantiles vs the agreement table
+    lay = run.read_table("values_layers").to_pylist()
+    agree = np.array([a is True for a in ag["agree"]]).reshape(L, d_m)
+    rank = np.array([-1 if r is None else r for r in ag["rank"]]).reshape(L, d_m)
+    for r in lay:
+        l = r["layer"]
+        ok = rank[l] >= 0
+        assert r["n"] == ok.sum() and r["n_agree"] == agree[l].sum()
+        assert r["agreement"] == pytest.approx(agree[l].sum() / ok.sum())
+        lo, hi = wilson(agree[l].sum(), ok.sum())
+        assert (r["ci_low"], r["ci_high"]) == pytest.approx((float(lo), float(hi)))
+        assert r["rank_median"] == pytest.approx(float(np.median(rank[l][ok])))
+        assert r["random_baseline"] == pytest.approx(1 / V)
+    # Fig 5 histogram: counts per layer add up and match the ranks
+    hist = run.read_table("values_rank_hist").to_pylist()
+    for l in range(L):
+        rows = [h for h in hist if h["layer"] == l]
+        for h in rows:
+            rr = rank[l][rank[l] >= 0]
+            assert h["count"] == ((rr >= h["lo"]) & (rr < h["hi"])).sum()
+        assert rows[-1]["hi"] == V and rows[0]["lo"] == 0
+    # Fig 6: the bins partition the evaluated memories; agreement per bin by hand
+    f6 = run.read_table("values_fig6").to_pylist()
+    mp = np.array([np.nan if m is None else m for m in ag["max_prob"]])
+    ev = rank.ravel() >= 0
+    assert sum(b["n"] for b in f6) == n_eval and sum(b["n_agree"] for b in f6) == n_agree
+    for b in f6:
+        last = b is f6[-1]
+        sel = ev & (mp >= b["lo"]) & ((mp <= b["hi"]) if last else (mp < b["hi"]))
+        assert b["n"] == sel.sum() and b["n_agree"] == agree.ravel()[sel].sum()
+    assert f6[-1]["agreement"] > 0  # the planted memories have max_prob ≈ 1
+
+    # Table 2: planted memories first; precision@50 against the hand count
+    t2 = run.read_table("values_table2").to_pylist()
+    assert len(t2) == 6
+    assert [r["max_prob"] for r in t2] == sorted([r["max_prob"] for r in t2], reverse=True)
+    top2 = {(r["dim"], r["kind"]): r for r in t2[:2]}
+    if arch == "llama":  # gated: auto kinds = value and neg_value
+        assert set(top2) == {(i_pos, "value"), (i_neg, "neg_value")}
+        rn = top2[(i_neg, "neg_value")]
+        assert (rn["layer"], rn["direction"], rn["top_token"]) == (Lp, -1, t)
+        assert (rn["n_examples"], rn["n_agree"], rn["example_rank"]) == (50, 3, 1)
+        assert rn["precision"] == pytest.approx(3 / 50)
+    else:  # value only: −v of i_neg is not a candidate
+        assert all(r["kind"] == "value" for r in t2)
+        assert t2[0]["dim"] == i_pos
+    rp = top2.get((i_pos, "value")) or t2[0]
+    assert (rp["layer"], rp["dim"], rp["top_token"], rp["direction"]) == (Lp, i_pos, t, 1)
+    assert (rp["n_examples"], rp["n_agree"], rp["example_rank"]) == (50, 7, 1)
+    assert rp["precision"] == pytest.approx(7 / 50)
+    j = t_idx[(Lp, i_pos, 1, 1)]
+    assert rp["example_sentence_id"] == int(syn.t["sentence_id"][j])
+    assert rp["example_text"] == mm.tok.decode(syn.sents[rp["example_sentence_id"]][: rp["example_position"] + 1])
+    # the agreement count of Table 2 as the summary reports it
+    assert summary["table2_with_agreeing"] == sum(1 for r in t2 if r["n_agree"] > 0)
+    assert "agreement" in format_summary(summary)
+
+
+def test_shuffled_baseline_near_chance(tmp_path, tiny_dirs):
+    """Random weights, uniform next tokens: the shuffled pairing equals the exact permutation
+    expectation (1/d_m Σ_j [top(s_i v_j) = t_i], averaged over i) and sits near 1/|V|."""
+    R = 400
+    pooled_k = pooled_n = 0.0
+    for arch in ("llama", "gpt2"):
+        mm = open_model(str(tiny_dirs[arch]), device="cpu")
+        L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
+        syn = Synth(L, d_m, V, n_rank=2, seed=7)
+        run = make_run(tmp_path / arch, mm, syn)
+        compute_values(run, mm, permutations=R, seed=11, show_progress=False, table2_n=3)
+        ag = run.read_table("values_agreement").to_pydict()
+        vt = run.read_table("values").to_pydict()
+        lay = run.read_table("values_layers").to_pylist()
+        tops = np.array([tt[0] for tt in vt["top_tokens"]]).reshape(L, d_m, 3)
+        for l in range(L):
+            idx = [l * d_m + i for i in range(d_m) if ag["agree"][l * d_m + i] is not None]
+            exp = np.mean([np.mean(tops[l, :, 0 if ag["direction"][r] > 0 else 1] == ag["next_token"][r])
+                           for r in idx])
+            n = len(idx)
+            sd = math.sqrt(max(exp, 1 / V) * (1 - exp) / (R * n))
+            assert abs(lay[l]["shuffled"] - exp) < 6 * sd + 1e-9, (arch, l, lay[l]["shuffled"], exp)
+            assert lay[l]["shuffled_ci_low"] <= lay[l]["shuffled"] <= lay[l]["shuffled_ci_high"]
+            pooled_k += lay[l]["shuffled"] * n
+            pooled_n += n
+    rate = pooled_k / pooled_n
+    assert 0.2 / V < rate < 5 / V, (rate, 1 / V)
+
+
+def test_chunk_and_seed_invariance(tmp_path, tiny_dirs):
+    """Results do not depend on the chunk size; the same seed gives the same baseline."""
+    mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=3, seed=2)
+    tabs = []
+    for c in (7, 1000):
+        run = make_run(tmp_path / f"c{c}", mm, syn)
+        compute_values(run, mm, chunk=c, permutations=20, show_progress=False, table2_n=4)
+        tabs.append({n: run.read_table(n) for n in ("values", "values_agreement", "values_layers")})
+    for n in tabs[0]:
+        a, b = tabs[0][n].to_pydict(), tabs[1][n].to_pydict()
+        for col in a:
+            if col in ("top_probs",):
+                assert np.allclose(np.array(a[col]), np.array(b[col]), rtol=1e-5)
+            elif col in ("max_prob", "entropy", "target_prob", "value_max_prob_mean",
+                         "value_entropy_mean", "key_max_prob_mean", "key_entropy_mean"):
+                x = np.array([np.nan if v is None else v for v in a[col]], float)
+                y = np.array([np.nan if v is None else v for v in b[col]], float)
+                assert np.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True), col
+            else:
+                assert a[col] == b[col] or np.allclose(np.array(a[col], float), np.array(b[col], float),
+                                                       equal_nan=True), (n, col)
+
+
+def test_skip_when_done(tmp_path, tiny_dirs):
+    mm = open_model(str(tiny_dirs["opt"]), device="cpu")
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=2, signs=(1,), seed=4)
+    run = make_run(tmp_path / "r", mm, syn)
+    s1 = compute_values(run, mm, permutations=5, show_progress=False)
+    s2 = compute_values(Run(run.path), mm, permutations=5, show_progress=False)
+    assert s2.pop("skipped") is True and s2 == s1
+    assert "already done" in format_summary({**s1, "skipped": True})
+    s3 = compute_values(Run(run.path), mm, permutations=6, show_progress=False)
+    assert "skipped" not in s3
+    # only + lists (a ReLU model's miner): every key's top-1 comes from them
+    ag = run.read_table("values_agreement").to_pydict()
+    assert set(ag["trigger_sign"]) == {1}
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def _one_line_error(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_cli_errors(tmp_path, tiny_dirs):
+    mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")
+    # no mine step at all
+    make_run(tmp_path / "nomine", mm, None, mine=False)
+    _one_line_error(run_cli("values", tmp_path / "nomine"), "ffkv mine")
+    # mine marked done but no triggers table
+    make_run(tmp_path / "notrig", mm, None, mine=True)
+    _one_line_error(run_cli("values", tmp_path / "notrig"), "triggers", "ffkv mine")
+    # a model whose unembedding differs from the run's
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=2, seed=5)
+    make_run(tmp_path / "ok", mm, syn)
+    _one_line_error(run_cli("values", tmp_path / "ok", "--model", tiny_dirs["opt"]), "model mismatch")
+
+
+def test_cli_end_to_end(tmp_path, tiny_dirs):
+    mm = open_model(str(tiny_dirs["llama"]), device="cpu")
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=3, seed=6)
+    run = make_run(tmp_path / "run", mm, syn, lens="naive")
+    res = run_cli("values", run.path, "--table2", "5", "--permutations", "10")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "agreement (Fig 4)" in res.stdout and "lens = naive" in res.stdout
+    r = Run(run.path)
+    assert r.step_done("values") and r.manifest["settings"]["values"]["lens"] == "naive"
+    for t in ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
+              "values_table2"):
+        assert r.has_table(t)
+    assert r.read_table("values_table2").num_rows == 5
+    res2 = run_cli("values", run.path, "--table2", "5", "--permutations", "10")
+    assert res2.returncode == 0 and "already done" in res2.stdout
+
+
+# ---- the real model -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_sampled_vs_argsort(tmp_path, smollm2):
+    """SmolLM2 (tied embeddings, 49,152 tokens): 40 sampled memories against full argsorts."""
+    mm = smollm2
+    L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
+    rng = np.random.default_rng(0)
+    syn = Synth(L, d_m, V, n_rank=2, n_sent=500, sent_len=16, seed=8)
+    run = make_run(tmp_path / "run", mm, syn, lens="norm")
+    s = compute_values(run, mm, permutations=20, show_progress=False)
+    assert s["evaluated"] + s["sentence_end"] == L * d_m
+    ag = run.read_table("values_agreement").to_pydict()
+    vt = run.read_table("values", columns=["top_tokens", "max_prob", "entropy"]).to_pydict()
+    E = mm.hf.get_output_embeddings().weight.detach().double()
+    g = mm.hf.model.norm.weight.detach().double()
+    for _ in range(40):
+        l, i = int(rng.integers(L)), int(rng.integers(d_m))
+        v = mm.hf.model.layers[l].mlp.down_proj.weight[:, i].detach().double()
+        full = (v * g) @ E.T
+        row = l * d_m + i
+        r = row * 3
+        lp = torch.log_softmax(full, -1)
+        assert vt["top_tokens"][r] == torch.argsort(full, descending=True, stable=True)[:10].tolist()
+        assert abs(vt["entropy"][r] - float(-(lp.exp() * lp).sum())) < 1e-3
+        assert abs(vt["max_prob"][r] - float(lp.max().exp())) < 1e-5
+        if ag["rank"][row] is not None:
+            sfull = ag["direction"][row] * full
+            order = torch.argsort(sfull, descending=True, stable=True)
+            assert ag["rank"][row] == int((order == ag["next_token"][row]).nonzero()[0, 0])
+            assert ag["value_top"][row] == int(order[0])
