@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def pack(lengths, batch_tokens: int = 4096, max_batch: int = 256) -> list[np.ndarray]:
+def pack(lengths, batch_tokens: int = 2048, max_batch: int = 64) -> list[np.ndarray]:
     """Index batches such that max_len × batch_size ≤ batch_tokens; sorted by length so
     padding stays small. Deterministic: ties in length keep input order."""
     lengths = np.asarray(lengths)

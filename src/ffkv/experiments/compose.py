@@ -1,0 +1,555 @@
+"""`ffkv compose`: how memories compose into a layer's prediction, and layers into the model's.
+
+The paper's §5 (Figs 7-11 and the last-layer cases), on N prefixes sampled from a held-out
+corpus split: one sentence per prefix, one seeded random position per sentence. One forward
+pass per batch of prefixes captures r, m, y, o at every layer (only at each prefix's last
+position); the vocabulary projections are batched per layer and reduced at once to argmaxes
+and the probability of the final prediction, so nothing of size N × L × V is ever held.
+
+Both lenses of `ffkv.model.memories.Lens` are evaluated on the same captures: "naive" (h·E, the
+paper's projection) and "norm" (through the final norm; at the last layer it gives the model's
+own logits). Every lens-dependent table has a `lens` column.
+
+Notation, per example and layer ℓ (0-based): r the residual entering the FFN, m the memory
+coefficients, y the FFN output, o = r + y; w = top(o_{L-1}), the final prediction under the lens.
+top(h) = argmax of `Lens.logits(h)` (ties: lowest token id, torch's argmax).
+
+Definitions and choices
+- Active memory: `is_active(m)` (m_i > 0, the paper's) and `is_active(m, eps)` (|m_i| > eps).
+- Mass: c_i = |m_i|·‖v_i‖₂. mass_top{1,10,50} = share of Σ c_i carried by the k largest c_i with
+  k = ceil(p·d_m) for p = 1%, 10%, 50%.
+- Value tops: top(v_i) = argmax `Lens.direction_logits(v_i)`; top(-v_i) = argmin of the same
+  logits (negation is exact). Cached in the run as `value_tops`.
+- Fig 8, paper's form (`y_matches_memory`): some memory with m_i > 0 has top(v_i) = top(y).
+  Signed form (`y_matches_memory_eps`): some memory with |m_i| > eps has top(sign(m_i)·v_i) =
+  top(y), since a negative coefficient (gated FFNs, GELU) writes -v_i. With eps = 0 the two agree.
+- Fig 8 follow-up: among examples where some active memory matches (paper's form), the share
+  whose target (the next token of the sentence) is a stop word (`src/ffkv/data/stopwords.txt`:
+  decoded token, stripped, lower-cased, on the list) and the share whose prefix has fewer than
+  5 tokens (`prefix_tokens` counts the tokens fed to the model, including a BOS if the
+  tokenizer adds one).
+- Fig 9: `r_matches_final` = top(r_ℓ) = w. The curve's end point is `o_matches_final` at the last
+  layer (top(o_{L-1}) = w), which is 1 by construction; under the norm lens w is also exactly
+  the model's own argmax. top(r_{L-1}) = w is *not* 1: it fails exactly on the last-layer cases.
+- Fig 10: p_final_in_r = softmax(Lens.logits(r_ℓ))[w]; rank_final_in_r = `rank_of` (0 = top).
+- Fig 11: category per (example, layer): residual top(o)=top(r)≠top(y); ffn top(o)=top(y)≠top(r);
+  agreement all three equal; composition top(o) equals neither. These partition the examples.
+  The paper's "by construction impossible" case top(r)=top(y)≠top(o) falls into composition and
+  is counted separately as `r_eq_y_ne_o` (it can happen through the norm or an output bias).
+
+Tables written to the run (public contract):
+- `compose_sentences`: the `sentences` schema (see DEVELOPING.md) for the held-out corpus.
+- `compose_prefixes`: example_id int32, sentence_id int64, text string (sentence), prefix string
+  (decoded prefix), token_ids list<int32> (the prefix = sentence token_ids[:position + 1]),
+  position int32, prefix_tokens int32, target int32 (token after the prefix), target_token string,
+  target_is_stop bool.
+- `value_tops`: layer int16, dim int32, lens string, top_token int32 (top(v_i)),
+  top_token_neg int32 (top(-v_i)). Sorted by lens, layer, dim.
+- `compose_examples`: one row per lens × layer × example, sorted so: lens string, layer int16,
+  example_id int32, n_active int32 (m > 0), n_active_eps int32 (|m| > eps), mass_top1, mass_top10,
+  mass_top50 float32, top_r, top_y, top_o, top_final int32, p_final_in_r float32,
+  rank_final_in_r int32, category string, y_matches_memory bool, y_matches_memory_eps bool,
+  n_agreeing int32 (active memories, paper's form, whose value top equals top(y)).
+- `compose_layers`: per lens × layer: lens, layer, n_examples, d_m, eps, active_mean, active_p25,
+  active_median, active_p75, active_min, active_max (fractions of d_m, m > 0), active_eps_mean,
+  active_eps_median, mass_top1, mass_top10, mass_top50 (means), fig8_no_single_memory,
+  fig8_no_single_memory_eps (fractions), fig8_matched, fig8_matched_stop, fig8_matched_short
+  (counts), fig8_matched_stop_share, fig8_matched_short_share, r_matches_final, o_matches_final,
+  p_final_mean, p_final_q25, p_final_median, p_final_q75, residual, ffn, agreement, composition,
+  r_eq_y_ne_o (fractions).
+- `compose_cases`: last-layer cases, top(r_{L-1}) ≠ top(o_{L-1}): lens, sample_order int32 (a
+  seeded random order; the first 100 are the paper's random sample), example_id, sentence_id,
+  prefix, top_r, top_r_token, top_o, top_o_token, top_y, top_y_token, category (ffn or
+  composition), target, target_token, p_final_in_r.
+- `compose_lens_effect`: how much the lens changes each per-layer curve: quantity, naive, norm
+  (means over layers), mean_abs_diff, max_abs_diff, layer_of_max; plus rows `w_differs` and
+  `category_differs` (shares of examples / example-layers that differ; naive, norm null).
+"""
+from __future__ import annotations
+
+import math
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ffkv.errors import FfkvError
+from ffkv.model.memories import Lens, is_active, rank_of
+
+LENSES = ("naive", "norm")
+CATEGORIES = ("residual", "ffn", "agreement", "composition")
+MASS_SHARES = (0.01, 0.10, 0.50)
+SHORT_PREFIX = 5  # the paper's "prefix shorter than 5 tokens"
+DEFAULT_CORPUS = "wikipedia:valid"
+DEFAULT_EPS = 0.1
+STOPWORDS_FILE = Path(__file__).resolve().parents[1] / "data" / "stopwords.txt"
+CURVES = ("fig8_no_single_memory", "r_matches_final", "p_final_mean", "residual", "ffn",
+          "agreement", "composition")
+
+
+# ---- stop words ----------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def stopwords() -> frozenset[str]:
+    lines = STOPWORDS_FILE.read_text(encoding="utf-8").splitlines()
+    return frozenset(l.strip().lower() for l in lines if l.strip() and not l.startswith("#"))
+
+
+def token_is_stop(tok, ids) -> np.ndarray:
+    """Per token id: is its decoded text (stripped, lower-cased) a stop word."""
+    ids = np.asarray(ids, dtype=np.int64)
+    sw = stopwords()
+    uniq = np.unique(ids)
+    table = {int(u): tok.decode([int(u)]).strip().lower() in sw for u in uniq}
+    return np.array([table[int(i)] for i in ids], dtype=bool)
+
+
+def categorize(top_r, top_y, top_o) -> np.ndarray:
+    """Fig 11 category index into CATEGORIES for each element (a partition)."""
+    top_r, top_y, top_o = map(np.asarray, (top_r, top_y, top_o))
+    r, y = top_o == top_r, top_o == top_y
+    return np.select([r & ~y, y & ~r, r & y], [0, 1, 2], default=3).astype(np.int8)
+
+
+# ---- prefixes ----------------------------------------------------------------------------
+def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
+                    max_sentences: int | None = None, warn=print) -> pa.Table:
+    """Sentences of the held-out split → `compose_sentences`; one seeded position per sampled
+    sentence → `compose_prefixes`. A sentence is usable when it has a token after at least one
+    real (non-special) token."""
+    from ffkv.corpus.prepare import prepare_sentences
+
+    if n < 1:
+        raise FfkvError(f"--prefixes must be at least 1 (got {n})")
+    spec = corpus or DEFAULT_CORPUS
+    sents = prepare_sentences(run, mm, spec, max_sentences, seed=seed, table="compose_sentences")
+    token_ids = sents.column("token_ids").to_pylist()
+    special = set(getattr(mm.tok, "all_special_ids", []) or [])
+    first = np.array([1 if t and t[0] in special else 0 for t in token_ids], dtype=np.int64)
+    n_tok = np.array([len(t) for t in token_ids], dtype=np.int64)
+    usable = np.flatnonzero(n_tok - first >= 2)
+    if len(usable) == 0:
+        raise FfkvError(f"corpus {spec!r} has no sentence of 2 or more tokens to make a prefix from")
+    rng = np.random.default_rng(seed)
+    if len(usable) < n:
+        warn(f"corpus {spec!r} has only {len(usable)} usable sentences (2+ tokens) for "
+             f"{n} requested prefixes; using all {len(usable)}")
+        chosen = usable
+    else:
+        chosen = np.sort(rng.choice(usable, size=n, replace=False))
+    # one position per sentence: the prefix ends at `position`, the target follows it
+    pos = rng.integers(first[chosen], n_tok[chosen] - 1)  # high exclusive: position ≤ n - 2
+    prefixes = [token_ids[s][: p + 1] for s, p in zip(chosen, pos)]
+    targets = np.array([token_ids[s][p + 1] for s, p in zip(chosen, pos)], dtype=np.int64)
+    texts = sents.column("text").to_pylist()
+    tbl = pa.table({
+        "example_id": pa.array(np.arange(len(chosen)), pa.int32()),
+        "sentence_id": pa.array(sents.column("sentence_id").to_numpy()[chosen], pa.int64()),
+        "text": pa.array([texts[s] for s in chosen], pa.string()),
+        "prefix": pa.array(mm.tok.batch_decode(prefixes, skip_special_tokens=True), pa.string()),
+        "token_ids": pa.array(prefixes, pa.list_(pa.int32())),
+        "position": pa.array(pos, pa.int32()),
+        "prefix_tokens": pa.array(pos + 1, pa.int32()),
+        "target": pa.array(targets, pa.int32()),
+        "target_token": pa.array([mm.tok.decode([int(t)]) for t in targets], pa.string()),
+        "target_is_stop": pa.array(token_is_stop(mm.tok, targets), pa.bool_()),
+    })
+    run.write_table("compose_prefixes", tbl)
+    return tbl
+
+
+# ---- value tops --------------------------------------------------------------------------
+@torch.no_grad()
+def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{lens: (top(v_i), top(-v_i))}, each (L, d_m) int64; read from the run's `value_tops`
+    table when it holds these lenses for this model's shape, else computed and cached."""
+    L, dm = mm.n_layers, mm.d_m
+    if run is not None and run.has_table("value_tops"):
+        t = run.read_table("value_tops")
+        have = set(t.column("lens").to_pylist())
+        if set(lenses) <= have and t.num_rows == L * dm * len(have):
+            out = {}
+            lens_col = np.asarray(t.column("lens").to_pylist())
+            for ln in lenses:
+                sel = lens_col == ln
+                layer = t.column("layer").to_numpy()[sel].astype(np.int64)
+                dim = t.column("dim").to_numpy()[sel].astype(np.int64)
+                pos = torch.empty(L, dm, dtype=torch.long)
+                neg = torch.empty(L, dm, dtype=torch.long)
+                pos[layer, dim] = torch.from_numpy(t.column("top_token").to_numpy()[sel].astype(np.int64))
+                neg[layer, dim] = torch.from_numpy(t.column("top_token_neg").to_numpy()[sel].astype(np.int64))
+                out[ln] = (pos, neg)
+            return out
+    out = {}
+    task = bar.add_task("value tops", total=len(lenses) * L) if bar is not None else None
+    for ln in lenses:
+        lens = Lens(mm, ln)
+        pos = torch.empty(L, dm, dtype=torch.long)
+        neg = torch.empty(L, dm, dtype=torch.long)
+        for l in range(L):
+            V = mm.values(l).detach()
+            for s in range(0, dm, chunk):
+                z = lens.direction_logits(V[s:s + chunk])
+                pos[l, s:s + chunk] = z.argmax(-1).cpu()
+                neg[l, s:s + chunk] = z.argmin(-1).cpu()
+            if task is not None:
+                bar.advance(task)
+        out[ln] = (pos, neg)
+    if run is not None:
+        layer = np.repeat(np.arange(L), dm)
+        dim = np.tile(np.arange(dm), L)
+        run.write_table("value_tops", pa.concat_tables([pa.table({
+            "layer": pa.array(layer, pa.int16()), "dim": pa.array(dim, pa.int32()),
+            "lens": pa.array([ln] * (L * dm), pa.string()),
+            "top_token": pa.array(out[ln][0].reshape(-1).numpy(), pa.int32()),
+            "top_token_neg": pa.array(out[ln][1].reshape(-1).numpy(), pa.int32())}) for ln in lenses]))
+    return out
+
+
+# ---- the pass ------------------------------------------------------------------------------
+@torch.no_grad()
+def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
+            batch_tokens: int = 2048, max_batch: int = 128, rows: int = 384,
+            bar=None) -> dict:
+    """One forward pass per length-packed batch; per-example, per-layer arrays.
+
+    Returns {"common": {name: (N, L) array}, "naive"/"norm": {name: (N, L) array, "w": (N,)},
+    "tokens": int}. `rows` bounds the rows of one vocabulary projection (rows × V floats).
+    """
+    from ffkv.corpus.batching import pack
+
+    if vtops is None:
+        vtops = value_tops(None, mm)
+    N, L, dm, d = len(prefixes), mm.n_layers, mm.d_m, mm.d
+    lenses = {ln: Lens(mm, ln) for ln in vtops}
+    vnorm = torch.stack([mm.values(l).detach().float().norm(dim=-1) for l in range(L)])  # (L, d_m)
+    ks = [max(1, math.ceil(p * dm)) for p in MASS_SHARES]
+    common = {k: np.zeros((N, L), np.int32) for k in ("n_active", "n_active_eps")}
+    common.update({f"mass_top{round(p * 100)}": np.zeros((N, L), np.float32) for p in MASS_SHARES})
+    per = {ln: {**{k: np.zeros((N, L), np.int32) for k in
+                   ("top_r", "top_y", "top_o", "rank_final_in_r", "n_agreeing")},
+                "p_final_in_r": np.zeros((N, L), np.float32),
+                "y_matches_memory": np.zeros((N, L), bool),
+                "y_matches_memory_eps": np.zeros((N, L), bool),
+                "w": np.zeros(N, np.int64)} for ln in lenses}
+    vt_dev = {ln: (p.to(mm.device), n.to(mm.device)) for ln, (p, n) in vtops.items()}
+    vnorm = vnorm.to(mm.device)
+    lengths = [len(p) for p in prefixes]
+    task = bar.add_task("compose", total=N, tokens=0) if bar is not None else None
+    n_tokens = 0
+    order = [L - 1] + list(range(L - 1))  # the last layer first: it defines w
+    sub = max(1, rows // 3)
+    for idx in pack(lengths, batch_tokens, max_batch):
+        B = len(idx)
+        ids, mask = mm.batch([prefixes[i] for i in idx])
+        last = torch.as_tensor([lengths[i] - 1 for i in idx], device=mm.device)
+        ar = torch.arange(B, device=mm.device)
+        buf = {"r": torch.empty(L, B, d, device=mm.device), "y": torch.empty(L, B, d, device=mm.device),
+               "o": torch.empty(L, B, d, device=mm.device), "m": torch.empty(L, B, dm, device=mm.device)}
+
+        def keep(layer, name, t):
+            buf[name][layer] = t[ar, last]
+
+        mm.capture(ids, mask, what=("r", "m", "y", "o"), callback=keep)
+        M = buf["m"]
+        # Fig 7: active memories and where the mass is
+        common["n_active"][idx] = is_active(M).sum(-1).T.cpu().numpy()
+        common["n_active_eps"][idx] = is_active(M, eps).sum(-1).T.cpu().numpy()
+        c = M.abs() * vnorm[:, None, :]  # (L, B, d_m)
+        tot = c.sum(-1)
+        cs = c.topk(max(ks), dim=-1).values.cumsum(-1)
+        for p, k in zip(MASS_SHARES, ks):
+            share = torch.where(tot > 0, cs[..., k - 1] / tot, torch.full_like(tot, float("nan")))
+            common[f"mass_top{round(p * 100)}"][idx] = share.T.cpu().numpy()
+        for ln, lens in lenses.items():
+            res = per[ln]
+            vpos, vneg = vt_dev[ln]
+            w = torch.empty(B, dtype=torch.long, device=mm.device)
+            tops = torch.empty(3, L, B, dtype=torch.long, device=mm.device)
+            pw = torch.empty(L, B, device=mm.device)
+            rk = torch.empty(L, B, dtype=torch.long, device=mm.device)
+            for l in order:
+                for s in range(0, B, sub):
+                    e = min(B, s + sub)
+                    n = e - s
+                    z = lens.logits(torch.cat([buf["r"][l, s:e], buf["y"][l, s:e], buf["o"][l, s:e]]))
+                    t = z.argmax(-1)
+                    tops[:, l, s:e] = t.view(3, n)
+                    if l == L - 1:
+                        w[s:e] = t[2 * n:]
+                    zr = z[:n].float()
+                    pw[l, s:e] = (zr.gather(-1, w[s:e, None])[:, 0] - torch.logsumexp(zr, -1)).exp()
+                    rk[l, s:e] = rank_of(zr, w[s:e])
+            # Fig 8: does some active memory's value top equal the layer's top?
+            ty = tops[1]  # (L, B)
+            agree = vpos[:, None, :] == ty[:, :, None]  # (L, B, d_m)
+            hit = is_active(M) & agree
+            signed = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :]) == ty[:, :, None]
+            hit_eps = is_active(M, eps) & signed
+            res["top_r"][idx] = tops[0].T.cpu().numpy()
+            res["top_y"][idx] = tops[1].T.cpu().numpy()
+            res["top_o"][idx] = tops[2].T.cpu().numpy()
+            res["w"][idx] = w.cpu().numpy()
+            res["p_final_in_r"][idx] = pw.T.cpu().numpy()
+            res["rank_final_in_r"][idx] = rk.T.cpu().numpy()
+            res["n_agreeing"][idx] = hit.sum(-1).T.cpu().numpy()
+            res["y_matches_memory"][idx] = hit.any(-1).T.cpu().numpy()
+            res["y_matches_memory_eps"][idx] = hit_eps.any(-1).T.cpu().numpy()
+        n_tokens += int(sum(lengths[i] for i in idx))
+        if task is not None:
+            bar.update(task, advance=B, tokens=n_tokens)
+    return {"common": common, **per, "tokens": n_tokens}
+
+
+# ---- tables ------------------------------------------------------------------------------
+def _q(x, q):
+    x = np.asarray(x, dtype=np.float64)
+    x = x[~np.isnan(x)]
+    return float(np.quantile(x, q)) if len(x) else float("nan")
+
+
+def build_tables(mm, res: dict, prefixes: pa.Table, eps: float, seed: int = 0) -> dict[str, pa.Table]:
+    L, dm = mm.n_layers, mm.d_m
+    lenses = [ln for ln in LENSES if ln in res]
+    com = res["common"]
+    N = com["n_active"].shape[0]
+    is_stop = prefixes.column("target_is_stop").to_numpy(zero_copy_only=False).astype(bool)
+    short = prefixes.column("prefix_tokens").to_numpy() < SHORT_PREFIX
+    ex_parts, lay_rows, case_parts = [], [], []
+    cats = {}
+    for ln in lenses:
+        r = res[ln]
+        w = r["w"]
+        cat = categorize(r["top_r"], r["top_y"], r["top_o"])  # (N, L)
+        cats[ln] = cat
+        layer = np.tile(np.arange(L), (N, 1))
+        ex = np.tile(np.arange(N)[:, None], (1, L))
+        # rows ordered by layer, then example: transpose (N, L) → (L, N)
+        col = lambda a: np.ascontiguousarray(np.asarray(a).T).reshape(-1)  # noqa: E731
+        ex_parts.append(pa.table({
+            "lens": pa.array([ln] * (N * L), pa.string()),
+            "layer": pa.array(col(layer), pa.int16()),
+            "example_id": pa.array(col(ex), pa.int32()),
+            "n_active": pa.array(col(com["n_active"]), pa.int32()),
+            "n_active_eps": pa.array(col(com["n_active_eps"]), pa.int32()),
+            **{f"mass_top{round(p * 100)}": pa.array(col(com[f"mass_top{round(p * 100)}"]), pa.float32())
+               for p in MASS_SHARES},
+            "top_r": pa.array(col(r["top_r"]), pa.int32()),
+            "top_y": pa.array(col(r["top_y"]), pa.int32()),
+            "top_o": pa.array(col(r["top_o"]), pa.int32()),
+            "top_final": pa.array(col(np.repeat(w[:, None], L, 1)), pa.int32()),
+            "p_final_in_r": pa.array(col(r["p_final_in_r"]), pa.float32()),
+            "rank_final_in_r": pa.array(col(r["rank_final_in_r"]), pa.int32()),
+            "category": pa.DictionaryArray.from_arrays(pa.array(col(cat), pa.int8()), pa.array(CATEGORIES)).cast(pa.string()),
+            "y_matches_memory": pa.array(col(r["y_matches_memory"]), pa.bool_()),
+            "y_matches_memory_eps": pa.array(col(r["y_matches_memory_eps"]), pa.bool_()),
+            "n_agreeing": pa.array(col(r["n_agreeing"]), pa.int32()),
+        }))
+        for l in range(L):
+            act = com["n_active"][:, l] / dm
+            act_e = com["n_active_eps"][:, l] / dm
+            matched = r["y_matches_memory"][:, l]
+            p = r["p_final_in_r"][:, l]
+            tr, ty, to = r["top_r"][:, l], r["top_y"][:, l], r["top_o"][:, l]
+            row = {
+                "lens": ln, "layer": l, "n_examples": N, "d_m": dm, "eps": float(eps),
+                "active_mean": float(act.mean()), "active_p25": _q(act, .25), "active_median": _q(act, .5),
+                "active_p75": _q(act, .75), "active_min": float(act.min()), "active_max": float(act.max()),
+                "active_eps_mean": float(act_e.mean()), "active_eps_median": _q(act_e, .5),
+                **{f"mass_top{round(q * 100)}": float(np.nanmean(com[f"mass_top{round(q * 100)}"][:, l]))
+                   for q in MASS_SHARES},
+                "fig8_no_single_memory": float((~matched).mean()),
+                "fig8_no_single_memory_eps": float((~r["y_matches_memory_eps"][:, l]).mean()),
+                "fig8_matched": int(matched.sum()),
+                "fig8_matched_stop": int((matched & is_stop).sum()),
+                "fig8_matched_short": int((matched & short).sum()),
+                "fig8_matched_stop_share": float((matched & is_stop).sum() / matched.sum()) if matched.any() else float("nan"),
+                "fig8_matched_short_share": float((matched & short).sum() / matched.sum()) if matched.any() else float("nan"),
+                "r_matches_final": float((tr == w).mean()),
+                "o_matches_final": float((to == w).mean()),
+                "p_final_mean": float(p.mean()), "p_final_q25": _q(p, .25),
+                "p_final_median": _q(p, .5), "p_final_q75": _q(p, .75),
+                **{c: float((cat[:, l] == i).mean()) for i, c in enumerate(CATEGORIES)},
+                "r_eq_y_ne_o": float(((tr == ty) & (to != tr)).mean()),
+            }
+            lay_rows.append(row)
+        # last-layer cases
+        ll = L - 1
+        sel = np.flatnonzero(r["top_r"][:, ll] != r["top_o"][:, ll])
+        order = np.empty(len(sel), np.int64)
+        order[np.random.default_rng(seed + 1).permutation(len(sel))] = np.arange(len(sel))
+        dec = lambda ids: [mm.tok.decode([int(i)]) for i in ids]  # noqa: E731
+        tr, to, ty = r["top_r"][sel, ll], r["top_o"][sel, ll], r["top_y"][sel, ll]
+        case = pa.table({
+            "lens": pa.array([ln] * len(sel), pa.string()),
+            "sample_order": pa.array(order, pa.int32()),
+            "example_id": pa.array(sel, pa.int32()),
+            "sentence_id": prefixes.column("sentence_id").take(pa.array(sel)),
+            "prefix": prefixes.column("prefix").take(pa.array(sel)),
+            "top_r": pa.array(tr, pa.int32()), "top_r_token": pa.array(dec(tr), pa.string()),
+            "top_o": pa.array(to, pa.int32()), "top_o_token": pa.array(dec(to), pa.string()),
+            "top_y": pa.array(ty, pa.int32()), "top_y_token": pa.array(dec(ty), pa.string()),
+            "category": pa.array([CATEGORIES[c] for c in cat[sel, ll]], pa.string()),
+            "target": prefixes.column("target").take(pa.array(sel)),
+            "target_token": prefixes.column("target_token").take(pa.array(sel)),
+            "p_final_in_r": pa.array(r["p_final_in_r"][sel, ll], pa.float32()),
+        })
+        case_parts.append(case.sort_by([("sample_order", "ascending")]))
+    layers_tbl = pa.Table.from_pylist(lay_rows)
+    tables = {"compose_examples": pa.concat_tables(ex_parts), "compose_layers": layers_tbl,
+              "compose_cases": pa.concat_tables(case_parts)}
+    if set(LENSES) <= set(lenses):
+        tables["compose_lens_effect"] = lens_effect(layers_tbl, res, cats)
+    return tables
+
+
+def lens_effect(layers_tbl: pa.Table, res: dict, cats: dict) -> pa.Table:
+    d = layers_tbl.to_pydict()
+    lens = np.asarray(d["lens"])
+    rows = []
+    for q in CURVES:
+        a = np.asarray(d[q], dtype=np.float64)
+        nv, nm = a[lens == "naive"], a[lens == "norm"]
+        diff = np.abs(nv - nm)
+        rows.append({"quantity": q, "naive": float(nv.mean()), "norm": float(nm.mean()),
+                     "mean_abs_diff": float(diff.mean()), "max_abs_diff": float(diff.max()),
+                     "layer_of_max": int(diff.argmax())})
+    rows.append({"quantity": "w_differs", "naive": None, "norm": None,
+                 "mean_abs_diff": float((res["naive"]["w"] != res["norm"]["w"]).mean()),
+                 "max_abs_diff": None, "layer_of_max": None})
+    cd = cats["naive"] != cats["norm"]
+    rows.append({"quantity": "category_differs", "naive": None, "norm": None,
+                 "mean_abs_diff": float(cd.mean()), "max_abs_diff": float(cd.mean(0).max()),
+                 "layer_of_max": int(cd.mean(0).argmax())})
+    return pa.Table.from_pylist(rows, schema=pa.schema([
+        ("quantity", pa.string()), ("naive", pa.float64()), ("norm", pa.float64()),
+        ("mean_abs_diff", pa.float64()), ("max_abs_diff", pa.float64()), ("layer_of_max", pa.int32())]))
+
+
+# ---- the step ------------------------------------------------------------------------------
+def settings_of(mm, corpus, n, seed, eps, max_sentences) -> dict:
+    from ffkv.store.run import unembed_digest
+
+    return {"corpus": corpus or DEFAULT_CORPUS, "prefixes": int(n), "seed": int(seed),
+            "eps": float(eps), "max_sentences": max_sentences, "lenses": list(LENSES),
+            "model_unembed_sha256": unembed_digest(mm)}
+
+
+def compose(run, mm, corpus: str | None = None, n_prefixes: int = 4000, seed: int = 0,
+            eps: float = DEFAULT_EPS, max_sentences: int | None = None, batch_tokens: int = 2048,
+            force: bool = False, show_progress: bool | None = None, warn=print) -> dict:
+    """Run the compose step into `run`; returns {"skipped": bool, "info": manifest step info}."""
+    from ffkv.progress import progress
+
+    if n_prefixes < 1:
+        raise FfkvError(f"--prefixes must be at least 1 (got {n_prefixes})")
+    if eps < 0:
+        raise FfkvError(f"--eps must be ≥ 0 (got {eps})")
+    if batch_tokens < 1:
+        raise FfkvError(f"--batch-tokens must be at least 1 (got {batch_tokens})")
+    settings = settings_of(mm, corpus, n_prefixes, seed, eps, max_sentences)
+    names = ("compose_prefixes", "compose_examples", "compose_layers", "compose_cases")
+    if (not force and run.step_done("compose") and run.settings("compose") == settings
+            and all(run.has_table(t) for t in names)):
+        return {"skipped": True, "info": run.step("compose")}
+    run.start_step("compose", settings)
+    t0 = time.time()
+    prefixes = sample_prefixes(run, mm, corpus, n_prefixes, seed, max_sentences, warn=warn)
+    ids = prefixes.column("token_ids").to_pylist()
+    with progress(None if show_progress is None else not show_progress) as bar:
+        t1 = time.time()
+        vt = value_tops(run, mm, LENSES, bar=bar)
+        t2 = time.time()
+        res = analyze(mm, ids, eps=eps, vtops=vt, batch_tokens=batch_tokens, bar=bar)
+    t3 = time.time()
+    tables = build_tables(mm, res, prefixes, eps, seed)
+    for name, t in tables.items():
+        run.write_table(name, t)
+    lay = tables["compose_layers"].to_pydict()
+    pooled = {}
+    for ln in LENSES:
+        s = [i for i, x in enumerate(lay["lens"]) if x == ln]
+        m = sum(lay["fig8_matched"][i] for i in s)
+        pooled[ln] = {"fig8_matched": m,
+                      "fig8_matched_stop_share": sum(lay["fig8_matched_stop"][i] for i in s) / m if m else None,
+                      "fig8_matched_short_share": sum(lay["fig8_matched_short"][i] for i in s) / m if m else None}
+    info = {"prefixes": len(ids), "prefixes_requested": n_prefixes, "tokens": res["tokens"],
+            "seconds_prepare": round(t1 - t0, 2), "seconds_value_tops": round(t2 - t1, 2),
+            "seconds_pass": round(t3 - t2, 2),
+            "tokens_per_second": round(res["tokens"] / max(t3 - t2, 1e-9), 1),
+            "fig8_pooled": pooled, "last_layer_cases": {
+                ln: int(sum(1 for x in tables["compose_cases"].column("lens").to_pylist() if x == ln))
+                for ln in LENSES}}
+    run.finish_step("compose", **info)
+    return {"skipped": False, "info": run.step("compose")}
+
+
+# ---- the summary ---------------------------------------------------------------------------
+def _pct(x) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+
+
+def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None:
+    """The per-layer summary, read back from the run's tables (so a skipped step reprints it)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if lens not in LENSES:
+        raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
+    con = console or Console()
+    other = "naive" if lens == "norm" else "norm"
+    lay = run.read_table("compose_layers").to_pylist()
+    by = {(r["lens"], r["layer"]): r for r in lay}
+    L = max(r["layer"] for r in lay) + 1
+    eps = lay[0]["eps"]
+    info = run.step("compose")
+    n = lay[0]["n_examples"]
+    t = Table(title=f"ffkv compose: {n} prefixes, lens={lens} (other lens={other} in brackets); % of examples")
+    for c in ("layer", "active m>0", f"active |m|>ε\nε={eps:g}", "mass top10%",
+              "Fig8 no single\nmemory", "Fig9 top(r)=w", "Fig10 mean\np(w|r)", "residual", "ffn",
+              "agreement", "composition"):
+        t.add_column(c, justify="right")
+    for l in range(L):
+        a, b = by[(lens, l)], by[(other, l)]
+        t.add_row(str(l), _pct(a["active_mean"]), _pct(a["active_eps_mean"]), _pct(a["mass_top10"]),
+                  f"{_pct(a['fig8_no_single_memory'])} [{_pct(b['fig8_no_single_memory'])}]",
+                  f"{_pct(a['r_matches_final'])} [{_pct(b['r_matches_final'])}]",
+                  f"{a['p_final_mean']:.3f} [{b['p_final_mean']:.3f}]",
+                  *(f"{_pct(a[c])} [{_pct(b[c])}]" for c in CATEGORIES))
+    t.add_row("out", "", "", "", "", f"{_pct(by[(lens, L - 1)]['o_matches_final'])} "
+              f"[{_pct(by[(other, L - 1)]['o_matches_final'])}]", "", "", "", "", "")
+    con.print(t)
+    pooled = (info.get("fig8_pooled") or {}).get(lens, {})
+    con.print(f"Fig 8: where some active memory (m>0) has the layer's top prediction "
+              f"({pooled.get('fig8_matched', '?')} example-layers), the target is a stop word in "
+              f"{_pct(pooled.get('fig8_matched_stop_share'))}% and the prefix is shorter than "
+              f"{SHORT_PREFIX} tokens in {_pct(pooled.get('fig8_matched_short_share'))}% "
+              f"(paper: 60% and 43%).")
+    if run.has_table("compose_lens_effect"):
+        eff = {r["quantity"]: r for r in run.read_table("compose_lens_effect").to_pylist()}
+        parts = []
+        for q, label in (("r_matches_final", "Fig 9"), ("p_final_mean", "Fig 10 mean p"),
+                         ("residual", "Fig 11 residual"), ("ffn", "ffn"),
+                         ("agreement", "agreement"), ("composition", "composition")):
+            e = eff[q]
+            parts.append(f"{label} by {100 * e['mean_abs_diff']:.1f} points on average "
+                         f"(max {100 * e['max_abs_diff']:.1f} at layer {e['layer_of_max']})")
+        con.print("Lens choice (naive vs norm) changes " + "; ".join(parts) + ". "
+                  f"The final prediction w differs in {_pct(eff['w_differs']['mean_abs_diff'])}% of "
+                  f"examples and the Fig 11 category in {_pct(eff['category_differs']['mean_abs_diff'])}% "
+                  f"of example-layers.")
+    if run.has_table("compose_cases") and cases > 0:
+        cs = run.read_table("compose_cases").to_pylist()
+        mine = [c for c in cs if c["lens"] == lens]
+        con.print(f"Last layer: the FFN changes the residual's top prediction in {len(mine)} of {n} "
+                  f"examples (table compose_cases, random order in sample_order); the first {min(cases, len(mine))}:")
+        for c in mine[:cases]:
+            pre = c["prefix"] if len(c["prefix"]) <= 80 else "…" + c["prefix"][-79:]
+            con.print(f"  {pre!r}: {c['top_r_token']!r} → {c['top_o_token']!r} ({c['category']}; "
+                      f"target {c['target_token']!r})", markup=False, highlight=False)
+    if info.get("seconds_pass") is not None:
+        con.print(f"{info.get('prefixes')} prefixes, {info.get('tokens')} tokens: pass "
+                  f"{info['seconds_pass']} s ({info.get('tokens_per_second')} tok/s), value tops "
+                  f"{info.get('seconds_value_tops')} s; tables in {run.path}")

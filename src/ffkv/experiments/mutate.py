@@ -1,0 +1,417 @@
+"""Fig 3 of the paper: how a key's coefficient changes when a trigger example is mutated.
+
+For a seeded sample of keys per layer, each key's top trigger examples (default 50) get three
+variants: the first token removed, the last token removed, a random token removed. The key's
+coefficient is re-scored on every variant and compared with the original.
+
+Conventions (documented because they are choices):
+- A trigger example of key (ℓ, i) is the prefix `token_ids[:position + 1]` of its sentence; its
+  coefficient is m_i at the prefix's last position (`MemoryModel.coefficients`, read by the
+  capture at the value projection's input).
+- "first" removes the first *real* token: when the tokenizer prepends special tokens (a BOS, as
+  Llama-2 tokenizers do; SmolLM2 and GPT-2 prepend none) and the sentence starts with them, they
+  are kept and the token after them is removed. "random" removes a token drawn uniformly from the
+  real tokens of the prefix (it may be the first or the last one), with a generator seeded by
+  (seed, layer). A prefix with fewer than 2 real tokens cannot be mutated (the variant would be
+  empty or only specials): it is skipped and counted (`n_skipped` in `mutations_layers`).
+- Relative change = (new − old) / old = new/old − 1, with old = the trigger's coefficient
+  re-computed in the same pass as the variants (same device and dtype; the mined `coef` is kept as
+  `trigger_coef` and the largest mismatch is recorded in the manifest). The formula is the same for
+  gated FFNs, whose coefficients are signed: for positive triggers (sign +1, the default) and for
+  negative ones (`sign=-1`) alike, −0.5 means the coefficient lost half of its value in the
+  trigger's own direction, and a value below −1 means it changed sign. `rel_change` is NaN when
+  old == 0 (left out of the summaries).
+
+Speed (the whole point of the engine below, `rescore`):
+- A re-scoring pass stops at the deepest layer its batch needs (`MemoryModel.capture`).
+- Causal masking: the coefficient of a sequence at position p only depends on tokens 0..p. So every
+  request whose sequence is a prefix of another request's sequence is read from the longer one.
+  "last" variants (and the originals) are thus read from one pass over each original sentence, at
+  positions j−1 (and j): removing the last token costs no forward pass of its own. All "first"
+  variants of one sentence share one sequence too.
+- Requests of all keys and all layers share batches; batches are packed by length
+  (`ffkv.corpus.batching.pack`) within groups of equal deepest layer, right-padded.
+
+Tables (public contract):
+- `mutations`: layer int16, dim int32, sign int8, rank int16, sentence_id int64, position int32
+  (the trigger prefix's last index in the sentence), mutation string (first | last | random),
+  removed_position int32 (index in the sentence of the removed token), removed_token int32,
+  n_tokens int32 (length of the mutated prefix), trigger_coef float32 (as mined), old_coef float32
+  (re-computed), new_coef float32, rel_change float32. Sorted by layer, dim, rank, mutation.
+- `mutations_layers`: layer int16, mutation string, n int64 (variants scored), n_skipped int64
+  (examples too short to mutate), mean, q25, median, q75 (of rel_change, float64),
+  share_lower float64 (share of variants with new < old in the trigger's direction, rel < 0).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from ffkv.corpus.batching import pack
+from ffkv.errors import FfkvError
+
+MUTATIONS = ("first", "last", "random")
+DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
+DEFAULT_EXAMPLES = 50
+
+
+# ---- the re-scoring engine ---------------------------------------------------------------------
+@dataclass
+class RescoreStats:
+    requests: int = 0
+    unique_sequences: int = 0
+    sequences_run: int = 0  # after absorbing prefixes into longer sequences
+    tokens_run: int = 0  # real tokens fed to the model
+    layer_tokens: int = 0  # Σ tokens × (deepest layer + 1): the work actually done
+    padded_layer_tokens: int = 0  # the same, counting padding
+    batches: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def absorb_prefixes(seqs: list[tuple]) -> np.ndarray:
+    """For each sequence, the index of a sequence that has it as a prefix and is itself no
+    prefix of another one (possibly itself). Duplicates map to one representative.
+
+    In lexicographic order every sequence that extends A follows A directly, so A is a prefix
+    of some other sequence iff it is a prefix of its successor; walking backwards, A's
+    representative is its successor's.
+    """
+    n = len(seqs)
+    order = sorted(range(n), key=seqs.__getitem__)
+    rep = np.empty(n, dtype=np.int64)
+    nxt = None
+    for i in reversed(order):
+        s = seqs[i]
+        if nxt is not None and len(seqs[nxt]) >= len(s) and seqs[nxt][: len(s)] == s:
+            rep[i] = rep[nxt]
+        else:
+            rep[i] = i
+        nxt = i
+    return rep
+
+
+@torch.no_grad()
+def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 2048,
+            bar=None, stats: RescoreStats | None = None) -> np.ndarray:
+    """Coefficient m_dims[r] of layer layers[r] at position positions[r] of sequence seqs[r].
+
+    Equal to a forward pass of each sequence alone (up to float rounding); see the module
+    docstring for how the work is shared. Returns float32 (R,).
+    """
+    t0 = time.perf_counter()
+    R = len(seqs)
+    layers = np.asarray(layers, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    dims = np.asarray(dims, dtype=np.int64)
+    out = np.full(R, np.nan, dtype=np.float32)
+    st = stats if stats is not None else RescoreStats()
+    st.requests += R
+    if R == 0:
+        return out
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=R)
+    if (positions < 0).any() or (positions >= lens).any():
+        raise ValueError("a requested position lies outside its sequence")
+    if (layers < 0).any() or (layers >= mm.n_layers).any():
+        raise FfkvError(f"layer out of range 0..{mm.n_layers - 1}")
+    # unique sequences, then prefixes absorbed into longer ones
+    uniq: dict[tuple, int] = {}
+    uid = np.fromiter((uniq.setdefault(s, len(uniq)) for s in seqs), dtype=np.int64, count=R)
+    useqs = list(uniq)
+    st.unique_sequences += len(useqs)
+    rep_of_u = absorb_prefixes(useqs)
+    reps, rid = np.unique(rep_of_u[uid], return_inverse=True)  # request -> run-sequence index
+    run_seqs = [useqs[u] for u in reps]
+    run_len = np.array([len(s) for s in run_seqs], dtype=np.int64)
+    deepest = np.full(len(run_seqs), -1, dtype=np.int64)
+    np.maximum.at(deepest, rid, layers)
+    st.sequences_run += len(run_seqs)
+    st.tokens_run += int(run_len.sum())
+    st.layer_tokens += int((run_len * (deepest + 1)).sum())
+    # requests grouped by run sequence
+    req_order = np.argsort(rid, kind="stable")
+    starts = np.searchsorted(rid[req_order], np.arange(len(run_seqs) + 1))
+    # batches: groups of equal deepest layer, packed by length
+    batches = []
+    for L in np.unique(deepest):
+        members = np.nonzero(deepest == L)[0]
+        for b in pack(run_len[members], batch_tokens):
+            batches.append(members[b])
+    if bar is not None:
+        bar(0, 0, total=len(run_seqs))
+    for b in batches:
+        ids, mask = mm.batch([list(run_seqs[s]) for s in b])
+        rq = np.concatenate([req_order[starts[s]:starts[s + 1]] for s in b])
+        row_of_seq = {int(s): k for k, s in enumerate(b)}
+        rows = np.array([row_of_seq[int(rid[r])] for r in rq], dtype=np.int64)
+        need = {}
+        for l in np.unique(layers[rq]):
+            sel = layers[rq] == l
+            need[int(l)] = (rq[sel], torch.as_tensor(rows[sel]), torch.as_tensor(positions[rq[sel]]),
+                            torch.as_tensor(dims[rq[sel]]))
+
+        def take(layer, name, m, need=need):
+            r_idx, rr, pp, dd = need[layer]
+            rr, pp, dd = rr.to(m.device), pp.to(m.device), dd.to(m.device)
+            out[r_idx] = m[rr, pp, dd].float().cpu().numpy()
+
+        mm.capture(ids, mask, layers=sorted(need), what=("m",), callback=take)
+        st.batches += 1
+        st.padded_layer_tokens += int(ids.shape[0] * ids.shape[1] * (max(need) + 1))
+        if bar is not None:
+            bar(len(b), int(run_len[b].sum()))
+    st.seconds += time.perf_counter() - t0
+    return out
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+def leading_specials(tok) -> list[int]:
+    """Token ids the tokenizer prepends to every text (e.g. [BOS]); [] for SmolLM2 and GPT-2."""
+    if tok is None:
+        return []
+    try:
+        with_sp = tok("hello world", add_special_tokens=True)["input_ids"]
+        without = tok("hello world", add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001
+        return []
+    n = len(with_sp) - len(without)
+    if n > 0 and with_sp[n:n + len(without)] == without:
+        return list(with_sp[:n])
+    return []
+
+
+def n_special(token_ids, specials: list[int]) -> int:
+    k = len(specials)
+    return k if k and list(token_ids[:k]) == specials else 0
+
+
+def read_triggers(run, sign: int = 1, max_rank: int | None = None, columns=None) -> pa.Table:
+    if sign not in (1, -1):
+        raise FfkvError(f"--sign must be + or - (1 or -1), not {sign}")
+    if not run.has_table("triggers"):
+        raise FfkvError(f"run {run.path} has no `triggers` table; run `ffkv mine --out {run.path}` first")
+    filters = [("sign", "=", sign)]
+    if max_rank is not None:
+        filters.append(("rank", "<=", max_rank))
+    t = run.read_table("triggers", columns=columns, filters=filters)
+    if t.num_rows == 0:
+        raise FfkvError(f"run {run.path} has no triggers with sign {sign:+d}")
+    return t
+
+
+def mined_keys(trig: pa.Table) -> dict[int, np.ndarray]:
+    """layer -> sorted dims that have at least one trigger in `trig`."""
+    layer = trig.column("layer").to_numpy().astype(np.int64)
+    dim = trig.column("dim").to_numpy().astype(np.int64)
+    code = np.unique(layer * (1 << 32) + dim)
+    lays = code >> 32
+    return {int(l): code[lays == l] & 0xFFFFFFFF for l in np.unique(lays)}
+
+
+def sample_keys(keys: dict[int, np.ndarray], per_layer: int | None, seed: int = 0) -> dict[int, np.ndarray]:
+    """A seeded sample of `per_layer` keys per layer (None or 0: all of them), sorted by dim.
+
+    Nested by design: each layer's keys are permuted by a generator seeded with (seed, layer)
+    and the first `per_layer` are taken, so the 10-key sample is part of the 100-key sample
+    (annotation, semantic patterns and mutations can share keys).
+    """
+    out = {}
+    for l, dims in sorted(keys.items()):
+        dims = np.sort(np.asarray(dims, dtype=np.int64))
+        if per_layer and per_layer < len(dims):
+            perm = np.random.default_rng([seed, l]).permutation(len(dims))
+            dims = np.sort(dims[perm[:per_layer]])
+        out[l] = dims
+    return out
+
+
+def sentence_lookup(run, sentence_ids) -> dict[int, list[int]]:
+    """sentence_id -> token ids, for the given ids only."""
+    sents = run.read_table("sentences", columns=["sentence_id", "token_ids"])
+    want = pa.array(np.unique(np.asarray(sentence_ids, dtype=np.int64)), pa.int64())
+    sel = sents.filter(pc.is_in(sents.column("sentence_id"), value_set=want))
+    got = dict(zip(sel.column("sentence_id").to_pylist(), sel.column("token_ids").to_pylist()))
+    missing = len(want) - len(got)
+    if missing:
+        raise FfkvError(f"{missing} trigger sentence(s) are missing from the `sentences` table of "
+                        f"{run.path}; the run is inconsistent (re-run `ffkv mine`)")
+    return got
+
+
+# ---- the experiment ----------------------------------------------------------------------------
+@dataclass
+class MutateResult:
+    mutations: pa.Table
+    layers: pa.Table
+    stats: dict = field(default_factory=dict)
+
+
+def build_variants(trig: dict, sents: dict[int, list[int]], specials: list[int], seed: int):
+    """Requests for originals and variants. `trig` has numpy columns layer, dim, rank, coef,
+    sentence_id, position, sorted by layer, dim, rank. Returns (requests, rows, skipped) where
+    requests = (seqs, layers, positions, dims) and rows describe each variant."""
+    seqs, lays, poss, dims = [], [], [], []
+    rows = {k: [] for k in ("t", "mutation", "removed_position", "removed_token", "n_tokens",
+                            "old_req", "new_req")}
+    skipped: dict[int, int] = {}
+    rngs: dict[int, np.random.Generator] = {}
+
+    def req(seq, layer, dim):
+        seqs.append(seq)
+        lays.append(layer)
+        poss.append(len(seq) - 1)
+        dims.append(dim)
+        return len(seqs) - 1
+
+    for t in range(len(trig["layer"])):
+        layer, dim = int(trig["layer"][t]), int(trig["dim"][t])
+        sid, pos = int(trig["sentence_id"][t]), int(trig["position"][t])
+        ids = sents[sid]
+        if pos >= len(ids):
+            raise FfkvError(f"trigger position {pos} lies outside sentence {sid} ({len(ids)} tokens); "
+                            "the run is inconsistent")
+        k = n_special(ids, specials)
+        if pos + 1 - k < 2:
+            skipped[layer] = skipped.get(layer, 0) + 1
+            continue
+        prefix = tuple(ids[: pos + 1])
+        old = req(prefix, layer, dim)
+        rng = rngs.setdefault(layer, np.random.default_rng([seed, 1, layer]))
+        r = int(rng.integers(k, pos + 1))
+        for mut, rm in (("first", k), ("last", pos), ("random", r)):
+            v = prefix[:rm] + prefix[rm + 1:]
+            rows["t"].append(t)
+            rows["mutation"].append(mut)
+            rows["removed_position"].append(rm)
+            rows["removed_token"].append(prefix[rm])
+            rows["n_tokens"].append(len(v))
+            rows["old_req"].append(old)
+            rows["new_req"].append(req(v, layer, dim))
+    return (seqs, lays, poss, dims), rows, skipped
+
+
+def summarize(layer: np.ndarray, mutation: np.ndarray, rel: np.ndarray,
+              skipped: dict[int, int], layers: list[int]) -> pa.Table:
+    cols = {k: [] for k in ("layer", "mutation", "n", "n_skipped", "mean", "q25", "median", "q75",
+                            "share_lower")}
+    for l in layers:
+        for mut in MUTATIONS:
+            sel = (layer == l) & (mutation == mut)
+            x = rel[sel]
+            x = x[np.isfinite(x)].astype(np.float64)
+            cols["layer"].append(l)
+            cols["mutation"].append(mut)
+            cols["n"].append(int(sel.sum()))
+            cols["n_skipped"].append(int(skipped.get(l, 0)))
+            if len(x):
+                q25, med, q75 = np.percentile(x, [25, 50, 75])
+                cols["mean"].append(float(x.mean()))
+                cols["share_lower"].append(float((x < 0).mean()))
+            else:
+                q25 = med = q75 = float("nan")
+                cols["mean"].append(float("nan"))
+                cols["share_lower"].append(float("nan"))
+            cols["q25"].append(float(q25))
+            cols["median"].append(float(med))
+            cols["q75"].append(float(q75))
+    return pa.table({
+        "layer": pa.array(cols["layer"], pa.int16()), "mutation": pa.array(cols["mutation"], pa.string()),
+        "n": pa.array(cols["n"], pa.int64()), "n_skipped": pa.array(cols["n_skipped"], pa.int64()),
+        **{k: pa.array(cols[k], pa.float64()) for k in ("mean", "q25", "median", "q75", "share_lower")}})
+
+
+def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
+           examples: int = DEFAULT_EXAMPLES, sign: int = 1, seed: int = 0,
+           batch_tokens: int = 2048, layers=None, show_progress: bool | None = None,
+           write: bool = True) -> MutateResult:
+    """Run the experiment and (with `write`) store `mutations` and `mutations_layers`."""
+    from ffkv.progress import progress
+
+    if examples < 1:
+        raise FfkvError("--examples must be at least 1")
+    if keys_per_layer is not None and keys_per_layer < 0:
+        raise FfkvError("--keys-per-layer must be ≥ 0 (0 = all mined keys)")
+    t0 = time.perf_counter()
+    trig = read_triggers(run, sign, examples, columns=["layer", "dim", "rank", "coef", "sentence_id",
+                                                       "position"])
+    keys = mined_keys(trig)
+    if layers is not None:
+        bad = sorted(set(layers) - set(keys))
+        if bad:
+            raise FfkvError(f"layer(s) {bad} have no mined keys in {run.path}")
+        keys = {l: keys[l] for l in layers}
+    chosen = sample_keys(keys, keys_per_layer, seed)
+    code = np.concatenate([l * (1 << 32) + d for l, d in chosen.items()])
+    tl = trig.column("layer").to_numpy().astype(np.int64)
+    td = trig.column("dim").to_numpy().astype(np.int64)
+    sel = np.nonzero(np.isin(tl * (1 << 32) + td, code))[0]
+    t = {c: trig.column(c).to_numpy()[sel] for c in trig.column_names}
+    order = np.lexsort((t["rank"], t["dim"], t["layer"]))
+    t = {c: v[order] for c, v in t.items()}
+    sents = sentence_lookup(run, t["sentence_id"])
+    specials = leading_specials(mm.tok)
+    (seqs, lays, poss, dims), rows, skipped = build_variants(t, sents, specials, seed)
+
+    stats = RescoreStats()
+    with progress(show_progress is False if show_progress is not None else None) as pb:
+        task = pb.add_task("mutate: re-scoring", total=None, tokens=0)
+
+        def bar(n, tok, total=None):
+            if total is not None:
+                pb.update(task, total=total)
+            pb.update(task, advance=n, tokens=pb.tasks[task].fields["tokens"] + tok)
+
+        coef = rescore(mm, seqs, lays, poss, dims, batch_tokens=batch_tokens, bar=bar, stats=stats)
+    ti = np.asarray(rows["t"], dtype=np.int64)
+    old = coef[np.asarray(rows["old_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)
+    new = coef[np.asarray(rows["new_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(old != 0, (new - old) / old, np.nan).astype(np.float32)
+    mut_arr = np.asarray(rows["mutation"], dtype=object)
+    layer_arr = t["layer"][ti].astype(np.int16)
+    table = pa.table({
+        "layer": pa.array(layer_arr, pa.int16()),
+        "dim": pa.array(t["dim"][ti].astype(np.int32), pa.int32()),
+        "sign": pa.array(np.full(len(ti), sign, np.int8), pa.int8()),
+        "rank": pa.array(t["rank"][ti].astype(np.int16), pa.int16()),
+        "sentence_id": pa.array(t["sentence_id"][ti].astype(np.int64), pa.int64()),
+        "position": pa.array(t["position"][ti].astype(np.int32), pa.int32()),
+        "mutation": pa.array(list(mut_arr), pa.string()),
+        "removed_position": pa.array(np.asarray(rows["removed_position"], np.int32), pa.int32()),
+        "removed_token": pa.array(np.asarray(rows["removed_token"], np.int32), pa.int32()),
+        "n_tokens": pa.array(np.asarray(rows["n_tokens"], np.int32), pa.int32()),
+        "trigger_coef": pa.array(t["coef"][ti].astype(np.float32), pa.float32()),
+        "old_coef": pa.array(old, pa.float32()),
+        "new_coef": pa.array(new, pa.float32()),
+        "rel_change": pa.array(rel, pa.float32()),
+    })
+    summary = summarize(layer_arr.astype(np.int64), mut_arr, rel, skipped, sorted(chosen))
+    trig_coef = t["coef"][ti].astype(np.float64)
+    denom = np.maximum(np.abs(trig_coef), 1e-6)
+    mismatch = float(np.max(np.abs(old - trig_coef) / denom)) if len(ti) else 0.0
+    info = {
+        "keys": int(sum(len(d) for d in chosen.values())),
+        "layers": len(chosen),
+        "examples_scored": int(len(ti) // 3),
+        "examples_skipped": int(sum(skipped.values())),
+        "variants": int(len(ti)),
+        "max_rel_mismatch_vs_mined_coef": mismatch,
+        "rescore": stats.as_dict(),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if write:
+        run.write_table("mutations", table)
+        run.write_table("mutations_layers", summary)
+    return MutateResult(table, summary, info)
+
+
+def settings_for(keys_per_layer, examples, sign, seed, layers) -> dict:
+    return {"keys_per_layer": keys_per_layer or 0, "examples": examples, "sign": sign, "seed": seed,
+            "layers": sorted(layers) if layers else None}

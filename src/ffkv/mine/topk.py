@@ -1,0 +1,139 @@
+"""Streaming top-t trigger examples per key: a mergeable state.
+
+Order is total and documented: score descending, then sentence_id, then position. Because
+the order is total, mining in any batch size, shard count or merge order gives the same
+lists, and merge(mine(A), mine(B)) == mine(A ∪ B).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SID_MAX = np.iinfo(np.int64).max
+POS_MAX = np.iinfo(np.int32).max
+
+
+def _desc_key(score: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """int64 key, smallest first = highest score, ties by `local` (< 2^31)."""
+    f = (-score).float() + 0.0  # +0.0 folds -0.0 into 0.0
+    bits = f.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long() + (1 << 31)
+    return (ordered << 31) | local
+
+
+class LayerTopK:
+    """Top-t (score, sentence_id, position) per column for one layer and one sign."""
+
+    def __init__(self, t: int, n: int):
+        self.t = t
+        self.score = torch.full((t, n), -float("inf"))
+        self.sid = torch.full((t, n), SID_MAX, dtype=torch.long)
+        self.pos = torch.full((t, n), POS_MAX, dtype=torch.int32)
+
+    def _merge(self, score, sid, pos) -> None:
+        score = torch.cat([self.score, score])
+        sid = torch.cat([self.sid, sid])
+        pos = torch.cat([self.pos, pos])
+        # lexicographic (−score, sid, pos): stable sorts from the last key to the first
+        idx = torch.argsort(pos, dim=0, stable=True)
+        for key in (sid, -score):
+            k = key.gather(0, idx)
+            idx = idx.gather(0, torch.argsort(k, dim=0, stable=True))
+        idx = idx[: self.t]
+        self.score, self.sid, self.pos = score.gather(0, idx), sid.gather(0, idx), pos.gather(0, idx)
+
+    def update(self, score: torch.Tensor, sid: torch.Tensor, pos: torch.Tensor, local: torch.Tensor) -> None:
+        """Candidates (N, n): score, sid, pos; `local` ranks them by (sid, pos) within the batch."""
+        k = min(self.t, score.shape[0])
+        key = _desc_key(score, local)
+        idx = torch.topk(key, k, dim=0, largest=False, sorted=True).indices
+        self._merge(score.gather(0, idx), sid.gather(0, idx), pos.gather(0, idx))
+
+    def merge(self, other: "LayerTopK") -> None:
+        self._merge(other.score, other.sid, other.pos)
+
+
+class TopKState:
+    """All layers and signs. Arrays are (t, n_dims) per (sign, layer)."""
+
+    def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, t: int,
+                 negative: bool = False, per_prefix: bool = False):
+        self.layers, self.t, self.negative, self.per_prefix = list(layers), t, negative, per_prefix
+        self.dims = None if dims is None else list(dims)
+        self._dim_idx = None if dims is None else torch.as_tensor(self.dims, dtype=torch.long)
+        n = d_m if dims is None else len(self.dims)
+        self.signs = (1, -1) if negative else (1,)
+        self.lists = {(s, l): LayerTopK(t, n) for s in self.signs for l in self.layers}
+
+    @torch.no_grad()
+    def update(self, layer: int, m: torch.Tensor, mask: torch.Tensor, sids: torch.Tensor) -> None:
+        """m (B, T, d_m) coefficients, mask (B, T) bool, sids (B,) sentence ids."""
+        m = m.float()
+        if self._dim_idx is not None:
+            m = m.index_select(-1, self._dim_idx.to(m.device))
+        m = m.cpu()
+        mask = mask.cpu().bool()
+        sids = sids.cpu()
+        B, T, n = m.shape
+        row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
+        for s in self.signs:
+            sc = m if s == 1 else -m
+            sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
+            if self.per_prefix:
+                cand = sc.reshape(B * T, n)
+                pos = torch.arange(T, dtype=torch.int32).repeat(B).unsqueeze(1).expand(B * T, n)
+                sid = sids.repeat_interleave(T).unsqueeze(1).expand(B * T, n)
+                local = (row_rank.repeat_interleave(T) * T + torch.arange(T).repeat(B)).unsqueeze(1).expand(B * T, n)
+            else:
+                cand, p = sc.max(dim=1)  # first position among equal maxima
+                pos = p.to(torch.int32)
+                sid = sids.unsqueeze(1).expand(B, n)
+                local = row_rank.unsqueeze(1).expand(B, n)
+            self.lists[(s, layer)].update(cand, sid.contiguous(), pos.contiguous(), local.contiguous())
+
+    def merge(self, other: "TopKState") -> "TopKState":
+        if (other.layers, other.dims, other.t, other.signs, other.per_prefix) != (
+                self.layers, self.dims, self.t, self.signs, self.per_prefix):
+            raise ValueError("cannot merge top-k states mined with different settings")
+        for k, v in self.lists.items():
+            v.merge(other.lists[k])
+        return self
+
+    # ---- persistence: plain numeric arrays, no pickles -------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for (s, l), v in self.lists.items():
+            tag = f"{'p' if s == 1 else 'n'}{l}"
+            out[f"score_{tag}"] = v.score.numpy()
+            out[f"sid_{tag}"] = v.sid.numpy()
+            out[f"pos_{tag}"] = v.pos.numpy()
+        return out
+
+    def load_arrays(self, arrs) -> "TopKState":
+        for (s, l), v in self.lists.items():
+            tag = f"{'p' if s == 1 else 'n'}{l}"
+            v.score = torch.from_numpy(np.array(arrs[f"score_{tag}"]))
+            v.sid = torch.from_numpy(np.array(arrs[f"sid_{tag}"]))
+            v.pos = torch.from_numpy(np.array(arrs[f"pos_{tag}"]))
+        return self
+
+    def rows(self):
+        """Yield column arrays (layer, dim, sign, rank, coef, sentence_id, position) per list."""
+        for (s, l), v in sorted(self.lists.items(), key=lambda kv: (kv[0][1], -kv[0][0])):
+            score, sid, pos = v.score.numpy(), v.sid.numpy(), v.pos.numpy()
+            t, n = score.shape
+            dims = np.arange(n) if self.dims is None else np.asarray(self.dims)
+            ok = np.isfinite(score)
+            # (t, n) -> rows ordered by dim then rank
+            rank = np.broadcast_to(np.arange(1, t + 1)[:, None], (t, n))
+            dimg = np.broadcast_to(dims[None, :], (t, n))
+            sel = ok.T
+            yield {
+                "layer": np.full(int(sel.sum()), l, np.int16),
+                "dim": dimg.T[sel].astype(np.int32),
+                "sign": np.full(int(sel.sum()), s, np.int8),
+                "rank": rank.T[sel].astype(np.int16),
+                "coef": (s * score.T[sel]).astype(np.float32),
+                "sentence_id": sid.T[sel].astype(np.int64),
+                "position": pos.T[sel].astype(np.int32),
+            }
