@@ -461,5 +461,10 @@ def test_smollm2_sampled_vs_argsort(tmp_path, smollm2):
         if ag["rank"][row] is not None:
             sfull = ag["direction"][row] * full
             order = torch.argsort(sfull, descending=True, stable=True)
-            assert ag["rank"][row] == int((order == ag["next_token"][row]).nonzero()[0, 0])
+            # float32 (the step) vs float64 (here): near-tied logits may swap, so the rank must lie
+            # between the float64 counts above target ± 1e-4; it is exact on the tiny models.
+            tv = float(sfull[ag["next_token"][row]])
+            lo, hi = int((sfull > tv + 1e-4).sum()), int((sfull > tv - 1e-4).sum()) - 1
+            assert lo <= ag["rank"][row] <= hi, (l, i, ag["rank"][row], lo, hi)
+            assert hi - lo < 50
             assert ag["value_top"][row] == int(order[0])

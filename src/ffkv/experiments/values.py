@@ -108,18 +108,21 @@ def precision_at_k(next_tokens, ranks, top_token: int, k: int = 50):
 
 
 # ---- the vocabulary projection of one chunk ---------------------------------------------------
-def summarize_logits(z, k: int, negative: bool = True) -> dict:
+def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
     """Top-k, probabilities, max probability and entropy of softmax(z) (and of softmax(−z)).
 
     z: (C, V) float32 logits. Returns {"pos": (...), "neg": (...)} where each is
     (top_tokens (C,k) int64, top_probs (C,k) f32, max_prob (C,) f32, entropy (C,) f32, lse (C,) f32).
-    Two (C, V) buffers are allocated and reused for both signs.
+    Two (C, V) work buffers are used for both signs: `work`, a pair of float32 tensors with at
+    least C rows (reused across chunks to save page faults), or fresh ones.
     """
     import torch
 
     out = {}
-    buf = torch.empty_like(z)
-    ebuf = torch.empty_like(z)
+    if work is None:
+        buf, ebuf = torch.empty_like(z), torch.empty_like(z)
+    else:
+        buf, ebuf = work[0][: len(z)], work[1][: len(z)]
     for name in (("pos", "neg") if negative else ("pos",)):
         if name == "pos":
             tv, ti = z.topk(k, dim=-1)
@@ -291,6 +294,7 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
     sh_rank = np.full((L, d_m), -1, np.int64)
     perms = [_perms(d_m, permutations, seed, l) for l in range(L)]
 
+    work = (torch.empty(chunk, Vsz, device=mm.device), torch.empty(chunk, Vsz, device=mm.device))
     n_chunks = L * math.ceil(d_m / chunk)
     with progress(disable=None if show_progress is None else not show_progress) as bar:
         task = bar.add_task("values → vocabulary", total=n_chunks)
@@ -304,37 +308,40 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
             for a in range(0, d_m, chunk):
                 b = min(a + chunk, d_m)
                 z = ln.direction_logits(Vw[a:b]).float()
-                s = summarize_logits(z, top_k)
+                s = summarize_logits(z, top_k, work=work)
                 for kk, name in ((0, "pos"), (1, "neg")):
                     ti, pr, mx, en, _ = s[name]
                     top_tok[l, a:b, kk] = ti.cpu().numpy()
                     top_p[l, a:b, kk] = pr.cpu().numpy()
                     maxp[l, a:b, kk] = mx.cpu().numpy()
                     ent[l, a:b, kk] = en.cpu().numpy()
-                # the top-1 trigger's next token in the distribution of s_i·v_i
+                # the top-1 trigger's next token in the distribution of s_i·v_i. Rows are flipped
+                # in place (×−1 is exact and undone after), so no chunk-sized copy is made.
                 rows = np.nonzero(valid[a:b])[0]
                 if len(rows):
-                    r_t = torch.as_tensor(rows, dtype=torch.long)
-                    sgn = direction[a + r_t].to(z.device, z.dtype)
-                    tgt = target[a + r_t].to(z.device)
-                    zs = z[r_t.to(z.device)] * sgn[:, None]
-                    rank[l, a + rows] = rank_of(zs, tgt).cpu().numpy()
-                    lse = torch.where(sgn > 0, s["pos"][4][r_t.to(z.device)], s["neg"][4][r_t.to(z.device)])
-                    tprob[l, a + rows] = torch.exp(zs.gather(-1, tgt[:, None])[:, 0] - lse).cpu().numpy()
-                    del zs
-                # shuffled pairing (permutation 0): keys reading values a..b
+                    sgn = torch.where(direction[a:b] < 0, -1.0, 1.0).to(z.device, z.dtype)
+                    tgt = target[a:b].clamp(min=0).to(z.device)
+                    z.mul_(sgn[:, None])
+                    rk = rank_of(z, tgt)
+                    lse = torch.where(sgn > 0, s["pos"][4], s["neg"][4])
+                    tp = torch.exp(z.gather(-1, tgt[:, None])[:, 0] - lse)
+                    z.mul_(sgn[:, None])
+                    rank[l, a + rows] = rk.cpu().numpy()[rows]
+                    tprob[l, a + rows] = tp.cpu().numpy()[rows]
+                # shuffled pairing (permutation 0): value j is read by key inv0[j], in its direction
                 if permutations:
                     readers = inv0[a:b]
                     ok = np.nonzero(valid[readers])[0]
                     if len(ok):
-                        keys_i = torch.as_tensor(readers[ok], dtype=torch.long)
-                        sgn = direction[keys_i].to(z.device, z.dtype)
-                        zs = z[torch.as_tensor(ok, device=z.device)] * sgn[:, None]
-                        sh_rank[l, readers[ok]] = rank_of(zs, target[keys_i].to(z.device)).cpu().numpy()
-                        del zs
+                        rd = torch.as_tensor(readers, dtype=torch.long)
+                        sgn = torch.where(direction[rd] < 0, -1.0, 1.0).to(z.device, z.dtype)
+                        z.mul_(sgn[:, None])
+                        rk = rank_of(z, target[rd].clamp(min=0).to(z.device))
+                        z.mul_(sgn[:, None])
+                        sh_rank[l, readers[ok]] = rk.cpu().numpy()[ok]
                 del z, s
                 zk = ln.direction_logits(Kw[a:b]).float()
-                ti, pr, mx, en, _ = summarize_logits(zk, top_k, negative=False)["pos"]
+                ti, pr, mx, en, _ = summarize_logits(zk, top_k, negative=False, work=work)["pos"]
                 top_tok[l, a:b, 2], top_p[l, a:b, 2] = ti.cpu().numpy(), pr.cpu().numpy()
                 maxp[l, a:b, 2], ent[l, a:b, 2] = mx.cpu().numpy(), en.cpu().numpy()
                 del zk, ti, pr, mx, en
