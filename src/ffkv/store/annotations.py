@@ -1,0 +1,528 @@
+"""Human annotations of key patterns, as the paper's experts made them (§3.1), in SQLite.
+
+`annotations.sqlite` lives in the run directory, in WAL mode; every save is one transaction on its
+own connection, so threads and processes can write at once (a busy writer waits, up to
+`timeout` seconds). A browser form only calls this API.
+
+What is stored (the paper's protocol): an annotator reads the top-25 trigger prefixes of a key
+(prefix i = the key's trigger of rank i + 1, sign +1 unless stated; the same indexing as the
+`patterns` table), writes down patterns, classifies each as shallow or semantic, and marks which
+prefixes each pattern covers; a prefix may have several patterns, and an annotation may have none.
+
+Records: one annotation per (annotator, layer, dim, sign). Saving again replaces it (patterns and
+all) and keeps its `uid` and `created`; `updated` is the save time. Every record carries a uid
+(uuid4 hex), so a JSONL export imports back into any store of a run with the same keys.
+Import policy: a record whose (annotator, key) is new is added; an identical one is left alone;
+a different one replaces the stored record only when its `updated` is later (last writer wins),
+else the stored one is kept. Importing the same file twice changes nothing.
+
+Validation (before anything is written, so a refused save or import writes nothing): the key must
+have triggers in the run (`triggers` table, that sign); prefix indices are integers in
+0..min(25, number of the key's triggers) − 1; a pattern needs a non-blank description, kind
+shallow | semantic and at least one prefix; the annotator name is not blank. Problems raise
+FfkvError with one line naming the field.
+
+SQL schema (public: other tools may read it):
+- annotations(id, uid UNIQUE, annotator, layer, dim, sign, note, created, updated),
+  UNIQUE(annotator, layer, dim, sign)
+- patterns(id, annotation_id → annotations ON DELETE CASCADE, idx (order in the annotation),
+  description, kind CHECK IN ('shallow', 'semantic'))
+- pattern_prefixes(pattern_id → patterns ON DELETE CASCADE, prefix CHECK 0..24), PRIMARY KEY both
+- sample(layer, dim, sign, seed, per_layer): the keys handed to annotators (`sample()`)
+- meta(key, value): schema version, top
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ffkv.errors import FfkvError
+
+FILENAME = "annotations.sqlite"
+TOP = 25
+KINDS = ("shallow", "semantic")
+SCHEMA_VERSION = "1"
+LABELS = ("shallow", "semantic", "both", "none")
+CATEGORIES = ("shallow", "semantic", "both", "not_covered")
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS annotations(
+  id INTEGER PRIMARY KEY,
+  uid TEXT NOT NULL UNIQUE,
+  annotator TEXT NOT NULL CHECK(length(trim(annotator)) > 0),
+  layer INTEGER NOT NULL,
+  dim INTEGER NOT NULL,
+  sign INTEGER NOT NULL DEFAULT 1 CHECK(sign IN (1, -1)),
+  note TEXT NOT NULL DEFAULT '',
+  created REAL NOT NULL,
+  updated REAL NOT NULL,
+  UNIQUE(annotator, layer, dim, sign));
+CREATE TABLE IF NOT EXISTS patterns(
+  id INTEGER PRIMARY KEY,
+  annotation_id INTEGER NOT NULL REFERENCES annotations(id) ON DELETE CASCADE,
+  idx INTEGER NOT NULL,
+  description TEXT NOT NULL CHECK(length(trim(description)) > 0),
+  kind TEXT NOT NULL CHECK(kind IN ('shallow', 'semantic')),
+  UNIQUE(annotation_id, idx));
+CREATE TABLE IF NOT EXISTS pattern_prefixes(
+  pattern_id INTEGER NOT NULL REFERENCES patterns(id) ON DELETE CASCADE,
+  prefix INTEGER NOT NULL CHECK(prefix BETWEEN 0 AND {TOP - 1}),
+  PRIMARY KEY(pattern_id, prefix));
+CREATE TABLE IF NOT EXISTS sample(
+  layer INTEGER NOT NULL, dim INTEGER NOT NULL, sign INTEGER NOT NULL,
+  seed INTEGER NOT NULL, per_layer INTEGER NOT NULL,
+  PRIMARY KEY(layer, dim, sign));
+CREATE INDEX IF NOT EXISTS annotations_key ON annotations(layer, dim, sign);
+CREATE INDEX IF NOT EXISTS patterns_annotation ON patterns(annotation_id);
+"""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+class AnnotationStore:
+    """The annotation store of one run. Every method opens its own connection: safe to share
+    between threads, and to use from several processes at once."""
+
+    def __init__(self, run, timeout: float = 60.0):
+        from ffkv.store.run import Run
+
+        self.run = run if isinstance(run, Run) else Run(run)
+        self.path = Path(self.run.path) / FILENAME
+        self.timeout = timeout
+        self._counts: dict | None = None
+        self._init()
+
+    # ---- connections -------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+        con.execute("PRAGMA foreign_keys = ON")
+        con.execute("PRAGMA synchronous = NORMAL")
+        return con
+
+    @contextmanager
+    def _write(self):
+        """One write transaction (BEGIN IMMEDIATE takes the write lock at once)."""
+        with closing(self._connect()) as con:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def _init(self) -> None:
+        with closing(self._connect()) as con:
+            mode = con.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise FfkvError(f"{self.path}: SQLite refused WAL mode ({mode}); is the run on a "
+                                "network file system?")
+        with self._write() as con:
+            for stmt in SCHEMA.split(";"):
+                if stmt.strip():
+                    con.execute(stmt)
+            con.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+            con.execute("INSERT OR IGNORE INTO meta VALUES ('top', ?)", (str(TOP),))
+
+    # ---- the run's keys ----------------------------------------------------------------------
+    def trigger_counts(self) -> dict[tuple[int, int, int], int]:
+        """(layer, dim, sign) -> number of triggers with rank ≤ 25 (prefixes an annotator sees)."""
+        if self._counts is None:
+            import pyarrow.compute as pc
+
+            if not self.run.has_table("triggers"):
+                raise FfkvError(f"run {self.run.path} has no `triggers` table; run `ffkv mine` first")
+            t = self.run.read_table("triggers", columns=["layer", "dim", "sign", "rank"])
+            t = t.filter(pc.less_equal(t.column("rank"), TOP))
+            g = t.group_by(["layer", "dim", "sign"]).aggregate([("rank", "count")])
+            self._counts = {(int(l), int(d), int(s)): int(c) for l, d, s, c in zip(
+                g.column("layer").to_pylist(), g.column("dim").to_pylist(), g.column("sign").to_pylist(),
+                g.column("rank_count").to_pylist())}
+        return self._counts
+
+    def n_prefixes(self, layer: int, dim: int, sign: int = 1) -> int:
+        return self.trigger_counts().get((int(layer), int(dim), int(sign)), 0)
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self, annotator, layer, dim, patterns, sign=1, note="") -> tuple:
+        """Checked and normalised (annotator, layer, dim, sign, note, patterns); raises FfkvError."""
+        if not isinstance(annotator, str) or not annotator.strip():
+            raise FfkvError("annotator: a non-empty name is required")
+        if len(annotator) > 200:
+            raise FfkvError("annotator: name longer than 200 characters")
+        if not _is_int(layer) or not _is_int(dim):
+            raise FfkvError(f"key: layer and dim must be integers (got {layer!r}, {dim!r})")
+        if sign not in (1, -1) or isinstance(sign, bool):
+            raise FfkvError(f"key: sign must be 1 or -1 (got {sign!r})")
+        n = self.n_prefixes(layer, dim, sign)
+        if n == 0:
+            raise FfkvError(f"unknown key: layer {layer}, dim {dim} has no triggers with sign "
+                            f"{sign:+d} in run {self.run.path}")
+        if not isinstance(note, str):
+            raise FfkvError("note: must be text")
+        if not isinstance(patterns, (list, tuple)):
+            raise FfkvError("patterns: must be a list of {description, kind, prefixes}")
+        out = []
+        for j, p in enumerate(patterns):
+            where = f"pattern {j + 1}"
+            if not isinstance(p, dict):
+                raise FfkvError(f"{where}: must be an object with description, kind and prefixes")
+            extra = set(p) - {"description", "kind", "prefixes"}
+            if extra:
+                raise FfkvError(f"{where}: unknown field(s) {sorted(extra)}; expected description, kind, prefixes")
+            desc = p.get("description")
+            if not isinstance(desc, str) or not desc.strip():
+                raise FfkvError(f"{where}: the description is empty")
+            if len(desc) > 2000:
+                raise FfkvError(f"{where}: the description is longer than 2000 characters")
+            kind = p.get("kind")
+            if kind not in KINDS:
+                raise FfkvError(f"{where}: kind must be shallow or semantic (got {kind!r})")
+            pre = p.get("prefixes")
+            if not isinstance(pre, (list, tuple)) or not pre:
+                raise FfkvError(f"{where}: list at least one covered prefix (indices 0..{min(n, TOP) - 1})")
+            for i in pre:
+                if not _is_int(i):
+                    raise FfkvError(f"{where}: prefix index {i!r} is not an integer")
+                if not 0 <= i < min(n, TOP):
+                    raise FfkvError(f"{where}: prefix index {i} is outside 0..{min(n, TOP) - 1} "
+                                    f"(key {layer}/{dim} has {n} top prefixes)")
+            out.append({"description": desc.strip(), "kind": kind, "prefixes": sorted({int(i) for i in pre})})
+        return annotator.strip(), int(layer), int(dim), int(sign), note, out
+
+    # ---- writes ----------------------------------------------------------------------------------
+    def add_annotation(self, annotator: str, layer: int, dim: int, patterns: list[dict],
+                       sign: int = 1, note: str = "") -> int:
+        """Save (create or replace) `annotator`'s annotation of key (layer, dim): one transaction.
+        `patterns` = [{"description": str, "kind": "shallow"|"semantic", "prefixes": [int, ...]}].
+        Returns the annotation's row id."""
+        annotator, layer, dim, sign, note, pats = self.validate(annotator, layer, dim, patterns, sign, note)
+        now = time.time()
+        with self._write() as con:
+            return self._put(con, annotator, layer, dim, sign, note, pats, None, now, now)
+
+    save = add_annotation
+
+    def _put(self, con, annotator, layer, dim, sign, note, pats, uid, created, updated) -> int:
+        row = con.execute("SELECT id FROM annotations WHERE annotator=? AND layer=? AND dim=? AND sign=?",
+                          (annotator, layer, dim, sign)).fetchone()
+        if row:
+            aid = row[0]
+            con.execute("DELETE FROM patterns WHERE annotation_id=?", (aid,))
+            if uid is None:
+                con.execute("UPDATE annotations SET note=?, updated=? WHERE id=?", (note, updated, aid))
+            else:
+                con.execute("UPDATE annotations SET note=?, updated=?, created=?, uid=? WHERE id=?",
+                            (note, updated, created, uid, aid))
+        else:
+            cur = con.execute("INSERT INTO annotations(uid, annotator, layer, dim, sign, note, created, updated) "
+                              "VALUES (?,?,?,?,?,?,?,?)",
+                              (uid or uuid.uuid4().hex, annotator, layer, dim, sign, note, created, updated))
+            aid = cur.lastrowid
+        for j, p in enumerate(pats):
+            pid = con.execute("INSERT INTO patterns(annotation_id, idx, description, kind) VALUES (?,?,?,?)",
+                              (aid, j, p["description"], p["kind"])).lastrowid
+            con.executemany("INSERT INTO pattern_prefixes(pattern_id, prefix) VALUES (?,?)",
+                            [(pid, i) for i in p["prefixes"]])
+        return aid
+
+    def delete(self, annotator: str, layer: int, dim: int, sign: int = 1) -> bool:
+        with self._write() as con:
+            cur = con.execute("DELETE FROM annotations WHERE annotator=? AND layer=? AND dim=? AND sign=?",
+                              (annotator, int(layer), int(dim), int(sign)))
+            return cur.rowcount > 0
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def list(self, annotator: str | None = None, layer: int | None = None, dim: int | None = None,
+             sign: int | None = None) -> list[dict]:
+        """Annotations as export records, sorted by layer, dim, sign, annotator."""
+        where, args = [], []
+        for col, v in (("annotator", annotator), ("layer", layer), ("dim", dim), ("sign", sign)):
+            if v is not None:
+                where.append(f"a.{col} = ?")
+                args.append(v)
+        sql = ("SELECT a.id, a.uid, a.annotator, a.layer, a.dim, a.sign, a.note, a.created, a.updated, "
+               "p.id, p.idx, p.description, p.kind FROM annotations a LEFT JOIN patterns p "
+               "ON p.annotation_id = a.id" + (" WHERE " + " AND ".join(where) if where else "") +
+               " ORDER BY a.layer, a.dim, a.sign DESC, a.annotator, p.idx")
+        with closing(self._connect()) as con:
+            con.execute("BEGIN")  # one snapshot for both queries
+            rows = con.execute(sql, args).fetchall()
+            pre: dict[int, list[int]] = {}
+            for pid, i in con.execute("SELECT pattern_id, prefix FROM pattern_prefixes ORDER BY pattern_id, prefix"):
+                pre.setdefault(pid, []).append(i)
+            con.execute("COMMIT")
+        out: dict[int, dict] = {}
+        for aid, uid, ann, l, d, s, note, cr, up, pid, idx, desc, kind in rows:
+            rec = out.setdefault(aid, {"uid": uid, "annotator": ann, "layer": l, "dim": d, "sign": s,
+                                       "note": note, "created": cr, "updated": up, "patterns": []})
+            if pid is not None:
+                rec["patterns"].append({"description": desc, "kind": kind, "prefixes": pre.get(pid, [])})
+        return list(out.values())
+
+    def get(self, annotator: str, layer: int, dim: int, sign: int = 1) -> dict | None:
+        r = self.list(annotator, layer, dim, sign)
+        return r[0] if r else None
+
+    def count(self) -> int:
+        with closing(self._connect()) as con:
+            return con.execute("SELECT count(*) FROM annotations").fetchone()[0]
+
+    # ---- export / import -----------------------------------------------------------------------------
+    def export(self, path=None) -> str:
+        """JSONL, one annotation per line (the `list()` records). Writes `path` when given."""
+        text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in self.list())
+        if path is not None:
+            from ffkv.store.run import atomic_write_bytes
+
+            atomic_write_bytes(Path(path), text.encode())
+        return text
+
+    def import_(self, source) -> dict:
+        """Import JSONL (a path or the text). All records are validated first and written in one
+        transaction: a bad record refuses the whole import. Returns counts of added, replaced,
+        unchanged and kept (the stored record was newer)."""
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).exists()):
+            p = Path(source)
+            try:
+                source = p.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise FfkvError(f"cannot read {p}: {e}") from None
+        recs = []
+        seen = set()
+        for n, line in enumerate(source.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FfkvError(f"import line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(r, dict):
+                raise FfkvError(f"import line {n}: expected a JSON object")
+            missing = {"annotator", "layer", "dim", "patterns"} - set(r)
+            if missing:
+                raise FfkvError(f"import line {n}: missing field(s) {sorted(missing)}")
+            try:
+                ann, l, d, s, note, pats = self.validate(r["annotator"], r["layer"], r["dim"], r["patterns"],
+                                                         r.get("sign", 1), r.get("note", ""))
+            except FfkvError as e:
+                raise FfkvError(f"import line {n}: {e}") from None
+            uid = r.get("uid") or uuid.uuid4().hex
+            if not isinstance(uid, str) or not 1 <= len(uid) <= 64:
+                raise FfkvError(f"import line {n}: uid must be a short string")
+            now = time.time()
+            cr, up = r.get("created", now), r.get("updated", r.get("created", now))
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (cr, up)):
+                raise FfkvError(f"import line {n}: created/updated must be Unix times (numbers)")
+            k = (ann, l, d, s)
+            if k in seen:
+                raise FfkvError(f"import line {n}: a second record for annotator {ann!r}, key {l}/{d}")
+            seen.add(k)
+            recs.append((n, ann, l, d, s, note, pats, uid, float(cr), float(up)))
+        counts = {"added": 0, "replaced": 0, "unchanged": 0, "kept": 0}
+        with self._write() as con:
+            for n, ann, l, d, s, note, pats, uid, cr, up in recs:
+                other = con.execute("SELECT annotator, layer, dim, sign FROM annotations WHERE uid=?",
+                                    (uid,)).fetchone()
+                if other and tuple(other) != (ann, l, d, s):
+                    raise FfkvError(f"import line {n}: uid {uid} belongs to another record "
+                                    f"({other[0]!r}, key {other[1]}/{other[2]}) in this store")
+                row = con.execute("SELECT id, updated, note FROM annotations WHERE annotator=? AND layer=? "
+                                  "AND dim=? AND sign=?", (ann, l, d, s)).fetchone()
+                if row is None:
+                    self._put(con, ann, l, d, s, note, pats, uid, cr, up)
+                    counts["added"] += 1
+                    continue
+                if self._patterns_of(con, row[0]) == pats and row[2] == note:
+                    counts["unchanged"] += 1
+                elif up > row[1]:
+                    self._put(con, ann, l, d, s, note, pats, uid, cr, up)
+                    counts["replaced"] += 1
+                else:
+                    counts["kept"] += 1
+        return counts
+
+    @staticmethod
+    def _patterns_of(con, aid: int) -> list[dict]:
+        out = []
+        for pid, desc, kind in con.execute("SELECT id, description, kind FROM patterns WHERE annotation_id=? "
+                                           "ORDER BY idx", (aid,)).fetchall():
+            pre = [r[0] for r in con.execute("SELECT prefix FROM pattern_prefixes WHERE pattern_id=? "
+                                             "ORDER BY prefix", (pid,))]
+            out.append({"description": desc, "kind": kind, "prefixes": pre})
+        return out
+
+    # ---- the sample handed to annotators --------------------------------------------------------------
+    def sample(self, per_layer: int = 10, seed: int = 0, sign: int = 1) -> list[tuple[int, int]]:
+        """The seeded sample of `per_layer` keys per layer (the paper: 10), stored in `sample`.
+        The same nested sample as `ffkv patterns`' semantic sample and `ffkv mutate`."""
+        from ffkv.experiments.mutate import mined_keys, read_triggers, sample_keys
+
+        keys = sample_keys(mined_keys(read_triggers(self.run, sign, columns=["layer", "dim"])), per_layer, seed)
+        rows = [(int(l), int(d)) for l, ds in keys.items() for d in ds]
+        with self._write() as con:
+            con.execute("DELETE FROM sample WHERE sign=?", (sign,))
+            con.executemany("INSERT INTO sample VALUES (?,?,?,?,?)",
+                            [(l, d, sign, seed, per_layer) for l, d in rows])
+        return rows
+
+    def stored_sample(self, sign: int = 1) -> list[tuple[int, int]]:
+        with closing(self._connect()) as con:
+            return [tuple(r) for r in con.execute("SELECT layer, dim FROM sample WHERE sign=? ORDER BY layer, dim",
+                                                  (sign,))]
+
+    def key_prefixes(self, layer: int, dim: int, tok, sign: int = 1) -> list[dict]:
+        """The key's top-25 prefixes as an annotator sees them: index, rank, text, coef, sentence."""
+        from ffkv.experiments.patterns import prefix_texts
+
+        t = self.run.read_table("triggers", columns=["layer", "dim", "sign", "rank", "coef", "sentence_id",
+                                                     "position"],
+                                filters=[("layer", "=", layer), ("dim", "=", dim), ("sign", "=", sign),
+                                         ("rank", "<=", TOP)]).sort_by("rank").to_pylist()
+        if not t:
+            raise FfkvError(f"unknown key: layer {layer}, dim {dim} has no triggers with sign {sign:+d}")
+        px = prefix_texts(self.run, tok, [r["sentence_id"] for r in t], [r["position"] for r in t])
+        return [{"index": r["rank"] - 1, "rank": r["rank"], "text": p.text, "last_token": p.last_token,
+                 "coef": r["coef"], "sentence_id": r["sentence_id"], "position": r["position"]}
+                for r, p in zip(t, px)]
+
+    # ---- statistics ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Fig 2 from human labels, patterns per key, automatic-vs-human and inter-annotator agreement."""
+        recs = self.list()
+        counts = self.trigger_counts()
+        out: dict = {"annotations": len(recs), "annotators": sorted({r["annotator"] for r in recs}),
+                     "keys": len({(r["layer"], r["dim"], r["sign"]) for r in recs})}
+        cats = {}
+        for r in recs:
+            n = min(TOP, counts.get((r["layer"], r["dim"], r["sign"]), 0))
+            cats[id(r)] = prefix_categories(r["patterns"], n)
+        # Fig 2: every annotation counts (a key annotated twice counts twice)
+        fig2 = []
+        for l in sorted({r["layer"] for r in recs}):
+            rs = [r for r in recs if r["layer"] == l]
+            c = np.array([[cs.count(k) for k in CATEGORIES] for cs in (cats[id(r)] for r in rs)]).sum(0)
+            tot = int(c.sum())
+            npk = [len(r["patterns"]) for r in rs]
+            fig2.append({"layer": l, "annotations": len(rs), "prefixes": tot,
+                         **{k: (float(c[i]) / tot if tot else float("nan")) for i, k in enumerate(CATEGORIES)},
+                         "patterns_per_key": float(np.mean(npk)),
+                         "keys_with_pattern": float(np.mean([x > 0 for x in npk]))})
+        out["fig2"] = fig2
+        npk = [len(r["patterns"]) for r in recs]
+        out["patterns_per_key"] = float(np.mean(npk)) if recs else None
+        out["keys_with_pattern"] = float(np.mean([x > 0 for x in npk])) if recs else None
+        allc = [c for r in recs for c in cats[id(r)]]
+        out["prefixes_covered"] = float(np.mean([c != "not_covered" for c in allc])) if allc else None
+        out["auto_vs_human"] = self._auto_vs_human(recs, cats)
+        out["inter_annotator"] = inter_annotator(recs, cats)
+        return out
+
+    def _auto_vs_human(self, recs, cats) -> dict | None:
+        if not (self.run.has_table("pattern_keys") and self.run.has_table("patterns")):
+            return None
+        kt = self.run.read_table("pattern_keys").to_pylist()
+        auto_keys = {(k["layer"], k["dim"], k["sign"]): k for k in kt}
+        auto_pats: dict = {}
+        for p in self.run.read_table("patterns", columns=["layer", "dim", "sign", "kind", "covered"]).to_pylist():
+            auto_pats.setdefault((p["layer"], p["dim"], p["sign"]), []).append(
+                {"kind": p["kind"], "prefixes": p["covered"]})
+        key_h, key_a, pre_h, pre_a, cov_h, cov_a = [], [], [], [], [], []
+        skipped = 0
+        for r in recs:
+            k = (r["layer"], r["dim"], r["sign"])
+            ak = auto_keys.get(k)
+            if ak is None or not ak["semantic_done"]:
+                skipped += 1
+                continue
+            key_h.append(key_label(r["patterns"]))
+            key_a.append(key_label(auto_pats.get(k, [])))
+            hc = cats[id(r)]
+            ac = prefix_categories(auto_pats.get(k, []), len(hc))
+            pre_h += hc
+            pre_a += ac
+            cov_h += [c != "not_covered" for c in hc]
+            cov_a += [c != "not_covered" for c in ac]
+        if not key_h:
+            return {"annotations": 0, "without_automatic_labels": skipped}
+        return {"annotations": len(key_h), "without_automatic_labels": skipped,
+                "key_label_agreement": agreement(key_h, key_a), "key_label_kappa": cohen_kappa(key_h, key_a),
+                "prefix_category_agreement": agreement(pre_h, pre_a),
+                "prefix_category_kappa": cohen_kappa(pre_h, pre_a),
+                "prefix_covered_agreement": agreement(cov_h, cov_a),
+                "prefix_covered_kappa": cohen_kappa(cov_h, cov_a),
+                "human_coverage": float(np.mean(cov_h)), "automatic_coverage": float(np.mean(cov_a))}
+
+
+# ---- label arithmetic (shared with the tests) ------------------------------------------------------------
+def prefix_categories(patterns: list[dict], n: int) -> list[str]:
+    """Per prefix 0..n-1: shallow / semantic / both / not_covered, from patterns with `kind` and
+    `prefixes` (human records) or `covered`."""
+    sh, se = set(), set()
+    for p in patterns:
+        cov = p.get("prefixes", p.get("covered", []))
+        (sh if p["kind"] == "shallow" else se).update(cov)
+    return ["both" if i in sh and i in se else "shallow" if i in sh else "semantic" if i in se
+            else "not_covered" for i in range(n)]
+
+
+def key_label(patterns: list[dict]) -> str:
+    kinds = {p["kind"] for p in patterns}
+    return ("both" if kinds >= {"shallow", "semantic"} else "shallow" if "shallow" in kinds
+            else "semantic" if "semantic" in kinds else "none")
+
+
+def agreement(a, b) -> float:
+    return float(np.mean([x == y for x, y in zip(a, b)])) if a else float("nan")
+
+
+def cohen_kappa(a, b) -> float:
+    """Cohen's kappa of two label lists; nan when chance agreement is 1 (a single label)."""
+    if not a:
+        return float("nan")
+    labels = sorted(set(a) | set(b), key=str)
+    po = agreement(a, b)
+    n = len(a)
+    pe = sum((sum(x == l for x in a) / n) * (sum(y == l for y in b) / n) for l in labels)
+    return float("nan") if pe >= 1 else float((po - pe) / (1 - pe))
+
+
+def inter_annotator(recs: list[dict], cats: dict) -> dict:
+    """Pairwise agreement between annotators on keys that several annotated."""
+    by_key: dict = {}
+    for r in recs:
+        by_key.setdefault((r["layer"], r["dim"], r["sign"]), []).append(r)
+    key_a, key_b, pre_a, pre_b, jac = [], [], [], [], []
+    multi = 0
+    for rs in by_key.values():
+        if len(rs) < 2:
+            continue
+        multi += 1
+        for i in range(len(rs)):
+            for j in range(i + 1, len(rs)):
+                x, y = rs[i], rs[j]
+                key_a.append(key_label(x["patterns"]))
+                key_b.append(key_label(y["patterns"]))
+                cx, cy = cats[id(x)], cats[id(y)]
+                pre_a += cx
+                pre_b += cy
+                sx = {k for k, c in enumerate(cx) if c != "not_covered"}
+                sy = {k for k, c in enumerate(cy) if c != "not_covered"}
+                jac.append(len(sx & sy) / len(sx | sy) if sx | sy else 1.0)
+    if not multi:
+        return {"keys": 0, "pairs": 0}
+    return {"keys": multi, "pairs": len(key_a), "key_label_agreement": agreement(key_a, key_b),
+            "key_label_kappa": cohen_kappa(key_a, key_b),
+            "prefix_category_agreement": agreement(pre_a, pre_b),
+            "prefix_category_kappa": cohen_kappa(pre_a, pre_b),
+            "covered_jaccard": float(np.mean(jac))}

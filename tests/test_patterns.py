@@ -1,0 +1,293 @@
+"""Automatic patterns: planted shallow patterns, planted topics, and a whole run checked against
+independent re-computation of every pattern's claim."""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import wikitext_sentences
+from ffkv.experiments import patterns as P
+from test_mutate import make_run
+
+
+def _cut(s: str, frac: float = 0.5) -> str:
+    w = s.split()
+    return " ".join(w[: max(2, int(len(w) * frac))])
+
+
+@pytest.fixture(scope="module")
+def background():
+    sents = wikitext_sentences(400, split="valid", seed=3)
+    rng = np.random.default_rng(0)
+    return P.Background.from_prefixes([P.Prefix(_cut(s, rng.uniform(0.2, 1)), "")
+                                       for s in sents[:300]])
+
+
+def _fillers(n, seed=1):
+    sents = [s for s in wikitext_sentences(3000, split="train", seed=seed)[::37] if "<unk>" not in s]
+    out = []
+    for s in sents:
+        t = _cut(s, 0.6).rstrip(",.;:")
+        if t.split()[-1].lower() in ("of", "the", "a", "substitute", "substitutes"):
+            continue
+        if "nobel" in t.lower() or re.search(r"\d{4}$", t):
+            continue
+        out.append(t)
+        if len(out) == n:
+            return out
+    raise AssertionError("not enough fillers")
+
+
+PLANTED = {
+    # prefix index -> text; planted groups below
+    "subst": ["At the meeting, Elton said that there could be no substitutes",
+              "In German service, they were used as substitutes",
+              "Two weeks later, he came off the substitutes",
+              "The club named seven substitutes",
+              "He was named among the substitute",
+              "Both goalkeepers were listed as substitutes"],
+    "partof": ["He was also a part of",
+               "The island is now a part of",
+               "This region eventually became part of",
+               "The song was recorded as part of"],
+    "nobel": ["In 1921 the Nobel Prize committee met and chose",
+              "She won a Nobel Prize and moved to",
+              "After the Nobel Prize ceremony the physicist returned to"],
+    "year": ["The band released its first album in 1987",
+             "The cathedral was rebuilt in 1923",
+             "The station closed on 4 March 2004",
+             "Construction of the dam began in 1911",
+             "He retired from the navy in 1889"],
+}
+
+
+def _planted_set():
+    texts, groups = [], {}
+    for g, ts in PLANTED.items():
+        groups[g] = list(range(len(texts), len(texts) + len(ts)))
+        texts += ts
+    texts += _fillers(25 - len(texts))
+    order = np.random.default_rng(5).permutation(len(texts))  # shuffle: indices carry no hint
+    inv = np.argsort(order)
+    texts = [texts[i] for i in order]
+    groups = {g: sorted(int(inv[i]) for i in ix) for g, ix in groups.items()}
+    last_tok = ["stitutes" if t.endswith("substitutes") else t.split()[-1] for t in texts]
+    return [P.Prefix(t, lt) for t, lt in zip(texts, last_tok)], groups
+
+
+def test_norm_word():
+    assert [P.norm_word(w) for w in ("bases", "Base", "cities", "churches", "boxes", "class", "bus",
+                                     "analysis", "as")] == \
+        ["base", "base", "city", "church", "box", "class", "bus", "analysis", "as"]
+
+
+def test_planted_shallow_patterns(background):
+    prefixes, groups = _planted_set()
+    pats = P.shallow_patterns(prefixes, background)
+    by_desc = {p.description: p for p in pats}
+    want = {
+        'ends with "substitutes"/"substitute"': ("last_word", groups["subst"]),
+        'ends with "part of"': ("suffix", groups["partof"]),
+        'contains "nobel prize"': ("ngram", groups["nobel"]),
+    }
+    for desc, (sub, cov) in want.items():
+        assert desc in by_desc, (desc, [p.description for p in pats])
+        assert by_desc[desc].subtype == sub and list(by_desc[desc].covered) == cov
+        assert by_desc[desc].p_value < P.ALPHA
+    year = [p for p in pats if p.subtype == "shape"]
+    assert len(year) == 1 and year[0].description.startswith("ends with a year")
+    assert list(year[0].covered) == groups["year"]
+    # redundant variants are gone: the last token piece, the bare last word "of", "nobel" alone
+    assert not any(p.subtype == "last_token" for p in pats)
+    assert 'ends with "of"' not in by_desc and 'contains "nobel"' not in by_desc
+    assert 'contains "part of"' not in by_desc and 'contains "substitutes"/"substitute"' not in by_desc
+    # nothing else was found in the fillers
+    planted = set().union(*map(set, groups.values()))
+    assert all(set(p.covered) <= planted for p in pats), [(p.description, p.covered) for p in pats]
+
+
+def test_min_cover_and_background(background):
+    prefixes, groups = _planted_set()
+    # with min_cover 5 only the 6 'substitutes' and the 5 years survive
+    pats = P.shallow_patterns(prefixes, background, min_cover=5)
+    assert sorted(len(p.covered) for p in pats) == [5, 6]
+    # a pattern as common as the background is not a pattern: 'ends with "of"' in a corpus
+    # where most prefixes end with "of"
+    bg = P.Background.from_prefixes([P.Prefix(f"word{i} of", "of") for i in range(50)]
+                                    + [P.Prefix(f"thing{i} and", "and") for i in range(50)])
+    common = [P.Prefix(f"alpha{i} of", "of") for i in range(10)] + \
+             [P.Prefix(f"beta{i} zeta", "zeta") for i in range(4)]
+    descs = {p.description for p in P.shallow_patterns(common, bg)}
+    assert 'ends with "zeta"' in descs and 'ends with "of"' not in descs
+    assert 'ends with "of"' in {p.description for p in P.shallow_patterns(common, bg, alpha=1)}
+
+
+def test_binomial_tail_exact():
+    from math import comb
+
+    n, c, df, B = 25, 4, 30, 999
+    p = (df + 0.5) / (B + 1)
+    want = sum(comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(c, n + 1))
+    assert P.binom_tail(n, c, df, B) == pytest.approx(want, rel=1e-9)
+
+
+def test_agglomerate_brute_force():
+    rng = np.random.default_rng(0)
+    E = rng.normal(size=(12, 5))
+    E /= np.linalg.norm(E, axis=1, keepdims=True)
+    S = E @ E.T
+    cl = P.agglomerate(S, 0.3)
+    assert sorted(i for c in cl for i in c) == list(range(12))
+    # no two final clusters could still be merged, and every merge respected tau at its time:
+    # the average similarity between final clusters is below tau
+    for a in range(len(cl)):
+        for b in range(a + 1, len(cl)):
+            assert S[np.ix_(cl[a], cl[b])].mean() < 0.3
+    assert P.agglomerate(S, 2.0) == [[i] for i in range(12)]
+    assert P.agglomerate(S, -2.0) == [list(range(12))]
+
+
+class HashEmbedder:
+    """Bag of hashed words: a fast, deterministic stand-in for the sentence encoder."""
+
+    def __init__(self, dim=64):
+        self.dim, self.cache = dim, {}
+
+    def embed(self, texts, bar=None):
+        for t in texts:
+            if t not in self.cache:
+                v = np.zeros(self.dim, np.float32)
+                for w in P.words_of(t):
+                    if w.isalpha() and len(w) > 3:
+                        v[zlib.crc32(P.norm_word(w).encode()) % self.dim] += 1
+                v[zlib.crc32(t.encode()) % self.dim] += 0.1
+                self.cache[t] = v / np.linalg.norm(v)
+        if bar:
+            bar(len(texts))
+        return np.stack([self.cache[t] for t in texts]) if texts else np.zeros((0, self.dim), np.float32)
+
+
+TOPICS = {
+    "football": ["The striker scored twice as the football club won the league match",
+                 "The goalkeeper saved a penalty in the football league final",
+                 "The football club signed a striker before the league season",
+                 "Fans watched the league match as the striker scored",
+                 "The manager praised the goalkeeper after the football match",
+                 "In the league final the striker and the goalkeeper clashed"],
+    "chemistry": ["The compound reacts with oxygen to form an oxide",
+                  "Sodium chloride dissolves in water to form ions",
+                  "The acid reacts with the metal and releases hydrogen gas",
+                  "Carbon atoms form covalent bonds with hydrogen atoms",
+                  "The oxide of the metal reacts with acid",
+                  "Electrons are shared between the atoms in a covalent bond"],
+}
+
+
+@pytest.mark.slow
+def test_semantic_topics_real_encoder():
+    """The real all-MiniLM-L6-v2 finds two planted topics among random Wikipedia prefixes."""
+    emb = P.Embedder()
+    rng = np.random.default_rng(0)
+    sents = [s for s in wikitext_sentences(900, split="valid", seed=7) if "<unk>" not in s]
+    bg = P.Background.from_prefixes([P.Prefix(_cut(s, rng.uniform(0.3, 1)), "") for s in sents[:400]])
+    null = P.SemanticNull.calibrate(emb.embed(bg.texts), sets=300)
+    fill = [_cut(s, 0.6) for s in sents[400:413]]
+    texts = TOPICS["football"] + TOPICS["chemistry"] + fill
+    pats = P.semantic_patterns(emb.embed(texts), texts, bg, null)
+    covers = [set(p.covered) for p in pats]
+    foot, chem = set(range(6)), set(range(6, 12))
+    assert any(len(c & foot) >= 5 and len(c - foot) <= 1 for c in covers), [p.description for p in pats]
+    assert any(len(c & chem) >= 5 and len(c - chem) <= 1 for c in covers), [p.description for p in pats]
+    desc = " ".join(p.description for p in pats)
+    assert "striker" in desc or "league" in desc or "football" in desc or "goalkeeper" in desc
+    # calibration: random corpus prefixes mostly yield no semantic pattern
+    hits = 0
+    for r in range(40):
+        m = rng.choice(len(bg.texts), 25, replace=False)
+        tx = [bg.texts[i] for i in m]
+        hits += bool(P.semantic_patterns(emb.embed(tx), tx, bg, null))
+    assert hits <= 4
+
+
+# ---- a whole run: every claim re-checked independently ----------------------------------------
+def _forms(desc):
+    return [json.loads(f'"{x}"') for x in re.findall(r'"((?:[^"\\]|\\.)*)"', desc)]
+
+
+def _last_words(text, n):
+    ws = re.findall(r"<[a-z]+>|[^\W_]+(?:['’][^\W_]+)*|[^\w\s]", text.lower())
+    return " ".join(ws[-n:]) if len(ws) >= n else None
+
+
+@pytest.fixture(scope="module")
+def prun(tmp_path_factory, tiny_dirs, tiny_models):
+    return make_run(tmp_path_factory.mktemp("prun") / "r", tiny_dirs["gpt2"], n_sentences=60, k=25,
+                    mm=tiny_models["gpt2"])
+
+
+def test_patterns_run_tables(prun, tiny_models):
+    tok = tiny_models["gpt2"].tok
+    res = P.patterns(prun, tok, semantic_keys_per_layer=5, alpha=1.0, background=300,
+                     embedder=HashEmbedder(), show_progress=False)
+    pt, kt = res.patterns.to_pylist(), res.keys.to_pylist()
+    assert len(kt) == 2 * 96  # every mined key of the tiny model
+    assert sum(k["semantic_done"] for k in kt) == 10
+    assert res.patterns.num_rows > 50
+    # texts of each key's prefixes, recomputed by decoding the token ids
+    from ffkv.experiments.mutate import read_triggers, sentence_lookup
+
+    trig = read_triggers(prun, 1, 25).to_pylist()
+    sents = sentence_lookup(prun, [t["sentence_id"] for t in trig])
+    text = {(t["layer"], t["dim"], t["rank"] - 1): tok.decode(sents[t["sentence_id"]][: t["position"] + 1])
+            for t in trig}
+    checked = 0
+    for p in pt:
+        assert p["n_covered"] == len(p["covered"]) >= 3
+        assert p["covered"] == sorted(set(p["covered"])) and all(0 <= i < 25 for i in p["covered"])
+        if p["subtype"] in ("last_word", "suffix"):
+            forms = _forms(p["description"])
+            n = len(forms[0].split())
+            cov = {i for i in range(25) if _last_words(text[(p["layer"], p["dim"], i)], n) in forms}
+            # covered prefixes end with one of the forms; uncovered ones end with none of the forms
+            assert set(p["covered"]) == cov, (p, [text[(p["layer"], p["dim"], i)] for i in p["covered"]])
+            checked += 1
+        if p["subtype"] == "ngram":
+            forms = _forms(p["description"])
+            for i in p["covered"]:
+                t = " ".join(re.findall(r"<[a-z]+>|[^\W_]+(?:['’][^\W_]+)*|[^\w\s]", text[(p["layer"], p["dim"], i)].lower()))
+                assert any(f" {f} " in f" {t} " for f in forms)
+    assert checked > 10
+    # key rows agree with the pattern rows
+    by_key = {}
+    for p in pt:
+        by_key.setdefault((p["layer"], p["dim"]), []).append(p)
+    for k in kt:
+        ps = by_key.get((k["layer"], k["dim"]), [])
+        sh = set().union(*[set(p["covered"]) for p in ps if p["kind"] == "shallow"])
+        se = set().union(*[set(p["covered"]) for p in ps if p["kind"] == "semantic"])
+        assert k["n_patterns"] == len(ps) and k["n_prefixes"] == 25
+        assert k["coverage"] == pytest.approx(len(sh | se) / 25)
+        assert (k["only_shallow"], k["only_semantic"], k["both"]) == (len(sh - se), len(se - sh), len(sh & se))
+        assert k["label"] == P.label_of(bool(sh), bool(se))
+        assert k["semantic_done"] or not se
+    # Fig 2 rows: shares sum to 1 and match the key table
+    for f in res.fig2.to_pylist():
+        assert f["shallow"] + f["semantic"] + f["both"] + f["not_covered"] == pytest.approx(1)
+        ks = [k for k in kt if k["layer"] == f["layer"] and (f["scope"] == "all" or k["semantic_done"])]
+        assert f["keys"] == len(ks)
+        assert f["not_covered"] == pytest.approx(sum(k["not_covered"] for k in ks) / (25 * len(ks)))
+    assert {f["scope"] for f in res.fig2.to_pylist()} == {"all", "semantic_sample"}
+
+
+def test_patterns_sample_and_strict_alpha(prun, tiny_models):
+    tok = tiny_models["gpt2"].tok
+    res = P.patterns(prun, tok, keys_per_layer=7, semantic=False, background=300, write=False,
+                     show_progress=False)
+    kt = res.keys.to_pylist()
+    assert len(kt) == 14 and not any(k["semantic_done"] for k in kt)
+    assert all(p["p_value"] < P.ALPHA for p in res.patterns.to_pylist())
+    assert {f["scope"] for f in res.fig2.to_pylist()} == {"all"}
