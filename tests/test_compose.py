@@ -56,7 +56,8 @@ def brute_force(hf, arch, prefixes, eps):
     vt = {ln: [(dirs[ln](v).argmax(-1), dirs[ln](v).argmin(-1)) for v in values] for ln in lenses}
     vnorm = [v.double().norm(dim=-1) for v in values]
     out = {"m": [], "gap": {ln: [] for ln in lenses}, "model_top": []}
-    per = {ln: {k: [] for k in ("top_r", "top_y", "top_o", "p", "match", "match_eps", "w")} for ln in lenses}
+    per = {ln: {k: [] for k in ("top_r", "top_y", "top_o", "p", "rank_lo", "rank_hi", "match",
+                                "match_eps", "w")} for ln in lenses}
     common = {k: [] for k in ("n_active", "n_active_eps", "mass1", "mass10", "mass50")}
     for ids in prefixes:
         got = {}
@@ -106,7 +107,11 @@ def brute_force(hf, arch, prefixes, eps):
         for ln in lenses:
             w = lrow[ln]["top_o"][-1]
             lrow[ln]["w"] = w
-            lrow[ln]["p"] = [float(torch.softmax(lr, -1)[w]) for lr in lrow[ln].pop("_lr")]
+            lrs = lrow[ln].pop("_lr")
+            lrow[ln]["p"] = [float(torch.softmax(lr, -1)[w]) for lr in lrs]
+            # rank of w: logits strictly above it, bracketed by a 1e-4 float margin
+            lrow[ln]["rank_lo"] = [int((lr > lr[w] + 1e-4).sum()) for lr in lrs]
+            lrow[ln]["rank_hi"] = [int((lr > lr[w] - 1e-4).sum()) for lr in lrs]
             for k in per[ln]:
                 per[ln][k].append(lrow[ln][k])
         for k in common:
@@ -178,6 +183,8 @@ def test_every_quantity_matches_brute_force(runs, arch):
             np.testing.assert_array_equal(ex[k], b[k], err_msg=f"{ln} {k}")
         np.testing.assert_array_equal(ex["top_final"][:, 0], b["w"])
         np.testing.assert_allclose(ex["p_final_in_r"], b["p"], rtol=1e-4, atol=1e-7)
+        assert ((b["rank_lo"] <= ex["rank_final_in_r"]) & (ex["rank_final_in_r"] <= b["rank_hi"])).all()
+        assert (ex["rank_final_in_r"] == 0).sum() == (b["top_r"] == b["w"][:, None]).sum()
         np.testing.assert_array_equal(ex["y_matches_memory"], b["match"])
         np.testing.assert_array_equal(ex["y_matches_memory_eps"], b["match_eps"])
         # Fig 11 categories from the brute-force tops

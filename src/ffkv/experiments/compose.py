@@ -281,7 +281,11 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
                         w[s:e] = t[2 * n:]
                     zr = z[:n].float()
                     pw[l, s:e] = (zr.gather(-1, w[s:e, None])[:, 0] - torch.logsumexp(zr, -1)).exp()
-                    rk[l, s:e] = rank_of(zr, w[s:e])
+                    # rank 0 where w is the argmax (ties count only logits strictly above)
+                    rk[l, s:e] = 0
+                    off = (t[:n] != w[s:e]).nonzero()[:, 0]
+                    if len(off):
+                        rk[l, s + off] = rank_of(zr[off], w[s:e][off])
             # Fig 8: does some active memory's value top equal the layer's top?
             ty = tops[1]  # (L, B)
             agree = vpos[:, None, :] == ty[:, :, None]  # (L, B, d_m)
