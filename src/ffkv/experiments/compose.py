@@ -525,6 +525,15 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
     t.add_row("out", "", "", "", "", f"{_pct(by[(lens, L - 1)]['o_matches_final'])} "
               f"[{_pct(by[(other, L - 1)]['o_matches_final'])}]", "", "", "", "", "")
     con.print(t)
+    mine = [by[(lens, l)] for l in range(L)]
+    mean = lambda k: float(np.nanmean([r[k] for r in mine]))  # noqa: E731
+    con.print(f"Fig 7: active memories per layer, mean over layers: {_pct(mean('active_mean'))}% with "
+              f"m>0, {_pct(mean('active_eps_mean'))}% with |m|>ε (ε={eps:g}); the top 1%/10%/50% of "
+              f"memories carry {_pct(mean('mass_top1'))}/{_pct(mean('mass_top10'))}/"
+              f"{_pct(mean('mass_top50'))}% of Σ|m|·‖v‖.")
+    con.print(f"Fig 8, signed form (|m|>ε, top(sign(m)·v)): no single memory has the layer's top "
+              f"prediction in {_pct(mean('fig8_no_single_memory_eps'))}% of example-layers "
+              f"(paper's form m>0: {_pct(mean('fig8_no_single_memory'))}%).")
     pooled = (info.get("fig8_pooled") or {}).get(lens, {})
     con.print(f"Fig 8: where some active memory (m>0) has the layer's top prediction "
               f"({pooled.get('fig8_matched', '?')} example-layers), the target is a stop word in "
@@ -538,6 +547,10 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
                          ("residual", "Fig 11 residual"), ("ffn", "ffn"),
                          ("agreement", "agreement"), ("composition", "composition")):
             e = eff[q]
+            if q == "p_final_mean":  # a probability, not a share of examples
+                parts.append(f"{label} by {e['mean_abs_diff']:.3f} on average "
+                             f"(max {e['max_abs_diff']:.3f} at layer {e['layer_of_max']})")
+                continue
             parts.append(f"{label} by {100 * e['mean_abs_diff']:.1f} points on average "
                          f"(max {100 * e['max_abs_diff']:.1f} at layer {e['layer_of_max']})")
         con.print("Lens choice (naive vs norm) changes " + "; ".join(parts) + ". "
