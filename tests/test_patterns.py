@@ -291,3 +291,36 @@ def test_patterns_sample_and_strict_alpha(prun, tiny_models):
     assert len(kt) == 14 and not any(k["semantic_done"] for k in kt)
     assert all(p["p_value"] < P.ALPHA for p in res.patterns.to_pylist())
     assert {f["scope"] for f in res.fig2.to_pylist()} == {"all"}
+
+
+def test_cli_on_a_mined_run(tmp_path, tiny_dirs):
+    """`ffkv mine` (the real miner) -> mutate -> patterns -> annotate sample, in one process."""
+    from conftest import WT2
+    from ffkv.store.annotations import AnnotationStore
+    from ffkv.store.run import Run
+    from test_mutate import cli_inproc
+
+    r = tmp_path / "run"
+    code, out, err = cli_inproc("mine", "--out", r, "--model", tiny_dirs["llama"], "--corpus",
+                                WT2 / "wiki.valid.tokens", "--max-sentences", "60", "--top-k", "30")
+    assert code == 0, err[-2000:]
+    code, out, err = cli_inproc("mutate", r, "--keys-per-layer", "2", "--examples", "10", "--json")
+    assert code == 0, err[-2000:]
+    assert json.loads(out)["keys"] == 6
+    code, out, err = cli_inproc("patterns", r, "--semantic-keys-per-layer", "2", "--background", "200",
+                                "--json")
+    assert code == 0, err[-2000:]
+    info = json.loads(out)
+    run = Run(r)
+    assert info["keys"] == 3 * 80 and info["semantic_keys"] == 6 and run.step_done("patterns")
+    assert run.read_table("pattern_keys").num_rows == 240
+    assert {f["scope"] for f in info["fig2"]} == {"all", "semantic_sample"}
+    code, out, err = cli_inproc("patterns", r, "--semantic-keys-per-layer", "2", "--background", "200")
+    assert code == 0 and "already done" in out
+    # the semantic sample is the annotators' sample
+    st = AnnotationStore(run)
+    sample = set(st.sample(per_layer=2))
+    kt = run.read_table("pattern_keys").to_pylist()
+    assert sample == {(k["layer"], k["dim"]) for k in kt if k["semantic_done"]}
+    code, out, err = cli_inproc("patterns", r, "--alpha", "0")
+    assert code == 2 and "--alpha" in err
