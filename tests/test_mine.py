@@ -71,7 +71,7 @@ def test_brute_force(tiny_models, arch, negative):
     for (sg, l), v in st.lists.items():
         for i in range(mm.d_m):
             exp = ref[(l, i, sg)]
-            got = [(int(v.sid[r, i]), int(v.pos[r, i]), sg * float(v.score[r, i])) for r in range(5)]
+            got = [(int(v.sid[i, r]), int(v.pos[i, r]), sg * float(v.score[i, r])) for r in range(5)]
             for (es, ep, ec), (gs, gp, gc) in zip(exp, got):
                 assert abs(ec - gc) < 1e-4
                 if (es, ep) != (gs, gp):
@@ -97,8 +97,8 @@ def _same(a: TopKState, b: TopKState, near_ties_ok: bool = False):
             assert same.all()
         else:
             # batches of another shape may differ in the last float bits: only near-ties may swap
-            for r, c in (~same).nonzero().tolist():
-                assert ((x.score[:, c] - x.score[r, c]).abs() < 1e-5).sum() >= 2
+            for key, r in (~same).nonzero().tolist():
+                assert ((x.score[key] - x.score[key, r]).abs() < 1e-5).sum() >= 2
 
 
 @pytest.mark.parametrize("per_prefix", [False, True])
@@ -201,8 +201,10 @@ def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2):
             r = t[(t.layer == layer) & (t.dim == dim) & (t["rank"] == 1)].iloc[0]
             ids = list(sent.loc[int(r.sentence_id), "token_ids"])[: int(r.position) + 1]
             got = {}
-            h = mm.hf.model.layers[layer].mlp.down_proj.register_forward_pre_hook(
-                lambda mod, a: got.setdefault("m", a[0][0, -1, dim].item()))
+            def grab(mod, a):
+                got["m"] = a[0][0, -1, dim].item()
+
+            h = mm.hf.model.layers[layer].mlp.down_proj.register_forward_pre_hook(grab)
             with torch.no_grad():
                 mm.hf(input_ids=torch.tensor([ids]))
             h.remove()

@@ -1,0 +1,109 @@
+"""Mining benchmarks (issue 3): throughput vs a plain forward pass, memory vs corpus size, scale.
+
+    python benchmarks/bench_mine.py                 # all three, default sizes
+    python benchmarks/bench_mine.py --only throughput --sentences 300
+
+Throughput: the same length-packed batches go through (a) a plain transformers forward
+with logits and (b) ffkv's mining pass (captures of all 46,080 coefficients + streaming
+top-50), alternating batch by batch so both see the same machine load. Memory: peak RSS
+of `ffkv mine` in a subprocess on N and 10·N sentences. Scale: wall time per 1,000 sentences.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from _common import WT2, load_default, out, wikitext_token_lists
+
+PAPER_SECONDS_PER_1000 = 45 * 60  # the paper's code, RTX 3090 (its README)
+
+
+def throughput(n: int, batch_tokens: int) -> dict:
+    from ffkv.corpus.batching import pack
+    from ffkv.mine.runner import MineSettings, mine_batches, new_state
+
+    mm = load_default()
+    toks = wikitext_token_lists(mm, n)
+    batches = pack([len(t) for t in toks], batch_tokens)
+    state = new_state(mm, MineSettings(top_k=50))
+    sids = list(range(len(toks)))
+    t_plain = t_mine = 0.0
+    ntok = sum(map(len, toks))
+    # warm-up on the first batch, untimed
+    ids, mask = mm.batch([toks[i] for i in batches[0]])
+    with torch.no_grad():
+        mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
+    for bi, idx in enumerate(batches):
+        ids, mask = mm.batch([toks[i] for i in idx])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+        t1 = time.perf_counter()
+        mine_batches(mm, state, toks, sids, [(bi, idx)])
+        t2 = time.perf_counter()
+        t_plain += t1 - t0
+        t_mine += t2 - t1
+    res = {"sentences": len(toks), "tokens": ntok, "plain_tok_s": ntok / t_plain,
+           "mine_tok_s": ntok / t_mine, "ratio": t_plain / t_mine}
+    out(f"throughput: plain forward {res['plain_tok_s']:.0f} tok/s, mining {res['mine_tok_s']:.0f} tok/s "
+        f"-> mining/plain = {res['ratio']:.2f}x (goal >= 1.0x) over {ntok} tokens, all 46,080 keys, t=50")
+    return res
+
+
+def _mine_subprocess(n: int, tmp: str) -> tuple[float, float]:
+    code = (
+        "import sys,time,json; sys.argv=['ffkv','mine','--out',%r,'--corpus',%r,'--max-sentences','%d',"
+        "'--checkpoint-every','100000'];"
+        "t=time.time(); from ffkv.cli import main\n"
+        "try: main()\nexcept SystemExit: pass\n"
+        "rss=[l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1];"
+        "print(json.dumps({'secs':time.time()-t,'rss_mb':int(rss)/1024}))"
+    ) % (f"{tmp}/run{n}", str(WT2 / "wiki.train.tokens"), n)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-2000:])
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return d["secs"], d["rss_mb"]
+
+
+def memory(n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        s1, r1 = _mine_subprocess(n, tmp)
+        s10, r10 = _mine_subprocess(10 * n, tmp)
+    res = {"n": n, "rss_n_mb": r1, "rss_10n_mb": r10, "ratio": r10 / r1, "secs_n": s1, "secs_10n": s10}
+    out(f"memory: peak RSS {r1:.0f} MB at {n} sentences, {r10:.0f} MB at {10 * n} -> "
+        f"{res['ratio']:.3f}x (goal <= 1.10x)")
+    return res
+
+
+def scale(n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        secs, _ = _mine_subprocess(n, tmp)
+    per1000 = secs * 1000 / n
+    out(f"scale: {n} WikiText-2 sentences, all 46,080 keys, t=50, in {secs:.1f} s end to end "
+        f"({per1000:.0f} s per 1,000); the paper's code: ~{PAPER_SECONDS_PER_1000} s per 1,000 on a GPU "
+        f"-> {PAPER_SECONDS_PER_1000 / per1000:.0f}x faster")
+    return {"sentences": n, "seconds": secs, "seconds_per_1000": per1000}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["throughput", "memory", "scale"])
+    ap.add_argument("--sentences", type=int, default=500, help="throughput sentences")
+    ap.add_argument("--memory-base", type=int, default=100, help="N for the N vs 10N memory check")
+    ap.add_argument("--scale-sentences", type=int, default=1000)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    a = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    if a.only in (None, "throughput"):
+        throughput(a.sentences, a.batch_tokens)
+    if a.only in (None, "memory"):
+        memory(a.memory_base)
+    if a.only in (None, "scale"):
+        scale(a.scale_sentences)
