@@ -117,7 +117,7 @@ def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help
 
 # Each step lives in its own module that adds its commands to `app`.
 for _mod in ("ffkv.cli_mine", "ffkv.cli_values", "ffkv.cli_compose", "ffkv.cli_keys",
-             "ffkv.cli_report"):
+             "ffkv.cli_report", "ffkv.cli_reproduce"):
     try:
         importlib.import_module(_mod).register(app)
     except ModuleNotFoundError as e:
