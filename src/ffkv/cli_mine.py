@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to create or resume."),
              model_name: Optional[str] = ModelOpt,
-             corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Corpus source (see `ffkv corpus --help`). Default: embedded Wikipedia."),
+             corpus: str = typer.Option("wikipedia:train", "--corpus", "-c", help="Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's train split (compose holds out wikipedia:valid)."),
              max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences (after a seeded shuffle of documents)."),
              field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
              seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
