@@ -74,12 +74,15 @@ class Lens:
         return out + self.bias if self.bias is not None else out
 
     @torch.no_grad()
-    def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., d) weight directions (values, keys) -> (..., V) logits, or (..., len(tokens))."""
+    def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., d) weight directions (values, keys) -> (..., V) logits, or (..., len(tokens)).
+
+        `out`: an optional preallocated result (reused across chunks to avoid page faults)."""
         v = v.to(self.E.dtype)
         if self.mode == "norm":
             v = v * self.gain
-        return v @ (self.E if tokens is None else self.E[tokens]).T
+        return torch.matmul(v, (self.E if tokens is None else self.E[tokens]).T, out=out)
 
     def top(self, h: torch.Tensor) -> torch.Tensor:
         return self.logits(h).argmax(-1)
