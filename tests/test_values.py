@@ -206,8 +206,10 @@ def test_values_step_vs_argsort(tmp_path, tiny_dirs, arch, lens):
     syn.set_coef(0, 1, 1, -8.0)   # the + list's best is negative (a key that never fires > 0)
     syn.set_coef(0, 1, -1, -1.0)
     run = make_run(tmp_path / "run", mm, syn, lens="naive" if lens == "norm" else "norm")
+    kinds = "value" if arch == "gpt2" else "auto"  # auto: both, since the run has − lists
     summary = compute_values(run, mm, lens=lens, top_k=7, chunk=17, permutations=50, seed=3,
-                             bins=4, table2_n=6, precision_k=50, show_progress=False)
+                             bins=4, table2_n=6, precision_k=50, table2_kinds=kinds,
+                             show_progress=False)
     assert run.manifest["settings"]["values"]["lens"] == lens
 
     ag = run.read_table("values_agreement").to_pydict()
@@ -303,13 +305,13 @@ def test_values_step_vs_argsort(tmp_path, tiny_dirs, arch, lens):
     assert len(t2) == 6
     assert [r["max_prob"] for r in t2] == sorted([r["max_prob"] for r in t2], reverse=True)
     top2 = {(r["dim"], r["kind"]): r for r in t2[:2]}
-    if arch == "llama":  # gated: auto kinds = value and neg_value
+    if kinds == "auto":  # the run has negative lists: value and neg_value compete
         assert set(top2) == {(i_pos, "value"), (i_neg, "neg_value")}
         rn = top2[(i_neg, "neg_value")]
         assert (rn["layer"], rn["direction"], rn["top_token"]) == (Lp, -1, t)
         assert (rn["n_examples"], rn["n_agree"], rn["example_rank"]) == (50, 3, 1)
         assert rn["precision"] == pytest.approx(3 / 50)
-    else:  # value only: −v of i_neg is not a candidate
+    else:  # value only (the paper): −v of i_neg is not a candidate
         assert all(r["kind"] == "value" for r in t2)
         assert t2[0]["dim"] == i_pos
     rp = top2.get((i_pos, "value")) or t2[0]
@@ -387,6 +389,9 @@ def test_skip_when_done(tmp_path, tiny_dirs):
     assert "already done" in format_summary({**s1, "skipped": True})
     s3 = compute_values(Run(run.path), mm, permutations=6, show_progress=False)
     assert "skipped" not in s3
+    # only + lists: Table 2 candidates are the values alone (auto)
+    assert Run(run.path).settings("values")["table2_kinds"] == "value"
+    assert set(run.read_table("values_table2")["kind"].to_pylist()) == {"value"}
     # only + lists (a ReLU model's miner): every key's top-1 comes from them
     ag = run.read_table("values_agreement").to_pydict()
     assert set(ag["trigger_sign"]) == {1}
@@ -468,3 +473,58 @@ def test_smollm2_sampled_vs_argsort(tmp_path, smollm2):
             assert lo <= ag["rank"][row] <= hi, (l, i, ag["rank"][row], lo, hi)
             assert hi - lo < 50
             assert ag["value_top"][row] == int(order[0])
+
+
+def test_no_usable_triggers(tmp_path, tiny_dirs):
+    """Every top-1 ends its sentence: nothing is evaluated, nothing crashes, the JSON stays clean."""
+    import json
+
+    mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=1, signs=(1,), seed=9)
+    syn.t["position"][:] = syn.sent_len - 1
+    run = make_run(tmp_path / "r", mm, syn)
+    s = compute_values(run, mm, permutations=3, table2_n=4, show_progress=False)
+    assert s["evaluated"] == 0 and s["sentence_end"] == mm.n_layers * mm.d_m
+    assert s["agreement"] is None and s["ci_low"] is None
+    json.loads(json.dumps(s), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    t2 = run.read_table("values_table2").to_pylist()
+    assert len(t2) == 4 and all(r["n_agree"] == 0 and r["example_text"] is None for r in t2)
+    assert run.read_table("values_fig6").num_rows == 0
+    assert "n/a" in format_summary(s)
+
+
+def test_on_a_real_mined_run(tmp_path, tiny_dirs):
+    """The miner's own `triggers` table (both signs) feeds the step; the top-1 choice, direction,
+    agreement and rank are recomputed here from the table and full argsorts."""
+    from conftest import WT2
+    from ffkv.mine.runner import MineSettings, mine
+
+    mm = open_model(str(tiny_dirs["llama"]), device="cpu")
+    run = Run(tmp_path / "run", create=True)
+    mine(run, mm, MineSettings(corpus=str(WT2 / "wiki.valid.tokens"), max_sentences=80, top_k=5,
+                               negative=True), show_progress=False, log=lambda *a: None)
+    s = compute_values(run, mm, permutations=10, table2_n=5, precision_k=5, show_progress=False)
+    tr = run.read_table("triggers").to_pylist()
+    best = {}
+    for r in tr:
+        if r["rank"] == 1:
+            k = (r["layer"], r["dim"])
+            if k not in best or abs(r["coef"]) > abs(best[k]["coef"]):  # ties: + (sorted first)
+                best[k] = r
+    ag = run.read_table("values_agreement").to_pylist()
+    n_eval = 0
+    for row in ag:
+        b = best[(row["layer"], row["dim"])]
+        assert (row["trigger_sign"], row["sentence_id"], row["position"]) == (b["sign"], b["sentence_id"], b["position"])
+        sgn = 1 if b["coef"] >= 0 else -1
+        assert row["direction"] == sgn
+        if b["next_token"] is None:
+            assert row["rank"] is None
+            continue
+        n_eval += 1
+        full = sgn * direct_logits(mm, "llama", run.manifest["lens"], raw_weights(mm, "llama", row["layer"])[0][row["dim"]])
+        order = torch.argsort(full, descending=True, stable=True)
+        assert row["rank"] == int((order == b["next_token"]).nonzero()[0, 0])
+        assert row["agree"] == (int(order[0]) == b["next_token"])
+    assert s["evaluated"] == n_eval and s["no_trigger"] == 0
+    assert run.settings("values")["table2_kinds"] == "value+neg_value"

@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
                table2: int = typer.Option(100, "--table2", help="Values in Table 2 (highest max probability)."),
                precision_k: int = typer.Option(50, "--precision-k", help="Trigger examples per key for precision@k."),
                table2_kinds: str = typer.Option("auto", "--table2-kinds", help="value (the paper), both (v and −v), "
-                                                "or auto: both for gated models, whose coefficients are signed."),
+                                                "or auto: both when the run has negative trigger lists (mine --negative)."),
                force: bool = typer.Option(False, "--force", help="Recompute even if done with the same settings."),
                as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON.")):
         """Project every value to the vocabulary; agreement with its key's triggers (Fig 4–6, Table 2)."""

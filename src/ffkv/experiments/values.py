@@ -24,10 +24,11 @@ Definitions used here
 - 95% intervals on agreement rates: Wilson score intervals.
 - entropy: nats, −Σ p log p of softmax(logits) in float32, from the shifted log-sum-exp.
 - Table 2: the `table2_n` highest max-probability written directions over all layers. Kinds:
-  `value` only (the paper), or `value` and `neg_value` (auto for gated models, whose
-  coefficients are signed). precision@k = (# of the key's rank ≤ k triggers of the matching
-  sign — +1 for v_i, −1 for −v_i — whose next_token equals the direction's top token) / (# of
-  those triggers present, ≤ k; a null next_token counts as not matching). The example is the
+  `value` only (the paper), or `value` and `neg_value` (auto: when the run has negative trigger
+  lists, i.e. was mined with `--negative`, as suits gated models whose coefficients are
+  signed). precision@k = (# of the key's rank ≤ k triggers of the matching sign — +1 for v_i,
+  −1 for −v_i — whose next_token equals the direction's top token) / (# of those triggers
+  present, ≤ k; a null next_token counts as not matching). The example is the
   best-ranked matching trigger.
 
 Tables written (public contract; layers 0-based)
@@ -160,6 +161,11 @@ def check_triggers(run) -> None:
                         f"this ffkv; rerun `ffkv mine --out {run.path}`")
 
 
+def has_negative_lists(run) -> bool:
+    """Whether the run was mined with negative lists (sign −1 rows; `ffkv mine --negative`)."""
+    return pq.read_table(_trigger_path(run), columns=["sign"], filters=[("sign", "==", -1)]).num_rows > 0
+
+
 def top1_triggers(run, L: int, d_m: int) -> dict:
     """Per memory (L, d_m): the top-1 trigger as defined in the module docstring."""
     t = pq.read_table(_trigger_path(run), columns=list(TRIGGER_COLUMNS), filters=[("rank", "==", 1)])
@@ -203,14 +209,13 @@ LENSES = ("naive", "norm")
 
 def resolve_settings(run, lens: str | None = None, top_k: int = 10, chunk: int = 1024,
                      permutations: int = 100, seed: int = 0, bins: int = 10, table2_n: int = 100,
-                     precision_k: int = 50, table2_kinds: str = "auto", *, gated: bool | None = None,
+                     precision_k: int = 50, table2_kinds: str = "auto", *,
                      vocab_size: int | None = None, dtype: str = "auto") -> dict:
     """The step's settings as recorded in the manifest (what the results depend on; not chunk).
 
-    gated / vocab_size default to the run's recorded model. Raises FfkvError on bad values.
+    vocab_size defaults to the run's recorded model. Raises FfkvError on bad values.
     """
     rec = run.manifest.get("model") or {}
-    gated = rec.get("gated", False) if gated is None else gated
     vocab_size = rec.get("vocab_size") if vocab_size is None else vocab_size
     lens = lens or run.manifest.get("lens") or "norm"
     if lens not in LENSES:
@@ -220,8 +225,8 @@ def resolve_settings(run, lens: str | None = None, top_k: int = 10, chunk: int =
                         "--permutations and --table2 ≥ 0")
     if table2_kinds not in ("auto", "value", "both"):
         raise FfkvError(f"unknown --table2-kinds {table2_kinds!r}; choose auto, value or both")
-    kinds2 = ("value", "neg_value") if (table2_kinds == "both" or (table2_kinds == "auto" and gated)) \
-        else ("value",)
+    both = table2_kinds == "both" or (table2_kinds == "auto" and has_negative_lists(run))
+    kinds2 = ("value", "neg_value") if both else ("value",)
     return {"lens": lens, "top_k": min(top_k, vocab_size) if vocab_size else top_k,
             "permutations": permutations, "seed": seed, "fig6_bins": bins, "table2_n": table2_n,
             "precision_k": precision_k, "table2_kinds": "+".join(kinds2),
@@ -260,7 +265,7 @@ def compute_values(run, mm, lens: str | None = None, top_k: int = 10, chunk: int
     check_triggers(run)
     run.check_model(mm)
     settings = resolve_settings(run, lens, top_k, chunk, permutations, seed, bins, table2_n,
-                                precision_k, table2_kinds, gated=mm.gated, vocab_size=mm.vocab_size,
+                                precision_k, table2_kinds, vocab_size=mm.vocab_size,
                                 dtype=str(mm.dtype).replace("torch.", ""))
     if not force and (done := done_summary(run, settings)):
         return done
@@ -294,7 +299,18 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
     sh_rank = np.full((L, d_m), -1, np.int64)
     perms = [_perms(d_m, permutations, seed, l) for l in range(L)]
 
+    # three (chunk, V) float32 buffers reused for every chunk: logits and two work buffers
     work = (torch.empty(chunk, Vsz, device=mm.device), torch.empty(chunk, Vsz, device=mm.device))
+    zbuf = torch.empty(chunk, Vsz, device=mm.device) if ln.E.dtype == torch.float32 else None
+
+    def logits_of(W):  # (n, d) directions -> (n, V) float32 logits, through the lens
+        if zbuf is None:
+            return ln.direction_logits(W).float()
+        return ln.direction_logits(W, out=zbuf[: len(W)])
+
+    def ranks(z, tgt):  # rank_of over row blocks: its (rows, V) comparison stays small
+        return torch.cat([rank_of(z[r:r + 128], tgt[r:r + 128]) for r in range(0, len(z), 128)])
+
     n_chunks = L * math.ceil(d_m / chunk)
     with progress(disable=None if show_progress is None else not show_progress) as bar:
         task = bar.add_task("values → vocabulary", total=n_chunks)
@@ -307,7 +323,7 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
             inv0 = np.argsort(perms[l][0]) if permutations else None
             for a in range(0, d_m, chunk):
                 b = min(a + chunk, d_m)
-                z = ln.direction_logits(Vw[a:b]).float()
+                z = logits_of(Vw[a:b])
                 s = summarize_logits(z, top_k, work=work)
                 for kk, name in ((0, "pos"), (1, "neg")):
                     ti, pr, mx, en, _ = s[name]
@@ -322,7 +338,7 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
                     sgn = torch.where(direction[a:b] < 0, -1.0, 1.0).to(z.device, z.dtype)
                     tgt = target[a:b].clamp(min=0).to(z.device)
                     z.mul_(sgn[:, None])
-                    rk = rank_of(z, tgt)
+                    rk = ranks(z, tgt)
                     lse = torch.where(sgn > 0, s["pos"][4], s["neg"][4])
                     tp = torch.exp(z.gather(-1, tgt[:, None])[:, 0] - lse)
                     z.mul_(sgn[:, None])
@@ -336,11 +352,11 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
                         rd = torch.as_tensor(readers, dtype=torch.long)
                         sgn = torch.where(direction[rd] < 0, -1.0, 1.0).to(z.device, z.dtype)
                         z.mul_(sgn[:, None])
-                        rk = rank_of(z, target[rd].clamp(min=0).to(z.device))
+                        rk = ranks(z, target[rd].clamp(min=0).to(z.device))
                         z.mul_(sgn[:, None])
                         sh_rank[l, readers[ok]] = rk.cpu().numpy()[ok]
                 del z, s
-                zk = ln.direction_logits(Kw[a:b]).float()
+                zk = logits_of(Kw[a:b])
                 ti, pr, mx, en, _ = summarize_logits(zk, top_k, negative=False, work=work)["pos"]
                 top_tok[l, a:b, 2], top_p[l, a:b, 2] = ti.cpu().numpy(), pr.cpu().numpy()
                 maxp[l, a:b, 2], ent[l, a:b, 2] = mx.cpu().numpy(), en.cpu().numpy()
@@ -480,8 +496,18 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
         "table2_upper_half": int(sum(1 for l in t2_layers if l >= L / 2)),
         "seconds": round(time.time() - t0, 2),
     }
+    summary = _no_nan(summary)
     run.finish_step(STEP, summary=summary)
     return summary
+
+
+def _no_nan(x):
+    """NaN → None, so the manifest stays standard JSON."""
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def _write_values_table(run, L, d_m, top_tok, top_p, maxp, ent) -> None:
