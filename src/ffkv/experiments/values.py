@@ -137,7 +137,7 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
         # buf = shifted logits d ≤ 0: lse = m + log S, S = Σ e^d; H = log S − Σ e^d·d / S
         torch.exp(buf, out=ebuf)
         S = ebuf.sum(-1)
-        T = torch.einsum("ij,ij->i", ebuf, buf)
+        T = buf.mul_(ebuf).sum(-1)               # Σ e^d·d (buf is scratch from here on)
         logS = torch.log(S)
         lse = m[:, 0] + logS
         ent = logS - T / S
