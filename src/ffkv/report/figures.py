@@ -1,0 +1,260 @@
+"""The paper's figures drawn from a run's tables, with matplotlib.
+
+Figures are drawn on the Agg canvas directly (no pyplot, so no global state and no GUI backend).
+
+Each `figN(...)` takes the table(s) as pandas DataFrames and returns a matplotlib Figure; `save`
+writes it as PNG (modest DPI, so the self-contained HTML stays small) and SVG (text as paths, so the
+file needs no font). Layers are 0-based on every axis, as in the tables.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+DPI = 90
+SIZE = (6.4, 3.5)
+COLORS = {"shallow": "#4C72B0", "both": "#8172B2", "semantic": "#DD8452", "not_covered": "#CCCCCC",
+          "first": "#55A868", "last": "#C44E52", "random": "#8C8C8C",
+          "residual": "#4C72B0", "agreement": "#55A868", "composition": "#DD8452", "ffn": "#C44E52"}
+RC = {"svg.fonttype": "path", "svg.hashsalt": "ffkv", "font.size": 9, "axes.titlesize": 10,
+      "axes.spines.top": False, "axes.spines.right": False}
+
+
+def new_figure(size=SIZE) -> tuple[Figure, object]:
+    fig = Figure(figsize=size, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def save(fig: Figure, folder: Path, name: str) -> dict[str, Path]:
+    """Write `name`.png and `name`.svg into `folder`; returns both paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
+    with matplotlib.rc_context(RC):
+        fig.savefig(out["png"], dpi=DPI, metadata={"Software": None})
+        fig.savefig(out["svg"], metadata={"Date": None, "Creator": None})
+    return out
+
+
+def _layer_axis(ax, layers) -> None:
+    layers = sorted({int(l) for l in layers})
+    ax.set_xlabel("layer (0-based)")
+    if len(layers) <= 16:
+        ax.set_xticks(layers)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _styled(fn):
+    def wrapper(*a, **kw):
+        with matplotlib.rc_context(RC):
+            return fn(*a, **kw)
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+def _lines_by_lens(df: pd.DataFrame, primary: str | None):
+    """(lens, frame, is_primary), the primary lens first."""
+    if "lens" not in df.columns:
+        yield None, df.sort_values("layer"), True
+        return
+    lenses = list(dict.fromkeys(df["lens"]))
+    if primary in lenses:
+        lenses.remove(primary)
+        lenses.insert(0, primary)
+    for i, lens in enumerate(lenses):
+        yield lens, df[df["lens"] == lens].sort_values("layer"), i == 0
+
+
+# ---- Fig 2 ---------------------------------------------------------------------------------------------
+@_styled
+def fig2(df: pd.DataFrame, title: str = "Pattern kinds of the top-25 trigger prefixes") -> Figure:
+    if "scope" in df.columns:
+        scope = "semantic_sample" if (df["scope"] == "semantic_sample").any() else "all"
+        df = df[df["scope"] == scope]
+    df = df.sort_values("layer")
+    fig, ax = new_figure()
+    bottom = np.zeros(len(df))
+    for k, label in (("shallow", "shallow"), ("both", "shallow + semantic"), ("semantic", "semantic"),
+                     ("not_covered", "not covered")):
+        v = df[k].fillna(0).to_numpy() * 100
+        ax.bar(df["layer"], v, bottom=bottom, color=COLORS[k], label=label, width=0.8)
+        bottom += v
+    ax.set_ylabel("% of prefixes")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    return fig
+
+
+# ---- Fig 3 ---------------------------------------------------------------------------------------------
+@_styled
+def fig3(df: pd.DataFrame) -> Figure:
+    fig, ax = new_figure()
+    offsets = {"first": -0.22, "random": 0.0, "last": 0.22}
+    for m, off in offsets.items():
+        d = df[df["mutation"] == m].sort_values("layer")
+        if d.empty:
+            continue
+        x = d["layer"].to_numpy() + off
+        ax.errorbar(x, d["median"], yerr=[d["median"] - d["q25"], d["q75"] - d["median"]], fmt="o",
+                    ms=3.5, capsize=2, color=COLORS[m], label=f"remove {m} token (median, IQR)")
+        ax.plot(x, d["mean"], "x", ms=4, color=COLORS[m], alpha=0.6)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_ylabel("relative change of the coefficient")
+    ax.set_title("Removing a token from a trigger example (× = mean)")
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 4 ---------------------------------------------------------------------------------------------
+@_styled
+def fig4(df: pd.DataFrame) -> Figure:
+    df = df.sort_values("layer")
+    fig, ax = new_figure()
+    ax.plot(df["layer"], df["agreement"] * 100, "o-", ms=3.5, label="agreement")
+    ax.fill_between(df["layer"], df["ci_low"] * 100, df["ci_high"] * 100, alpha=0.2, label="95% CI (Wilson)")
+    ax.plot(df["layer"], df["shuffled"] * 100, "--", color="gray", label="shuffled pairing")
+    ax.plot(df["layer"], df["random_baseline"] * 100, ":", color="black", label="random (1/|V|)")
+    ax.set_ylabel("agreement rate (%)")
+    ax.set_title("Value's top token = next token of the key's top trigger")
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 5 ---------------------------------------------------------------------------------------------
+@_styled
+def fig5(df: pd.DataFrame) -> Figure:
+    df = df.sort_values("layer")
+    fig, ax = new_figure()
+    x = df["layer"]
+    ax.fill_between(x, df["rank_q10"] + 1, df["rank_q90"] + 1, alpha=0.12, color="C0", label="10–90%")
+    ax.fill_between(x, df["rank_q25"] + 1, df["rank_q75"] + 1, alpha=0.25, color="C0", label="25–75%")
+    ax.plot(x, df["rank_median"] + 1, "o-", ms=3.5, color="C0", label="median")
+    if "shuffled_rank_median" in df.columns:
+        ax.plot(x, df["shuffled_rank_median"] + 1, "--", color="gray", label="median, shuffled pairing")
+    ax.set_yscale("log")
+    ax.set_ylabel("rank of the next token + 1 (log)")
+    ax.set_title("Rank of the trigger's next token in the value's distribution")
+    _layer_axis(ax, x)
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 6 ---------------------------------------------------------------------------------------------
+@_styled
+def fig6(df: pd.DataFrame) -> Figure:
+    df = df[df["n"] > 0].sort_values("bin")
+    fig, ax = new_figure()
+    x = df["mean_max_prob"]
+    ax.errorbar(x, df["agreement"] * 100, yerr=[(df["agreement"] - df["ci_low"]).clip(lower=0) * 100,
+                                                (df["ci_high"] - df["agreement"]).clip(lower=0) * 100],
+                fmt="o-", ms=3.5, capsize=2)
+    ax.set_xscale("log")
+    ax.set_xlabel("value's max probability (bin mean, quantile bins, log)")
+    ax.set_ylabel("agreement rate (%)")
+    ax.set_title("Agreement by the value's max probability")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+# ---- Fig 7 ---------------------------------------------------------------------------------------------
+@_styled
+def fig7(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    fig, ax = new_figure()
+    lens, d, _ = next(_lines_by_lens(df, primary))  # the fraction does not depend on the lens
+    x = d["layer"]
+    ax.axhspan(10, 50, color="#EEEEEE", label="paper's range (10–50%)")
+    ax.fill_between(x, d["active_p25"] * 100, d["active_p75"] * 100, alpha=0.25, color="C0")
+    ax.plot(x, d["active_median"] * 100, "o-", ms=3.5, color="C0", label="m > 0 (median, IQR)")
+    if "active_eps_median" in d.columns:
+        ax.plot(x, d["active_eps_median"] * 100, "s--", ms=3, color="C1", label="|m| > ε (median)")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% of the layer's memories")
+    ax.set_title("Active memories per example")
+    _layer_axis(ax, x)
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 8 ---------------------------------------------------------------------------------------------
+@_styled
+def fig8(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    fig, ax = new_figure()
+    for lens, d, first in _lines_by_lens(df, primary):
+        ls = "-" if first else ":"
+        tag = f" ({lens} lens)" if lens else ""
+        ax.plot(d["layer"], d["fig8_no_single_memory"] * 100, "o" + ls, ms=3.5, color="C0",
+                alpha=1 if first else 0.5, label=f"paper's form, m > 0{tag}")
+        if "fig8_no_single_memory_eps" in d.columns:
+            ax.plot(d["layer"], d["fig8_no_single_memory_eps"] * 100, "s" + ls, ms=3, color="C1",
+                    alpha=1 if first else 0.5, label=f"signed form, |m| > ε{tag}")
+    ax.axhline(68, color="black", lw=0.8, ls="--", label="paper: ≥ 68%")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% examples: no memory has top(y)")
+    ax.set_title("The layer's prediction is not any single memory's")
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 9 ---------------------------------------------------------------------------------------------
+@_styled
+def fig9(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    fig, ax = new_figure()
+    for lens, d, first in _lines_by_lens(df, primary):
+        tag = f" ({lens} lens)" if lens else ""
+        x = list(d["layer"]) + [int(d["layer"].max()) + 1]
+        y = list(d["r_matches_final"] * 100) + [float(d["o_matches_final"].iloc[-1]) * 100]
+        ax.plot(x, y, "o-" if first else "o:", ms=3.5, color="C0", alpha=1 if first else 0.5,
+                label=f"top(r_ℓ) = final{tag}")
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("% of examples")
+    ax.set_title("Residual already holds the final prediction (last point: output)")
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 10 --------------------------------------------------------------------------------------------
+@_styled
+def fig10(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    fig, ax = new_figure()
+    for lens, d, first in _lines_by_lens(df, primary):
+        tag = f" ({lens} lens)" if lens else ""
+        if first:
+            ax.fill_between(d["layer"], d["p_final_q25"], d["p_final_q75"], alpha=0.2, color="C0",
+                            label=f"25–75%{tag}")
+        ax.plot(d["layer"], d["p_final_mean"], "o-" if first else "o:", ms=3.5, color="C0",
+                alpha=1 if first else 0.5, label=f"mean{tag}")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("p(final prediction | r_ℓ)")
+    ax.set_title("Confidence in the final prediction through the layers")
+    _layer_axis(ax, df["layer"])
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- Fig 11 --------------------------------------------------------------------------------------------
+@_styled
+def fig11(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    lens, d, _ = next(_lines_by_lens(df, primary))
+    fig, ax = new_figure()
+    bottom = np.zeros(len(d))
+    for k in ("residual", "agreement", "composition", "ffn"):
+        v = d[k].fillna(0).to_numpy() * 100
+        ax.bar(d["layer"], v, bottom=bottom, color=COLORS[k], label=k, width=0.8)
+        bottom += v
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% of examples")
+    ax.set_title("Where top(o) comes from" + (f" ({lens} lens)" if lens else ""))
+    _layer_axis(ax, d["layer"])
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    return fig

@@ -1,0 +1,92 @@
+"""Small HTML helpers for the report: escaping, tables, verdict lines, embedded images.
+
+Everything is inlined into one file: PNGs as data URIs, CSS in the template; no script, font or
+stylesheet is ever linked.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+import numbers
+import re
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from ffkv.report.verdicts import DIFFERS, NA, SAME, Verdict
+
+VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", NA: "v-na"}
+
+
+def esc(x) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def code(text: str) -> str:
+    """Escape `text` and show its `backquoted` parts as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(text))
+
+
+def template() -> Template:
+    return Template(resources.files("ffkv.report").joinpath("template.html").read_text(encoding="utf-8"))
+
+
+def img(png: Path, alt: str) -> str:
+    data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{esc(alt)}">'
+
+
+def chip(v: str) -> str:
+    return f'<span class="chip {VERDICT_CLASS.get(v, "v-na")}">{esc(v)}</span>'
+
+
+def verdict_line(v: Verdict, extra: str = "") -> str:
+    return (f'<p class="verdict {VERDICT_CLASS.get(v.verdict, "v-na")}" data-verdict="{esc(v.verdict)}">'
+            f'<span class="label">Verdict: {esc(v.verdict)}.</span> '
+            f'<span class="measured">Measured: {code(v.measured)}{code(extra)}</span>'
+            f'<span class="criterion">Criterion: {code(v.criterion)}</span></p>')
+
+
+def fmt(x, digits: int = 3) -> str:
+    """A cell value: thousands separators for big numbers, `digits` significant digits for small ones."""
+    if x is None:
+        return ""
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, numbers.Integral):
+        return f"{int(x):,}"
+    if isinstance(x, numbers.Real):
+        x = float(x)
+        if math.isnan(x):
+            return ""
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.{digits}g}"
+    return str(x)
+
+
+def table(headers: list[str], rows: list[list], num: set[int] | None = None, raw: set[int] | None = None,
+          cls: str = "") -> str:
+    """An HTML table. Cells are escaped unless their column index is in `raw` (already HTML)."""
+    num, raw = num or set(), raw or set()
+    th = "".join(f'<th class="num">{esc(h)}</th>' if i in num else f"<th>{esc(h)}</th>"
+                 for i, h in enumerate(headers))
+    body = []
+    for r in rows:
+        tds = []
+        for i, c in enumerate(r):
+            content = c if i in raw else esc(fmt(c))
+            tds.append(f'<td class="num">{content}</td>' if i in num else f"<td>{content}</td>")
+        body.append("<tr>" + "".join(tds) + "</tr>")
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def kv(pairs: list[tuple[str, object]]) -> str:
+    return table(["", ""], [[k, v] for k, v in pairs], cls="kv").replace("<thead><tr><th></th><th></th></tr></thead>", "")
+
+
+def tok(s: str | None) -> str:
+    """A token shown visibly (spaces and newlines kept, control characters escaped)."""
+    if s is None:
+        return ""
+    s = "".join(c if c.isprintable() or c == " " else f"\\x{ord(c):02x}" for c in str(s))
+    return f'<span class="tok">{esc(s)}</span>'
