@@ -291,6 +291,14 @@ def test_patterns_sample_and_strict_alpha(prun, tiny_models):
     assert len(kt) == 14 and not any(k["semantic_done"] for k in kt)
     assert all(p["p_value"] < P.ALPHA for p in res.patterns.to_pylist())
     assert {f["scope"] for f in res.fig2.to_pylist()} == {"all"}
+    # the semantic sample is drawn from all mined keys (nested samples), not from the 7
+    from ffkv.experiments.mutate import mined_keys, read_triggers, sample_keys
+
+    res = P.patterns(prun, tok, keys_per_layer=7, semantic_keys_per_layer=3, background=300, write=False,
+                     embedder=HashEmbedder(), show_progress=False)
+    want = sample_keys(mined_keys(read_triggers(prun, 1)), 3, 0)
+    got = {(k["layer"], k["dim"]) for k in res.keys.to_pylist() if k["semantic_done"]}
+    assert got == {(l, int(d)) for l, ds in want.items() for d in ds}
 
 
 def test_cli_on_a_mined_run(tmp_path, tiny_dirs):

@@ -40,8 +40,10 @@ def _model(run, device, dtype):
 
 
 def _done_with(run, step: str, settings: dict, tables) -> bool:
+    """Done with the same settings, its tables present, and not older than the mined triggers."""
     return (run.step_done(step) and run.settings(step) == settings
-            and all(run.has_table(t) for t in tables))
+            and all(run.has_table(t) for t in tables)
+            and run.step(step).get("finished", 0) >= run.step("mine").get("finished", 0))
 
 
 def _print_table(title: str, rows: list[dict], cols: list[str], fmt: dict | None = None) -> None:

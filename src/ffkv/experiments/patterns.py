@@ -250,17 +250,33 @@ def shallow_patterns(prefixes: list[Prefix], bg: Background, min_cover: int = MI
     cover: dict = {}
     surf: dict = {}
     for i, (ws, p) in enumerate(zip(words, prefixes)):
-        for f, s in end_features(ws, p.last_token):
-            cover.setdefault(f, set()).add(i)
-            surf.setdefault(f, Counter())[s] += 1
+        for f, s in end_features(ws, p.last_token):  # distinct features per prefix
+            if f in cover:
+                cover[f].append(i)
+                surf[f].append(s)
+            else:
+                cover[f] = [i]
+                surf[f] = [s]
     uni = Counter(w for nw in nws for w in set(nw))
     frequent = {w for w, c in uni.items() if c >= min_cover}
     has_cover: dict = {}
     for i, nw in enumerate(nws):
-        for f in has_features([w if w in frequent else None for w in nw], keep=frequent):
-            if f[1][0] is None or all(w in STOP for w in f[1]):
+        # apriori: an n-gram covering ≥ min_cover prefixes is made of frequent words, so only
+        # runs of consecutive frequent words are expanded
+        feats = set()
+        run: list[str] = []
+        for w in nw + [None]:
+            if w is not None and w in frequent:
+                run.append(w)
                 continue
-            has_cover.setdefault(f, set()).add(i)
+            L = len(run)
+            for a in range(L):
+                for m in range(1, min(3, L - a) + 1):
+                    feats.add(tuple(run[a:a + m]))
+            run = []
+        for g in feats:
+            if not all(w in STOP for w in g):
+                has_cover.setdefault(("has", g), set()).add(i)
     cands = []
     for f, cov in list(cover.items()) + list(has_cover.items()):
         if len(cov) < min_cover:
@@ -273,7 +289,7 @@ def shallow_patterns(prefixes: list[Prefix], bg: Background, min_cover: int = MI
             for i in cov:
                 s[_surface_ngram(words[i], nws[i], f[1])] += 1
         else:
-            s = surf[f]
+            s = Counter(surf[f])
         sub, desc = _describe(f, s)
         ws = f[1] if f[0] in ("end", "has") else ((f[1],) if f[0] == "tok" else ())
         cands.append(Pattern("shallow", sub, desc, tuple(sorted(cov)), pv, bg.rate(f),
@@ -460,6 +476,8 @@ def describe_cluster(texts: list[str], bg: Background, n_words: int = 3) -> str:
             if not any(ch.isalpha() for ch in w) or len(w) < 2:
                 continue
             nw = norm_word(w)
+            if nw in STOP:
+                continue
             if nw not in seen:
                 seen.add(nw)
                 tf[nw] += 1
@@ -565,11 +583,14 @@ def patterns(run, tok, keys_per_layer: int | None = None,
         raise FfkvError("--alpha must be in (0, 1]")
     t0 = time.perf_counter()
     trig = read_triggers(run, sign, top, columns=["layer", "dim", "rank", "sentence_id", "position"])
-    keys = sample_keys(mined_keys(trig), keys_per_layer, seed)
+    mined = mined_keys(trig)
+    keys = sample_keys(mined, keys_per_layer, seed)
     sem_keys = {}
     if semantic:
-        sk = sample_keys(keys, semantic_keys_per_layer, seed) if semantic_keys_per_layer else keys
-        sem_keys = {l: set(int(d) for d in v) for l, v in sk.items()}
+        # drawn from all mined keys: samples are nested, so this is the annotators' sample
+        # (`ffkv annotate sample`) whenever it lies within the analysed keys
+        sk = sample_keys(mined, semantic_keys_per_layer, seed) if semantic_keys_per_layer else keys
+        sem_keys = {l: set(int(d) for d in v) & set(int(d) for d in keys.get(l, ())) for l, v in sk.items()}
     L = trig.column("layer").to_numpy().astype(np.int64)
     D = trig.column("dim").to_numpy().astype(np.int64)
     code = L * (1 << 32) + D
