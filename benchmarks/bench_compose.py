@@ -63,8 +63,10 @@ def main() -> None:
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="bench_compose_")
     run = Run(args.out or tmp.name, create=True)
     run.record_model(mm)
+    load0 = os.getloadavg()[0]
     print(f"model SmolLM2-135M: {mm.n_layers} layers, d_m={mm.d_m}, V={mm.vocab_size}; "
-          f"torch threads {torch.get_num_threads()}; load {t_load:.1f} s", flush=True)
+          f"torch threads {torch.get_num_threads()}; load {t_load:.1f} s; "
+          f"machine load average {load0:.2f} on {os.cpu_count()} cores", flush=True)
 
     # Prefixes first (this is compose's own sampling), so the baseline sees the same batches.
     from ffkv.experiments.compose import sample_prefixes
@@ -98,6 +100,8 @@ def main() -> None:
     print(f"  paper's released code, layer-level pass over the validation set: ≈{PAPER_HOURS} h on an "
           f"RTX 3090 = {PAPER_HOURS * 3600 / wall:,.0f}× this step's wall time (different model, "
           f"hardware and sample size: a scale marker, not a like-for-like ratio)")
+    print(f"  machine load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}, "
+          f"on {os.cpu_count()} cores: other processes share the CPU when it exceeds the core count")
     if tmp is not None:
         tmp.cleanup()
     sys.stdout.flush()

@@ -268,6 +268,21 @@ def test_value_tops_cache_matches_raw_weights(runs):
         assert (t["top_token"][i], t["top_token_neg"][i]) == (int(z.argmax()), int((-z).argmax()))
 
 
+def test_value_tops_are_reused_from_the_run(runs, monkeypatch):
+    import ffkv.experiments.compose as C
+
+    run, mm, _ = runs["llama"]
+    fresh = C.value_tops(None, mm)
+    monkeypatch.setattr(C, "Lens", None)  # a recomputation would fail
+    cached = C.value_tops(run, mm)
+    for ln in ("naive", "norm"):
+        assert torch.equal(cached[ln][0], fresh[ln][0]) and torch.equal(cached[ln][1], fresh[ln][1])
+    # another model's run does not reuse them
+    other, mm2, _ = runs["gpt2"]
+    with pytest.raises(TypeError):
+        C.value_tops(other, mm)
+
+
 def test_lens_effect_table(runs):
     run, _, bf = runs["opt"]
     eff = {r["quantity"]: r for r in run.read_table("compose_lens_effect").to_pylist()}

@@ -44,7 +44,8 @@ Tables written to the run (public contract):
   position int32, prefix_tokens int32, target int32 (token after the prefix), target_token string,
   target_is_stop bool.
 - `value_tops`: layer int16, dim int32, lens string, top_token int32 (top(v_i)),
-  top_token_neg int32 (top(-v_i)). Sorted by lens, layer, dim.
+  top_token_neg int32 (top(-v_i)). Sorted by lens, layer, dim. Reused only while the manifest's
+  tables.value_tops.unembed_sha256 matches the model.
 - `compose_examples`: one row per lens × layer × example, sorted so: lens string, layer int16,
   example_id int32, n_active int32 (m > 0), n_active_eps int32 (|m| > eps), mass_top1, mass_top10,
   mass_top50 float32, top_r, top_y, top_o, top_final int32, p_final_in_r float32,
@@ -165,8 +166,12 @@ def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
 def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{lens: (top(v_i), top(-v_i))}, each (L, d_m) int64; read from the run's `value_tops`
     table when it holds these lenses for this model's shape, else computed and cached."""
+    from ffkv.store.run import unembed_digest
+
     L, dm = mm.n_layers, mm.d_m
-    if run is not None and run.has_table("value_tops"):
+    digest = unembed_digest(mm) if run is not None else None
+    cached = (run.manifest.get("tables") or {}).get("value_tops") or {} if run is not None else {}
+    if run is not None and run.has_table("value_tops") and cached.get("unembed_sha256") == digest:
         t = run.read_table("value_tops")
         have = set(t.column("lens").to_pylist())
         if set(lenses) <= have and t.num_rows == L * dm * len(have):
@@ -205,6 +210,9 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
             "lens": pa.array([ln] * (L * dm), pa.string()),
             "top_token": pa.array(out[ln][0].reshape(-1).numpy(), pa.int32()),
             "top_token_neg": pa.array(out[ln][1].reshape(-1).numpy(), pa.int32())}) for ln in lenses]))
+        run.manifest.setdefault("tables", {})["value_tops"] = {"unembed_sha256": digest,
+                                                               "lenses": list(lenses)}
+        run.save()
     return out
 
 
