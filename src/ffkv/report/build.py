@@ -29,6 +29,7 @@ from ffkv.store.run import Run, atomic_write_bytes
 TABLE1_LAYERS = 4  # layers shown in Table 1, spread over the depth
 TABLE1_KEYS = 2  # keys per layer
 TABLE1_PREFIXES = 4  # trigger prefixes per key
+TABLE1_PATTERNS = 4  # patterns shown per key
 TABLE2_ROWS = 20
 CASES_ROWS = 20
 PREFIX_CHARS = 110  # characters of a prefix shown before its last token
@@ -338,15 +339,19 @@ class Builder:
         if miss or self.decoder is None or not self.run.has_table("triggers"):
             s.missing = s.missing or f"Needs the `triggers` and `vocab` tables of `ffkv mine`."
             return s
-        cand = pk[pk["n_patterns"] > 0]
+        cand = pk[pk["n_patterns"] > 0].copy()
         if cand.empty:
             s.html = "<p>No analysed key has an automatic pattern.</p>"
             return s
+        # Like the paper's examples: prefer keys with a semantic pattern, then keys for which both
+        # analyses ran, then the best-covered ones.
+        cand["_sem"] = cand["n_semantic"] > 0
         layers = sorted(cand["layer"].unique())
         picks = sorted({layers[int(round(i))] for i in np.linspace(0, len(layers) - 1, min(TABLE1_LAYERS, len(layers)))})
         keys = []
         for l in picks:
-            c = cand[cand["layer"] == l].sort_values(["coverage", "n_patterns", "dim"], ascending=[False, False, True])
+            c = cand[cand["layer"] == l].sort_values(["_sem", "semantic_done", "coverage", "n_patterns", "dim"],
+                                                     ascending=[False, False, False, False, True])
             keys += c.head(TABLE1_KEYS)[["layer", "dim", "sign", "coverage", "label"]].to_dict("records")
         trig = self.run.read_table(
             "triggers", columns=["layer", "dim", "sign", "rank", "sentence_id", "position"],
@@ -359,7 +364,9 @@ class Builder:
             pats = pt[(pt["layer"] == k["layer"]) & (pt["dim"] == k["dim"]) & (pt["sign"] == k["sign"])]
             pats = pats.sort_values(["n_covered", "pattern_id"], ascending=[False, True])
             ptxt = "<br>".join(f"{esc(p.description)} <small>({esc(p.kind)}, {int(p.n_covered)} prefixes)</small>"
-                               for p in pats.itertuples())
+                               for p in pats.head(TABLE1_PATTERNS).itertuples())
+            if len(pats) > TABLE1_PATTERNS:
+                ptxt += f"<br><small>+{len(pats) - TABLE1_PATTERNS} more</small>"
             tr = trig[(trig["layer"] == k["layer"]) & (trig["dim"] == k["dim"]) & (trig["sign"] == k["sign"])]
             pre = []
             for r in tr.sort_values("rank").itertuples():
@@ -369,9 +376,10 @@ class Builder:
             key = f"layer {int(k['layer'])}, dim {int(k['dim'])}" + (" (−)" if k["sign"] < 0 else "")
             rows.append([key, f"{ptxt}<br><small>label: {esc(k['label'])}, coverage {k['coverage']:.0%}</small>",
                          "<br>".join(pre)])
-        s.html = (f"<p>Per layer, the {TABLE1_KEYS} keys whose top-25 prefixes are best covered by automatic "
-                  f"patterns; their top {TABLE1_PREFIXES} trigger prefixes, with the trigger token "
-                  f"<mark>marked</mark>.</p>" + table(["key", "patterns", "top trigger prefixes"], rows, raw={1, 2}))
+        s.html = (f"<p>In {len(picks)} layers spread over the depth, {TABLE1_KEYS} keys each, picked as the paper's "
+                  f"examples were, for illustration: keys with a semantic pattern first, then keys for which both "
+                  f"analyses ran, then the best coverage of their top-25 prefixes by automatic patterns. Their top "
+                  f"{TABLE1_PREFIXES} trigger prefixes, with the trigger token <mark>marked</mark>.</p>" + table(["key", "patterns", "top trigger prefixes"], rows, raw={1, 2}))
         return s
 
     def fig3(self) -> Section:

@@ -69,7 +69,9 @@ def thirds(layers, n_layers: int | None = None) -> tuple[list[int], list[int], l
 
 
 def _n_layers(df: pd.DataFrame, n_layers: int | None) -> int:
-    return int(n_layers or (int(df["layer"].max()) + 1))
+    """The model's layer count: given, else inferred from the table *before* any row is filtered
+    out (call it first), so that dropping empty layers does not change the relative depths."""
+    return int(n_layers or (int(df["layer"].max()) + 1 if len(df) else 1))
 
 
 def _span(ls: list[int]) -> str:
@@ -138,6 +140,7 @@ def fig2(table, n_layers: int | None = None, semantic_ran: bool = True, source: 
     if not semantic_ran:
         return Verdict(NA, crit, "semantic patterns were not run (`ffkv patterns --no-semantic`), so the "
                                  "shallow/semantic split cannot be read")
+    n_layers = n_layers or _n_layers(df, None)
     df = df[df["prefixes"] > 0]
     t = _thirds_or_none(df, n_layers) if not df.empty else None
     if t is None:
@@ -161,6 +164,7 @@ def fig3(mutations_layers, n_layers: int | None = None) -> Verdict:
         return missing("mutations_layers", "mutate")
     crit = ("same trend when removing the last token lowers the coefficient more than removing the first "
             "one: the median relative change, averaged over layers, is lower for `last` than for `first`")
+    n_layers = n_layers or _n_layers(df, None)
     df = df[df["median"].notna()]
     have = set(df["mutation"])
     if not {"first", "last"} <= have:
@@ -186,6 +190,7 @@ def fig4(values_layers, n_layers: int | None = None) -> Verdict:
         return missing("values_layers", "values")
     crit = ("same trend when the agreement rate pooled over the top third of the layers is higher than over "
             f"the bottom third and higher than the top third's shuffled-pairing baseline ({THIRDS})")
+    n_layers = n_layers or _n_layers(df, None)
     df = df[df["n"] > 0]
     t = _thirds_or_none(df, n_layers) if not df.empty else None
     if t is None:
@@ -211,6 +216,7 @@ def fig5(values_layers, n_layers: int | None = None) -> Verdict:
         return missing("values_layers", "values")
     crit = ("same trend when the median rank of the trigger's next token in the value's distribution, "
             f"averaged over the layers of the top third, is lower (better) than over the bottom third ({THIRDS})")
+    n_layers = n_layers or _n_layers(df, None)
     df = df[(df["n"] > 0) & df["rank_median"].notna()]
     t = _thirds_or_none(df, n_layers) if not df.empty else None
     if t is None:

@@ -1,0 +1,258 @@
+"""`ffkv report RUN` on a small real run (tiny Llama, every step), and in headless Debian chromium.
+
+The run is built once per session through the real CLI (in-process, to pay the torch import once).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import WT2, run_cli
+
+CHROMIUM = Path("/usr/bin/chromium")
+FIGURES = ["fig2", "fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "fig10", "fig11"]
+SECTIONS = ["fig2", "fig2_human", "table1", "fig3", "fig4", "fig5", "fig6", "table2", "fig7", "fig8", "fig9",
+            "fig10", "fig11", "cases"]
+STEP_TIMES: dict[str, float] = {}
+
+
+def cli(*args) -> str:
+    from typer.testing import CliRunner
+
+    from ffkv.cli import app
+
+    t = time.time()
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    STEP_TIMES[str(args[0])] = round(time.time() - t, 1)
+    assert res.exit_code == 0, f"ffkv {args[0]} failed: {res.exception!r}\n{res.output[-2000:]}"
+    return res.output
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_dirs) -> Path:
+    """Every step on the tiny Llama (3 layers × 80 memories, gated SiLU), small settings."""
+    d = tmp_path_factory.mktemp("report") / "run"
+    m = tiny_dirs["llama"]
+    cli("mine", "--out", d, "--model", m, "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 200,
+        "--top-k", 25)
+    cli("values", d, "--model", m, "--permutations", 20)
+    cli("compose", d, "--model", m, "--prefixes", 100, "--corpus", WT2 / "wiki.test.tokens",
+        "--max-sentences", 400)
+    cli("mutate", d, "--keys-per-layer", 2, "--examples", 10)
+    cli("patterns", d, "--semantic-keys-per-layer", 2, "--background", 50)
+    return d
+
+
+@pytest.fixture(scope="session")
+def report(tiny_run) -> Path:
+    r = run_cli("report", tiny_run)
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr, r.stderr
+    path = Path(r.stdout.strip().splitlines()[-1])
+    assert path == tiny_run / "report" / "index.html"
+    return path
+
+
+def verdicts_in(page: str) -> dict[str, str]:
+    """section id -> the verdict printed under it."""
+    out = {}
+    for m in re.finditer(r'<section id="([a-z0-9_]+)" class="figure-section".*?data-verdict="([^"]+)"', page, re.S):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+# ---- the HTML file ------------------------------------------------------------------------------------
+def test_report_has_every_section_figure_and_verdict(report, tiny_run):
+    page = report.read_text()
+    v = verdicts_in(page)
+    assert list(v) == SECTIONS
+    assert set(v.values()) <= {"same trend", "differs", "not comparable"}
+    assert v["fig2_human"] == "not comparable"  # no annotations in this run
+    assert v["fig7"] == "not comparable"  # gated SiLU: m > 0 is ~50% by symmetry
+    figs = report.parent / "figures"
+    for f in FIGURES:
+        for ext in ("png", "svg"):
+            p = figs / f"{f}.{ext}"
+            assert p.stat().st_size > 1000, p
+        assert f'href="figures/{f}.svg"' in page
+    assert (figs / "fig2.svg").read_text().lstrip().startswith("<?xml")
+    assert page.count('<img src="data:image/png;base64,') == len(FIGURES)
+    assert 'class="error"' not in page and "class=error" not in page
+    assert len(page.encode()) < 5_000_000
+    # self-contained: nothing external is linked or loaded
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    assert "<script" not in page and "<link" not in page and "@import" not in page and "url(" not in page
+
+
+def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
+    """The verdicts printed are the verdict functions applied to the run's own tables."""
+    from ffkv.report import verdicts as V
+
+    t = {n: pq.read_table(tiny_run / f"{n}.parquet").to_pandas()
+         for n in ("patterns_fig2", "mutations_layers", "values_layers", "values_fig6", "values_table2",
+                   "compose_layers")}
+    man = json.loads((tiny_run / "manifest.json").read_text())
+    L = man["model"]["layers"]
+    expect = {
+        "fig2": V.fig2(t["patterns_fig2"], L), "fig3": V.fig3(t["mutations_layers"], L),
+        "fig4": V.fig4(t["values_layers"], L), "fig5": V.fig5(t["values_layers"], L),
+        "fig6": V.fig6(t["values_fig6"]), "table2": V.table2(t["values_table2"], L),
+        "fig8": V.fig8(t["compose_layers"], gated=True, lens="norm"),
+        "fig9": V.fig9(t["compose_layers"], L, lens="norm"), "fig10": V.fig10(t["compose_layers"], L, lens="norm"),
+        "fig11": V.fig11(t["compose_layers"], lens="norm"),
+    }
+    page = report.read_text()
+    got = verdicts_in(page)
+    for sid, v in expect.items():
+        assert got[sid] == v.verdict, sid
+        assert v.measured.split(";")[0].replace("&", "&amp;").replace(">", "&gt;") in page, sid
+    # numbers from the tables: Table 2's first value, the last-layer cases, the step timings
+    t2 = t["values_table2"].sort_values("position").iloc[0]
+    assert f"{t2['max_prob']:.3g}" in page
+    for step in ("mine", "values", "compose", "mutate", "patterns"):
+        secs = man["steps"][step]["seconds"]
+        assert f"<td>{step}</td><td>done</td><td class=\"num\">{secs:.3g}</td>" in page
+    cases = pq.read_table(tiny_run / "compose_cases.parquet").to_pandas()
+    n_cases = int((cases["lens"] == "norm").sum())
+    assert f"{n_cases} last-layer cases" in page
+
+
+def test_report_model_differences(report):
+    page = report.read_text()
+    i = page.index('id="model"')
+    sec = page[i:page.index("</section>", i)]
+    assert "gated silu" in sec and "<td>3</td>" in sec and "<td>16</td>" in sec
+    assert "relative depth" in sec
+    # and the Fig 7 section says why it is not comparable
+    j = page.index('id="fig7"')
+    assert "symmetric" in page[j:page.index("</section>", j)]
+
+
+def test_decoder_matches_the_tokenizer(tiny_run, tok_dir):
+    from transformers import AutoTokenizer
+
+    from ffkv.report.build import Decoder
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    dec = Decoder(pq.read_table(tiny_run / "vocab.parquet").to_pandas())
+    assert dec.mode == "bytelevel"
+    sents = pq.read_table(tiny_run / "sentences.parquet").to_pandas().head(50)
+    for ids in sents["token_ids"]:
+        ids = list(ids)
+        assert dec.decode(ids) == tok.decode(ids)
+        head, last = dec.marked(ids, len(ids) // 2)
+        assert head + last == tok.decode(ids[: len(ids) // 2 + 1])
+
+
+# ---- partial runs, annotations, errors ----------------------------------------------------------------
+def copy_run(src: Path, dst: Path, tables: list[str], steps: list[str]) -> Path:
+    dst.mkdir(parents=True)
+    for t in tables:
+        shutil.copy(src / f"{t}.parquet", dst / f"{t}.parquet")
+    man = json.loads((src / "manifest.json").read_text())
+    man["steps"] = {k: v for k, v in man["steps"].items() if k in steps}
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def test_report_of_a_run_with_only_mine(tiny_run, tmp_path):
+    from ffkv.report.build import build
+
+    run = copy_run(tiny_run, tmp_path / "run", ["sentences", "triggers", "vocab"], ["mine"])
+    out, problems = build(run, tmp_path / "out.html")
+    assert out == tmp_path / "out.html" and problems == []
+    page = out.read_text()
+    v = verdicts_in(page)
+    assert list(v) == SECTIONS and set(v.values()) == {"not comparable"}
+    assert f"<code>ffkv values {run}</code>" in page
+    assert f"<code>ffkv compose {run}</code>" in page
+    assert f"<code>ffkv mutate {run}</code>" in page
+    assert f"<code>ffkv patterns {run}</code>" in page
+    assert "<img" not in page
+
+
+@pytest.mark.parametrize("trend, expected", [("paper", "same trend"), ("reversed", "differs")])
+def test_report_fig2_from_human_annotations(tiny_run, tmp_path, trend, expected):
+    from ffkv.report.build import build
+    from ffkv.store.annotations import AnnotationStore
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("report", "annotations.sqlite*"))
+    st = AnnotationStore(run)
+    kinds = {0: "shallow", 2: "semantic"} if trend == "paper" else {0: "semantic", 2: "shallow"}
+    for layer, kind in kinds.items():
+        for dim in (1, 2):
+            st.add_annotation("ann", layer, dim, [{"description": f"{kind} thing", "kind": kind,
+                                                   "prefixes": list(range(0, 20))}])
+    out, problems = build(run)
+    assert problems == []
+    page = out.read_text()
+    assert verdicts_in(page)["fig2_human"] == expected
+    assert (out.parent / "figures" / "fig2_human.png").exists()
+    assert "prefixes covered" in page
+
+
+def test_report_cli_errors(tmp_path):
+    r = run_cli("report", tmp_path / "nope")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "does not exist" in r.stderr and "ffkv mine" in r.stderr
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "manifest.json").write_text(json.dumps({"steps": {"mine": {"status": "running"}}}))
+    r = run_cli("report", tmp_path / "half")
+    assert r.returncode == 2 and "no finished `mine` step" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_report_cli_out_folder(tiny_run, tmp_path):
+    r = run_cli("report", tiny_run, "--out", tmp_path / "site")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / "site" / "index.html")
+    assert (tmp_path / "site" / "figures" / "fig4.svg").exists()
+
+
+# ---- the browser -----------------------------------------------------------------------------------------
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed (/usr/bin/chromium); "
+                                                  "`apt-get install -y chromium`")
+def test_report_in_headless_chromium(report, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from ffkv.report.screenshot import BROWSER_ARGS
+
+    requests, failed = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("requestfailed", lambda r: failed.append(r.url))
+            page.goto(report.resolve().as_uri(), wait_until="load")
+            imgs = page.eval_on_selector_all(
+                "img", "els => els.map(e => ({w: e.naturalWidth, h: e.naturalHeight, done: e.complete, "
+                       "section: e.closest('section').id}))")
+            svgs = page.eval_on_selector_all(
+                "svg", "els => els.map(e => { const r = e.getBoundingClientRect(); return r.width * r.height; })")
+            sections = page.eval_on_selector_all(
+                "section.figure-section", "els => els.map(e => ({id: e.id, verdicts: "
+                "Array.from(e.querySelectorAll('p.verdict')).map(v => v.innerText)}))")
+            page.screenshot(path=str(tmp_path / "report.png"))
+        finally:
+            browser.close()
+    assert requests and all(u.startswith(("file:", "data:")) for u in requests), requests
+    assert not failed, failed
+    assert sorted(i["section"] for i in imgs) == sorted(FIGURES)
+    assert all(i["done"] and i["w"] > 0 and i["h"] > 0 for i in imgs), imgs
+    assert all(a > 0 for a in svgs)
+    assert [s["id"] for s in sections] == SECTIONS
+    for s in sections:
+        assert len(s["verdicts"]) == 1, s
+        assert re.match(r"Verdict: (same trend|differs|not comparable)\.", s["verdicts"][0]), s
+        assert "Criterion:" in s["verdicts"][0] and "Measured:" in s["verdicts"][0]
+    assert (tmp_path / "report.png").stat().st_size > 10_000

@@ -1,0 +1,335 @@
+"""Each verdict function on constructed tables whose right answer is known: "same trend" and
+"differs" (and "not comparable" where the paper's measure does not apply)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from ffkv.report import verdicts as V
+from ffkv.report.verdicts import DIFFERS, NA, SAME
+
+
+def layers_frame(n: int, **cols) -> pd.DataFrame:
+    """One row per layer; each column value is a function of the relative depth t in [0, 1]."""
+    t = np.linspace(0, 1, n)
+    return pd.DataFrame({"layer": np.arange(n, dtype=np.int16), **{k: f(t) for k, f in cols.items()}})
+
+
+# ---- thirds by relative depth -------------------------------------------------------------------
+@pytest.mark.parametrize("n, bottom, top", [
+    (16, [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]),
+    (30, list(range(10)), list(range(20, 30))),
+    (3, [0], [2]),
+    (2, [0], [1]),
+])
+def test_thirds_by_relative_depth(n, bottom, top):
+    b, m, t = V.thirds(range(n), n)
+    assert b == bottom and t == top
+    assert sorted(b + m + t) == list(range(n))
+
+
+def test_thirds_use_the_model_depth_not_the_tables_layers():
+    # only layers 0..3 of a 30-layer model were analysed: no top third
+    b, m, t = V.thirds([0, 1, 2, 3], 30)
+    assert b == [0, 1, 2, 3] and t == []
+
+
+def test_spearman():
+    assert V.spearman([1, 2, 3, 4], [10, 20, 25, 40]) == pytest.approx(1.0)
+    assert V.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert np.isnan(V.spearman([1, 2, 3], [0, 0, 0]))
+
+
+def test_missing_table_is_not_comparable_and_names_the_command():
+    for fn, args, cmd in [(V.fig2, (), "patterns"), (V.fig3, (), "mutate"), (V.fig4, (), "values"),
+                          (V.fig5, (), "values"), (V.fig6, (), "values"), (V.table2, (16,), "values"),
+                          (V.fig7, ("relu", False), "compose"), (V.fig8, (), "compose"),
+                          (V.fig9, (), "compose"), (V.fig10, (), "compose"), (V.fig11, (), "compose"),
+                          (V.cases, (), "compose"), (V.table1, (), "patterns")]:
+        v = fn(None, *args)
+        assert v.verdict == NA, fn.__name__
+        assert f"ffkv {cmd} RUN" in v.criterion, fn.__name__
+
+
+# ---- Fig 2 --------------------------------------------------------------------------------------------
+def fig2_table(n, shallow, semantic, scope=True):
+    df = layers_frame(n, shallow=shallow, semantic=semantic, both=lambda t: 0.05 + 0 * t)
+    df["not_covered"] = 1 - df[["shallow", "semantic", "both"]].sum(axis=1)
+    df["prefixes"] = 250
+    df["keys"] = 10
+    if scope:
+        df["scope"] = "semantic_sample"
+        other = df.copy()
+        other["scope"] = "all"  # the opposite trend in the other scope must be ignored
+        other["shallow"], other["semantic"] = df["semantic"], df["shallow"]
+        df = pd.concat([df, other])
+    return df
+
+
+def test_fig2_same_trend():
+    v = V.fig2(fig2_table(16, lambda t: 0.6 - 0.4 * t, lambda t: 0.05 + 0.4 * t))
+    assert v.verdict == SAME
+    assert "shallow only" in v.measured
+
+
+def test_fig2_differs_when_semantic_does_not_rise():
+    v = V.fig2(fig2_table(30, lambda t: 0.6 - 0.4 * t, lambda t: 0.3 - 0.2 * t))
+    assert v.verdict == DIFFERS
+
+
+def test_fig2_differs_when_shallow_rises():
+    assert V.fig2(fig2_table(16, lambda t: 0.2 + 0.3 * t, lambda t: 0.05 + 0.3 * t)).verdict == DIFFERS
+
+
+def test_fig2_human_rows_and_no_semantic():
+    rows = fig2_table(16, lambda t: 0.6 - 0.4 * t, lambda t: 0.05 + 0.4 * t, scope=False).to_dict("records")
+    assert V.fig2(rows, source="human").verdict == SAME
+    assert V.fig2(pa.Table.from_pylist(rows)).verdict == SAME
+    v = V.fig2(rows, semantic_ran=False)
+    assert v.verdict == NA and "no-semantic" in v.measured
+
+
+def test_fig2_weights_layers_by_prefixes():
+    df = fig2_table(3, lambda t: 0.5 + 0 * t, lambda t: 0.1 + 0 * t, scope=False)
+    assert V.fig2(df).verdict == DIFFERS  # flat: neither share moves
+    # two bottom-third layers... only one per third for 3 layers; weights matter with several layers
+    df = fig2_table(6, lambda t: 0.5 + 0 * t, lambda t: 0.1 + 0 * t, scope=False)
+    df.loc[df.layer == 0, ["shallow", "semantic"]] = [0.9, 0.0]
+    df.loc[df.layer == 1, ["shallow", "semantic"]] = [0.1, 0.2]
+    df.loc[df.layer == 0, "prefixes"] = 1000  # layer 0 dominates the bottom third
+    df.loc[df.layer == 1, "prefixes"] = 10
+    # bottom pooled shallow ≈ 0.89 > top 0.5; semantic bottom ≈ 0.002 < top 0.1
+    assert V.fig2(df).verdict == SAME
+
+
+# ---- Fig 3 --------------------------------------------------------------------------------------------
+def mutations_layers(n, first, last, random):
+    rows = []
+    for l in range(n):
+        for m, v in (("first", first), ("last", last), ("random", random)):
+            rows.append({"layer": l, "mutation": m, "n": 50, "n_skipped": 0, "mean": v, "q25": v - 0.1,
+                         "median": v, "q75": v + 0.1, "share_lower": 0.9})
+    return pd.DataFrame(rows)
+
+
+def test_fig3_same_trend():
+    v = V.fig3(mutations_layers(16, first=-0.05, last=-0.6, random=-0.2))
+    assert v.verdict == SAME
+    assert "last -0.60" in v.measured
+
+
+def test_fig3_differs():
+    assert V.fig3(mutations_layers(16, first=-0.6, last=-0.1, random=-0.2)).verdict == DIFFERS
+
+
+def test_fig3_averages_over_layers():
+    df = mutations_layers(4, first=-0.1, last=-0.3, random=-0.2)
+    # one layer where the first token matters enormously flips the average
+    df.loc[(df.layer == 0) & (df.mutation == "first"), "median"] = -2.0
+    assert V.fig3(df).verdict == DIFFERS
+
+
+# ---- Fig 4 --------------------------------------------------------------------------------------------
+def values_layers(n, agree, shuffled=lambda t: 0.001 + 0 * t, rank=lambda t: 1000 - 900 * t):
+    df = layers_frame(n, agreement=agree, shuffled=shuffled, rank_median=rank)
+    df["n"] = 4000
+    df["n_agree"] = (df["agreement"] * df["n"]).round().astype(int)
+    df["agreement"] = df["n_agree"] / df["n"]
+    df["shuffled_rank_median"] = 20000.0
+    return df
+
+
+def test_fig4_same_trend():
+    assert V.fig4(values_layers(16, lambda t: np.where(t > 0.6, 0.035 * t, 0.0))).verdict == SAME
+
+
+def test_fig4_differs_when_flat():
+    assert V.fig4(values_layers(16, lambda t: 0.0 * t)).verdict == DIFFERS
+
+
+def test_fig4_differs_when_below_shuffled_baseline():
+    v = V.fig4(values_layers(16, lambda t: 0.001 + 0.004 * t, shuffled=lambda t: 0.02 + 0 * t))
+    assert v.verdict == DIFFERS
+
+
+def test_fig4_differs_when_it_falls():
+    assert V.fig4(values_layers(30, lambda t: 0.03 * (1 - t))).verdict == DIFFERS
+
+
+def test_fig4_layers_without_evaluated_memories_are_skipped():
+    df = values_layers(16, lambda t: 0.03 * t)
+    df.loc[df.layer >= 11, ["n", "n_agree"]] = 0
+    assert V.fig4(df).verdict == NA
+
+
+# ---- Fig 5 --------------------------------------------------------------------------------------------
+def test_fig5_same_trend():
+    assert V.fig5(values_layers(16, lambda t: 0 * t, rank=lambda t: 5000 - 4900 * t)).verdict == SAME
+
+
+def test_fig5_differs():
+    assert V.fig5(values_layers(16, lambda t: 0 * t, rank=lambda t: 100 + 4900 * t)).verdict == DIFFERS
+
+
+# ---- Fig 6 --------------------------------------------------------------------------------------------
+def fig6_table(agree):
+    b = np.arange(10)
+    return pd.DataFrame({"bin": b, "lo": b / 10, "hi": (b + 1) / 10, "n": 100, "n_agree": 0,
+                         "agreement": agree, "ci_low": 0.0, "ci_high": 1.0, "mean_max_prob": (b + 0.5) / 10})
+
+
+def test_fig6_same_trend():
+    assert V.fig6(fig6_table([0, 0, 0, 0, 0.001, 0.002, 0.002, 0.01, 0.03, 0.08])).verdict == SAME
+
+
+def test_fig6_differs_when_falling():
+    assert V.fig6(fig6_table([0.08, 0.03, 0.01, 0.01, 0.01, 0, 0, 0, 0, 0])).verdict == DIFFERS
+
+
+def test_fig6_differs_when_flat():
+    v = V.fig6(fig6_table([0.0] * 10))
+    assert v.verdict == DIFFERS and "constant" in v.measured
+
+
+def test_fig6_differs_when_only_the_end_points_rise():
+    # highest bin above the lowest, but agreement mostly falls across the bins: ρ < 0
+    assert V.fig6(fig6_table([0.01, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02])).verdict == DIFFERS
+
+
+# ---- Table 2 ------------------------------------------------------------------------------------------
+def table2_rows(layers):
+    return pd.DataFrame({"position": np.arange(1, len(layers) + 1), "layer": layers,
+                         "n_agree": [1 if i % 2 else 0 for i in range(len(layers))]})
+
+
+def test_table2_same_trend():
+    # 30 layers: the paper's upper part (depth ≥ 10/16) is layers 19..29
+    v = V.table2(table2_rows([29] * 60 + [20] * 30 + [3] * 10), 30)
+    assert v.verdict == SAME
+    assert "90 of 100" in v.measured and "50 of 100 have" in v.measured
+
+
+def test_table2_differs():
+    assert V.table2(table2_rows([0] * 50 + [10] * 30 + [25] * 20), 30).verdict == DIFFERS
+
+
+def test_table2_upper_part_of_the_paper():
+    v = V.table2(table2_rows([10] * 51 + [9] * 49), 16)  # 0-based 10 = the paper's layer 11
+    assert v.verdict == SAME and "layers 10–15" in v.criterion
+
+
+# ---- Fig 7 --------------------------------------------------------------------------------------------
+def compose_layers(n, lenses=("norm",), **cols):
+    frames = []
+    for lens in lenses:
+        df = layers_frame(n, **cols)
+        df.insert(0, "lens", lens)
+        df["n_examples"] = 4000
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_fig7_same_trend_for_relu():
+    dip = lambda t: 0.4 - 0.5 * t * (1 - t) * 1.2  # 40% at the ends, lowest in the middle
+    df = compose_layers(16, active_mean=dip, active_eps_mean=dip)
+    assert V.fig7(df, "relu", gated=False).verdict == SAME
+
+
+def test_fig7_differs_without_a_dip():
+    df = compose_layers(16, active_mean=lambda t: 0.1 + 0.3 * t, active_eps_mean=lambda t: 0.1 + 0.3 * t)
+    assert V.fig7(df, "relu", gated=False).verdict == DIFFERS
+
+
+def test_fig7_differs_when_almost_everything_fires():
+    dip = lambda t: 0.9 - 0.1 * t * (1 - t)
+    assert V.fig7(compose_layers(16, active_mean=dip, active_eps_mean=dip), "gelu_new", gated=False).verdict == DIFFERS
+
+
+def test_fig7_not_comparable_for_gated_silu():
+    dip = lambda t: 0.4 - 0.5 * t * (1 - t) * 1.2  # would pass for ReLU
+    v = V.fig7(compose_layers(30, active_mean=dip, active_eps_mean=dip), "silu", gated=True)
+    assert v.verdict == NA and "symmetric" in v.criterion and "%" in v.measured
+
+
+# ---- Fig 8 --------------------------------------------------------------------------------------------
+def test_fig8_same_trend():
+    df = compose_layers(16, fig8_no_single_memory=lambda t: 0.7 + 0.2 * t,
+                        fig8_no_single_memory_eps=lambda t: 0.1 + 0 * t)
+    assert V.fig8(df).verdict == SAME  # paper's form for a ReLU model; the eps column is ignored
+
+
+def test_fig8_differs():
+    df = compose_layers(16, fig8_no_single_memory=lambda t: np.where(t > 0.5, 0.4, 0.9),
+                        fig8_no_single_memory_eps=lambda t: 0.9 + 0 * t)
+    assert V.fig8(df).verdict == DIFFERS
+
+
+def test_fig8_gated_uses_the_signed_form():
+    df = compose_layers(30, fig8_no_single_memory=lambda t: 0.3 + 0 * t,
+                        fig8_no_single_memory_eps=lambda t: 0.8 + 0 * t)
+    assert V.fig8(df, gated=True).verdict == SAME
+    assert V.fig8(df, gated=False).verdict == DIFFERS
+
+
+def test_fig8_threshold_widens_with_few_examples():
+    df = compose_layers(16, fig8_no_single_memory=lambda t: 0.62 + 0 * t,
+                        fig8_no_single_memory_eps=lambda t: 0.62 + 0 * t)
+    assert V.fig8(df).verdict == DIFFERS  # n = 4000: 0.62 is below 0.68 − 2·SE ≈ 0.665
+    df["n_examples"] = 100
+    assert V.fig8(df).verdict == SAME  # n = 100: threshold ≈ 0.587
+
+
+# ---- Figs 9–11: lens handling -----------------------------------------------------------------------
+def test_fig9_same_trend():
+    df = compose_layers(16, r_matches_final=lambda t: 0.3 + 0.6 * t ** 3, o_matches_final=lambda t: 0.4 + 0.6 * t)
+    assert V.fig9(df).verdict == SAME
+
+
+def test_fig9_differs_when_not_rising():
+    df = compose_layers(16, r_matches_final=lambda t: 0.5 - 0.3 * t, o_matches_final=lambda t: 0.4 + 0.6 * t)
+    assert V.fig9(df).verdict == DIFFERS
+
+
+def test_fig9_differs_when_the_end_point_is_not_one():
+    df = compose_layers(16, r_matches_final=lambda t: 0.3 + 0.6 * t, o_matches_final=lambda t: 0.4 + 0.5 * t)
+    assert V.fig9(df).verdict == DIFFERS
+
+
+def test_fig10_same_trend_and_lens_choice():
+    up, down = (lambda t: 0.05 + 0.5 * t), (lambda t: 0.5 - 0.4 * t)
+    a = compose_layers(16, lenses=("naive",), p_final_mean=down)
+    b = compose_layers(16, lenses=("norm",), p_final_mean=up)
+    df = pd.concat([a, b])
+    assert V.fig10(df, lens="norm").verdict == SAME
+    assert V.fig10(df, lens="naive").verdict == DIFFERS
+    assert V.fig10(df).verdict == SAME  # default: the norm lens
+
+
+def test_fig11_same_trend():
+    df = compose_layers(16, residual=lambda t: 0.5 + 0 * t, agreement=lambda t: 0.3 + 0 * t,
+                        composition=lambda t: 0.15 + 0 * t, ffn=lambda t: 0.05 + 0 * t)
+    assert V.fig11(df).verdict == SAME
+
+
+def test_fig11_differs_when_ffn_beats_composition():
+    df = compose_layers(16, residual=lambda t: 0.5 + 0 * t, agreement=lambda t: 0.3 + 0 * t,
+                        composition=lambda t: 0.05 + 0 * t, ffn=lambda t: 0.15 + 0 * t)
+    assert V.fig11(df).verdict == DIFFERS
+
+
+def test_fig11_differs_without_a_residual_majority():
+    df = compose_layers(16, residual=lambda t: 0.2 + 0 * t, agreement=lambda t: 0.1 + 0 * t,
+                        composition=lambda t: 0.6 + 0 * t, ffn=lambda t: 0.1 + 0 * t)
+    assert V.fig11(df).verdict == DIFFERS
+
+
+# ---- qualitative sections -----------------------------------------------------------------------------
+def test_cases_and_table1_are_read_not_judged():
+    c = pd.DataFrame({"lens": ["norm"] * 4 + ["naive"], "category": ["composition"] * 3 + ["ffn"] * 2})
+    v = V.cases(c, lens="norm")
+    assert v.verdict == NA and "4 last-layer cases" in v.measured and "75.0%" in v.measured
+    pk = pd.DataFrame({"n_patterns": [0, 1, 3, 2]})
+    v = V.table1(pk)
+    assert v.verdict == NA and "75.0%" in v.measured
