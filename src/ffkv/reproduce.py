@@ -94,11 +94,15 @@ def summary_lines(run: Path, times: dict) -> list[str]:
              f"{c.get('sentences', '?')} sentences mined ({c.get('tokens', '?')} tokens)",
              "wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
              + f" (total {sum(times.values()) / 60:.1f} min)"]
-    try:
-        from ffkv.report.verdicts import all_verdicts
+    vpath = r.path / "report" / "verdicts.json"
+    if vpath.exists():
+        import json
 
-        for v in all_verdicts(r):
-            lines.append(f"{v['figure']:>8}: {v['verdict']:<14} {v.get('measured', '')}"[:160])
-    except ImportError:
-        pass
+        vs = json.loads(vpath.read_text())
+        counts = {}
+        for v in vs:
+            counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+        lines.append("verdicts vs the paper: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+        for v in vs:
+            lines.append(f"  {v['id']:>8}: {v['verdict']:<14} {v.get('measured', '')}"[:150])
     return lines
