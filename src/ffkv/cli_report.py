@@ -10,7 +10,7 @@ import typer
 
 def register(app: typer.Typer) -> None:
     @app.command()
-    def report(run: Path = typer.Argument(..., help="A run directory made by `ffkv mine --out RUN` "
+    def report(run: Path = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN` "
                                                     "(other steps add figures)."),
                out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the report: a "
                                                   ".html file, or a folder for index.html. Default: "

@@ -233,7 +233,7 @@ def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[s
     ps = settings.get("patterns") or {}
     if ps:
         rows.append(["pattern labels", "human experts, 10 keys per layer",
-                     "automatic (`ffkv patterns`): shallow for every analysed key, semantic for "
+                     "automatic (ffkv patterns): shallow for every analysed key, semantic for "
                      f"{ps.get('semantic_keys_per_layer', '?') or 'all'} per layer"
                      + ("" if ps.get("semantic", True) else " (semantic off)"),
                      "automatic labels are a proxy for the experts' reading"])

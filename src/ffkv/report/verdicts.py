@@ -420,5 +420,5 @@ def table1(pattern_keys) -> Verdict:
     if df.empty:
         return Verdict(NA, crit, "no keys analysed")
     with_p = float((df["n_patterns"] > 0).mean())
-    return Verdict(NA, crit, f"{len(df)} keys analysed, {_pct(with_p)} with at least one automatic pattern "
+    return Verdict(NA, crit, f"{len(df):,} keys analysed, {_pct(with_p)} with at least one automatic pattern "
                              f"(paper: every annotated key had one)")
