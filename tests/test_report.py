@@ -110,7 +110,11 @@ def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
     }
     page = report.read_text()
     got = verdicts_in(page)
+    vj = {r["id"]: r for r in json.loads((report.parent / "verdicts.json").read_text())}
+    assert list(vj) == SECTIONS
+    assert {k: r["verdict"] for k, r in vj.items()} == got
     for sid, v in expect.items():
+        assert (vj[sid]["verdict"], vj[sid]["criterion"], vj[sid]["measured"]) == tuple(v), sid
         assert got[sid] == v.verdict, sid
         assert v.measured.split(";")[0].replace("&", "&amp;").replace(">", "&gt;") in page, sid
     # numbers from the tables: Table 2's first value, the last-layer cases, the step timings

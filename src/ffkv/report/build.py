@@ -598,6 +598,14 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str) ->
         version=esc(__version__), body="\n".join(body))
 
 
+def verdicts_json(sections: list[Section]) -> list[dict]:
+    """The verdicts as data (verdicts.json beside the HTML): one record per section, in report order."""
+    return [{"id": s.id, "title": PAPER[s.id]["title"], "verdict": s.verdict.verdict,
+             "criterion": s.verdict.criterion, "measured": s.verdict.measured,
+             "other_lens": s.extra.strip(" ()") or None, "figure": s.figure["png"].name if s.figure else None,
+             "missing": s.missing, "error": s.error} for s in sections]
+
+
 def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list[str]]:
     """`build_report`, also returning the problems met (sections that could not be built)."""
     run = Run(run_path)
@@ -617,12 +625,15 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
     diff_rows, notes = model_differences(run.manifest)
     page = render(run, sections, diff_rows, notes, fig_rel="figures")
     atomic_write_bytes(html_path, page.encode("utf-8"))
+    atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections), indent=2,
+                                                                      ensure_ascii=False).encode("utf-8"))
     return html_path, b.problems
 
 
 def build_report(run_path, out: str | Path | None = None, log=None) -> Path:
-    """Build RUN/report/index.html (or `out`: a .html file, or a folder to hold index.html) and the
-    figures as PNG and SVG beside it in `figures/`. Returns the HTML path. Raises FfkvError for a
+    """Build RUN/report/index.html (or `out`: a .html file, or a folder to hold index.html), the
+    figures as PNG and SVG beside it in `figures/`, and `verdicts.json` (one record per section: id,
+    title, verdict, criterion, measured, other_lens, figure, missing, error). Returns the HTML path. Raises FfkvError for a
     missing or unmined run. A section whose table is malformed is reported through `log` and shown
     as "not comparable" with the error, rather than failing the whole report."""
     return build(run_path, out, log)[0]
