@@ -182,25 +182,34 @@ def test_report_of_a_run_with_only_mine(tiny_run, tmp_path):
     assert "<img" not in page
 
 
-@pytest.mark.parametrize("trend, expected", [("paper", "same trend"), ("reversed", "differs")])
-def test_report_fig2_from_human_annotations(tiny_run, tmp_path, trend, expected):
-    from ffkv.report.build import build
+def annotate(run: Path, kinds: dict[int, str]) -> None:
     from ffkv.store.annotations import AnnotationStore
 
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("report", "annotations.sqlite*"))
     st = AnnotationStore(run)
-    kinds = {0: "shallow", 2: "semantic"} if trend == "paper" else {0: "semantic", 2: "shallow"}
     for layer, kind in kinds.items():
         for dim in (1, 2):
             st.add_annotation("ann", layer, dim, [{"description": f"{kind} thing", "kind": kind,
                                                    "prefixes": list(range(0, 20))}])
-    out, problems = build(run)
+
+
+def test_report_fig2_from_human_annotations(tiny_run, tmp_path):
+    """Shallow labels in layer 0 and semantic ones in layer 2 are the paper's trend; the reverse differs."""
+    from ffkv.report.build import Builder, build
+    from ffkv.store.run import Run
+
+    runs = {}
+    for trend, kinds in (("paper", {0: "shallow", 2: "semantic"}), ("reversed", {0: "semantic", 2: "shallow"})):
+        runs[trend] = tmp_path / trend
+        shutil.copytree(tiny_run, runs[trend], ignore=shutil.ignore_patterns("report", "annotations.sqlite*"))
+        annotate(runs[trend], kinds)
+    out, problems = build(runs["paper"])
     assert problems == []
     page = out.read_text()
-    assert verdicts_in(page)["fig2_human"] == expected
+    assert verdicts_in(page)["fig2_human"] == "same trend"
     assert (out.parent / "figures" / "fig2_human.png").exists()
     assert "prefixes covered" in page
+    sec = Builder(Run(runs["reversed"]), tmp_path / "figs").fig2_human()
+    assert sec.verdict.verdict == "differs"
 
 
 def test_report_cli_errors(tmp_path):
@@ -215,9 +224,9 @@ def test_report_cli_errors(tmp_path):
 
 
 def test_report_cli_out_folder(tiny_run, tmp_path):
-    r = run_cli("report", tiny_run, "--out", tmp_path / "site")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(tmp_path / "site" / "index.html")
+    out = cli("report", tiny_run, "--out", tmp_path / "site")
+    assert out.strip() == str(tmp_path / "site" / "index.html")
+    assert (tmp_path / "site" / "verdicts.json").exists()
     assert (tmp_path / "site" / "figures" / "fig4.svg").exists()
 
 
