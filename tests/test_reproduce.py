@@ -1,0 +1,76 @@
+"""`ffkv reproduce`: all steps in order, a kill during the second step, a resume that does not
+repeat the first, and the same report as an uninterrupted run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import WT2, run_cli
+
+
+def _args(run, model):
+    return ["reproduce", str(run), "--model", str(model), "--corpus", str(WT2 / "wiki.valid.tokens"),
+            "--compose-corpus", str(WT2 / "wiki.test.tokens"), "--sentences", "150", "--top-k", "25",
+            "--prefixes", "40", "--keys-per-layer", "2", "--semantic-keys-per-layer", "1"]
+
+
+def _verdicts(run):
+    vs = json.loads((run / "report" / "verdicts.json").read_text())
+    return [(v["id"], v["verdict"], v["measured"]) for v in vs]
+
+
+def _steps(run):
+    p = run / "manifest.json"
+    try:
+        return json.loads(p.read_text()).get("steps", {})
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@pytest.mark.slow
+def test_reproduce_kill_and_resume(tmp_path, tiny_dirs):
+    model = tiny_dirs["llama"]
+    ref = tmp_path / "ref"
+    res = run_cli(*_args(ref, model))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "report:" in res.stdout and (ref / "report" / "index.html").exists()
+    for step in ("mine", "values", "compose", "mutate", "patterns"):
+        assert _steps(ref)[step]["status"] == "done"
+
+    run = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", *_args(run, model)],
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        st = _steps(run)
+        if st.get("mine", {}).get("status") == "done":
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "reproduce ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    st = _steps(run)
+    assert st["mine"]["status"] == "done" and st.get("values", {}).get("status") != "done"
+    mined = (run / "triggers.parquet").stat().st_mtime_ns
+
+    res = run_cli(*_args(run, model))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "already mined" in res.stdout  # the first step is not repeated
+    assert (run / "triggers.parquet").stat().st_mtime_ns == mined
+    assert _verdicts(run) == _verdicts(ref)
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1].startswith("report: ") and lines[-1].endswith("index.html")
+
+
+def test_reproduce_help_and_bad_run(tmp_path):
+    res = run_cli("reproduce", "--help")
+    assert res.returncode == 0 and "--sentences" in res.stdout
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = run_cli("reproduce", f, "--model", "x")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
