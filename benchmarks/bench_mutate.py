@@ -12,7 +12,9 @@ Printed, side by side in one process:
 - wall time of `mutate` (the library call the CLI makes; model loading excluded), variants/s;
 - the naive baseline: one forward pass per variant through all layers (the paper's released
   code re-runs each mutated example), timed on a seeded sample of variants and extrapolated;
-- the ratio, and the engine's bookkeeping (sequences actually run, layer-tokens computed).
+- the ratio, and the engine's bookkeeping (sequences actually run, layer-tokens computed);
+- the throughput of a plain forward pass right before and after, to tell the machine's load
+  (other jobs share its 2 cores) from the code's speed, with the time scaled to a quiet machine.
 The target of issue 6 is ≤ 10 minutes for 45,000 variants on this 2-core CPU.
 """
 from __future__ import annotations
@@ -106,16 +108,37 @@ def naive_seconds(mm, run, table: pa.Table, n: int, seed: int) -> tuple[float, f
     rows = table.take(pa.array(idx)).to_pylist()
     sents = sentence_lookup(run, [r["sentence_id"] for r in rows])
     err = 0.0
-    t0 = time.perf_counter()
+    spent = 0.0
     for r in rows:
         ids = sents[r["sentence_id"]][: r["position"] + 1]
         v = ids[: r["removed_position"]] + ids[r["removed_position"] + 1:]
         inp, mask = mm.batch([v])
-        mm.hf(input_ids=inp, attention_mask=mask, use_cache=False)  # the whole model, as naive code does
-        # the coefficient itself, to check the engine's number
-        c = mm.capture(inp, mask, layers=[r["layer"]], what=("m",))[r["layer"]]["m"][0, -1, r["dim"]]
+        got = {}
+        h = mm._mod(r["layer"], mm.arch.value).register_forward_pre_hook(
+            lambda mod, a: got.__setitem__("m", a[0].detach()))
+        t0 = time.perf_counter()
+        try:
+            mm.hf(input_ids=inp, attention_mask=mask, use_cache=False)  # the whole model, as naive code does
+        finally:
+            spent += time.perf_counter() - t0
+            h.remove()
+        c = got["m"].reshape(1, len(v), -1)[0, -1, r["dim"]]  # checks the engine's number
         err = max(err, abs(float(c) - r["new_coef"]) / max(abs(r["new_coef"]), 1e-3))
-    return (time.perf_counter() - t0) / len(rows), err
+    return spent / len(rows), err
+
+
+@torch.no_grad()
+def plain_throughput(mm, seconds: float = 20.0) -> float:
+    """Tokens/s of a plain full forward pass at batch 32 × 32 now (NOTES.md: ≈ 450 on a quiet machine)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, mm.vocab_size - 1, (32, 32), generator=g)
+    mask = torch.ones_like(ids)
+    mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
+        n += 1
+    return n * ids.numel() / (time.perf_counter() - t0)
 
 
 def main():
@@ -129,6 +152,7 @@ def main():
     ap.add_argument("--naive-sample", type=int, default=150, help="variants timed for the baseline")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-only", action="store_true", help="only build the benchmark run")
+    ap.add_argument("--no-share", action="store_true", help="no prefix sharing of random variants")
     a = ap.parse_args()
 
     from ffkv.experiments.mutate import mutate
@@ -153,10 +177,12 @@ def main():
     if a.build_only:
         return
 
-    t = time.perf_counter()
+    before = plain_throughput(mm)
+    t, cpu = time.perf_counter(), time.process_time()
     res = mutate(run, mm, keys_per_layer=a.keys_per_layer, examples=a.examples, seed=a.seed,
-                 batch_tokens=a.batch_tokens, write=False)
-    wall = time.perf_counter() - t
+                 batch_tokens=a.batch_tokens, write=False, share_prefixes=not a.no_share)
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    after = plain_throughput(mm)
     V = res.stats["variants"]
     st = res.stats["rescore"]
     print(f"\nmutate: {res.stats['keys']} keys, {V:,} variants "
@@ -164,7 +190,12 @@ def main():
           f"= {wall / 60:.2f} min, {V / wall:,.0f} variants/s")
     print(f"  requests {st['requests']:,} (originals + variants) -> {st['unique_sequences']:,} unique "
           f"sequences -> {st['sequences_run']:,} run ({st['tokens_run']:,} tokens), {st['batches']} batches")
-    print(f"  layer-tokens computed {st['layer_tokens']:,} (padded {st['padded_layer_tokens']:,})")
+    print(f"  layer-tokens computed {st['layer_tokens']:,} (padded {st['padded_layer_tokens']:,}); "
+          f"CPU time {cpu:.0f} s on {torch.get_num_threads()} threads")
+    tput = (before + after) / 2
+    print(f"  plain forward pass now: {before:.0f} tok/s before, {after:.0f} tok/s after "
+          f"(NOTES.md: ≈ 450 tok/s on a quiet machine): mutate at 450 tok/s would take about "
+          f"{wall * tput / 450:.0f} s")
     lens = res.mutations.column("n_tokens").to_numpy()
     full = int(lens.sum()) * mm.n_layers
     print(f"  naive work would be {full:,} layer-tokens: {full / st['layer_tokens']:.1f}× more")

@@ -183,6 +183,69 @@ def test_mutations_match_direct_forward(runs, tiny_models, arch):
     assert len(keys) == 4 * mm.n_layers
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "llama"])
+def test_prefix_sharing_equals_direct_forward(tiny_models, arch):
+    """Variants computed from their original's cached keys/values equal lone passes."""
+    mm = tiny_models[arch]
+    assert M.sharing_ok(mm)
+    rng = random.Random(2)
+    seqs, lays, poss, dims, anchors = [], [], [], [], []
+    for _ in range(12):
+        base = tuple(rng.randrange(5, mm.vocab_size) for _ in range(rng.randrange(4, 30)))
+        layer = rng.randrange(mm.n_layers)
+        seqs.append(base)
+        lays.append(layer)
+        poss.append(len(base) - 1)
+        dims.append(rng.randrange(mm.d_m))
+        anchors.append(-1)
+        a = len(seqs) - 1
+        for _ in range(4):
+            j = rng.randrange(1, len(base))
+            r = rng.randrange(0, j + 1)
+            v = base[:r] + base[r + 1:j + 1]
+            seqs.append(v)
+            lays.append(rng.randrange(mm.n_layers))
+            poss.append(rng.randrange(len(v)))  # not only the last position
+            dims.append(rng.randrange(mm.d_m))
+            anchors.append(a)
+    shared, plain = M.RescoreStats(), M.RescoreStats()
+    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=shared)
+    ref = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, stats=plain)
+    want = np.array([_direct(mm, s, l, d, p) for s, l, p, d in zip(seqs, lays, poss, dims)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ref, want, rtol=1e-4, atol=1e-5)
+    assert shared.tokens_run < plain.tokens_run and shared.layer_tokens < plain.layer_tokens
+
+
+def test_mutate_shares_prefixes(runs, tiny_models):
+    run, mm = runs["llama"], tiny_models["llama"]
+    a = M.mutate(run, mm, keys_per_layer=3, examples=8, write=False, show_progress=False)
+    b = M.mutate(run, mm, keys_per_layer=3, examples=8, write=False, show_progress=False,
+                 share_prefixes=False)
+    np.testing.assert_allclose(a.mutations.column("new_coef").to_numpy(),
+                               b.mutations.column("new_coef").to_numpy(), rtol=1e-4, atol=1e-5)
+    assert a.stats["rescore"]["layer_tokens"] < 0.9 * b.stats["rescore"]["layer_tokens"]
+
+
+def test_rescore_stops_at_the_layer(tiny_models):
+    """A pass for layer-0 requests never runs the blocks above layer 0."""
+    mm = tiny_models["llama"]
+    calls = {l: 0 for l in range(mm.n_layers)}
+    hooks = [mm.blocks[l].register_forward_hook(lambda *a, l=l: calls.__setitem__(l, calls[l] + 1))
+             for l in range(mm.n_layers)]
+    try:
+        seqs = [tuple(range(10, 10 + n)) for n in (3, 5, 8)] + [tuple(range(40, 46))]
+        st = M.RescoreStats()
+        M.rescore(mm, seqs, [0, 0, 0, 0], [2, 4, 7, 5], [1, 2, 3, 4], stats=st)
+        assert calls[0] >= 1 and all(calls[l] == 0 for l in range(1, mm.n_layers))
+        assert st.sequences_run == 2 and st.layer_tokens == 8 + 6
+        M.rescore(mm, seqs[:1], [1], [2], [0])
+        assert calls[1] == 1 and calls[2] == 0
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_last_token_costs_no_pass(runs, tiny_models):
     """Originals and their last-token variants are served by one pass per sentence."""
     run, mm = runs["llama"], tiny_models["llama"]
@@ -234,7 +297,7 @@ def test_bos_first_token_and_short_prefixes():
     sents = {7: [1, 10, 11, 12, 13], 8: [1, 20]}
     trig = {"layer": np.array([0, 0, 0]), "dim": np.array([3, 3, 3]), "rank": np.array([1, 2, 3]),
             "coef": np.ones(3), "sentence_id": np.array([7, 8, 7]), "position": np.array([3, 1, 2])}
-    (seqs, lays, poss, dims), rows, skipped = M.build_variants(trig, sents, [1], seed=0)
+    (seqs, lays, poss, dims, anchors), rows, skipped = M.build_variants(trig, sents, [1], seed=0)
     assert skipped == {0: 1}  # [BOS, 20] has one real token
     first = [seqs[r] for m, r in zip(rows["mutation"], rows["new_req"]) if m == "first"]
     assert first == [(1, 11, 12), (1, 11)]

@@ -29,6 +29,11 @@ Speed (the whole point of the engine below, `rescore`):
   "last" variants (and the originals) are thus read from one pass over each original sentence, at
   positions j−1 (and j): removing the last token costs no forward pass of its own. All "first"
   variants of one sentence share one sequence too.
+- A "random" variant drops token r of x_1..x_j: its first r tokens are those of the original, so
+  it is computed from the original's cached keys and values, running only its j − r later
+  tokens with explicit position ids (about half the tokens of the random variants). The original
+  pass keeps its cache for that, and goes as deep as its deepest variant needs. Checked once per
+  model (`sharing_ok`); a model where it does not reproduce a full pass gets full passes.
 - Requests of all keys and all layers share batches; batches are packed by length
   (`ffkv.corpus.batching.pack`) within groups of equal deepest layer, right-padded.
 
@@ -67,7 +72,7 @@ class RescoreStats:
     unique_sequences: int = 0
     sequences_run: int = 0  # after absorbing prefixes into longer sequences
     tokens_run: int = 0  # real tokens fed to the model
-    layer_tokens: int = 0  # Σ tokens × (deepest layer + 1): the work actually done
+    layer_tokens: int = 0  # Σ over batches of real tokens × (batch's deepest layer + 1): the work done
     padded_layer_tokens: int = 0  # the same, counting padding
     batches: int = 0
     seconds: float = 0.0
@@ -98,13 +103,61 @@ def absorb_prefixes(seqs: list[tuple]) -> np.ndarray:
     return rep
 
 
+def _lcp(a: tuple, b: tuple) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int,
+             band: int = 1):
+    """Index batches of `members`: groups whose deepest layer lies in the same band of `band`
+    layers (1: equal), packed by length. Wider bands trade some layers of wasted work for fewer,
+    fuller batches."""
+    out = []
+    key = deepest[members] // band
+    for L in np.unique(key):
+        m = members[key == L]
+        for b in pack(lengths[m], batch_tokens):
+            out.append(m[b])
+    return out
+
+
+def sharing_ok(mm) -> bool:
+    """Does continuing a cached prefix (past keys/values, explicit position ids) reproduce a full
+    pass on this model? Checked once per model on a random 9-token sequence; when it does not
+    (or the model's forward refuses the arguments), `rescore` runs every sequence in full."""
+    ok = getattr(mm, "_ffkv_prefix_sharing_ok", None)
+    if ok is None:
+        g = torch.Generator().manual_seed(0)
+        base = tuple(torch.randint(3, max(4, mm.vocab_size - 1), (9,), generator=g).tolist())
+        seqs = [base, base[:3] + base[4:], base[:6] + base[7:]]
+        L = min(2, mm.n_layers - 1)
+        lays, pos, dims = [L] * 3, [len(x) - 1 for x in seqs], [0, 1 % mm.d_m, 2 % mm.d_m]
+        try:
+            a = rescore(mm, seqs, lays, pos, dims, anchors=[-1, 0, 0], _check=False)
+            b = rescore(mm, seqs, lays, pos, dims)
+            ok = bool(np.allclose(a, b, rtol=1e-3, atol=1e-4 * max(1.0, float(np.abs(b).max()))))
+        except Exception:  # noqa: BLE001 - any failure means: do not share
+            ok = False
+        mm._ffkv_prefix_sharing_ok = ok
+    return ok
+
+
 @torch.no_grad()
 def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 2048,
-            bar=None, stats: RescoreStats | None = None) -> np.ndarray:
+            bar=None, stats: RescoreStats | None = None, anchors=None, min_share: int = 2,
+            _check: bool = True) -> np.ndarray:
     """Coefficient m_dims[r] of layer layers[r] at position positions[r] of sequence seqs[r].
 
-    Equal to a forward pass of each sequence alone (up to float rounding); see the module
-    docstring for how the work is shared. Returns float32 (R,).
+    Equal to a forward pass of each sequence alone (up to float rounding). Work is shared three
+    ways: duplicates and prefixes of longer sequences are read from the longer sequence;
+    sequences share batches; each batch stops at its deepest layer. With `anchors` (per request,
+    the index of another request or -1), a sequence that starts like its anchor's sequence is
+    computed from the anchor's cached keys and values: only its tokens after the common prefix
+    (of ≥ `min_share` tokens) are run, with explicit position ids. Returns float32 (R,).
     """
     t0 = time.perf_counter()
     R = len(seqs)
@@ -129,44 +182,98 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
     rep_of_u = absorb_prefixes(useqs)
     reps, rid = np.unique(rep_of_u[uid], return_inverse=True)  # request -> run-sequence index
     run_seqs = [useqs[u] for u in reps]
+    n_run = len(run_seqs)
     run_len = np.array([len(s) for s in run_seqs], dtype=np.int64)
-    deepest = np.full(len(run_seqs), -1, dtype=np.int64)
+    deepest = np.full(n_run, -1, dtype=np.int64)
     np.maximum.at(deepest, rid, layers)
-    st.sequences_run += len(run_seqs)
-    st.tokens_run += int(run_len.sum())
-    st.layer_tokens += int((run_len * (deepest + 1)).sum())
+    # prefix sharing: a leaf is computed from its parent's cache, after `share` common tokens
+    parent = np.full(n_run, -1, dtype=np.int64)
+    share = np.zeros(n_run, dtype=np.int64)
+    if anchors is not None and (not _check or sharing_ok(mm)):
+        anchors = np.asarray(anchors, dtype=np.int64)
+        has = anchors >= 0
+        is_parent = np.zeros(n_run, dtype=bool)
+        is_parent[rid[anchors[has]]] = True
+        all_have = np.ones(n_run, dtype=bool)
+        np.logical_and.at(all_have, rid, has)
+        minpos = np.full(n_run, np.iinfo(np.int64).max)
+        np.minimum.at(minpos, rid, positions)
+        cand = np.full(n_run, -1, dtype=np.int64)
+        cand[rid[has]] = rid[anchors[has]]
+        for w in np.nonzero((cand >= 0) & all_have & ~is_parent)[0]:
+            p = int(cand[w])
+            if p == w:
+                continue
+            k = min(_lcp(run_seqs[w], run_seqs[p]), int(minpos[w]))
+            if k >= min_share:
+                parent[w], share[w] = p, k
+        leaves = np.nonzero(parent >= 0)[0]
+        np.maximum.at(deepest, parent[leaves], deepest[leaves])  # a parent's cache must reach its leaves' layers
+    roots = np.nonzero(parent < 0)[0]
+    new_len = run_len - share
+    st.sequences_run += n_run
+    st.tokens_run += int(new_len.sum())
     # requests grouped by run sequence
     req_order = np.argsort(rid, kind="stable")
-    starts = np.searchsorted(rid[req_order], np.arange(len(run_seqs) + 1))
-    # batches: groups of equal deepest layer, packed by length
-    batches = []
-    for L in np.unique(deepest):
-        members = np.nonzero(deepest == L)[0]
-        for b in pack(run_len[members], batch_tokens):
-            batches.append(members[b])
+    starts = np.searchsorted(rid[req_order], np.arange(n_run + 1))
+    leaves_of: dict[int, list[int]] = {}
+    for w in np.nonzero(parent >= 0)[0]:
+        leaves_of.setdefault(int(parent[w]), []).append(int(w))
     if bar is not None:
-        bar(0, 0, total=len(run_seqs))
-    for b in batches:
-        ids, mask = mm.batch([list(run_seqs[s]) for s in b])
+        bar(0, 0, total=n_run)
+
+    def run_batch(b, ids, mask, offset, deep, **kw):
         rq = np.concatenate([req_order[starts[s]:starts[s + 1]] for s in b])
         row_of_seq = {int(s): k for k, s in enumerate(b)}
         rows = np.array([row_of_seq[int(rid[r])] for r in rq], dtype=np.int64)
+        pos = positions[rq] - offset[rid[rq]]
         need = {}
         for l in np.unique(layers[rq]):
             sel = layers[rq] == l
-            need[int(l)] = (rq[sel], torch.as_tensor(rows[sel]), torch.as_tensor(positions[rq[sel]]),
+            need[int(l)] = (rq[sel], torch.as_tensor(rows[sel]), torch.as_tensor(pos[sel]),
                             torch.as_tensor(dims[rq[sel]]))
 
-        def take(layer, name, m, need=need):
-            r_idx, rr, pp, dd = need[layer]
-            rr, pp, dd = rr.to(m.device), pp.to(m.device), dd.to(m.device)
-            out[r_idx] = m[rr, pp, dd].float().cpu().numpy()
+        def take(layer, name, m):
+            if layer in need:
+                r_idx, rr, pp, dd = need[layer]
+                out[r_idx] = m[rr.to(m.device), pp.to(m.device), dd.to(m.device)].float().cpu().numpy()
 
-        mm.capture(ids, mask, layers=sorted(need), what=("m",), callback=take)
+        mm.capture(ids, mask, layers=sorted(set(need) | {deep}), what=("m",), callback=take, **kw)
         st.batches += 1
-        st.padded_layer_tokens += int(ids.shape[0] * ids.shape[1] * (max(need) + 1))
+        st.layer_tokens += int(new_len[b].sum()) * (deep + 1)
+        st.padded_layer_tokens += int(ids.shape[0] * ids.shape[1] * (deep + 1))
         if bar is not None:
-            bar(len(b), int(run_len[b].sum()))
+            bar(len(b), int(new_len[b].sum()))
+
+    zero = np.zeros(n_run, dtype=np.int64)
+    for b in _batches(run_len, deepest, roots, batch_tokens):
+        ids, mask = mm.batch([list(run_seqs[s]) for s in b])
+        deep = int(deepest[b].max())
+        kids = np.array([w for s in b for w in leaves_of.get(int(s), [])], dtype=np.int64)
+        if not len(kids):
+            run_batch(b, ids, mask, zero, deep)
+            continue
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=mm.hf.config)
+        run_batch(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
+        row_of_root = {int(s): k for k, s in enumerate(b)}
+        # the leaves of one root batch are few: bands of layers keep their batches full
+        for lb in _batches(new_len, deepest, kids, batch_tokens, band=max(1, -(-mm.n_layers // 6))):
+            kk = torch.as_tensor(share[lb], device=ids.device)
+            P = int(kk.max())
+            ids_new, mask_new = mm.batch([list(run_seqs[w][share[w]:]) for w in lb])
+            T = ids_new.shape[1]
+            src = torch.as_tensor([row_of_root[int(parent[w])] for w in lb], device=ids.device)
+            ldeep = int(deepest[lb].max())
+            past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
+                    for l in range(ldeep + 1)]
+            am = torch.cat([(torch.arange(P, device=ids.device)[None] < kk[:, None]).to(mask_new.dtype),
+                            mask_new], 1)
+            pos_ids = kk[:, None] + torch.arange(T, device=ids.device)[None]
+            run_batch(lb, ids_new, am, share, ldeep, past_key_values=DynamicCache(ddp_cache_data=past),
+                      use_cache=True, position_ids=pos_ids)
+        del cache
     st.seconds += time.perf_counter() - t0
     return out
 
@@ -256,18 +363,20 @@ class MutateResult:
 def build_variants(trig: dict, sents: dict[int, list[int]], specials: list[int], seed: int):
     """Requests for originals and variants. `trig` has numpy columns layer, dim, rank, coef,
     sentence_id, position, sorted by layer, dim, rank. Returns (requests, rows, skipped) where
-    requests = (seqs, layers, positions, dims) and rows describe each variant."""
-    seqs, lays, poss, dims = [], [], [], []
+    requests = (seqs, layers, positions, dims, anchors) — a variant's anchor is its original,
+    whose first tokens it shares — and rows describe each variant."""
+    seqs, lays, poss, dims, anchors = [], [], [], [], []
     rows = {k: [] for k in ("t", "mutation", "removed_position", "removed_token", "n_tokens",
                             "old_req", "new_req")}
     skipped: dict[int, int] = {}
     rngs: dict[int, np.random.Generator] = {}
 
-    def req(seq, layer, dim):
+    def req(seq, layer, dim, anchor=-1):
         seqs.append(seq)
         lays.append(layer)
         poss.append(len(seq) - 1)
         dims.append(dim)
+        anchors.append(anchor)
         return len(seqs) - 1
 
     for t in range(len(trig["layer"])):
@@ -293,8 +402,8 @@ def build_variants(trig: dict, sents: dict[int, list[int]], specials: list[int],
             rows["removed_token"].append(prefix[rm])
             rows["n_tokens"].append(len(v))
             rows["old_req"].append(old)
-            rows["new_req"].append(req(v, layer, dim))
-    return (seqs, lays, poss, dims), rows, skipped
+            rows["new_req"].append(req(v, layer, dim, old))  # shares prefix[:rm] with the original
+    return (seqs, lays, poss, dims, anchors), rows, skipped
 
 
 def summarize(layer: np.ndarray, mutation: np.ndarray, rel: np.ndarray,
@@ -330,7 +439,7 @@ def summarize(layer: np.ndarray, mutation: np.ndarray, rel: np.ndarray,
 def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
            examples: int = DEFAULT_EXAMPLES, sign: int = 1, seed: int = 0,
            batch_tokens: int = 2048, layers=None, show_progress: bool | None = None,
-           write: bool = True) -> MutateResult:
+           write: bool = True, share_prefixes: bool = True) -> MutateResult:
     """Run the experiment and (with `write`) store `mutations` and `mutations_layers`."""
     from ffkv.progress import progress
 
@@ -357,7 +466,7 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
     t = {c: v[order] for c, v in t.items()}
     sents = sentence_lookup(run, t["sentence_id"])
     specials = leading_specials(mm.tok)
-    (seqs, lays, poss, dims), rows, skipped = build_variants(t, sents, specials, seed)
+    (seqs, lays, poss, dims, anchors), rows, skipped = build_variants(t, sents, specials, seed)
 
     stats = RescoreStats()
     with progress(show_progress is False if show_progress is not None else None) as pb:
@@ -368,7 +477,8 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
                 pb.update(task, total=total)
             pb.update(task, advance=n, tokens=pb.tasks[task].fields["tokens"] + tok)
 
-        coef = rescore(mm, seqs, lays, poss, dims, batch_tokens=batch_tokens, bar=bar, stats=stats)
+        coef = rescore(mm, seqs, lays, poss, dims, batch_tokens=batch_tokens, bar=bar, stats=stats,
+                       anchors=anchors if share_prefixes else None)
     ti = np.asarray(rows["t"], dtype=np.int64)
     old = coef[np.asarray(rows["old_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)
     new = coef[np.asarray(rows["new_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)

