@@ -283,6 +283,30 @@ def test_batch_size_and_determinism(runs, tiny_models):
         c.column("removed_position").to_pylist() != a.column("removed_position").to_pylist()
 
 
+def test_pack_tight():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 90, 500)
+    bs = M.pack_tight(lens, 512)
+    assert sorted(int(i) for b in bs for i in b) == list(range(500))
+    for b in bs:
+        L = lens[b]
+        assert L.max() * len(b) <= 512 or len(b) == 1
+        assert L.max() <= 1.5 * L.min()
+
+
+def test_plan_prefers_the_whole_original():
+    """An original absorbed into a random variant would cost that variant its sharing: originals
+    are absorbed among themselves first, and variants become leaves of the whole sentence."""
+    s = tuple(range(10, 22))
+    seqs = [s[:5], s[:9], s[:4] + s[5:9], s[:7] + s[8:12], s[:11]]
+    anchors = [-1, -1, 0, 1, -1]
+    run_seqs, rid, deepest, parent, share, _ = M.plan(seqs, [0, 3, 1, 2, 0], [4, 8, 7, 10, 10], anchors)
+    assert run_seqs[rid[0]] == s[:11] and rid[0] == rid[1] == rid[4]
+    assert parent[rid[2]] == rid[0] and share[rid[2]] == 4
+    assert parent[rid[3]] == rid[0] and share[rid[3]] == 7
+    assert deepest[rid[0]] == 3
+
+
 def test_sample_keys_nested_and_seeded():
     keys = {0: np.arange(50), 1: np.arange(7)}
     s10, s20 = M.sample_keys(keys, 10, 0), M.sample_keys(keys, 20, 0)

@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
         run = _open_run(run_dir)
         run.require("mine", f"ffkv mine --out {run_dir}")
         s = parse_sign(sign)
-        settings = M.settings_for(keys_per_layer, examples, s, seed, layers)
+        settings = M.settings_for(keys_per_layer, examples, s, seed, layers, dtype)
         if not force and _done_with(run, "mutate", settings, ["mutations", "mutations_layers"]):
             summary = run.read_table("mutations_layers").to_pylist()
             info = {"status": "already done", **{k: v for k, v in run.step("mutate").items()

@@ -34,8 +34,9 @@ Speed (the whole point of the engine below, `rescore`):
   tokens with explicit position ids (about half the tokens of the random variants). The original
   pass keeps its cache for that, and goes as deep as its deepest variant needs. Checked once per
   model (`sharing_ok`); a model where it does not reproduce a full pass gets full passes.
-- Requests of all keys and all layers share batches; batches are packed by length
-  (`ffkv.corpus.batching.pack`) within groups of equal deepest layer, right-padded.
+- Requests of all keys and all layers share batches; batches are packed by length within groups
+  of equal deepest layer, right-padded, and cut so that padding stays under a third
+  (`pack_tight`: on a CPU padding costs in full, smaller batches hardly).
 
 Tables (public contract):
 - `mutations`: layer int16, dim int32, sign int8, rank int16, sentence_id int64, position int32
@@ -57,7 +58,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ffkv.corpus.batching import pack
 from ffkv.errors import FfkvError
 
 MUTATIONS = ("first", "last", "random")
@@ -111,16 +111,33 @@ def _lcp(a: tuple, b: tuple) -> int:
     return i
 
 
-def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int,
-             band: int = 1):
-    """Index batches of `members`: groups whose deepest layer lies in the same band of `band`
-    layers (1: equal), packed by length. Wider bands trade some layers of wasted work for fewer,
-    fuller batches."""
+def pack_tight(lengths, batch_tokens: int = 2048, ratio: float = 1.5, max_batch: int = 256) -> list[np.ndarray]:
+    """Like `ffkv.corpus.batching.pack` (sorted by length, max_len × size ≤ batch_tokens), and a
+    batch also ends when a length exceeds `ratio` × its shortest: padding stays under a third.
+    On a CPU a small batch costs little more per token than a big one, padding costs in full."""
+    lengths = np.asarray(lengths)
+    order = np.argsort(lengths, kind="stable")
+    out, cur, lo, hi = [], [], 0, 0
+    for i in order:
+        L = int(lengths[i])
+        if cur and (L > ratio * lo or max(hi, L) * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
+            out.append(np.array(cur))
+            cur = []
+        if not cur:
+            lo = hi = L
+        cur.append(int(i))
+        hi = max(hi, L)
+    if cur:
+        out.append(np.array(cur))
+    return out
+
+
+def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int):
+    """Index batches of `members`: groups of equal deepest layer, tightly packed by length."""
     out = []
-    key = deepest[members] // band
-    for L in np.unique(key):
-        m = members[key == L]
-        for b in pack(lengths[m], batch_tokens):
+    for L in np.unique(deepest[members]):
+        m = members[deepest[members] == L]
+        for b in pack_tight(lengths[m], batch_tokens):
             out.append(m[b])
     return out
 
@@ -144,6 +161,85 @@ def sharing_ok(mm) -> bool:
             ok = False
         mm._ffkv_prefix_sharing_ok = ok
     return ok
+
+
+def plan(seqs: list[tuple], layers: np.ndarray, positions: np.ndarray, anchors=None,
+         min_share: int = 2):
+    """Which sequences to run, and how (no model needed; see `rescore`).
+
+    Returns (run_seqs, rid, deepest, parent, share, n_unique): the sequences to run, each
+    request's run sequence, each run sequence's deepest layer (including its leaves'), its parent
+    run sequence (-1 for a root, run in full) and how many leading tokens it shares with it.
+
+    Without anchors every sequence that is a prefix of another is read from the longer one.
+    With anchors, requests split in two: group A (anchors, and requests without an anchor) and
+    group B (requests with an anchor). A-sequences are absorbed among themselves: each anchor's
+    run sequence is then an A-sequence (e.g. a whole original sentence), a root. A B-sequence that
+    is a prefix of an A run sequence is read from it (free: e.g. removing the last token); the
+    others are absorbed among themselves and become leaves of their anchor's run sequence when
+    they share ≥ `min_share` leading tokens with it (else roots).
+    """
+    R = len(seqs)
+    layers = np.asarray(layers, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    uniq: dict[tuple, int] = {}
+    uid = np.fromiter((uniq.setdefault(s, len(uniq)) for s in seqs), dtype=np.int64, count=R)
+    useqs = list(uniq)
+    n_u = len(useqs)
+    if anchors is None:
+        rep_of_u = absorb_prefixes(useqs)
+    else:
+        anchors = np.asarray(anchors, dtype=np.int64)
+        has = anchors >= 0
+        in_a = np.zeros(n_u, dtype=bool)
+        in_a[uid[~has]] = True
+        in_a[uid[anchors[has]]] = True
+        rep_of_u = np.arange(n_u, dtype=np.int64)
+        a_idx = np.nonzero(in_a)[0]
+        ra = absorb_prefixes([useqs[u] for u in a_idx])
+        rep_of_u[a_idx] = a_idx[ra]
+        prefixes: dict[tuple, int] = {}
+        for u in np.unique(rep_of_u[a_idx]):
+            a = useqs[u]
+            for i in range(1, len(a) + 1):
+                prefixes.setdefault(a[:i], int(u))
+        b_rest = []
+        for u in np.nonzero(~in_a)[0]:
+            hit = prefixes.get(useqs[u])
+            if hit is None:
+                b_rest.append(int(u))
+            else:
+                rep_of_u[u] = hit
+        if b_rest:
+            b_rest = np.array(b_rest, dtype=np.int64)
+            rb = absorb_prefixes([useqs[u] for u in b_rest])
+            rep_of_u[b_rest] = b_rest[rb]
+    reps, rid = np.unique(rep_of_u[uid], return_inverse=True)  # request -> run-sequence index
+    run_seqs = [useqs[u] for u in reps]
+    n_run = len(run_seqs)
+    deepest = np.full(n_run, -1, dtype=np.int64)
+    np.maximum.at(deepest, rid, layers)
+    parent = np.full(n_run, -1, dtype=np.int64)
+    share = np.zeros(n_run, dtype=np.int64)
+    if anchors is not None:
+        is_parent = np.zeros(n_run, dtype=bool)
+        is_parent[rid[anchors[has]]] = True
+        all_have = np.ones(n_run, dtype=bool)
+        np.logical_and.at(all_have, rid, has)
+        minpos = np.full(n_run, np.iinfo(np.int64).max)
+        np.minimum.at(minpos, rid, positions)
+        cand = np.full(n_run, -1, dtype=np.int64)
+        cand[rid[has]] = rid[anchors[has]]
+        for w in np.nonzero((cand >= 0) & all_have & ~is_parent)[0]:
+            p = int(cand[w])
+            if p == w or parent[p] >= 0:
+                continue
+            k = min(_lcp(run_seqs[w], run_seqs[p]), int(minpos[w]))
+            if k >= min_share:
+                parent[w], share[w] = p, k
+        leaves = np.nonzero(parent >= 0)[0]
+        np.maximum.at(deepest, parent[leaves], deepest[leaves])  # a parent's cache reaches its leaves' layers
+    return run_seqs, rid, deepest, parent, share, n_u
 
 
 @torch.no_grad()
@@ -174,41 +270,12 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
         raise ValueError("a requested position lies outside its sequence")
     if (layers < 0).any() or (layers >= mm.n_layers).any():
         raise FfkvError(f"layer out of range 0..{mm.n_layers - 1}")
-    # unique sequences, then prefixes absorbed into longer ones
-    uniq: dict[tuple, int] = {}
-    uid = np.fromiter((uniq.setdefault(s, len(uniq)) for s in seqs), dtype=np.int64, count=R)
-    useqs = list(uniq)
-    st.unique_sequences += len(useqs)
-    rep_of_u = absorb_prefixes(useqs)
-    reps, rid = np.unique(rep_of_u[uid], return_inverse=True)  # request -> run-sequence index
-    run_seqs = [useqs[u] for u in reps]
+    sharing = anchors is not None and (not _check or sharing_ok(mm))
+    run_seqs, rid, deepest, parent, share, n_unique = plan(
+        seqs, layers, positions, anchors if sharing else None, min_share)
+    st.unique_sequences += n_unique
     n_run = len(run_seqs)
     run_len = np.array([len(s) for s in run_seqs], dtype=np.int64)
-    deepest = np.full(n_run, -1, dtype=np.int64)
-    np.maximum.at(deepest, rid, layers)
-    # prefix sharing: a leaf is computed from its parent's cache, after `share` common tokens
-    parent = np.full(n_run, -1, dtype=np.int64)
-    share = np.zeros(n_run, dtype=np.int64)
-    if anchors is not None and (not _check or sharing_ok(mm)):
-        anchors = np.asarray(anchors, dtype=np.int64)
-        has = anchors >= 0
-        is_parent = np.zeros(n_run, dtype=bool)
-        is_parent[rid[anchors[has]]] = True
-        all_have = np.ones(n_run, dtype=bool)
-        np.logical_and.at(all_have, rid, has)
-        minpos = np.full(n_run, np.iinfo(np.int64).max)
-        np.minimum.at(minpos, rid, positions)
-        cand = np.full(n_run, -1, dtype=np.int64)
-        cand[rid[has]] = rid[anchors[has]]
-        for w in np.nonzero((cand >= 0) & all_have & ~is_parent)[0]:
-            p = int(cand[w])
-            if p == w:
-                continue
-            k = min(_lcp(run_seqs[w], run_seqs[p]), int(minpos[w]))
-            if k >= min_share:
-                parent[w], share[w] = p, k
-        leaves = np.nonzero(parent >= 0)[0]
-        np.maximum.at(deepest, parent[leaves], deepest[leaves])  # a parent's cache must reach its leaves' layers
     roots = np.nonzero(parent < 0)[0]
     new_len = run_len - share
     st.sequences_run += n_run
@@ -258,8 +325,7 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
         cache = DynamicCache(config=mm.hf.config)
         run_batch(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        # the leaves of one root batch are few: bands of layers keep their batches full
-        for lb in _batches(new_len, deepest, kids, batch_tokens, band=max(1, -(-mm.n_layers // 6))):
+        for lb in _batches(new_len, deepest, kids, batch_tokens):
             kk = torch.as_tensor(share[lb], device=ids.device)
             P = int(kk.max())
             ids_new, mask_new = mm.batch([list(run_seqs[w][share[w]:]) for w in lb])
@@ -522,6 +588,7 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
     return MutateResult(table, summary, info)
 
 
-def settings_for(keys_per_layer, examples, sign, seed, layers) -> dict:
+def settings_for(keys_per_layer, examples, sign, seed, layers, dtype: str = "auto") -> dict:
+    """What the results depend on (not batch size or device, up to float rounding)."""
     return {"keys_per_layer": keys_per_layer or 0, "examples": examples, "sign": sign, "seed": seed,
-            "layers": sorted(layers) if layers else None}
+            "layers": sorted(layers) if layers else None, "dtype": dtype}

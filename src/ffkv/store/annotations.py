@@ -289,10 +289,12 @@ class AnnotationStore:
         return text
 
     def import_(self, source) -> dict:
-        """Import JSONL (a path or the text). All records are validated first and written in one
+        """Import JSONL: a path, or the text itself (a string with a newline or starting with
+        "{"). All records are validated first and written in one
         transaction: a bad record refuses the whole import. Returns counts of added, replaced,
         unchanged and kept (the stored record was newer)."""
-        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).exists()):
+        is_text = isinstance(source, str) and ("\n" in source or source.lstrip().startswith("{") or not source)
+        if not is_text:
             p = Path(source)
             try:
                 source = p.read_text(encoding="utf-8")
