@@ -26,8 +26,6 @@ def register(app: typer.Typer) -> None:
         confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases."""
         import sys
 
-        from rich.console import Console
-
         from ffkv.errors import FfkvError
         from ffkv.experiments.compose import compose as run_compose, print_summary
         from ffkv.store.run import MANIFEST, Run
@@ -55,4 +53,4 @@ def register(app: typer.Typer) -> None:
         if res["skipped"]:
             print(f"compose: already done in {run_dir} with these settings; summary below "
                   f"(--force to redo)", file=sys.stderr)
-        print_summary(run, lens=lens, cases=cases, console=Console(width=200) if not sys.stdout.isatty() else None)
+        print_summary(run, lens=lens, cases=cases)
