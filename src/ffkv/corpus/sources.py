@@ -125,14 +125,10 @@ class CorpusSource:
         text = _read_text(path, self.stats)
         self._sha = _sha256(text.encode())
         docs = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FfkvError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or fld not in rec:
+        from ffkv.store.jsonl import json_objects
+
+        for n, rec in json_objects(text, str(path)):
+            if fld not in rec:
                 raise FfkvError(f"{path}:{n}: no field {fld!r} (choose the field with --field)")
             docs.append(str(rec[fld]))
         return docs

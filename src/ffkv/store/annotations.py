@@ -302,15 +302,9 @@ class AnnotationStore:
                 raise FfkvError(f"cannot read {p}: {e}") from None
         recs = []
         seen = set()
-        for n, line in enumerate(source.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FfkvError(f"import line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(r, dict):
-                raise FfkvError(f"import line {n}: expected a JSON object")
+        from ffkv.store.jsonl import json_objects
+
+        for n, r in json_objects(source, "import"):
             missing = {"annotator", "layer", "dim", "patterns"} - set(r)
             if missing:
                 raise FfkvError(f"import line {n}: missing field(s) {sorted(missing)}")
