@@ -33,67 +33,153 @@ class LayerTopK:
 
     Stored key-major, (n, t). One prefix per sentence (the default) means a list never holds
     a sentence twice, so (score, sentence_id) orders it totally and packs into one int64:
-    a merge is a single topk. With several prefixes per sentence, a lexicographic sort.
+    a merge is a single unsorted topk, and the sentence id is read back from the key.
+    Lists are sorted only when read. With several prefixes per sentence, a lexicographic sort.
     """
 
     TIE_LIMIT = 1 << 31
+    EMPTY = torch.iinfo(torch.long).max
 
     def __init__(self, t: int, n: int, per_prefix: bool = False):
         self.t, self.per_prefix = t, per_prefix
-        self.key = torch.full((n, t), torch.iinfo(torch.long).max, dtype=torch.long)
-        self.sid = torch.full((n, t), SID_MAX, dtype=torch.long)
-        self.pos = torch.full((n, t), POS_MAX, dtype=torch.int32)
+        self._key = torch.full((n, t), self.EMPTY, dtype=torch.long)
+        self._pos = torch.full((n, t), POS_MAX, dtype=torch.int32)
+        self._sid = torch.full((n, t), SID_MAX, dtype=torch.long) if per_prefix else None
+        self._worst = torch.full((n,), self.EMPTY, dtype=torch.long)  # largest key per list
+        self._dirty = False
+
+    def _sort(self) -> None:
+        if self._dirty:  # keys are unique per list (one sentence once), EMPTY slots identical
+            idx = torch.argsort(self._key, dim=1)
+            self._key, self._pos = self._key.gather(1, idx), self._pos.gather(1, idx)
+            self._dirty = False
+
+    @property
+    def key(self) -> torch.Tensor:
+        self._sort()
+        return self._key
+
+    @property
+    def pos(self) -> torch.Tensor:
+        self._sort()
+        return self._pos
+
+    @property
+    def sid(self) -> torch.Tensor:
+        if self.per_prefix:
+            return self._sid
+        key = self.key
+        return torch.where(key == self.EMPTY, SID_MAX, key & (self.TIE_LIMIT - 1))
 
     @property
     def score(self) -> torch.Tensor:
         s = _key_score(self.key)
         return s.masked_fill(self.sid == SID_MAX, -float("inf"))
 
-    def _take(self, cols, key, sid, pos) -> None:
-        if cols is None:
-            self.key, self.sid, self.pos = key, sid, pos
+    def set_arrays(self, key: torch.Tensor, sid: torch.Tensor, pos: torch.Tensor) -> None:
+        self._key, self._pos = key, pos
+        if self.per_prefix:
+            self._sid = sid
+            self._worst = key[:, -1].clone()
         else:
-            self.key[cols], self.sid[cols], self.pos[cols] = key, sid, pos
+            self._worst = key.max(1).values
+            self._dirty = True
 
     def _merge(self, cols, key, sid, pos) -> None:
         """Merge candidates (len(cols), N) into the lists of keys `cols` (None: all keys)."""
         sel = (lambda a: a) if cols is None else (lambda a: a.index_select(0, cols))
-        key = torch.cat([sel(self.key), key], 1)
-        sid = torch.cat([sel(self.sid), sid], 1)
-        pos = torch.cat([sel(self.pos), pos], 1)
+        key = torch.cat([sel(self._key), key], 1)
+        pos = torch.cat([sel(self._pos), pos], 1)
         if not self.per_prefix:
-            idx = torch.topk(key, self.t, dim=1, largest=False, sorted=True).indices
+            top = torch.topk(key, self.t, dim=1, largest=False, sorted=False)
+            nkey, npos, worst = top.values, pos.gather(1, top.indices), top.values.max(1).values
+            self._dirty = True
         else:  # lexicographic (key's score part, sid, pos): stable sorts, last key first
+            sid = torch.cat([sel(self._sid), sid], 1)
             idx = torch.argsort(pos, dim=1, stable=True)
             for k in (sid, key >> 31):
                 idx = idx.gather(1, torch.argsort(k.gather(1, idx), dim=1, stable=True))
             idx = idx[:, : self.t]
-        self._take(cols, key.gather(1, idx), sid.gather(1, idx), pos.gather(1, idx))
+            nkey, npos, nsid = key.gather(1, idx), pos.gather(1, idx), sid.gather(1, idx)
+            worst = nkey[:, -1]
+        if cols is None:
+            self._key, self._pos, self._worst = nkey, npos, worst
+            if self.per_prefix:
+                self._sid = nsid
+        else:
+            self._key[cols], self._pos[cols], self._worst[cols] = nkey, npos, worst
+            if self.per_prefix:
+                self._sid[cols] = nsid
+
+    def update_rows(self, score: torch.Tensor, sids: torch.Tensor, pos: torch.Tensor) -> None:
+        """One candidate per sentence and key: score and pos (B, n), sids (B,)."""
+        if int(sids.max()) >= self.TIE_LIMIT:
+            raise ValueError("sentence ids must be < 2^31")
+        key = _desc_key(score.T.contiguous(), sids.unsqueeze(0))  # (n, B): one row per list
+        pos = pos.T.contiguous()
+        # Only lists where some candidate beats the current t-th can change; when most can,
+        # merging all of them is cheaper than selecting.
+        cols = (key < self._worst.unsqueeze(1)).any(1).nonzero().squeeze(1)
+        if cols.numel() == 0:
+            return
+        if cols.numel() > key.shape[0] // 2:
+            cols = None
+        else:
+            key, pos = key.index_select(0, cols), pos.index_select(0, cols)
+        self._merge(cols, key, None, pos)
 
     def update(self, score: torch.Tensor, sid: torch.Tensor, pos: torch.Tensor, local: torch.Tensor) -> None:
-        """Candidates (N, n): score, sid, pos; `local` ranks them by (sid, pos) within the batch."""
-        if not self.per_prefix and int(sid.max()) >= self.TIE_LIMIT:
-            raise ValueError("sentence ids must be < 2^31")
-        tie = local if self.per_prefix else sid
-        key = _desc_key(score, tie)
-        # Only keys where some candidate beats (or, per prefix, ties) the current t-th can change.
-        if self.per_prefix:
-            cols = ((key >> 31) <= (self.key[:, -1] >> 31)).any(0).nonzero().squeeze(1)
-        else:
-            cols = (key < self.key[:, -1]).any(0).nonzero().squeeze(1)
+        """Per-prefix candidates (N, n): score, sid, pos; `local` ranks them by (sid, pos) in the batch."""
+        key = _desc_key(score, local)
+        # Only keys where some candidate ties or beats the current t-th can change.
+        cols = ((key >> 31) <= (self._worst >> 31)).any(0).nonzero().squeeze(1)
         if cols.numel() == 0:
             return
         key, sid, pos = (a.index_select(1, cols).T for a in (key, sid, pos))
         if key.shape[1] > self.t:
             idx = torch.topk(key, self.t, dim=1, largest=False, sorted=False).indices
             key, sid, pos = key.gather(1, idx), sid.gather(1, idx), pos.gather(1, idx)
-        if self.per_prefix:  # batch-local ties are resolved; re-key by the score part alone
-            key = (key >> 31) << 31
-        self._merge(cols if cols.numel() < self.key.shape[0] else None, key.contiguous(),
+        key = (key >> 31) << 31  # batch-local ties are resolved; re-key by the score part alone
+        self._merge(cols if cols.numel() < self._key.shape[0] else None, key.contiguous(),
                     sid.contiguous(), pos.contiguous())
 
     def merge(self, other: "LayerTopK") -> None:
-        self._merge(None, other.key, other.sid, other.pos)
+        self._merge(None, other._key, other._sid, other._pos)
+
+
+def row_best(m: torch.Tensor, mask: torch.Tensor, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and key, the best (sign · m) over valid positions and its first position.
+
+    (B, T, n) -> (B, n) scores and int32 positions. Right-padded rows of equal length are
+    reduced as views, with no masked copy; max-with-indices along T is slow on CPU, so the
+    first position comes from a weighted amax over `m == best`.
+    """
+    B, T, n = m.shape
+    lengths = mask.sum(1)
+    prefix = bool((mask == (torch.arange(T) < lengths.unsqueeze(1))).all()) and bool((lengths > 0).all())
+    runs: list[tuple[int, int, int]] = []
+    if prefix:
+        ln = lengths.tolist()
+        a = 0
+        for b in range(1, B + 1):
+            if b == B or ln[b] != ln[a]:
+                runs.append((a, b, ln[a]))
+                a = b
+    if not prefix or len(runs) > 16:
+        fill = -float("inf") if sign == 1 else float("inf")
+        runs, m = [(0, B, T)], m.masked_fill(~mask.unsqueeze(-1), fill)
+    score = torch.empty((B, n), dtype=m.dtype)
+    pos = torch.empty((B, n), dtype=torch.int32)
+    wdtype = torch.uint8 if T < (1 << 8) else torch.int16 if T < (1 << 15) else torch.int32
+    w = torch.arange(T, 0, -1, dtype=wdtype).unsqueeze(1)  # first position weighs most
+    for a, b, L in runs:
+        v = m[a:b, :L]
+        best = v.amax(1) if sign == 1 else v.amin(1)
+        hit = v >= best.unsqueeze(1) if sign == 1 else v <= best.unsqueeze(1)  # i.e. == best
+        first = (hit.view(torch.uint8) if wdtype == torch.uint8 else hit.to(wdtype)).mul_(w[:L]).amax(1)
+        score[a:b] = best if sign == 1 else -best
+        pos[a:b] = (T - first).to(torch.int32)
+    return score, pos
 
 
 class TopKState:
@@ -118,22 +204,20 @@ class TopKState:
         mask = mask.cpu().bool()
         sids = sids.cpu()
         B, T, n = m.shape
-        row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
         for s in self.signs:
-            sc = m if s == 1 else -m
-            if not bool(mask.all()):
-                sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
             if self.per_prefix:
+                row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
+                sc = m if s == 1 else -m
+                if not bool(mask.all()):
+                    sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
                 cand = sc.reshape(B * T, n)
                 pos = torch.arange(T, dtype=torch.int32).repeat(B).unsqueeze(1).expand(B * T, n)
                 sid = sids.repeat_interleave(T).unsqueeze(1).expand(B * T, n)
                 local = (row_rank.repeat_interleave(T) * T + torch.arange(T).repeat(B)).unsqueeze(1).expand(B * T, n)
+                self.lists[(s, layer)].update(cand, sid.contiguous(), pos.contiguous(), local.contiguous())
             else:
-                cand, p = sc.max(dim=1)  # first position among equal maxima
-                pos = p.to(torch.int32)
-                sid = sids.unsqueeze(1).expand(B, n)
-                local = row_rank.unsqueeze(1).expand(B, n)
-            self.lists[(s, layer)].update(cand, sid.contiguous(), pos.contiguous(), local.contiguous())
+                score, pos = row_best(m, mask, s)
+                self.lists[(s, layer)].update_rows(score, sids, pos)
 
     def merge(self, other: "TopKState") -> "TopKState":
         if (other.layers, other.dims, other.t, other.signs, other.per_prefix) != (
@@ -156,9 +240,7 @@ class TopKState:
     def load_arrays(self, arrs) -> "TopKState":
         for (s, l), v in self.lists.items():
             tag = f"{'p' if s == 1 else 'n'}{l}"
-            v.key = torch.from_numpy(np.array(arrs[f"key_{tag}"]))
-            v.sid = torch.from_numpy(np.array(arrs[f"sid_{tag}"]))
-            v.pos = torch.from_numpy(np.array(arrs[f"pos_{tag}"]))
+            v.set_arrays(*(torch.from_numpy(np.array(arrs[f"{a}_{tag}"])) for a in ("key", "sid", "pos")))
         return self
 
     def rows(self):
