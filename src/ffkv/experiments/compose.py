@@ -70,13 +70,12 @@ from __future__ import annotations
 
 import math
 import time
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from ffkv.corpus.stopwords import stopwords
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
 
@@ -86,18 +85,11 @@ MASS_SHARES = (0.01, 0.10, 0.50)
 SHORT_PREFIX = 5  # the paper's "prefix shorter than 5 tokens"
 DEFAULT_CORPUS = "wikipedia:valid"
 DEFAULT_EPS = 0.1
-STOPWORDS_FILE = Path(__file__).resolve().parents[1] / "data" / "stopwords.txt"
 CURVES = ("fig8_no_single_memory", "r_matches_final", "p_final_mean", "residual", "ffn",
           "agreement", "composition")
 
 
 # ---- stop words ----------------------------------------------------------------------------
-@lru_cache(maxsize=1)
-def stopwords() -> frozenset[str]:
-    lines = STOPWORDS_FILE.read_text(encoding="utf-8").splitlines()
-    return frozenset(l.strip().lower() for l in lines if l.strip() and not l.startswith("#"))
-
-
 def token_is_stop(tok, ids) -> np.ndarray:
     """Per token id: is its decoded text (stripped, lower-cased) a stop word."""
     ids = np.asarray(ids, dtype=np.int64)
@@ -407,6 +399,7 @@ def build_tables(mm, res: dict, prefixes: pa.Table, eps: float, seed: int = 0) -
         })
         case_parts.append(case.sort_by([("sample_order", "ascending")]))
     layers_tbl = pa.Table.from_pylist(lay_rows)
+    layers_tbl = layers_tbl.set_column(1, "layer", layers_tbl.column("layer").cast(pa.int16()))
     tables = {"compose_examples": pa.concat_tables(ex_parts), "compose_layers": layers_tbl,
               "compose_cases": pa.concat_tables(case_parts)}
     if set(LENSES) <= set(lenses):

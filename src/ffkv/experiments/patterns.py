@@ -81,6 +81,7 @@ from functools import lru_cache
 import numpy as np
 import pyarrow as pa
 
+from ffkv.corpus.stopwords import stopwords
 from ffkv.errors import FfkvError
 from ffkv.experiments.mutate import (leading_specials, mined_keys, n_special, read_triggers,
                                      sample_keys)
@@ -97,15 +98,12 @@ DEFAULT_SEMANTIC_KEYS = 10
 LABELS = ("shallow", "semantic", "both", "none")
 
 WORD = re.compile(r"<[a-z]+>|[^\W_]+(?:['’][^\W_]+)*|[^\w\s]")
-# "contains" patterns made only of these are not reported (every prefix long enough has them;
-# trigger prefixes are not of the same length as random ones); "ends with" patterns may be.
-_STOP_RAW = ("""a an the and or but nor so yet of in on at to for from by with without into onto
-upon over under about above below between among through during before after since until as than
-then that this these those there here it its it's he him his she her hers they them their theirs we
-us our you your i me my is are was were be been being am has have had do does did not no can could
-will would shall should may might must also which who whom whose what when where why how all any
-both each few more most other some such only own same too very just one s , . ; : ! ? ' " ( ) [ ]
-- – — ‘ ’ “ ” <unk>""".split())
+# "contains" patterns made only of stop words or FILLER are not reported (every prefix long
+# enough has them; trigger prefixes are not of the same length as random ones); "ends with"
+# patterns may be. FILLER adds to the stop-word list what fills any long Wikipedia prefix:
+# modals, a few more function words, punctuation and WikiText's <unk>.
+FILLER = ("""also among could it's may might must one onto shall since upon us whose without would
+yet s , . ; : ! ? ' " ( ) [ ] - – — ‘ ’ “ ” <unk>""".split())
 YEAR = re.compile(r"^(1[0-9]{3}|20[0-9]{2})$")
 
 
@@ -123,7 +121,7 @@ def norm_word(w: str) -> str:
     return w
 
 
-STOP = frozenset(w for x in _STOP_RAW for w in (x, norm_word(x)))
+STOP = frozenset(w for x in (*stopwords(), *FILLER) for w in (x, norm_word(x)))
 
 
 def words_of(text: str) -> list[str]:
