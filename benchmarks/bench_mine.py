@@ -1,7 +1,7 @@
 """Mining benchmarks (issue 3): throughput vs a plain forward pass, memory vs corpus size, scale.
 
     python benchmarks/bench_mine.py                 # all three, default sizes
-    python benchmarks/bench_mine.py --only throughput --sentences 300
+    python benchmarks/bench_mine.py --only memory --memory-base 1000   # 1,000 vs 10,000 sentences
 
 Throughput: the same length-packed batches go through (a) a plain transformers forward
 with logits and (b) ffkv's mining pass (captures of all 46,080 coefficients + streaming
@@ -95,7 +95,7 @@ def scale(n: int) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["throughput", "memory", "scale"])
-    ap.add_argument("--sentences", type=int, default=500, help="throughput sentences")
+    ap.add_argument("--sentences", type=int, default=1000, help="throughput sentences")
     ap.add_argument("--memory-base", type=int, default=100, help="N for the N vs 10N memory check")
     ap.add_argument("--scale-sentences", type=int, default=1000)
     ap.add_argument("--batch-tokens", type=int, default=2048)
