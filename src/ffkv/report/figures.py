@@ -49,6 +49,20 @@ def _layer_axis(ax, layers) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+def _finish(fig, ax, layers, ylabel: str, title: str, ylim=None, legend_below: bool = False) -> Figure:
+    """The frame every layer-wise figure shares."""
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _layer_axis(ax, layers)
+    if legend_below:
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    else:
+        ax.legend(fontsize=7)
+    return fig
+
+
 def _styled(fn):
     def wrapper(*a, **kw):
         with matplotlib.rc_context(RC):
@@ -84,12 +98,7 @@ def fig2(df: pd.DataFrame, title: str = "Pattern kinds of the top-25 trigger pre
         v = df[k].fillna(0).to_numpy() * 100
         ax.bar(df["layer"], v, bottom=bottom, color=COLORS[k], label=label, width=0.8)
         bottom += v
-    ax.set_ylabel("% of prefixes")
-    ax.set_ylim(0, 100)
-    ax.set_title(title)
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
-    return fig
+    return _finish(fig, ax, df["layer"], "% of prefixes", title, ylim=(0, 100), legend_below=True)
 
 
 # ---- Fig 3 ---------------------------------------------------------------------------------------------
@@ -106,11 +115,8 @@ def fig3(df: pd.DataFrame) -> Figure:
                     ms=3.5, capsize=2, color=COLORS[m], label=f"remove {m} token (median, IQR)")
         ax.plot(x, d["mean"], "x", ms=4, color=COLORS[m], alpha=0.6)
     ax.axhline(0, color="black", lw=0.6)
-    ax.set_ylabel("relative change of the coefficient")
-    ax.set_title("Removing a token from a trigger example (× = mean)")
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, df["layer"], "relative change of the coefficient",
+                   "Removing a token from a trigger example (× = mean)")
 
 
 # ---- Fig 4 ---------------------------------------------------------------------------------------------
@@ -122,11 +128,8 @@ def fig4(df: pd.DataFrame) -> Figure:
     ax.fill_between(df["layer"], df["ci_low"] * 100, df["ci_high"] * 100, alpha=0.2, label="95% CI (Wilson)")
     ax.plot(df["layer"], df["shuffled"] * 100, "--", color="gray", label="shuffled pairing")
     ax.plot(df["layer"], df["random_baseline"] * 100, ":", color="black", label="random (1/|V|)")
-    ax.set_ylabel("agreement rate (%)")
-    ax.set_title("Value's top token = next token of the key's top trigger")
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, df["layer"], "agreement rate (%)",
+                   "Value's top token = next token of the key's top trigger")
 
 
 # ---- Fig 5 ---------------------------------------------------------------------------------------------
@@ -141,11 +144,8 @@ def fig5(df: pd.DataFrame) -> Figure:
     if "shuffled_rank_median" in df.columns:
         ax.plot(x, df["shuffled_rank_median"] + 1, "--", color="gray", label="median, shuffled pairing")
     ax.set_yscale("log")
-    ax.set_ylabel("rank of the next token + 1 (log)")
-    ax.set_title("Rank of the trigger's next token in the value's distribution")
-    _layer_axis(ax, x)
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, x, "rank of the next token + 1 (log)",
+                   "Rank of the trigger's next token in the value's distribution")
 
 
 # ---- Fig 6 ---------------------------------------------------------------------------------------------
@@ -176,12 +176,7 @@ def fig7(df: pd.DataFrame, primary: str | None = None) -> Figure:
     ax.plot(x, d["active_median"] * 100, "o-", ms=3.5, color="C0", label="m > 0 (median, IQR)")
     if "active_eps_median" in d.columns:
         ax.plot(x, d["active_eps_median"] * 100, "s--", ms=3, color="C1", label="|m| > ε (median)")
-    ax.set_ylim(0, 100)
-    ax.set_ylabel("% of the layer's memories")
-    ax.set_title("Active memories per example")
-    _layer_axis(ax, x)
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, x, "% of the layer's memories", "Active memories per example", ylim=(0, 100))
 
 
 # ---- Fig 8 ---------------------------------------------------------------------------------------------
@@ -197,12 +192,8 @@ def fig8(df: pd.DataFrame, primary: str | None = None) -> Figure:
             ax.plot(d["layer"], d["fig8_no_single_memory_eps"] * 100, "s" + ls, ms=3, color="C1",
                     alpha=1 if first else 0.5, label=f"signed form, |m| > ε{tag}")
     ax.axhline(68, color="black", lw=0.8, ls="--", label="paper: ≥ 68%")
-    ax.set_ylim(0, 100)
-    ax.set_ylabel("% examples: no memory has top(y)")
-    ax.set_title("The layer's prediction is not any single memory's")
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, df["layer"], "% examples: no memory has top(y)",
+                   "The layer's prediction is not any single memory's", ylim=(0, 100))
 
 
 # ---- Fig 9 ---------------------------------------------------------------------------------------------
@@ -215,12 +206,8 @@ def fig9(df: pd.DataFrame, primary: str | None = None) -> Figure:
         y = list(d["r_matches_final"] * 100) + [float(d["o_matches_final"].iloc[-1]) * 100]
         ax.plot(x, y, "o-" if first else "o:", ms=3.5, color="C0", alpha=1 if first else 0.5,
                 label=f"top(r_ℓ) = final{tag}")
-    ax.set_ylim(0, 105)
-    ax.set_ylabel("% of examples")
-    ax.set_title("Residual already holds the final prediction (last point: output)")
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, df["layer"], "% of examples",
+                   "Residual already holds the final prediction (last point: output)", ylim=(0, 105))
 
 
 # ---- Fig 10 --------------------------------------------------------------------------------------------
@@ -234,12 +221,8 @@ def fig10(df: pd.DataFrame, primary: str | None = None) -> Figure:
                             label=f"25–75%{tag}")
         ax.plot(d["layer"], d["p_final_mean"], "o-" if first else "o:", ms=3.5, color="C0",
                 alpha=1 if first else 0.5, label=f"mean{tag}")
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("p(final prediction | r_ℓ)")
-    ax.set_title("Confidence in the final prediction through the layers")
-    _layer_axis(ax, df["layer"])
-    ax.legend(fontsize=7)
-    return fig
+    return _finish(fig, ax, df["layer"], "p(final prediction | r_ℓ)",
+                   "Confidence in the final prediction through the layers", ylim=(0, 1))
 
 
 # ---- Fig 11 --------------------------------------------------------------------------------------------
@@ -252,9 +235,6 @@ def fig11(df: pd.DataFrame, primary: str | None = None) -> Figure:
         v = d[k].fillna(0).to_numpy() * 100
         ax.bar(d["layer"], v, bottom=bottom, color=COLORS[k], label=k, width=0.8)
         bottom += v
-    ax.set_ylim(0, 100)
-    ax.set_ylabel("% of examples")
-    ax.set_title("Where top(o) comes from" + (f" ({lens} lens)" if lens else ""))
-    _layer_axis(ax, d["layer"])
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
-    return fig
+    return _finish(fig, ax, d["layer"], "% of examples",
+                   "Where top(o) comes from" + (f" ({lens} lens)" if lens else ""),
+                   ylim=(0, 100), legend_below=True)
