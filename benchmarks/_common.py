@@ -6,6 +6,8 @@ import resource
 import sys
 from pathlib import Path
 
+import ffkv  # noqa: F401  first, so that its MKL_CBWR setting is in place before torch loads MKL
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FFKV_SHARED", ROOT.parent / "shared"))
 WT2 = SHARED / "corpora" / "wikitext-2"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import ffkv  # noqa: F401  first, so that its MKL_CBWR setting is in place before torch loads MKL
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

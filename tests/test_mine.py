@@ -209,3 +209,21 @@ def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2):
                 mm.hf(input_ids=torch.tensor([ids]))
             h.remove()
             assert abs(got["m"] - r.coef) <= 1e-3 * max(1.0, abs(r.coef)), (layer, dim, got["m"], r.coef)
+
+
+@pytest.mark.parametrize("per_prefix", [False, True])
+def test_checkpoint_round_trip_at_every_batch(tiny_models, per_prefix):
+    """Saving the state after any batch and continuing from the saved arrays changes nothing."""
+    from ffkv.corpus.batching import pack
+
+    mm = tiny_models["gpt2"]
+    token_lists = [mm.tok(x)["input_ids"][:30] for x in wikitext_sentences(80)]
+    sids = list(range(len(token_lists)))
+    s = MineSettings(top_k=4, negative=True, per_prefix=per_prefix, batch_tokens=64)
+    batches = list(enumerate(pack([len(x) for x in token_lists], 64)))
+    ref = mine_batches(mm, new_state(mm, s), token_lists, sids, batches)
+    for cut in range(1, len(batches), 3):
+        st = mine_batches(mm, new_state(mm, s), token_lists, sids, batches[:cut])
+        arrs = {k: np.array(v) for k, v in st.arrays().items()}
+        resumed = mine_batches(mm, new_state(mm, s).load_arrays(arrs), token_lists, sids, batches[cut:])
+        _same(ref, resumed)
