@@ -204,9 +204,10 @@ class TopKState:
         mask = mask.cpu().bool()
         sids = sids.cpu()
         B, T, n = m.shape
+        if self.per_prefix:
+            row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
         for s in self.signs:
             if self.per_prefix:
-                row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
                 sc = m if s == 1 else -m
                 if not bool(mask.all()):
                     sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
