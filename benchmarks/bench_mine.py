@@ -26,7 +26,7 @@ PAPER_SECONDS_PER_1000 = 45 * 60  # the paper's code, RTX 3090 (its README)
 
 def throughput(n: int, batch_tokens: int) -> dict:
     from ffkv.corpus.batching import pack
-    from ffkv.mine.runner import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import MineSettings, mine_batches, new_state
 
     mm = load_default()
     toks = wikitext_token_lists(mm, n)

@@ -43,7 +43,7 @@ def build_run(path: Path, mm, n_sentences: int, keys_per_layer: int, k: int, see
               batch_tokens: int = 2048):
     from ffkv.corpus.batching import pack
     from ffkv.corpus.prepare import prepare_sentences
-    from ffkv.experiments.mutate import sample_keys
+    from ffkv.store.query import sample_keys
     from ffkv.store.run import Run
 
     run = Run(path, create=True)
@@ -102,7 +102,7 @@ def build_run(path: Path, mm, n_sentences: int, keys_per_layer: int, k: int, see
 @torch.no_grad()
 def naive_seconds(mm, run, table: pa.Table, n: int, seed: int) -> tuple[float, float]:
     """Seconds per variant of one full forward pass per variant (all layers), on `n` variants."""
-    from ffkv.experiments.mutate import sentence_lookup
+    from ffkv.store.query import sentence_lookup
 
     rng = np.random.default_rng(seed)
     idx = rng.choice(table.num_rows, size=min(n, table.num_rows), replace=False)

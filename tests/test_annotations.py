@@ -256,7 +256,7 @@ def test_kappa_and_categories_by_hand():
 
 
 def test_sample_is_seeded_nested_and_stored(run):
-    from ffkv.experiments.mutate import mined_keys, read_triggers, sample_keys
+    from ffkv.store.query import mined_keys, read_triggers, sample_keys
 
     st = AnnotationStore(run)
     keys = st.sample(per_layer=2, seed=4)

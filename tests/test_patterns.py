@@ -238,7 +238,7 @@ def test_patterns_run_tables(prun, tiny_models):
     assert sum(k["semantic_done"] for k in kt) == 10
     assert res.patterns.num_rows > 50
     # texts of each key's prefixes, recomputed by decoding the token ids
-    from ffkv.experiments.mutate import read_triggers, sentence_lookup
+    from ffkv.store.query import read_triggers, sentence_lookup
 
     trig = read_triggers(prun, 1, 25).to_pylist()
     sents = sentence_lookup(prun, [t["sentence_id"] for t in trig])
@@ -292,7 +292,7 @@ def test_patterns_sample_and_strict_alpha(prun, tiny_models):
     assert all(p["p_value"] < P.ALPHA for p in res.patterns.to_pylist())
     assert {f["scope"] for f in res.fig2.to_pylist()} == {"all"}
     # the semantic sample is drawn from all mined keys (nested samples), not from the 7
-    from ffkv.experiments.mutate import mined_keys, read_triggers, sample_keys
+    from ffkv.store.query import mined_keys, read_triggers, sample_keys
 
     res = P.patterns(prun, tok, keys_per_layer=7, semantic_keys_per_layer=3, background=300, write=False,
                      embedder=HashEmbedder(), show_progress=False)

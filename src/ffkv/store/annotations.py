@@ -362,9 +362,9 @@ class AnnotationStore:
     def sample(self, per_layer: int = 10, seed: int = 0, sign: int = 1) -> list[tuple[int, int]]:
         """The seeded sample of `per_layer` keys per layer (the paper: 10), stored in `sample`.
         The same nested sample as `ffkv patterns`' semantic sample and `ffkv mutate`."""
-        from ffkv.experiments.mutate import mined_keys, read_triggers, sample_keys
+        from ffkv.store.query import key_sample
 
-        keys = sample_keys(mined_keys(read_triggers(self.run, sign, columns=["layer", "dim"])), per_layer, seed)
+        keys = key_sample(self.run, per_layer, seed, sign)
         rows = [(int(l), int(d)) for l, ds in keys.items() for d in ds]
         with self._write() as con:
             con.execute("DELETE FROM sample WHERE sign=?", (sign,))

