@@ -112,13 +112,9 @@ def _load_gguf(path: Path, torch_dtype):
 def resolve_dtype(dtype: str):
     import torch
 
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype == "auto":
-        return torch.float32
-    if dtype not in table:
-        raise FfkvError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(table)}")
-    return table[dtype]
+    from ffkv.defs import canonical_dtype
+
+    return getattr(torch, canonical_dtype(dtype))
 
 
 def resolve_device(device: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ffkv.defs import LENSES, check_lens
 from ffkv.errors import FfkvError
 from ffkv.model.arch import ARCHITECTURES, Architecture, get_path
 
@@ -52,11 +53,10 @@ class Lens:
     (values, keys) "norm" applies only the norm's gain, since a direction has no scale.
     """
 
-    MODES = ("naive", "norm")
+    MODES = LENSES
 
     def __init__(self, mm: "MemoryModel", mode: str = "norm"):
-        if mode not in self.MODES:
-            raise FfkvError(f"unknown lens {mode!r}; choose naive or norm")
+        check_lens(mode)
         self.mm, self.mode = mm, mode
         self.unembed = mm.hf.get_output_embeddings() or get_path(mm.hf, mm.arch.unembed)
         self.final_norm = get_path(mm.hf, mm.arch.final_norm)

@@ -1,0 +1,34 @@
+"""Names shared across ffkv, defined once and importable without torch."""
+from __future__ import annotations
+
+from ffkv.errors import FfkvError
+
+# The lens: "naive" projects with the unembedding alone (the paper); "norm" applies the
+# model's final norm first (and reproduces the logits at the last layer).
+LENSES = ("naive", "norm")
+
+# dtype spellings a user may type -> the canonical torch name.
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """'auto' and every alias -> float32/float16/bfloat16; an unknown name is a user error."""
+    if dtype == "auto":
+        return "float32"
+    if dtype not in DTYPES:
+        raise FfkvError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_lens(lens: str) -> str:
+    if lens not in LENSES:
+        raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
+    return lens
+
+
+def pct(x: float, digits: int = 1) -> str:
+    """0.1234 -> '12.3%'; None or NaN -> '-'."""
+    if x is None or x != x:
+        return "-"
+    return f"{100 * x:.{digits}f}%"
