@@ -1,8 +1,9 @@
 """`ffkv reproduce`: every step of the paper in order, each resumable, then the report.
 
-Each step runs through its own CLI command in this process, so a step behaves exactly as
-when a user types it: it skips itself when the manifest says it is done with the same
-settings, and mining resumes from its checkpoint after a kill.
+Each step runs through the step lifecycle (`ffkv.store.steps.execute`) with the settings its
+own command would give it, so a step behaves exactly as when a user types it: it skips itself
+when the manifest says it is done with the same settings, and mining resumes from its
+checkpoint after a kill. The model is loaded once for all steps.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ffkv.errors import FfkvError
+from ffkv.store.run import Run
 
 STEPS = ("mine", "values", "compose", "mutate", "patterns")
 
@@ -32,48 +34,73 @@ class ReproduceSettings:
     seed: int = 0
 
 
-def step_args(step: str, run: Path, s: ReproduceSettings, gated: bool) -> list[str]:
-    dev = ["--device", s.device, "--dtype", s.dtype]
+def step_settings(step: str, s: ReproduceSettings, gated: bool):
+    """The settings each step gets: the same as typing its command with reproduce's flags."""
     if step == "mine":
-        a = ["mine", "--out", str(run), "--max-sentences", str(s.sentences), "--top-k", str(s.top_k),
-             "--seed", str(s.seed), "--corpus", s.corpus or "wikipedia:train", *dev]
-        if s.model:
-            a += ["--model", s.model]
-        if s.negative or (s.negative is None and gated):
-            a.append("--negative")
-        return a
+        from ffkv.mine.engine import MineSettings
+
+        return MineSettings(corpus=s.corpus or "wikipedia:train", max_sentences=s.sentences, seed=s.seed,
+                            top_k=s.top_k, negative=bool(s.negative or (s.negative is None and gated)))
     if step == "values":
-        return ["values", str(run), *dev]
+        from ffkv.experiments.values import ValuesSettings
+
+        return ValuesSettings(dtype=s.dtype)
     if step == "compose":
-        return ["compose", str(run), "--prefixes", str(s.prefixes), "--seed", str(s.seed),
-                "--corpus", s.compose_corpus or "wikipedia:valid", *dev]
+        from ffkv.experiments.compose import ComposeSettings
+
+        return ComposeSettings(corpus=s.compose_corpus or "wikipedia:valid", n_prefixes=s.prefixes, seed=s.seed)
     if step == "mutate":
-        return ["mutate", str(run), "--keys-per-layer", str(s.keys_per_layer), "--seed", str(s.seed), *dev]
+        from ffkv.experiments.mutate import MutateSettings
+
+        return MutateSettings(keys_per_layer=s.keys_per_layer, seed=s.seed, dtype=s.dtype)
     if step == "patterns":
-        return ["patterns", str(run), "--semantic-keys-per-layer", str(s.semantic_keys_per_layer),
-                "--seed", str(s.seed), "--device", s.device]
+        from ffkv.experiments.patterns import PatternsSettings
+
+        return PatternsSettings(semantic_keys_per_layer=s.semantic_keys_per_layer, seed=s.seed, device=s.device)
     raise ValueError(step)
 
 
-def reproduce(run: Path, s: ReproduceSettings, log=print) -> dict:
-    from ffkv.cli import app, model
+def _open(run: Path, s: ReproduceSettings):
+    """The run (created when new) and the model, loaded once for every step."""
+    from ffkv.cli.options import model
     from ffkv.store.run import Run
 
-    run = Path(run)
     if run.exists() and not run.is_dir():
         raise FfkvError(f"{run} is a file, not a run directory")
-    gated = model(s.model, s.device, s.dtype).gated if not (run / "manifest.json").exists() else \
-        bool((Run(run).manifest.get("model") or {}).get("gated"))
+    r = Run(run, create=True)
+    if r.manifest.get("model") and not s.model:
+        from ffkv.model.load import quiet_hf
+
+        quiet_hf()
+        return r, r.open_model(device=s.device, dtype=s.dtype)
+    return r, model(s.model, s.device, s.dtype)
+
+
+def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
+    """Run every step through the step lifecycle (each skips itself when done), then the report.
+
+    `show(step, run, outcome)` prints a step's outcome as its own command would.
+    """
+    from ffkv.store.steps import execute
+
+    run = Path(run)
+    r, mm = _open(run, s)
     times = {}
     for i, step in enumerate(STEPS, 1):
-        done = (run / "manifest.json").exists() and Run(run).step_done(step)
+        done = r.step_done(step)
         log(f"\n[{i}/{len(STEPS)}] {step}" + (" (done earlier; checking settings)" if done else ""))
         t0 = time.time()
-        app(step_args(step, run, s, gated), standalone_mode=False)
+        kw = {"checkpoint_every": 60.0} if step == "mine" else {}
+        if step == "compose":
+            kw["warn"] = lambda msg: log(f"ffkv: note: {msg}")
+        out = execute(r, step, step_settings(step, s, mm.gated), mm=mm, device=s.device, dtype=s.dtype,
+                      log=log, **kw)
+        if show is not None:
+            show(step, r, out)
         times[step] = round(time.time() - t0, 1)
     from ffkv.report import build_report
 
-    log(f"\n[report] building the HTML report")
+    log("\n[report] building the HTML report")
     t0 = time.time()
     path = build_report(run)
     times["report"] = round(time.time() - t0, 1)
@@ -85,8 +112,6 @@ def reproduce(run: Path, s: ReproduceSettings, log=print) -> dict:
 
 def summary_lines(run: Path, times: dict) -> list[str]:
     """Ten lines: timings, then one verdict per figure against the paper."""
-    from ffkv.store.run import Run
-
     r = Run(run)
     c = (r.manifest.get("corpus") or {}).get("counts", {})
     m = r.manifest.get("model") or {}

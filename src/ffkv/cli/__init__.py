@@ -1,0 +1,80 @@
+"""The `ffkv` command line. Thin: it parses, calls the library, prints."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import typer
+
+from ffkv.errors import FfkvError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    name="ffkv", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Read a transformer LM's feed-forward layers as key-value memories (Geva et al. 2021).\n\n"
+         "Typical flow: `ffkv mine --out RUN`, then `ffkv values RUN`, `ffkv compose RUN`, "
+         "`ffkv mutate RUN`, `ffkv patterns RUN`, `ffkv report RUN`; or all of it with "
+         "`ffkv reproduce RUN`.")
+
+from ffkv.cli.options import DeviceOpt, DtypeOpt, LensOpt, ModelOpt, model  # noqa: E402,F401
+from ffkv.model.load import quiet_hf  # noqa: E402,F401
+
+
+# One module per command group; each adds its commands to `app`.
+for _mod in ("info", "mine", "values", "compose", "keys", "annotate", "report", "reproduce"):
+    importlib.import_module(f"ffkv.cli.{_mod}").register(app)
+
+
+def _click_errors() -> tuple[type, ...]:
+    """click's usage-error base classes: typer ≥ 0.20 vendors its own copy beside click's."""
+    out = []
+    for name in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            out.append(importlib.import_module(name).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _interrupted() -> None:
+    print("ffkv: interrupted; rerun the same command to resume", file=sys.stderr)
+    sys.exit(130)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: every error a user can cause ends as one line on stderr and exit code 2."""
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except FfkvError as e:
+        print(f"ffkv: error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        _interrupted()
+    except SystemExit:
+        raise
+    except Exception as e:  # click's and typer's own exceptions arrive here in non-standalone mode
+        kind = type(e).__name__
+        if kind == "NoArgsIsHelpError" and getattr(e, "ctx", None) is not None:
+            print(e.ctx.get_help())
+            sys.exit(0)
+        if kind == "Abort":
+            _interrupted()
+        if kind == "Exit":
+            sys.exit(getattr(e, "exit_code", 0))
+        if isinstance(e, _click_errors()):
+            ctx = getattr(e, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            print(f"ffkv: error: {_one_line(e.format_message())}{where}", file=sys.stderr)
+            sys.exit(2)
+        raise
+    # typer returns a command's exit code instead of raising in non-standalone mode; a Ctrl-C
+    # caught by click comes back as 1 with nothing printed.
+    if isinstance(rv, int) and rv not in (0,):
+        if rv == 1:
+            _interrupted()
+        sys.exit(rv)

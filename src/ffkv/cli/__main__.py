@@ -1,0 +1,3 @@
+from ffkv.cli import main
+
+main()

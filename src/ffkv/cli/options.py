@@ -1,0 +1,54 @@
+"""Options and helpers shared by every command, defined once."""
+from __future__ import annotations
+
+import typer
+
+from ffkv.errors import FfkvError
+
+ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
+                        "Default: the embedded SmolLM2-135M-Instruct GGUF.")
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (float32), float32, float16, bfloat16.")
+LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
+RunArg = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN`.")
+SignOpt = typer.Option("+", "--sign", help="Which triggers: + (top positive, the paper) or - (most negative).")
+SeedOpt = typer.Option(0, "--seed", help="Seed of the key sample (and of the random mutation).")
+JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts.")
+
+
+def model(model: str | None, device: str = "auto", dtype: str = "auto", lens: str = "norm"):
+    """Open a model for commands that work on a model rather than a run."""
+    from ffkv.model.load import quiet_hf
+    from ffkv.model.memories import open_model
+
+    quiet_hf()
+    return open_model(model, device=device, dtype=dtype, lens=lens)
+
+
+def open_run(path, create: bool = False):
+    from ffkv.store.run import Run
+
+    return Run(path, create=create)
+
+
+def parse_sign(s: str) -> int:
+    v = str(s).strip().lower()
+    if v in ("+", "+1", "1", "pos", "positive"):
+        return 1
+    if v in ("-", "-1", "neg", "negative"):
+        return -1
+    raise FfkvError(f"--sign must be + or - (got {s!r})")
+
+
+def print_table(title: str, rows: list[dict], cols: list[str], fmt: dict | None = None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    fmt = fmt or {}
+    t = Table(title=escape(title))
+    for c in cols:
+        t.add_column(escape(c))
+    for r in rows:
+        t.add_row(*[escape(fmt[c](r[c]) if c in fmt and r[c] is not None else str(r[c])) for c in cols])
+    Console().print(t)
