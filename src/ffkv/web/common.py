@@ -1,0 +1,167 @@
+"""What every page of the browser shares: security headers, templates, origin checks, state.
+
+The memory browser (`ffkv.web.routes`) and the prediction explorer (`ffkv.web.explore`) both
+build on this module:
+
+- `CSP` and `SECURITY_HEADERS` are set on every response by `add_security(app)`: no request
+  leaves the page for another origin (scripts, styles and images come from `/static/` or are
+  inline SVG; no inline script or style attribute is allowed).
+- `templates`: one Jinja2 environment over `ffkv/web/templates`, autoescaping every `{{ }}`
+  (corpus, vocabulary and annotation strings are untrusted). `render(request, name, **ctx)`
+  renders a page extending `base.html` (blocks `title` and `content`).
+- `same_origin(request)`: a FastAPI dependency for every state-changing route (POST). A request
+  whose `Origin` (or, without one, `Referer`) is not this server's own origin is refused with
+  403; `Sec-Fetch-Site: cross-site|same-site` is refused too. Clients that send none of these
+  headers (curl, scripts) are not browsers and cannot be made to post by another site.
+- `state(request)`: the app's `ffkv.web.data.Browser` (the run's tables in memory, search, the
+  lazily loaded model: `state(request).model()`).
+- `error_page(request, status, title, detail)`: an HTML (or JSON under /api/) error response
+  without a traceback.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from fastapi import HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup, escape
+
+WEB_DIR = Path(__file__).resolve().parent
+TEMPLATES_DIR = WEB_DIR / "templates"
+STATIC_DIR = WEB_DIR / "static"
+
+# Everything comes from this server; no inline script, no inline style attribute, no framing.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "font-src 'self'; connect-src 'self'; form-action 'self'; base-uri 'none'; "
+       "frame-ancestors 'none'")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+MAX_BODY = 256 * 1024  # bytes of a POST body; an annotation form is a few kB
+
+
+def esc(x) -> Markup:
+    """HTML-escape anything (None -> empty), for strings built outside a template."""
+    return escape("" if x is None else str(x))
+
+
+def fmt(x, digits: int = 3) -> str:
+    """A number for a cell: thousands separators for integers, `digits` significant digits else."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, numbers.Integral):
+        return f"{int(x):,}"
+    if isinstance(x, numbers.Real):
+        x = float(x)
+        if math.isnan(x):
+            return "–"
+        if x == 0:
+            return "0"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def pct(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{100 * float(x):.{digits}f}%"
+
+
+def show_token(text) -> str:
+    """A vocabulary token made visible: leading/trailing spaces as ␣, newlines as ⏎, tabs as ⇥."""
+    if text is None:
+        return "∅"
+    s = str(text)
+    if s == "":
+        return "∅"
+    return s.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍").replace(" ", "␣") \
+        if s.strip() != s or not s.strip() else s.replace("\n", "⏎")
+
+
+templates = Environment(loader=FileSystemLoader(str(TEMPLATES_DIR)),
+                        autoescape=select_autoescape(enabled_extensions=("html", "svg"), default=True),
+                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+templates.filters.update(fmt=fmt, pct=pct, tok=show_token)
+templates.globals.update(fmt=fmt, pct=pct, tok=show_token)
+
+
+def render(request: Request, name: str, status_code: int = 200, **ctx) -> HTMLResponse:
+    """Render template `name` (which extends base.html) with `ctx`, plus `request` and `nav`."""
+    st = getattr(request.app.state, "browser", None)
+    base = {"request": request, "run_name": getattr(st, "name", ""),
+            "has_explore": getattr(request.app.state, "has_explore", False),
+            "has_report": bool(st is not None and getattr(st, "has_report", False))}
+    html = templates.get_template(name).render(**base, **ctx)
+    return HTMLResponse(html, status_code=status_code)
+
+
+def state(request: Request):
+    """The app's `ffkv.web.data.Browser`."""
+    return request.app.state.browser
+
+
+# ---- writes: same origin only ------------------------------------------------------------------
+def _origin_of(url: str) -> str | None:
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return None
+    if not u.scheme or not u.netloc:
+        return None
+    return f"{u.scheme}://{u.netloc}".lower()
+
+
+def own_origin(request: Request) -> str:
+    host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
+    return f"{request.url.scheme}://{host}".lower()
+
+
+def same_origin(request: Request) -> None:
+    """Refuse (403) a state-changing request that a browser sent on behalf of another origin."""
+    site = request.headers.get("sec-fetch-site")
+    if site in ("cross-site", "same-site"):
+        raise HTTPException(403, "cross-origin request refused")
+    origin = request.headers.get("origin")
+    if origin is not None:
+        if origin.lower() == "null" or _origin_of(origin) != own_origin(request):
+            raise HTTPException(403, "cross-origin request refused")
+        return
+    referer = request.headers.get("referer")
+    if referer is not None and _origin_of(referer) != own_origin(request):
+        raise HTTPException(403, "cross-origin request refused")
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def wants_json(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def error_page(request: Request, status: int, title: str, detail: str = "") -> HTMLResponse | JSONResponse:
+    """An error response without a traceback: JSON under /api/, else an HTML page."""
+    if wants_json(request):
+        return JSONResponse({"error": title, "detail": detail, "status": status}, status_code=status)
+    try:
+        return render(request, "error.html", status_code=status, status=status, title=title, detail=detail)
+    except Exception:  # noqa: BLE001 - never fail while reporting a failure
+        return HTMLResponse(f"<!DOCTYPE html><title>{esc(title)}</title><h1>{status} {esc(title)}</h1>"
+                            f"<p>{esc(detail)}</p>", status_code=status)
+
+
+def memory_url(layer: int, dim: int) -> str:
+    return f"/memory/{int(layer)}/{int(dim)}"
+
+
+templates.globals.update(memory_url=memory_url)
