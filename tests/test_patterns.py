@@ -151,6 +151,103 @@ def test_agglomerate_brute_force():
     assert P.agglomerate(S, -2.0) == [list(range(12))]
 
 
+# ---- scipy replaces the hand-written statistics: the old routines, kept as the reference -------
+def _old_binom_tail(n, c, df, B):
+    """The hand-written P(X ≥ c), X ~ Binomial(n, (df + 0.5)/(B + 1)), before scipy."""
+    import math
+
+    p = (df + 0.5) / (B + 1)
+    if c <= 0:
+        return 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    terms = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq
+             for k in range(c, n + 1)]
+    m = max(terms)
+    return min(1.0, math.exp(m) * sum(math.exp(t - m) for t in terms))
+
+
+def _old_agglomerate(S, tau):
+    """The hand-written average linkage before scipy; also returns each merge's mean similarity
+    and the best one left unmerged, to tell ties apart."""
+    n = S.shape[0]
+    clusters = [[i] for i in range(n)]
+    W = S.astype(np.float64).copy()
+    size = np.ones(n)
+    alive = np.ones(n, dtype=bool)
+    heights, stop = [], None
+    while alive.sum() > 1:
+        avg = W / np.outer(size, size)
+        avg[~alive, :] = -np.inf
+        avg[:, ~alive] = -np.inf
+        np.fill_diagonal(avg, -np.inf)
+        a, b = np.unravel_index(int(np.argmax(avg)), avg.shape)
+        if avg[a, b] < tau:
+            stop = avg[a, b]
+            break
+        heights.append(avg[a, b])
+        a, b = min(a, b), max(a, b)
+        W[a, :] += W[b, :]
+        W[:, a] += W[:, b]
+        size[a] += size[b]
+        alive[b] = False
+        clusters[a] += clusters[b]
+        clusters[b] = []
+    return [sorted(c) for c, al in zip(clusters, alive) if al], heights, stop
+
+
+def test_binom_tail_equals_hand_written():
+    rng = np.random.default_rng(11)
+    cases = [(25, 4, 30, 999), (25, 25, 0, 2000), (25, 3, 2000, 2000), (1, 1, 0, 1), (25, 0, 5, 100)]
+    for _ in range(400):
+        n = int(rng.integers(1, 60))
+        B = int(rng.integers(1, 5000))
+        cases.append((n, int(rng.integers(0, n + 1)), int(rng.integers(0, B + 1)), B))
+    for n, c, df, B in cases:
+        assert P.binom_tail(n, c, df, B) == pytest.approx(_old_binom_tail(n, c, df, B), rel=1e-9, abs=1e-300)
+
+
+def _unit(rng, n, d, dtype=np.float64):
+    E = rng.normal(size=(n, d)).astype(dtype)
+    return E / np.linalg.norm(E, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_agglomerate_equals_hand_written(dtype):
+    """The same partitions as the hand-written average linkage on random inputs (sizes 2..40, the
+    thresholds spread over the similarities), unless two candidate merges tie."""
+    rng = np.random.default_rng(3)
+    compared = 0
+    for trial in range(300):
+        n, d = int(rng.integers(2, 41)), int(rng.choice([3, 8, 64]))
+        E = _unit(rng, n, d, dtype)
+        S = E @ E.T
+        if dtype == np.float64:
+            S = (S + S.T) / 2  # a similarity matrix is symmetric; float32 S is used as computed
+        off = S[~np.eye(n, dtype=bool)]
+        tau = float(np.quantile(off, rng.uniform(0.5, 1.0)))
+        want, heights, stop = _old_agglomerate(S, tau)
+        got = P.agglomerate(S, tau)
+        gaps = np.diff(sorted(heights + ([stop] if stop is not None else [])))
+        tie = (len(gaps) and gaps.min() < 1e-6) or (stop is not None and abs(stop - tau) < 1e-6) \
+            or any(abs(h - tau) < 1e-6 for h in heights)
+        if got != want:
+            assert tie, (trial, got, want)
+        compared += not tie
+    assert compared > 250
+
+
+def test_semantic_null_equals_hand_written(monkeypatch):
+    """The calibration (thresholds from 200 random sets) is the same with either clustering."""
+    from ffkv.experiments.patterns import semantic
+
+    E = _unit(np.random.default_rng(5), 300, 16, np.float32)
+    new = P.SemanticNull.calibrate(E, sets=200)
+    monkeypatch.setattr(semantic, "agglomerate", lambda S, tau: _old_agglomerate(S, tau)[0])
+    old = P.SemanticNull.calibrate(E, sets=200)
+    assert (new.mu, new.tau, new.null_rate) == (old.mu, old.tau, old.null_rate)
+    assert new.thresholds == pytest.approx(old.thresholds, abs=1e-9)
+
+
 class HashEmbedder:
     """Bag of hashed words: a fast, deterministic stand-in for the sentence encoder."""
 

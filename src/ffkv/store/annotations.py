@@ -43,13 +43,12 @@ from pathlib import Path
 import numpy as np
 
 from ffkv.errors import FfkvError
+from ffkv.store import query
+from ffkv.store.labels import (CATEGORIES, KINDS, LABELS, TOP, category_counts, key_label,  # noqa: F401
+                               layer_shares, prefix_categories)
 
 FILENAME = "annotations.sqlite"
-TOP = 25
-KINDS = ("shallow", "semantic")
 SCHEMA_VERSION = "1"
-LABELS = ("shallow", "semantic", "both", "none")
-CATEGORIES = ("shallow", "semantic", "both", "not_covered")
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -362,9 +361,7 @@ class AnnotationStore:
     def sample(self, per_layer: int = 10, seed: int = 0, sign: int = 1) -> list[tuple[int, int]]:
         """The seeded sample of `per_layer` keys per layer (the paper: 10), stored in `sample`.
         The same nested sample as `ffkv patterns`' semantic sample and `ffkv mutate`."""
-        from ffkv.store.query import key_sample
-
-        keys = key_sample(self.run, per_layer, seed, sign)
+        keys = query.key_sample(self.run, per_layer, seed, sign)
         rows = [(int(l), int(d)) for l, ds in keys.items() for d in ds]
         with self._write() as con:
             con.execute("DELETE FROM sample WHERE sign=?", (sign,))
@@ -379,18 +376,16 @@ class AnnotationStore:
 
     def key_prefixes(self, layer: int, dim: int, tok, sign: int = 1) -> list[dict]:
         """The key's top-25 prefixes as an annotator sees them: index, rank, text, coef, sentence."""
-        from ffkv.experiments.patterns import prefix_texts
-
         t = self.run.read_table("triggers", columns=["layer", "dim", "sign", "rank", "coef", "sentence_id",
                                                      "position"],
                                 filters=[("layer", "=", layer), ("dim", "=", dim), ("sign", "=", sign),
                                          ("rank", "<=", TOP)]).sort_by("rank").to_pylist()
         if not t:
             raise FfkvError(f"unknown key: layer {layer}, dim {dim} has no triggers with sign {sign:+d}")
-        px = prefix_texts(self.run, tok, [r["sentence_id"] for r in t], [r["position"] for r in t])
-        return [{"index": r["rank"] - 1, "rank": r["rank"], "text": p.text, "last_token": p.last_token,
+        px = query.prefix_texts(self.run, tok, [r["sentence_id"] for r in t], [r["position"] for r in t])
+        return [{"index": r["rank"] - 1, "rank": r["rank"], "text": text, "last_token": last,
                  "coef": r["coef"], "sentence_id": r["sentence_id"], "position": r["position"]}
-                for r, p in zip(t, px)]
+                for r, (text, last) in zip(t, px)]
 
     # ---- statistics ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -404,17 +399,11 @@ class AnnotationStore:
             n = min(TOP, counts.get((r["layer"], r["dim"], r["sign"]), 0))
             cats[id(r)] = prefix_categories(r["patterns"], n)
         # Fig 2: every annotation counts (a key annotated twice counts twice)
-        fig2 = []
-        for l in sorted({r["layer"] for r in recs}):
-            rs = [r for r in recs if r["layer"] == l]
-            c = np.array([[cs.count(k) for k in CATEGORIES] for cs in (cats[id(r)] for r in rs)]).sum(0)
-            tot = int(c.sum())
-            npk = [len(r["patterns"]) for r in rs]
-            fig2.append({"layer": l, "annotations": len(rs), "prefixes": tot,
-                         **{k: (float(c[i]) / tot if tot else float("nan")) for i, k in enumerate(CATEGORIES)},
-                         "patterns_per_key": float(np.mean(npk)),
-                         "keys_with_pattern": float(np.mean([x > 0 for x in npk]))})
-        out["fig2"] = fig2
+        rows = layer_shares([r["layer"] for r in recs], [category_counts(cats[id(r)]) for r in recs],
+                            [len(r["patterns"]) for r in recs])
+        out["fig2"] = [{"layer": f["layer"], "annotations": f["n"], **{k: v for k, v in f.items()
+                                                                       if k not in ("layer", "n")}}
+                       for f in rows]
         npk = [len(r["patterns"]) for r in recs]
         out["patterns_per_key"] = float(np.mean(npk)) if recs else None
         out["keys_with_pattern"] = float(np.mean([x > 0 for x in npk])) if recs else None
@@ -460,24 +449,7 @@ class AnnotationStore:
                 "human_coverage": float(np.mean(cov_h)), "automatic_coverage": float(np.mean(cov_a))}
 
 
-# ---- label arithmetic (shared with the tests) ------------------------------------------------------------
-def prefix_categories(patterns: list[dict], n: int) -> list[str]:
-    """Per prefix 0..n-1: shallow / semantic / both / not_covered, from patterns with `kind` and
-    `prefixes` (human records) or `covered`."""
-    sh, se = set(), set()
-    for p in patterns:
-        cov = p.get("prefixes", p.get("covered", []))
-        (sh if p["kind"] == "shallow" else se).update(cov)
-    return ["both" if i in sh and i in se else "shallow" if i in sh else "semantic" if i in se
-            else "not_covered" for i in range(n)]
-
-
-def key_label(patterns: list[dict]) -> str:
-    kinds = {p["kind"] for p in patterns}
-    return ("both" if kinds >= {"shallow", "semantic"} else "shallow" if "shallow" in kinds
-            else "semantic" if "semantic" in kinds else "none")
-
-
+# ---- agreement ----------------------------------------------------------------------------------------
 def agreement(a, b) -> float:
     return float(np.mean([x == y for x, y in zip(a, b)])) if a else float("nan")
 

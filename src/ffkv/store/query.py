@@ -236,3 +236,48 @@ def key_annotations(run, layer: int, dim: int) -> list[dict]:
     from ffkv.store.annotations import AnnotationStore
 
     return AnnotationStore(run).list(layer=layer, dim=dim)
+
+
+def _offsets(tok, texts: list[str], stored: list[list[int]]) -> list:
+    """Per text, the tokenizer's character offsets when re-encoding gives the stored ids, else None."""
+    out: list = [None] * len(texts)
+    try:
+        enc = tok(texts, add_special_tokens=True, return_offsets_mapping=True)
+        for j, (e, o, ids) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], stored)):
+            if list(e[: len(ids)]) == list(ids):
+                out[j] = o
+    except Exception:  # noqa: BLE001 - slow tokenizers have no offsets: decode instead
+        pass
+    return out
+
+
+def prefix_texts(run, tok, sentence_ids, positions) -> list[tuple[str, str]]:
+    """(text, last token) of each prefix `token_ids[:position + 1]` of a sentence.
+
+    The text is the sentence text up to the end of token `position` (from the tokenizer's
+    offsets; decoded when offsets are unavailable or the prefix holds a special token); the last
+    token is that token's surface text, stripped.
+    """
+    sids = np.asarray(sentence_ids, dtype=np.int64)
+    pos = np.asarray(positions, dtype=np.int64)
+    sel = sentences(run, sids, columns=["sentence_id", "text", "token_ids"])
+    sid_list = sel.column("sentence_id").to_pylist()
+    texts = sel.column("text").to_pylist()
+    ids = sel.column("token_ids").to_pylist()
+    missing = len(np.unique(sids)) - len(sid_list)
+    if missing:
+        raise FfkvError(f"{missing} trigger sentence(s) are missing from the `sentences` table of "
+                        f"{run.path}; re-run `ffkv mine`")
+    offsets = _offsets(tok, texts, ids)
+    row = {s: j for j, s in enumerate(sid_list)}
+    out = []
+    for s, p in zip(sids.tolist(), pos.tolist()):
+        j = row[s]
+        o = offsets[j]
+        if o is not None and p < len(o) and not (tuple(o[p]) == (0, 0) and p > 0):  # (0, 0) inside: a special token
+            a, b = o[p]
+            out.append((texts[j][:b], texts[j][a:b].strip()))
+            continue
+        t = ids[j][: p + 1]
+        out.append((tok.decode(t, skip_special_tokens=True), tok.decode(t[-1:], skip_special_tokens=True).strip()))
+    return out

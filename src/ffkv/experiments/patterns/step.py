@@ -1,0 +1,250 @@
+"""The `patterns` step: every analysed key's patterns, its label, and Fig 2 (see the package docstring)."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ffkv.errors import FfkvError
+from ffkv.experiments.patterns.fig2 import fig2_table
+from ffkv.experiments.patterns.semantic import (SEMANTIC_BACKGROUND, Embedder, SemanticNull,
+                                                semantic_patterns)
+from ffkv.experiments.patterns.shallow import shallow_patterns
+from ffkv.experiments.patterns.words import (ALPHA, BACKGROUND, MIN_COVER, TOP, Background, Pattern,
+                                             background_prefixes, prefix_texts)
+from ffkv.store.labels import categories, category_counts, kind_sets, label_of
+from ffkv.store.query import mined_keys, read_triggers, sample_keys
+from ffkv.store.steps import Step
+
+DEFAULT_SEMANTIC_KEYS = 10
+TABLES = ("patterns", "pattern_keys", "patterns_fig2")
+
+
+@dataclass
+class PatternsResult:
+    patterns: pa.Table
+    keys: pa.Table
+    fig2: pa.Table
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PatternsSettings:
+    """Settings of the `patterns` step (all but `device` are recorded in the manifest)."""
+    keys_per_layer: int = 0  # shallow patterns for this many keys per layer; 0: every mined key
+    semantic_keys_per_layer: int = DEFAULT_SEMANTIC_KEYS  # the nested sample with semantic patterns; 0: all
+    top: int = TOP
+    sign: int = 1
+    seed: int = 0
+    min_cover: int = MIN_COVER
+    alpha: float = ALPHA
+    background: int = BACKGROUND
+    semantic: bool = True
+    device: str = "auto"  # of the sentence encoder; results do not depend on it
+
+
+def check_settings(top: int, min_cover: int, alpha: float) -> None:
+    if not 1 <= top <= 32767:
+        raise FfkvError("--top must be between 1 and 32767")
+    if min_cover < 1:
+        raise FfkvError("--min-cover must be at least 1")
+    if not 0 < alpha <= 1:
+        raise FfkvError("--alpha must be in (0, 1]")
+
+
+def settings_for(keys_per_layer, semantic_keys_per_layer, top, sign, seed, min_cover, alpha,
+                 background, semantic) -> dict:
+    """The step's settings as the manifest stores them (`steps.patterns` is compared to this)."""
+    return {"keys_per_layer": keys_per_layer or 0, "semantic_keys_per_layer": semantic_keys_per_layer,
+            "top": top, "sign": sign, "seed": seed, "min_cover": min_cover, "alpha": alpha,
+            "background": background, "semantic": bool(semantic)}
+
+
+# ---- which keys, and their prefixes -----------------------------------------------------------
+def _key_samples(mined: dict, keys_per_layer, semantic_keys_per_layer, seed: int, semantic: bool):
+    """(layer -> analysed dims, layer -> set of dims that also get semantic patterns)."""
+    keys = sample_keys(mined, keys_per_layer, seed)
+    if not semantic:
+        return keys, {}
+    # drawn from all mined keys: samples are nested, so this is the annotators' sample
+    # (`ffkv annotate sample`) whenever it lies within the analysed keys
+    sk = sample_keys(mined, semantic_keys_per_layer, seed) if semantic_keys_per_layer else keys
+    return keys, {l: set(int(d) for d in v) & set(int(d) for d in keys.get(l, ())) for l, v in sk.items()}
+
+
+def _key_rows(trig: pa.Table, keys: dict) -> tuple[dict, np.ndarray]:
+    """The trigger rows of the analysed keys sorted by layer, dim, rank, and each key's bounds."""
+    code = trig.column("layer").to_numpy().astype(np.int64) * (1 << 32) + trig.column("dim").to_numpy()
+    want = np.concatenate([l * (1 << 32) + d for l, d in keys.items()])
+    sel = np.nonzero(np.isin(code, want))[0]
+    cols = {c: trig.column(c).to_numpy()[sel] for c in trig.column_names}
+    order = np.lexsort((cols["rank"], cols["dim"], cols["layer"]))
+    cols = {c: v[order] for c, v in cols.items()}
+    kc = cols["layer"].astype(np.int64) * (1 << 32) + cols["dim"].astype(np.int64)
+    return cols, np.flatnonzero(np.r_[True, kc[1:] != kc[:-1], True])
+
+
+# ---- the output tables --------------------------------------------------------------------------
+class _Tables:
+    """Rows of `patterns` and `pattern_keys`, one key at a time."""
+    PATTERN_COLUMNS = ("layer", "dim", "pattern_id", "kind", "subtype", "description", "n_covered",
+                       "coverage", "covered", "p_value", "background", "coherence")
+    KEY_COLUMNS = ("layer", "dim", "n_prefixes", "semantic_done", "n_shallow", "n_semantic", "n_patterns",
+                   "label", "coverage", "only_shallow", "only_semantic", "both", "not_covered")
+
+    def __init__(self, sign: int):
+        self.sign = sign
+        self.P = {c: [] for c in self.PATTERN_COLUMNS}
+        self.K = {c: [] for c in self.KEY_COLUMNS}
+
+    def add(self, layer: int, dim: int, n: int, pats: list[Pattern], semantic_done: bool) -> None:
+        for j, p in enumerate(pats):
+            for c, v in zip(self.PATTERN_COLUMNS, (layer, dim, j, p.kind, p.subtype, p.description, len(p.covered),
+                                                   len(p.covered) / n, list(p.covered), p.p_value, p.background,
+                                                   p.coherence)):
+                self.P[c].append(v)
+        n_sh = sum(p.kind == "shallow" for p in pats)
+        sh, se = kind_sets((p.kind, p.covered) for p in pats)
+        counts = category_counts(categories(sh, se, n))
+        for c, v in zip(self.KEY_COLUMNS, (layer, dim, n, semantic_done, n_sh, len(pats) - n_sh, len(pats),
+                                           label_of(n_sh > 0, len(pats) > n_sh), len(sh | se) / n, *counts)):
+            self.K[c].append(v)
+
+    def patterns(self) -> pa.Table:
+        P, N = self.P, len(self.P["layer"])
+        return pa.table({
+            "layer": pa.array(P["layer"], pa.int16()), "dim": pa.array(P["dim"], pa.int32()),
+            "sign": pa.array([self.sign] * N, pa.int8()), "pattern_id": pa.array(P["pattern_id"], pa.int16()),
+            "kind": pa.array(P["kind"], pa.string()), "subtype": pa.array(P["subtype"], pa.string()),
+            "description": pa.array(P["description"], pa.string()),
+            "n_covered": pa.array(P["n_covered"], pa.int16()), "coverage": pa.array(P["coverage"], pa.float32()),
+            "covered": pa.array(P["covered"], pa.list_(pa.int16())),
+            "p_value": pa.array(P["p_value"], pa.float64()), "background": pa.array(P["background"], pa.float64()),
+            "coherence": pa.array(P["coherence"], pa.float32())})
+
+    def keys(self) -> pa.Table:
+        K, nk = self.K, len(self.K["layer"])
+        return pa.table({
+            "layer": pa.array(K["layer"], pa.int16()), "dim": pa.array(K["dim"], pa.int32()),
+            "sign": pa.array([self.sign] * nk, pa.int8()), "n_prefixes": pa.array(K["n_prefixes"], pa.int16()),
+            "semantic_done": pa.array(K["semantic_done"], pa.bool_()),
+            **{c: pa.array(K[c], pa.int16()) for c in ("n_shallow", "n_semantic", "n_patterns")},
+            "label": pa.array(K["label"], pa.string()), "coverage": pa.array(K["coverage"], pa.float32()),
+            **{c: pa.array(K[c], pa.int16()) for c in ("only_shallow", "only_semantic", "both", "not_covered")}})
+
+
+# ---- the experiment ----------------------------------------------------------------------------------
+def _null_stats(null: SemanticNull | None) -> dict | None:
+    return None if null is None else {"mu": null.mu, "tau": null.tau, "thresholds": null.thresholds,
+                                      "random_sets_with_cluster": null.null_rate}
+
+
+def _embed_semantic_prefixes(embedder, prefixes, cols, bounds, sem_keys, pb) -> float:
+    """Embed, once, every prefix text of the keys with semantic patterns; returns the seconds."""
+    rows = [i for b0, b1 in zip(bounds[:-1], bounds[1:])
+            if int(cols["dim"][b0]) in sem_keys.get(int(cols["layer"][b0]), ()) for i in range(b0, b1)]
+    todo = {prefixes[i].text for i in rows} - set(embedder.cache)
+    task = pb.add_task("patterns: embedding prefixes", total=len(todo))
+    te = time.perf_counter()
+    embedder.embed(sorted(todo), bar=lambda k: pb.update(task, advance=k))
+    return time.perf_counter() - te
+
+
+def patterns(run, tok, keys_per_layer: int | None = None,
+             semantic_keys_per_layer: int | None = DEFAULT_SEMANTIC_KEYS, top: int = TOP, sign: int = 1,
+             seed: int = 0, min_cover: int = MIN_COVER, alpha: float = ALPHA,
+             background: int = BACKGROUND, semantic: bool = True, embedder: Embedder | None = None,
+             show_progress: bool | None = None, write: bool = True, device: str = "cpu") -> PatternsResult:
+    """Shallow patterns for `keys_per_layer` keys per layer (None/0: all mined keys) and semantic
+    patterns for the nested sample of `semantic_keys_per_layer` (0: all analysed keys).
+
+    Without `embedder`, the sentence encoder is loaded on `device` when semantic keys exist."""
+    from ffkv.progress import progress
+
+    check_settings(top, min_cover, alpha)
+    t0 = time.perf_counter()
+    trig = read_triggers(run, sign, top, columns=["layer", "dim", "rank", "sentence_id", "position"])
+    keys, sem_keys = _key_samples(mined_keys(trig), keys_per_layer, semantic_keys_per_layer, seed, semantic)
+    cols, bounds = _key_rows(trig, keys)
+    bg = Background.from_prefixes(background_prefixes(run, tok, background, seed))
+    prefixes = prefix_texts(run, tok, cols["sentence_id"], cols["position"])
+    ranks = cols["rank"].astype(np.int64)
+
+    null, emb_sec = None, 0.0
+    n_sem = sum(len(v) for v in sem_keys.values())
+    if n_sem:
+        te = time.perf_counter()
+        embedder = embedder or Embedder(device=device)
+        null = SemanticNull.calibrate(embedder.embed(bg.texts[:SEMANTIC_BACKGROUND]), top, min_cover, seed=seed)
+        emb_sec += time.perf_counter() - te
+
+    out = _Tables(sign)
+    with progress(show_progress is False if show_progress is not None else None) as pb:
+        if n_sem:
+            emb_sec += _embed_semantic_prefixes(embedder, prefixes, cols, bounds, sem_keys, pb)
+        task = pb.add_task("patterns: keys", total=len(bounds) - 1)
+        for b0, b1 in zip(bounds[:-1], bounds[1:]):
+            layer, dim = int(cols["layer"][b0]), int(cols["dim"][b0])
+            px = prefixes[b0:b1]
+            ix = [int(r) - 1 for r in ranks[b0:b1]]
+            pats = shallow_patterns(px, bg, min_cover, alpha, ix)
+            done = dim in sem_keys.get(layer, ())
+            if done:
+                texts = [p.text for p in px]
+                pats += semantic_patterns(embedder.embed(texts), texts, bg, null, min_cover, ix)
+            out.add(layer, dim, len(px), pats, done)
+            pb.update(task, advance=1)
+    ptable, ktable = out.patterns(), out.keys()
+    fig2 = fig2_table(ktable, semantic=bool(n_sem))
+    stats = {"keys": ktable.num_rows, "semantic_keys": int(sum(out.K["semantic_done"])),
+             "patterns": ptable.num_rows, "prefixes": len(prefixes), "background": bg.n,
+             "semantic_null": _null_stats(null), "embedded_texts": len(embedder.cache) if embedder else 0,
+             "embedding_seconds": round(emb_sec, 2), "seconds": round(time.perf_counter() - t0, 2)}
+    if write:
+        run.write_table("patterns", ptable)
+        run.write_table("pattern_keys", ktable)
+        run.write_table("patterns_fig2", fig2)
+    return PatternsResult(ptable, ktable, fig2, stats)
+
+
+# ---- the step -------------------------------------------------------------------------------------
+def record(run, s: PatternsSettings) -> dict:
+    check_settings(s.top, s.min_cover, s.alpha)
+    return settings_for(s.keys_per_layer, s.semantic_keys_per_layer, s.top, s.sign, s.seed, s.min_cover,
+                        s.alpha, s.background, s.semantic)
+
+
+def compute(ctx) -> dict:
+    """The run's tokenizer comes from its model (opened on ctx.device); the sentence encoder runs on
+    settings.device. `ctx.extra["embedder"]` may hand over an embedder (tests, notebooks)."""
+    from ffkv.model.load import resolve_device
+
+    s = ctx.settings
+    device = resolve_device(s.device) if s.semantic else "cpu"
+    res = patterns(ctx.run, ctx.model().tok, keys_per_layer=s.keys_per_layer,
+                   semantic_keys_per_layer=s.semantic_keys_per_layer, top=s.top, sign=s.sign, seed=s.seed,
+                   min_cover=s.min_cover, alpha=s.alpha, background=s.background, semantic=s.semantic,
+                   embedder=ctx.extra.get("embedder"), show_progress=ctx.show_progress, device=device)
+    ctx.extra["result"] = res
+    return {k: v for k, v in res.stats.items() if k != "seconds"}
+
+
+def summary(run, outcome) -> dict:
+    """What `ffkv patterns` reports for an `execute(run, "patterns", ...)` outcome: status ("done" or
+    "already done"), the step's numbers, label counts (`labels`) and the Fig 2 rows (`fig2`)."""
+    if outcome.skipped:
+        fig2 = run.read_table("patterns_fig2").to_pylist()
+        labels = run.read_table("pattern_keys", columns=["label"]).column("label").to_pylist()
+        info = {"status": "already done", **{k: v for k, v in outcome.info.items() if k != "status"}}
+    else:
+        res = outcome.result
+        fig2, labels = res.fig2.to_pylist(), res.keys.column("label").to_pylist()
+        info = {"status": "done", **res.stats}
+    return {**info, "labels": dict(Counter(labels)), "fig2": fig2}
+
+
+STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
+            record=record)
