@@ -3,9 +3,9 @@
 The memory browser (`ffkv.web.routes`) and the prediction explorer (`ffkv.web.explore`) both
 build on this module:
 
-- `CSP` and `SECURITY_HEADERS` are set on every response by `add_security(app)`: no request
-  leaves the page for another origin (scripts, styles and images come from `/static/` or are
-  inline SVG; no inline script or style attribute is allowed).
+- `CSP` and `SECURITY_HEADERS` are set on every response by the app (`ffkv.web.app`): no
+  request leaves the page for another origin (scripts, styles and images come from `/static/`
+  or are inline SVG; no inline script or style attribute is allowed).
 - `templates`: one Jinja2 environment over `ffkv/web/templates`, autoescaping every `{{ }}`
   (corpus, vocabulary and annotation strings are untrusted). `render(request, name, **ctx)`
   renders a page extending `base.html` (blocks `title` and `content`).
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from fastapi import HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -80,21 +82,39 @@ def pct(x, digits: int = 1) -> str:
     return f"{100 * float(x):.{digits}f}%"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def show_token(text) -> str:
-    """A vocabulary token made visible: leading/trailing spaces as ␣, newlines as ⏎, tabs as ⇥."""
+    """A vocabulary token made visible: spaces at its ends as ␣, newlines as ⏎, tabs as ⇥,
+    other control characters as \\xNN. (Escaping is the template's job.)"""
     if text is None:
         return "∅"
     s = str(text)
     if s == "":
         return "∅"
-    return s.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍").replace(" ", "␣") \
-        if s.strip() != s or not s.strip() else s.replace("\n", "⏎")
+    s = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", s).replace("\n", "⏎").replace("\t", "⇥")
+    if s.strip(" ") != s or not s.strip():
+        s = s.replace(" ", "␣")
+    return s
+
+
+def urlencode_clean(params: dict) -> str:
+    """A query string of the non-empty parameters."""
+    return urlencode([(k, v) for k, v in params.items() if v is not None and str(v) != ""])
+
+
+def show_time(ts) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(float(ts)))
+    except (TypeError, ValueError, OverflowError):
+        return ""
 
 
 templates = Environment(loader=FileSystemLoader(str(TEMPLATES_DIR)),
                         autoescape=select_autoescape(enabled_extensions=("html", "svg"), default=True),
                         undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-templates.filters.update(fmt=fmt, pct=pct, tok=show_token)
+templates.filters.update(fmt=fmt, pct=pct, tok=show_token, urlencode_clean=urlencode_clean, datetime=show_time)
 templates.globals.update(fmt=fmt, pct=pct, tok=show_token)
 
 

@@ -1,0 +1,154 @@
+"""The token → memories inverse index: which values promote (or suppress) a token.
+
+For every value v_i of every layer, both directions (+v_i, and −v_i, which a negative
+coefficient writes) and both lenses of `ffkv.model.memories.Lens` ("naive": v·E, the paper's;
+"norm": through the final norm's gain), the index lists the tokens whose exact rank in
+softmax(±v_i·E) is below k. It answers "which memories put token w in their top k?" by a lookup,
+where the direct way projects all L × d_m values onto the vocabulary (about 40 s for SmolLM2).
+
+Definitions
+- rank: `ffkv.model.memories.rank_of` semantics, the number of tokens with a strictly larger
+  logit (0 = the top token). It is exact over the whole vocabulary: the index keeps every token
+  whose logit is ≥ the k-th largest logit of the row, which are exactly the tokens of rank < k.
+  With tied logits at the k-th place a row has more than k entries (all tied tokens are kept).
+- "promotes w": w has rank < k in the distribution of +v_i (sign +1). "suppresses w": w has rank
+  < k in the distribution of −v_i (sign −1), i.e. it is among the k lowest logits of v_i.
+- prob: softmax probability of the token in that distribution (float32 logits, log-sum-exp).
+
+Table `value_index` (public contract; written by the values step, atomically)
+- lens string (naive | norm), sign int8 (+1: v_i, −1: −v_i), token int32, rank int16
+  (0-based, see above), prob float32, layer int16, dim int32.
+- Sorted by lens, sign, token, rank, layer, dim, so a DuckDB query for one token reads few row
+  groups, e.g. ``select layer, dim, rank from value_index where lens = 'norm' and sign = 1 and
+  token = 42 and rank < 10``.
+- Schema metadata: ``ffkv.k`` (the k of the index; ranks < k are all present) and
+  ``ffkv.lenses`` (comma-separated).
+
+Size: L × d_m × 2 signs × |lenses| × k rows (SmolLM2, k = 20: 3.7M rows, about 13 MB of
+Parquet). Memory while building: a few (chunk × |V|) float32 buffers.
+
+`ffkv serve` builds the same table in memory (never writing the run) when a run lacks it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+TABLE = "value_index"
+DEFAULT_K = 20
+LENSES = ("naive", "norm")
+COLUMNS = ("lens", "sign", "token", "rank", "prob", "layer", "dim")
+SCHEMA = pa.schema([("lens", pa.string()), ("sign", pa.int8()), ("token", pa.int32()), ("rank", pa.int16()),
+                    ("prob", pa.float32()), ("layer", pa.int16()), ("dim", pa.int32())])
+
+
+def _top_rows(z, k: int):
+    """Tokens of rank < k in each row of z (C, V), with their ranks and logits.
+
+    Returns (row, token, rank, logit) as 1-d tensors. Ranks count strictly larger logits.
+    """
+    import torch
+
+    C, V = z.shape
+    k = min(k, V)
+    vals, idx = z.topk(k, dim=-1)  # descending
+    # rank of each kept logit = index of the first equal value in the descending list
+    pos = torch.arange(k, device=z.device).expand(C, k)
+    new = torch.ones_like(vals, dtype=torch.bool)
+    new[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    rank = torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    thr = vals[:, -1:]
+    n_ge = (z >= thr).sum(-1)
+    tied = torch.nonzero(n_ge > k).flatten()  # rows where tokens beyond the k-th tie with it
+    keep = torch.ones(C, dtype=torch.bool, device=z.device)
+    keep[tied] = False
+    rows = torch.arange(C, device=z.device)[:, None].expand(C, k)[keep]
+    out = [(rows.flatten(), idx[keep].flatten(), rank[keep].flatten(), vals[keep].flatten())]
+    for r in tied.tolist():  # rare: every token ≥ the k-th logit, ranked by counting
+        row = z[r]
+        toks = torch.nonzero(row >= thr[r, 0]).flatten()
+        lv = row[toks]
+        rk = (row[None, :] > lv[:, None]).sum(-1)
+        out.append((torch.full_like(toks, r), toks, rk, lv))
+    return tuple(torch.cat([o[j] for o in out]) for j in range(4))
+
+
+def build_index(mm, lenses=LENSES, k: int = DEFAULT_K, chunk: int = 512, progress=None) -> pa.Table:
+    """The `value_index` table of model `mm` (a `MemoryModel`): see the module docstring.
+
+    `progress(done, total)` is called after each chunk of values (for a progress bar or page).
+    """
+    import torch
+
+    from ffkv.model.memories import Lens
+
+    lenses = tuple(lenses)
+    bad = [l for l in lenses if l not in LENSES]
+    if bad or not lenses:
+        from ffkv.errors import FfkvError
+
+        raise FfkvError(f"unknown lens(es) {bad or lenses}; choose from {', '.join(LENSES)}")
+    if k < 1:
+        from ffkv.errors import FfkvError
+
+        raise FfkvError(f"the index needs k ≥ 1 (got {k})")
+    L, d_m = mm.n_layers, mm.d_m
+    chunk = max(1, min(chunk, d_m))
+    n_chunks = len(lenses) * L * ((d_m + chunk - 1) // chunk)
+    done = 0
+    parts: dict[tuple[str, int], list] = {(ln, s): [] for ln in lenses for s in (1, -1)}
+    with torch.no_grad():
+        for ln_name in lenses:
+            ln = mm.lens if mm.lens.mode == ln_name else Lens(mm, ln_name)
+            for layer in range(L):
+                W = mm.values(layer)
+                for a in range(0, d_m, chunk):
+                    z = ln.direction_logits(W[a:a + chunk]).float()
+                    for s in (1, -1):
+                        zz = z if s == 1 else torch.neg(z)
+                        lse = torch.logsumexp(zz, dim=-1)
+                        row, tok, rk, lv = _top_rows(zz, k)
+                        prob = torch.exp(lv - lse[row])
+                        parts[(ln_name, s)].append((
+                            np.full(len(row), layer, np.int16),
+                            (row + a).cpu().numpy().astype(np.int32),
+                            tok.cpu().numpy().astype(np.int32),
+                            rk.cpu().numpy().astype(np.int16),
+                            prob.cpu().numpy().astype(np.float32)))
+                        del zz
+                    del z
+                    done += 1
+                    if progress is not None:
+                        progress(done, n_chunks)
+    cols = {c: [] for c in COLUMNS}
+    for (ln_name, s), ps in parts.items():
+        layer = np.concatenate([p[0] for p in ps])
+        dim = np.concatenate([p[1] for p in ps])
+        tok = np.concatenate([p[2] for p in ps])
+        rk = np.concatenate([p[3] for p in ps])
+        pr = np.concatenate([p[4] for p in ps])
+        order = np.lexsort((dim, layer, rk, tok))
+        n = len(order)
+        cols["lens"].append(pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
+                                                           pa.array([ln_name])).cast(pa.string()))
+        cols["sign"].append(pa.array(np.full(n, s, np.int8)))
+        cols["token"].append(pa.array(tok[order]))
+        cols["rank"].append(pa.array(rk[order]))
+        cols["prob"].append(pa.array(pr[order]))
+        cols["layer"].append(pa.array(layer[order]))
+        cols["dim"].append(pa.array(dim[order]))
+    arrays = [pa.chunked_array(cols[c], SCHEMA.field(c).type) for c in COLUMNS]
+    meta = {"ffkv.k": str(int(k)), "ffkv.lenses": ",".join(lenses)}
+    return pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata(meta)).combine_chunks()
+
+
+def index_k(table: pa.Table) -> int | None:
+    """The k of a `value_index` table (from its metadata; None when absent)."""
+    meta = table.schema.metadata or {}
+    v = meta.get(b"ffkv.k")
+    return int(v) if v is not None else None
+
+
+def write_index(run, table: pa.Table) -> None:
+    """Write the table into the run (the values step's job; atomic, row groups of 200k rows)."""
+    run.write_table(TABLE, table, row_group_size=200_000)

@@ -1,0 +1,163 @@
+"""The app factory: `create_app(run)` -> a FastAPI app serving one run directory.
+
+Layers, outermost first: security headers on every response (`common.SECURITY_HEADERS`), a
+Host check against DNS rebinding (only the names the server is reached by), a cap on request
+bodies, then the routes of `routes` and, when present, the prediction explorer's router
+(`ffkv.web.explore.router`). Errors never show a traceback: 404 and 422 pages (JSON under
+/api/), and a plain 500 page whose details go to the server's log only.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from ffkv.errors import FfkvError
+from ffkv.web.common import MAX_BODY, SECURITY_HEADERS, error_page
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+log = logging.getLogger("ffkv.web")
+
+
+class SecurityHeaders:
+    """Pure ASGI middleware: add `SECURITY_HEADERS` to every HTTP response (a route may set its
+    own Content-Security-Policy, e.g. the report's)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                have = {k.lower() for k, _ in msg.get("headers", [])}
+                msg["headers"] = list(msg.get("headers", [])) + [(k, v) for k, v in self.headers if k not in have]
+            await send(msg)
+
+        return await self.app(scope, receive, send_)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse request bodies over `limit` bytes with 413."""
+
+    def __init__(self, app, limit: int = MAX_BODY):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    too_big = int(v) > self.limit
+                except ValueError:
+                    too_big = True
+                if too_big:
+                    return await _plain(send, 413, b"request body too large")
+        seen = 0
+
+        async def receive_():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooBig()
+            return msg
+
+        try:
+            return await self.app(scope, receive_, send)
+        except _TooBig:
+            return await _plain(send, 413, b"request body too large")
+
+
+class _TooBig(Exception):
+    pass
+
+
+async def _plain(send, status: int, body: bytes):
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def allowed_hosts_for(host: str) -> list[str]:
+    """Host header values accepted when bound to `host`: loopback names, or anything for a
+    wildcard bind (the user chose to expose the server)."""
+    if host in WILDCARD_HOSTS:
+        return ["*"]
+    out = list(LOOPBACK_NAMES)
+    if host not in out:
+        out.append(host)
+    return out
+
+
+def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
+               index_k: int | None = None, build_index: bool = False, log_fn=None) -> FastAPI:
+    """A FastAPI app serving run directory `run` (its tables are loaded now)."""
+    from ffkv.web import routes
+    from ffkv.web.data import BadQuery, Browser, NotFound
+
+    say = log_fn or (lambda msg: print(f"ffkv serve: {msg}", file=sys.stderr))
+    app = FastAPI(title="ffkv memory browser", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.browser = Browser(run, index_k=index_k, log=say)
+    app.state.has_explore = False
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        titles = {404: "Not found", 403: "Forbidden", 405: "Method not allowed", 413: "Too large"}
+        detail = exc.detail if isinstance(exc.detail, str) else ""
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"There is no page at {request.url.path}."
+        return error_page(request, exc.status_code, titles.get(exc.status_code, "Error"), detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        parts = []
+        for e in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("path", "query", "body"))
+            parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+        return error_page(request, 422, "Malformed request", "; ".join(parts))
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound):
+        return error_page(request, 404, "Not found", " ".join(str(exc).split()))
+
+    @app.exception_handler(BadQuery)
+    async def bad_query(request: Request, exc: BadQuery):
+        return error_page(request, 422, "Malformed request", " ".join(str(exc).split()))
+
+    @app.exception_handler(FfkvError)
+    async def ffkv_error(request: Request, exc: FfkvError):
+        return error_page(request, 422, "Cannot do that", " ".join(str(exc).split()))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        log.exception("error while serving %s", request.url.path)
+        say(f"error while serving {request.url.path}: {type(exc).__name__}: {exc}")
+        return error_page(request, 500, "Internal error", "Something went wrong on the server; its log has the details.")
+
+    app.include_router(routes.router)
+    try:
+        from ffkv.web import explore  # the prediction explorer (its own issue), when present
+    except ImportError:
+        explore = None
+    if explore is not None and hasattr(explore, "router"):
+        app.include_router(explore.router)
+        app.state.has_explore = True
+
+    app.add_middleware(BodyLimit)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or allowed_hosts_for(host))
+    app.add_middleware(SecurityHeaders)
+    if build_index:
+        app.state.browser.start_index()
+    return app

@@ -1,0 +1,948 @@
+"""The run as the browser sees it: its tables read once, kept in memory, indexed by memory.
+
+Every table comes through the read API (`ffkv.store.query`): `query.table` for the Arrow tables
+held in memory, `query.connect` for a DuckDB connection whose views read the run's Parquet files
+and on which the in-memory per-memory table `memories` is registered for searches by measure.
+Per-memory lookups (a memory page) are binary searches over the tables sorted by
+code = layer × d_m + dim, so a page costs no scan: the default run's 4.6M trigger rows are read
+once at startup.
+
+Nothing here writes the run's Parquet tables. The only write is `annotate` (through
+`ffkv.store.annotations.AnnotationStore`, i.e. `annotations.sqlite`). The token index
+(`value_index`, see `ffkv.experiments.value_index`) is read from the run when present, else
+built in memory in a background thread on first use; so is the model (`model()`), loaded
+lazily the first time something needs it (re-verify, the index, the explorer).
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ffkv.errors import FfkvError
+from ffkv.store import query
+
+MAX_TOP = 200          # trigger rows per sign a page may ask for
+PREFIX_TOKENS = 32     # a long prefix shows its last tokens (the permalink shows the sentence)
+ANNOTATE_TOP = 25      # prefixes an annotator reads (the paper's protocol)
+PRECISION_K = 50
+MUTATIONS = ("first", "last", "random")
+
+# search orders: name -> (column, default direction)
+MEASURE_SORTS = {
+    "max_prob": ("max_prob", "desc"), "max_prob_neg": ("max_prob_neg", "desc"),
+    "precision": ("precision", "desc"), "precision_neg": ("precision_neg", "desc"),
+    "agreement": ("rank", "asc"), "target_prob": ("target_prob", "desc"),
+    "entropy": ("entropy", "asc"), "coverage": ("coverage", "desc"),
+    "patterns": ("n_patterns", "desc"), "coef": ("top_coef", "desc"),
+    "layer": ("layer", "asc"),
+}
+TOKEN_SORTS = {"rank": ("rank", "asc"), "prob": ("prob", "desc"), "max_prob": ("max_prob", "desc"),
+               "precision": ("precision", "desc"), "layer": ("layer", "asc")}
+TEXT_SORTS = {"count": ("n", "desc"), "rank": ("best_rank", "asc"), "coef": ("best_coef", "desc"),
+              "layer": ("layer", "asc")}
+LABELS = ("shallow", "semantic", "both", "none")
+
+
+class NotFound(FfkvError):
+    """An unknown memory, sentence or token: a 404."""
+
+
+class BadQuery(FfkvError):
+    """A malformed query: a 422."""
+
+
+# ---- per-memory lookups ----------------------------------------------------------------------------
+class ByKey:
+    """The rows of a table grouped by memory: code = layer × d_m + dim, sorted (stable)."""
+
+    def __init__(self, table: pa.Table, d_m: int):
+        code = (table.column("layer").to_numpy().astype(np.int64) * d_m
+                + table.column("dim").to_numpy().astype(np.int64))
+        if len(code) and np.any(code[1:] < code[:-1]):
+            order = np.argsort(code, kind="stable")
+            table, code = table.take(pa.array(order)), code[order]
+        self.table, self.code, self.d_m = table, code, d_m
+
+    def span(self, layer: int, dim: int) -> tuple[int, int]:
+        c = int(layer) * self.d_m + int(dim)
+        return int(np.searchsorted(self.code, c, "left")), int(np.searchsorted(self.code, c, "right"))
+
+    def slice(self, layer: int, dim: int) -> pa.Table:
+        a, b = self.span(layer, dim)
+        return self.table.slice(a, b - a)
+
+    def rows(self, layer: int, dim: int) -> list[dict]:
+        return self.slice(layer, dim).to_pylist()
+
+
+class TokenIndex:
+    """The `value_index` table in memory: per (lens, sign), rows sorted by memory and by token."""
+
+    def __init__(self, table: pa.Table, d_m: int, source: str):
+        from ffkv.experiments.value_index import index_k
+
+        rk = table.column("rank").to_numpy().astype(np.int64)
+        self.k = index_k(table) or (int(rk.max()) + 1 if len(rk) else 0)
+        self.source = source
+        self.rows = table.num_rows
+        self.parts: dict[tuple[str, int], dict] = {}
+        lens = table.column("lens").to_numpy(zero_copy_only=False)
+        sign = table.column("sign").to_numpy()
+        tok = table.column("token").to_numpy().astype(np.int64)
+        prob = table.column("prob").to_numpy().astype(np.float32)
+        mem = (table.column("layer").to_numpy().astype(np.int64) * d_m
+               + table.column("dim").to_numpy().astype(np.int64))
+        for ln in np.unique(lens).tolist():
+            for s in (1, -1):
+                sel = np.nonzero((lens == ln) & (sign == s))[0]
+                if not len(sel):
+                    continue
+                p = {"token": tok[sel], "rank": rk[sel], "prob": prob[sel], "mem": mem[sel]}
+                by_mem = np.lexsort((p["rank"], p["mem"]))
+                p = {c: v[by_mem] for c, v in p.items()}
+                p["by_token"] = np.lexsort((p["mem"], p["rank"], p["token"]))
+                p["tok_sorted"] = p["token"][p["by_token"]]
+                self.parts[(str(ln), s)] = p
+        self.lenses = sorted({ln for ln, _ in self.parts})
+
+    def of_memory(self, lens: str, sign: int, code: int, k: int | None = None) -> list[tuple[int, int, float]]:
+        """(token, rank, prob) of one direction, best first, ranks < k."""
+        p = self.parts.get((lens, sign))
+        if p is None:
+            return []
+        a, b = np.searchsorted(p["mem"], code, "left"), np.searchsorted(p["mem"], code, "right")
+        out = [(int(t), int(r), float(q)) for t, r, q in zip(p["token"][a:b], p["rank"][a:b], p["prob"][a:b])]
+        return [x for x in out if k is None or x[1] < k]
+
+    def lookup(self, lens: str, sign: int, tokens, k: int) -> dict[str, np.ndarray]:
+        """Rows whose token is one of `tokens` with rank < k: arrays mem, token, rank, prob."""
+        p = self.parts.get((lens, sign))
+        empty = {c: np.zeros(0, np.int64) for c in ("mem", "token", "rank")} | {"prob": np.zeros(0, np.float32)}
+        if p is None:
+            return empty
+        idx = []
+        for t in sorted(set(int(x) for x in tokens)):
+            a, b = np.searchsorted(p["tok_sorted"], t, "left"), np.searchsorted(p["tok_sorted"], t, "right")
+            idx.append(p["by_token"][a:b])
+        if not idx:
+            return empty
+        rows = np.concatenate(idx)
+        rows = rows[p["rank"][rows] < k]
+        return {c: p[c][rows] for c in ("mem", "token", "rank", "prob")}
+
+
+@dataclass
+class IndexState:
+    status: str = "absent"  # absent | building | ready | failed
+    done: int = 0
+    total: int = 0
+    error: str = ""
+    started: float = 0.0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _find_edges(obj, path=()):
+    """A list named `edges` somewhere under a manifest entry about key statistics."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == "edges" and isinstance(v, list) and any("stat" in str(p) or "hist" in str(p) for p in path):
+                return v
+            r = _find_edges(v, path + (k,))
+            if r is not None:
+                return r
+    return None
+
+
+# ---- the browser's view of a run -------------------------------------------------------------------
+class Browser:
+    """A run's tables in memory, with what the pages and searches need. Thread-safe for reads."""
+
+    def __init__(self, run_path, *, index_k: int | None = None, log=None):
+        from ffkv.store.run import Run
+
+        t0 = time.time()
+        self.log = log or (lambda msg: None)
+        self.run = Run(run_path)
+        self.path = Path(self.run.path)
+        self.name = str(run_path)
+        query.check_triggers(self.run)
+        man = self.run.manifest
+        model = man.get("model") or {}
+        trig = query.table(self.run, "triggers", columns=list(query.TRIGGER_COLUMNS))
+        self.vocab: list[str] = query.vocab_texts(self.run) if self.run.has_table("vocab") else []
+        self.L = int(model.get("layers") or (pc.max(trig.column("layer")).as_py() + 1))
+        self.d_m = int(model.get("d_m") or (pc.max(trig.column("dim")).as_py() + 1))
+        self.V = int(model.get("vocab_size") or len(self.vocab))
+        if len(self.vocab) < self.V:
+            self.vocab += [f"<{i}>" for i in range(len(self.vocab), self.V)]
+        vs = self.run.settings("values") or {}
+        self.lens = vs.get("lens") or man.get("lens") or "norm"
+        corpus = man.get("corpus") or {}
+        self.corpus_source = corpus.get("source")
+        self.corpus_sha = corpus.get("sha256") or ""
+        self.model_id = model.get("model_id") or model.get("model") or "?"
+        self.index_k = index_k
+        self.has_report = (self.path / "report" / "index.html").exists()
+
+        # sentences: ids sorted, token ids flat with offsets
+        cols = [c for c in ("sentence_id", "doc_id", "title", "text", "token_ids")
+                if c in query.schema_names(self.run, "sentences")]
+        sent = query.table(self.run, "sentences", columns=cols)
+        sid = sent.column("sentence_id").to_numpy().astype(np.int64)
+        order = np.argsort(sid, kind="stable")
+        if np.any(order != np.arange(len(order))):
+            sent, sid = sent.take(pa.array(order)), sid[order]
+        self.sent, self.sent_ids = sent, sid
+        tok_col = sent.column("token_ids").combine_chunks()
+        self.tok_offsets = tok_col.offsets.to_numpy().astype(np.int64)
+        self.tok_flat = tok_col.values.to_numpy().astype(np.int64)
+        self._texts = sent.column("text")
+        self._docs = sent.column("doc_id").to_numpy() if "doc_id" in cols else None
+        self._titles = sent.column("title") if "title" in cols else None
+
+        # triggers, grouped by memory; the token at each trigger's position
+        self.trig = ByKey(trig, self.d_m)
+        t = self.trig.table
+        tsid = t.column("sentence_id").to_numpy().astype(np.int64)
+        tpos = t.column("position").to_numpy().astype(np.int64)
+        row = np.clip(np.searchsorted(self.sent_ids, tsid), 0, max(len(self.sent_ids) - 1, 0))
+        ok = (self.sent_ids[row] == tsid) if len(self.sent_ids) else np.zeros(len(tsid), bool)
+        if not ok.all():
+            raise FfkvError(f"{int((~ok).sum())} trigger rows point to sentences missing from the "
+                            f"`sentences` table of {self.path}; the run is inconsistent (re-run `ffkv mine`)")
+        self.trig_row = row
+        self.trig_token = self.tok_flat[self.tok_offsets[row] + tpos]
+        self.trig_sign = t.column("sign").to_numpy().astype(np.int64)
+        self.trig_rank = t.column("rank").to_numpy().astype(np.int64)
+        self.keys = np.unique(self.trig.code)
+        self.negative = bool((self.trig_sign == -1).any())
+
+        # the other steps' tables, when present
+        def opt(name, by_key=True):
+            if not self.run.has_table(name):
+                return None
+            tb = query.table(self.run, name)
+            return ByKey(tb, self.d_m) if by_key else tb
+
+        self.values = opt("values")
+        self.agreement = opt("values_agreement")
+        self.patterns = opt("patterns")
+        self.pattern_keys = opt("pattern_keys")
+        self.mutations = opt("mutations")
+        self.key_stats = opt("key_stats")
+        self.key_hist = opt("key_hist")
+        self.key_samples = opt("key_samples")
+        self.hist_edges = _find_edges(man)
+        self.values_layers = opt("values_layers", False)
+        self.compose_layers = opt("compose_layers", False)
+        self.patterns_fig2 = opt("patterns_fig2", False)
+        self.values_top_k = int(vs.get("top_k") or 10)
+
+        # vocabulary lookups for token search
+        self._norm: dict[str, list[int]] = {}
+        for i, s in enumerate(self.vocab):
+            self._norm.setdefault(s.strip().casefold(), []).append(i)
+        self._exact: dict[str, list[int]] = {}
+        for i, s in enumerate(self.vocab):
+            self._exact.setdefault(s, []).append(i)
+
+        self.memories = self._memories_table()
+        self._con = query.connect(self.run)
+        self._con.register("memories", self.memories)
+        self._con_lock = threading.Lock()
+
+        # lazily: token index, model, annotation store
+        self._index: TokenIndex | None = None
+        self.index_state = IndexState()
+        if self.run.has_table("value_index"):
+            self._index = TokenIndex(query.table(self.run, "value_index"), self.d_m, "run")
+            self.index_state.status = "ready"
+        self._mm = None
+        self._mm_lock = threading.Lock()
+        self.model_lock = threading.Lock()  # one forward pass at a time
+        self._store = None
+        self._store_lock = threading.Lock()
+        self.load_seconds = round(time.time() - t0, 2)
+
+    # ---- small helpers ------------------------------------------------------------------------
+    def check_key(self, layer: int, dim: int) -> None:
+        if not (0 <= layer < self.L):
+            raise NotFound(f"layer {layer} does not exist: the model has layers 0–{self.L - 1}")
+        if not (0 <= dim < self.d_m):
+            raise NotFound(f"dim {dim} does not exist: each layer has dims 0–{self.d_m - 1}")
+
+    def code(self, layer: int, dim: int) -> int:
+        return int(layer) * self.d_m + int(dim)
+
+    def is_mined(self, layer: int, dim: int) -> bool:
+        c = self.code(layer, dim)
+        i = np.searchsorted(self.keys, c)
+        return bool(i < len(self.keys) and self.keys[i] == c)
+
+    def tok(self, t) -> str | None:
+        if t is None:
+            return None
+        t = int(t)
+        return self.vocab[t] if 0 <= t < len(self.vocab) else f"<{t}>"
+
+    def sentence_row(self, sid: int) -> int:
+        i = int(np.searchsorted(self.sent_ids, sid))
+        if i >= len(self.sent_ids) or self.sent_ids[i] != sid:
+            raise NotFound(f"sentence {sid} is not in this run")
+        return i
+
+    def sentence_tokens(self, row: int) -> np.ndarray:
+        return self.tok_flat[self.tok_offsets[row]:self.tok_offsets[row + 1]]
+
+    def doc_of(self, row: int) -> dict:
+        return {"doc_id": int(self._docs[row]) if self._docs is not None else None,
+                "title": self._titles[row].as_py() if self._titles is not None else None}
+
+    def neighbours(self, layer: int, dim: int) -> dict:
+        """Previous and next mined memory in (layer, dim) order, wrapping around."""
+        c = self.code(layer, dim)
+        i = int(np.searchsorted(self.keys, c, "left"))
+        j = int(np.searchsorted(self.keys, c, "right"))
+        prev = self.keys[i - 1] if i > 0 else self.keys[-1]
+        nxt = self.keys[j] if j < len(self.keys) else self.keys[0]
+        return {"prev": divmod(int(prev), self.d_m), "next": divmod(int(nxt), self.d_m)}
+
+    def random_key(self, rng=random) -> tuple[int, int]:
+        return divmod(int(self.keys[rng.randrange(len(self.keys))]), self.d_m)
+
+    # ---- per-memory measures (search by measure) -------------------------------------------------
+    def _memories_table(self) -> pa.Table:
+        N = self.L * self.d_m
+        code = np.arange(N)
+        nan = lambda: np.full(N, np.nan, np.float32)  # noqa: E731
+        cols: dict[str, np.ndarray] = {"layer": (code // self.d_m).astype(np.int16),
+                                       "dim": (code % self.d_m).astype(np.int32)}
+        mined = np.zeros(N, bool)
+        mined[self.keys] = True
+        cols["mined"] = mined
+        n_trig = np.bincount(self.trig.code, minlength=N)[:N]
+        cols["n_triggers"] = n_trig.astype(np.int32)
+        top_coef = nan()
+        first = (self.trig_sign == 1) & (self.trig_rank == 1)
+        top_coef[self.trig.code[first]] = self.trig.table.column("coef").to_numpy()[first]
+        cols["top_coef"] = top_coef
+        masks = {}
+        top_tok = {"value": np.full(N, -1, np.int64), "neg_value": np.full(N, -1, np.int64)}
+        for kind in ("value", "neg_value"):
+            mp, en = nan(), nan()
+            if self.values is not None:
+                vt = self.values.table
+                sel = pc.equal(vt.column("kind"), kind)
+                sub = vt.filter(sel)
+                c = (sub.column("layer").to_numpy().astype(np.int64) * self.d_m
+                     + sub.column("dim").to_numpy().astype(np.int64))
+                mp[c] = sub.column("max_prob").to_numpy()
+                en[c] = sub.column("entropy").to_numpy()
+                first_tok = pc.list_element(sub.column("top_tokens"), 0).to_numpy(zero_copy_only=False)
+                top_tok[kind][c] = first_tok.astype(np.int64)
+            suffix = "" if kind == "value" else "_neg"
+            cols["max_prob" + suffix] = mp
+            cols["entropy" + suffix] = en
+            cols["top_token" + suffix] = top_tok[kind].astype(np.int32)
+            masks["top_token" + suffix] = top_tok[kind] < 0
+        # precision@50: share of a key's rank ≤ 50 triggers (sign +1 for v, −1 for −v) whose
+        # next token is the direction's top token (the values step's Table 2 definition)
+        nxt = self.trig.table.column("next_token").fill_null(-1).to_numpy().astype(np.int64)
+        for s, kind, name in ((1, "value", "precision"), (-1, "neg_value", "precision_neg")):
+            sel = (self.trig_sign == s) & (self.trig_rank <= PRECISION_K)
+            c = self.trig.code[sel]
+            hit = (nxt[sel] == top_tok[kind][c]) & (top_tok[kind][c] >= 0)
+            n = np.bincount(c, minlength=N)[:N]
+            h = np.bincount(c, weights=hit, minlength=N)[:N]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                pr = np.where((n > 0) & (top_tok[kind] >= 0), h / np.maximum(n, 1), np.nan)
+            cols[name] = pr.astype(np.float32)
+        agree = np.zeros(N, bool)
+        agree_null = np.ones(N, bool)
+        rank = np.full(N, -1, np.int64)
+        tprob = nan()
+        if self.agreement is not None:
+            at = self.agreement.table
+            c = self.agreement.code
+            a = at.column("agree")
+            agree_null[c] = a.is_null().to_numpy(zero_copy_only=False)
+            agree[c] = a.fill_null(False).to_numpy(zero_copy_only=False)
+            rank[c] = at.column("rank").fill_null(-1).to_numpy()
+            tprob[c] = at.column("target_prob").fill_null(np.nan).to_numpy()
+        label = np.full(N, None, object)
+        n_pat = np.zeros(N, np.int32)
+        cov = nan()
+        if self.pattern_keys is not None:
+            pk = self.pattern_keys.table
+            sel = pc.equal(pk.column("sign"), 1)
+            sub = pk.filter(sel)
+            c = (sub.column("layer").to_numpy().astype(np.int64) * self.d_m
+                 + sub.column("dim").to_numpy().astype(np.int64))
+            label[c] = sub.column("label").to_numpy(zero_copy_only=False)
+            n_pat[c] = sub.column("n_patterns").to_numpy()
+            cov[c] = sub.column("coverage").to_numpy()
+        arrays = {k: pa.array(v) for k, v in cols.items() if not k.startswith("top_token")}
+        for k in ("top_token", "top_token_neg"):
+            arrays[k] = pa.array(cols[k], mask=masks[k])
+        arrays["agree"] = pa.array(agree, mask=agree_null)
+        arrays["rank"] = pa.array(rank, pa.int32(), mask=rank < 0)
+        arrays["target_prob"] = pa.array(tprob, mask=np.isnan(tprob))
+        arrays["label"] = pa.array(label.tolist(), pa.string())
+        arrays["n_patterns"] = pa.array(n_pat)
+        arrays["coverage"] = pa.array(cov, mask=np.isnan(cov))
+        for k in ("max_prob", "max_prob_neg", "entropy", "entropy_neg", "precision", "precision_neg", "top_coef"):
+            arrays[k] = pa.array(cols[k], mask=np.isnan(cols[k]))
+        return pa.table(arrays)
+
+    def measures(self, layer: int, dim: int) -> dict:
+        return self.memories.slice(self.code(layer, dim), 1).to_pylist()[0]
+
+    # ---- the token index ---------------------------------------------------------------------
+    def token_index(self, start: bool = True) -> TokenIndex | None:
+        """The index when ready; else starts building it (in a thread) and returns None."""
+        if self._index is not None:
+            return self._index
+        if start:
+            self.start_index()
+        return None
+
+    def start_index(self) -> None:
+        st = self.index_state
+        with st.lock:
+            if st.status in ("building", "ready"):
+                return
+            st.status, st.done, st.total, st.error, st.started = "building", 0, 0, "", time.time()
+        threading.Thread(target=self._build_index, name="ffkv-value-index", daemon=True).start()
+
+    def _build_index(self) -> None:
+        from ffkv.experiments.value_index import DEFAULT_K, build_index
+
+        st = self.index_state
+        try:
+            mm = self.model()
+
+            def progress(done, total):
+                st.done, st.total = done, total
+
+            # weights only (no hooks, no forward pass): no need to hold `model_lock`
+            table = build_index(mm, k=self.index_k or DEFAULT_K, progress=progress)
+            self._index = TokenIndex(table, self.d_m, "built in memory")
+            st.status, st.seconds = "ready", round(time.time() - st.started, 1)
+            self.log(f"token index built in memory in {st.seconds} s ({table.num_rows:,} rows)")
+        except Exception as e:  # noqa: BLE001 - shown on the search page, logged
+            st.status, st.error = "failed", " ".join(str(e).split())[:300] or type(e).__name__
+            self.log(f"token index failed: {st.error}")
+
+    def wait_index(self, timeout: float = 600) -> TokenIndex:
+        """Start (if needed) and wait for the index; for tests and benchmarks."""
+        self.start_index()
+        t = time.time()
+        while self._index is None:
+            if self.index_state.status == "failed":
+                raise FfkvError(f"token index failed: {self.index_state.error}")
+            if time.time() - t > timeout:
+                raise FfkvError("token index: timed out")
+            time.sleep(0.05)
+        return self._index
+
+    # ---- the model ---------------------------------------------------------------------------
+    def model(self):
+        """The run's model, loaded on first use (CPU), shared by every page."""
+        if self._mm is None:
+            with self._mm_lock:
+                if self._mm is None:
+                    from ffkv.model.load import quiet_hf
+
+                    quiet_hf()
+                    t = time.time()
+                    self._mm = self.run.open_model(device="cpu")
+                    self.log(f"model loaded in {time.time() - t:.1f} s")
+        return self._mm
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._mm is not None
+
+    # ---- annotations -------------------------------------------------------------------------
+    def store(self, create: bool = True):
+        """The run's AnnotationStore (None when there is none yet and `create` is False)."""
+        if self._store is None:
+            if not create and not (self.path / "annotations.sqlite").exists():
+                return None
+            with self._store_lock:
+                if self._store is None:
+                    from ffkv.store.annotations import AnnotationStore
+
+                    self._store = AnnotationStore(self.run)
+        return self._store
+
+    def annotations(self, layer=None, dim=None) -> list[dict]:
+        st = self.store(create=False)
+        if st is None:
+            return []
+        kw = {k: v for k, v in (("layer", layer), ("dim", dim)) if v is not None}
+        return st.list(**kw)
+
+    def annotate(self, annotator, layer, dim, patterns, sign=1, note="") -> dict:
+        st = self.store()
+        st.add_annotation(annotator, layer, dim, patterns, sign=sign, note=note)
+        return next(r for r in st.list(layer=layer, dim=dim)
+                    if r["annotator"] == annotator.strip() and r["sign"] == sign)
+
+    def annotation_stats(self) -> dict | None:
+        st = self.store(create=False)
+        return st.stats() if st is not None else None
+
+    def n_prefixes(self, layer: int, dim: int, sign: int) -> int:
+        a, b = self.trig.span(layer, dim)
+        sel = (self.trig_sign[a:b] == sign) & (self.trig_rank[a:b] <= ANNOTATE_TOP)
+        return int(sel.sum())
+
+    # ---- a memory page -----------------------------------------------------------------------
+    def prefix(self, row: int, position: int) -> dict:
+        toks = self.sentence_tokens(row)[: position + 1]
+        cut = max(0, len(toks) - PREFIX_TOKENS)
+        texts = [self.tok(t) for t in toks]
+        return {"head": "".join(texts[cut:-1]), "trigger": texts[-1] if texts else "",
+                "cut": cut > 0, "full": "".join(texts)}
+
+    def value_ranks(self, layer: int, dim: int, sign: int, lens: str | None = None):
+        """token -> rank of a direction (+v: sign 1, −v: −1) and the bound below which ranks are
+        known: from the token index when ready, else from the `values` table (top_k tokens)."""
+        lens = lens or self.lens
+        if self._index is not None and (lens, sign) in self._index.parts:
+            got = self._index.of_memory(lens, sign, self.code(layer, dim))
+            return {t: r for t, r, _ in got}, self._index.k, "index"
+        if self.values is not None and lens == self.lens:
+            kind = "value" if sign == 1 else "neg_value"
+            for r in self.values.rows(layer, dim):
+                if r["kind"] == kind:
+                    out: dict[int, int] = {}
+                    for j, t in enumerate(r["top_tokens"]):
+                        out.setdefault(int(t), j)
+                    return out, len(r["top_tokens"]), "values"
+        return {}, 0, None
+
+    def memory(self, layer: int, dim: int, top: int = 25) -> dict:
+        """Everything a memory page shows, as plain data (the JSON API returns it as is)."""
+        self.check_key(layer, dim)
+        top = max(1, min(int(top), MAX_TOP))
+        mined = self.is_mined(layer, dim)
+        values_rows = self.values.rows(layer, dim) if self.values is not None else []
+        if not mined and not values_rows:
+            raise NotFound(f"memory {layer}/{dim} has no triggers and no values in this run "
+                           f"(mined: {len(self.keys):,} of {self.L * self.d_m:,} memories)")
+        trig = self.trig.slice(layer, dim).to_pylist()
+        muts: dict[tuple[int, int], dict] = {}
+        if self.mutations is not None:
+            for m in self.mutations.rows(layer, dim):
+                muts.setdefault((m["sign"], m["rank"]), {})[m["mutation"]] = m["rel_change"]
+        pats = self.patterns.rows(layer, dim) if self.patterns is not None else []
+        covered: dict[tuple[int, int], list[int]] = {}
+        for p in pats:
+            for i in p["covered"] or []:
+                covered.setdefault((p["sign"], i + 1), []).append(p["pattern_id"])
+        ranks = {s: self.value_ranks(layer, dim, s) for s in (1, -1)}
+        triggers: dict[str, list[dict]] = {"+": [], "-": []}
+        for r in sorted(trig, key=lambda r: (-r["sign"], r["rank"])):
+            key = "+" if r["sign"] == 1 else "-"
+            if len(triggers[key]) >= top:
+                continue
+            row = self.sentence_row(r["sentence_id"])
+            nt = r["next_token"]
+            # the direction this trigger writes: +v when its coefficient is ≥ 0, else −v
+            direction = 1 if (r["coef"] or 0) >= 0 else -1
+            rk, bound, src = ranks[direction]
+            badge = None
+            if nt is not None and src is not None:
+                badge = {"rank": rk.get(int(nt)), "bound": bound, "direction": direction, "source": src}
+            triggers[key].append({
+                **r, "prefix": self.prefix(row, r["position"]), "next_token_text": self.tok(nt),
+                **self.doc_of(row), "badge": badge, "mutations": muts.get((r["sign"], r["rank"])),
+                "patterns": covered.get((r["sign"], r["rank"]), []),
+                "permalink": self.permalink(r["sentence_id"], r["position"])})
+        views = self.vocab_views(layer, dim)
+        vals = {}
+        for v in values_rows:
+            vals[v["kind"]] = {"max_prob": v["max_prob"], "entropy": v["entropy"],
+                               "tokens": [{"token": int(t), "text": self.tok(t), "prob": float(p)}
+                                          for t, p in zip(v["top_tokens"], v["top_probs"])]}
+        agreement = self.agreement.rows(layer, dim) if self.agreement is not None else []
+        agreement = agreement[0] if agreement else None
+        if agreement is not None:
+            agreement = {**agreement, "next_token_text": self.tok(agreement.get("next_token")),
+                         "value_top_text": self.tok(agreement.get("value_top"))}
+        pk = self.pattern_keys.rows(layer, dim) if self.pattern_keys is not None else []
+        mut_summary = []
+        if self.mutations is not None:
+            mrows = self.mutations.rows(layer, dim)
+            for kind in MUTATIONS:
+                xs = np.array([m["rel_change"] for m in mrows if m["mutation"] == kind
+                               and m["rel_change"] is not None and not math.isnan(m["rel_change"])])
+                if len(xs):
+                    mut_summary.append({"mutation": kind, "n": int(len(xs)), "mean": float(xs.mean()),
+                                        "median": float(np.median(xs)), "share_lower": float((xs < 0).mean())})
+        meas = self.measures(layer, dim)
+        return {
+            "layer": layer, "dim": dim, "mined": mined, "lens": self.lens, "top": top,
+            "model": self.model_id, "corpus_sha256": self.corpus_sha, "negative": self.negative,
+            "triggers": triggers, "n_triggers": {"+": int(sum(1 for r in trig if r["sign"] == 1)),
+                                                 "-": int(sum(1 for r in trig if r["sign"] == -1))},
+            "values": vals, "vocab_views": views, "agreement": agreement,
+            "precision": {"k": PRECISION_K, "value": meas["precision"], "neg_value": meas["precision_neg"]},
+            "patterns": pats, "pattern_keys": pk, "mutations": mut_summary,
+            "annotations": self.annotations(layer, dim),
+            "stats": self.key_statistics(layer, dim),
+            "links": {**{k: {"layer": v[0], "dim": v[1]} for k, v in self.neighbours(layer, dim).items()}}
+            if len(self.keys) else {},
+        }
+
+    def vocab_views(self, layer: int, dim: int, n: int = 10) -> dict:
+        """Top tokens of +v and of −v (= the bottom of +v) under each lens the index has; without
+        the index, the run's lens from the `values` table."""
+        out = {"source": None, "k": None, "lenses": {}}
+        idx = self._index
+        if idx is not None:
+            out["source"], out["k"] = idx.source, idx.k
+            for ln in idx.lenses:
+                out["lenses"][ln] = {
+                    ("+v" if s == 1 else "-v"): [{"token": t, "text": self.tok(t), "rank": r, "prob": p}
+                                                 for t, r, p in idx.of_memory(ln, s, self.code(layer, dim))[:n]]
+                    for s in (1, -1)}
+            return out
+        if self.values is not None:
+            out["source"], out["k"] = "values", self.values_top_k
+            d = {}
+            for v in self.values.rows(layer, dim):
+                if v["kind"] in ("value", "neg_value"):
+                    d["+v" if v["kind"] == "value" else "-v"] = [
+                        {"token": int(t), "text": self.tok(t), "rank": j, "prob": float(p)}
+                        for j, (t, p) in enumerate(zip(v["top_tokens"][:n], v["top_probs"][:n]))]
+            if d:
+                out["lenses"][self.lens] = d
+        return out
+
+    def key_statistics(self, layer: int, dim: int) -> dict | None:
+        if self.key_stats is None and self.key_hist is None and self.key_samples is None:
+            return None
+        out: dict = {"stats": [], "hist": None, "samples": []}
+        if self.key_stats is not None:
+            out["stats"] = self.key_stats.rows(layer, dim)
+        if self.key_hist is not None:
+            h = sorted(self.key_hist.rows(layer, dim), key=lambda r: (r.get("sign", 0), r.get("bin", 0)))
+            if h:
+                edges = self.hist_edges
+                if "lo" in h[0] and "hi" in h[0]:
+                    edges = [h[0]["lo"]] + [r["hi"] for r in h]
+                out["hist"] = {"rows": h, "edges": edges}
+        if self.key_samples is not None:
+            rows = self.key_samples.rows(layer, dim)
+            for r in sorted(rows, key=lambda r: (-(r.get("sign") or 0), r.get("bin", 0), -(r.get("coef") or 0))):
+                try:
+                    row = self.sentence_row(int(r["sentence_id"]))
+                except (NotFound, KeyError, TypeError):
+                    continue
+                out["samples"].append({**r, "prefix": self.prefix(row, int(r["position"])),
+                                       "permalink": self.permalink(r["sentence_id"], r["position"])})
+        return out
+
+    def permalink(self, sentence_id: int, position: int) -> str:
+        q = f"?pos={int(position)}"
+        if self.corpus_sha:
+            q += f"&corpus={self.corpus_sha[:12]}"
+        return f"/sentence/{int(sentence_id)}{q}#t{int(position)}"
+
+    # ---- a sentence (provenance) ---------------------------------------------------------------
+    def sentence(self, sid: int, pos: int | None = None, top: int = 200) -> dict:
+        row = self.sentence_row(sid)
+        toks = self.sentence_tokens(row)
+        if pos is not None and not (0 <= pos < len(toks)):
+            raise NotFound(f"sentence {sid} has {len(toks)} tokens; position {pos} does not exist")
+        sel = np.nonzero(self.trig_row == row)[0]
+        t = self.trig.table.take(pa.array(sel)).to_pylist() if len(sel) else []
+        t.sort(key=lambda r: (r["position"] != pos, r["rank"], r["layer"], r["dim"]))
+        return {"sentence_id": int(sid), **self.doc_of(row), "text": self._texts[row].as_py(),
+                "tokens": [{"i": i, "token": int(x), "text": self.tok(x)} for i, x in enumerate(toks)],
+                "position": pos, "corpus_source": self.corpus_source, "corpus_sha256": self.corpus_sha,
+                "triggers": t[:top], "n_triggers": len(t)}
+
+    # ---- search ------------------------------------------------------------------------------
+    def resolve_token(self, q: str) -> list[int]:
+        """Token ids a query names: `#123` or `id:123`, the exact decoded text, or the text with
+        surrounding spaces ignored and case folded."""
+        q = q or ""
+        m = re.fullmatch(r"\s*(?:#|id:)(\d+)\s*", q)
+        if m:
+            t = int(m.group(1))
+            if not 0 <= t < self.V:
+                raise NotFound(f"token id {t} is outside the vocabulary (0–{self.V - 1})")
+            return [t]
+        ids = set(self._exact.get(q, [])) | set(self._norm.get(q.strip().casefold(), []))
+        return sorted(ids)
+
+    def suggest(self, q: str, n: int = 12) -> list[int]:
+        k = q.strip().casefold()
+        if not k:
+            return []
+        out = [i for i, s in enumerate(self.vocab) if s.strip().casefold().startswith(k)]
+        return sorted(out, key=lambda i: (len(self.vocab[i].strip()), i))[:n]
+
+    @staticmethod
+    def _order(sorts: dict, sort: str | None, order: str | None, default: str) -> tuple[str, str, str]:
+        sort = sort or default
+        if sort not in sorts:
+            raise BadQuery(f"sort must be one of {', '.join(sorts)} (got {sort!r})")
+        col, direction = sorts[sort]
+        if order is not None:
+            if order not in ("asc", "desc"):
+                raise BadQuery(f"order must be asc or desc (got {order!r})")
+            direction = order
+        return sort, col, direction
+
+    @staticmethod
+    def _page(page: int, per_page: int) -> tuple[int, int]:
+        if page < 1:
+            raise BadQuery("page must be ≥ 1")
+        if not 1 <= per_page <= 500:
+            raise BadQuery("per_page must be in 1..500")
+        return page, per_page
+
+    def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
+                     layer: int | None = None, sort: str | None = None, order: str | None = None,
+                     page: int = 1, per_page: int = 50) -> dict:
+        """Memories whose value ranks a token within k (promote: +v; suppress: −v)."""
+        lens = lens or self.lens
+        if lens not in ("naive", "norm"):
+            raise BadQuery(f"lens must be naive or norm (got {lens!r})")
+        if direction not in ("promote", "suppress"):
+            raise BadQuery(f"dir must be promote or suppress (got {direction!r})")
+        sort, col, how = self._order(TOKEN_SORTS, sort, order, "rank")
+        page, per_page = self._page(page, per_page)
+        if not (q or "").strip() and not re.fullmatch(r"\s*#\d+\s*", q or ""):
+            raise BadQuery("token: type a token, e.g. Paris, or #123 for a token id")
+        if len(q) > 200:
+            raise BadQuery("token: at most 200 characters")
+        if layer is not None and not 0 <= layer < self.L:
+            raise BadQuery(f"layer must be in 0..{self.L - 1}")
+        ids = self.resolve_token(q)
+        base = {"mode": "token", "query": q, "tokens": [{"token": t, "text": self.tok(t)} for t in ids],
+                "k": k, "lens": lens, "dir": direction, "sort": sort, "order": how, "page": page,
+                "per_page": per_page, "layer": layer}
+        if not ids:
+            return {**base, "status": "no_token", "total": 0, "results": [],
+                    "suggestions": [{"token": t, "text": self.tok(t)} for t in self.suggest(q)]}
+        idx = self.token_index()
+        if idx is None:
+            st = self.index_state
+            return {**base, "status": st.status, "total": 0, "results": [], "index": self.index_status()}
+        if not 1 <= k <= idx.k:
+            raise BadQuery(f"k must be in 1..{idx.k} (the token index keeps ranks below {idx.k})")
+        if lens not in idx.lenses:
+            raise BadQuery(f"the token index has lenses {', '.join(idx.lenses)}, not {lens}")
+        hit = idx.lookup(lens, 1 if direction == "promote" else -1, ids, k)
+        mem = hit["mem"]
+        if layer is not None:
+            keep = (mem // self.d_m) == layer
+            hit = {c: v[keep] for c, v in hit.items()}
+            mem = hit["mem"]
+        meas = self.memories
+        mp = meas.column("max_prob").to_numpy(zero_copy_only=False)
+        prec = meas.column("precision").to_numpy(zero_copy_only=False)
+        cols = {"layer": mem // self.d_m, "dim": mem % self.d_m, "token": hit["token"], "rank": hit["rank"],
+                "prob": hit["prob"], "max_prob": mp[mem] if len(mem) else np.zeros(0),
+                "precision": prec[mem] if len(mem) else np.zeros(0)}
+        key = cols[col].astype(np.float64)
+        key = np.where(np.isnan(key), np.inf, key if how == "asc" else -key)
+        order_ = np.lexsort((cols["dim"], cols["layer"], cols["rank"], key))
+        total = len(order_)
+        sel = order_[(page - 1) * per_page: page * per_page]
+        mined = self.memories.column("mined").to_numpy(zero_copy_only=False)
+        results = [{"layer": int(cols["layer"][i]), "dim": int(cols["dim"][i]), "token": int(cols["token"][i]),
+                    "token_text": self.tok(cols["token"][i]), "rank": int(cols["rank"][i]),
+                    "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
+                    "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]])} for i in sel]
+        return {**base, "status": "ready", "total": total, "results": results, "index_k": idx.k,
+                "index_source": idx.source}
+
+    def index_status(self) -> dict:
+        st = self.index_state
+        return {"status": st.status if self._index is None else "ready", "done": st.done, "total": st.total,
+                "error": st.error, "k": self._index.k if self._index is not None else None,
+                "source": self._index.source if self._index is not None else None,
+                "model_loaded": self.model_loaded}
+
+    def _sql(self, q: str, params=None) -> pa.Table:
+        with self._con_lock:
+            return self._con.sql(q, params=params or None).to_arrow_table()
+
+    def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
+                    sort: str | None = None, order: str | None = None, page: int = 1,
+                    per_page: int = 50) -> dict:
+        """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
+        is a token (mode token: the decoded token, spaces ignored, case folded)."""
+        if mode not in ("word", "token"):
+            raise BadQuery(f"mode must be word or token (got {mode!r})")
+        if sign not in (None, 1, -1):
+            raise BadQuery("sign must be 1 or -1")
+        if layer is not None and not 0 <= layer < self.L:
+            raise BadQuery(f"layer must be in 0..{self.L - 1}")
+        q = q or ""
+        if not q.strip():
+            raise BadQuery("text: type a word, e.g. city")
+        if len(q) > 200:
+            raise BadQuery("text: at most 200 characters")
+        sort, col, how = self._order(TEXT_SORTS, sort, order, "count")
+        page, per_page = self._page(page, per_page)
+        if mode == "token":
+            ids = sorted(set(self._norm.get(q.strip().casefold(), [])) | set(self._exact.get(q, [])))
+            sel = np.nonzero(np.isin(self.trig_token, np.asarray(ids, np.int64)))[0] if ids else np.zeros(0, np.int64)
+        else:
+            sel = self._word_hits(q)
+        if len(sel) and sign is not None:
+            sel = sel[self.trig_sign[sel] == sign]
+        if len(sel) and layer is not None:
+            sel = sel[(self.trig.code[sel] // self.d_m) == layer]
+        hits = self.trig.table.take(pa.array(sel, pa.int64())).select(
+            ["layer", "dim", "sign", "rank", "coef", "sentence_id", "position"])
+        base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
+                "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
+        if not len(sel):
+            return {**base, "total": 0, "results": []}
+        with self._con_lock:
+            self._con.register("hits", hits)
+            try:
+                g = self._con.sql(
+                    f"""SELECT layer, dim, sign, count(*) AS n, min(rank) AS best_rank,
+                               arg_min(coef, rank) AS best_coef, arg_min(sentence_id, rank) AS sentence_id,
+                               arg_min(position, rank) AS position
+                        FROM hits GROUP BY layer, dim, sign
+                        ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
+            finally:
+                self._con.unregister("hits")
+        total = g.num_rows
+        rows = g.slice((page - 1) * per_page, per_page).to_pylist()
+        for r in rows:
+            srow = self.sentence_row(r["sentence_id"])
+            r["prefix"] = self.prefix(srow, r["position"])
+            r["permalink"] = self.permalink(r["sentence_id"], r["position"])
+        return {**base, "total": total, "results": rows}
+
+    def _word_hits(self, q: str) -> np.ndarray:
+        """Trigger rows whose prefix contains `q` as a whole word (case-insensitive).
+
+        A prefix is the decoded tokens 0..position of its sentence; a sentence's first match ends
+        inside token j, so its prefixes of position ≥ j contain the word.
+        """
+        words = q.strip()
+        pat = re.compile(r"(?<!\w)" + re.escape(words) + r"(?!\w)", re.IGNORECASE)
+        rough = re.compile(re.escape(words), re.IGNORECASE)
+        first = np.full(len(self.sent_ids), np.iinfo(np.int64).max, np.int64)
+        texts = self._texts.to_pylist() if len(self.sent_ids) < 200_000 else None
+        for row in range(len(self.sent_ids)):
+            text = texts[row] if texts is not None else self._texts[row].as_py()
+            if not rough.search(text or ""):
+                continue
+            toks = self.sentence_tokens(row)
+            pieces = [self.tok(t) for t in toks]
+            m = pat.search("".join(pieces))
+            if not m:
+                continue
+            ends = np.cumsum([len(p) for p in pieces])
+            first[row] = int(np.searchsorted(ends, m.end(), "left"))
+        tpos = self.trig.table.column("position").to_numpy()
+        return np.nonzero(tpos >= first[self.trig_row])[0]
+
+    def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
+                       label: str | None = None, agree: bool | None = None, mined_only: bool = True,
+                       page: int = 1, per_page: int = 50) -> dict:
+        """Memories ordered by a measure (value max-probability, precision@50, agreement, …)."""
+        sort, col, how = self._order(MEASURE_SORTS, sort, order, "max_prob")
+        page, per_page = self._page(page, per_page)
+        where, params = [], []
+        if mined_only:
+            where.append("mined")
+        if layer is not None:
+            if not 0 <= layer < self.L:
+                raise BadQuery(f"layer must be in 0..{self.L - 1}")
+            where.append("layer = ?")
+            params.append(layer)
+        if label is not None:
+            if label not in LABELS:
+                raise BadQuery(f"label must be one of {', '.join(LABELS)}")
+            where.append("label = ?")
+            params.append(label)
+        if agree is not None:
+            where.append("agree = ?")
+            params.append(bool(agree))
+        w = (" WHERE " + " AND ".join(where)) if where else ""
+        total = self._sql(f"SELECT count(*) AS n FROM memories{w}", params).column("n")[0].as_py()
+        rows = self._sql(f"SELECT * FROM memories{w} ORDER BY {col} {how.upper()} NULLS LAST, layer, dim "
+                         f"LIMIT {int(per_page)} OFFSET {int((page - 1) * per_page)}", params).to_pylist()
+        for r in rows:
+            r["top_token_text"] = self.tok(r["top_token"])
+            r["top_token_neg_text"] = self.tok(r["top_token_neg"])
+        return {"mode": "measure", "sort": sort, "order": how, "layer": layer, "label": label, "agree": agree,
+                "page": page, "per_page": per_page, "total": int(total), "results": rows}
+
+    # ---- the overview ------------------------------------------------------------------------
+    def overview(self) -> dict:
+        rows = [{"layer": l} for l in range(self.L)]
+        mined = np.bincount(self.keys // self.d_m, minlength=self.L)
+        for r in rows:
+            r["mined"] = int(mined[r["layer"]])
+        if self.values_layers is not None:
+            for v in self.values_layers.to_pylist():
+                if 0 <= v["layer"] < self.L:
+                    rows[v["layer"]]["agreement"] = {k: v.get(k) for k in (
+                        "agreement", "ci_low", "ci_high", "shuffled", "n", "n_agree", "rank_median")}
+        if self.compose_layers is not None:
+            for v in self.compose_layers.to_pylist():
+                if v.get("lens", self.lens) == self.lens and 0 <= v["layer"] < self.L:
+                    rows[v["layer"]]["active"] = {"mean": v.get("active_mean"), "eps": v.get("active_eps_mean")}
+        elif self.key_stats is not None and "frac_pos" in self.key_stats.table.column_names:
+            ks = self.key_stats.table
+            if "sign" in ks.column_names:
+                ks = ks.filter(pc.equal(ks.column("sign"), 1))
+            lay = ks.column("layer").to_numpy()
+            fp = ks.column("frac_pos").to_numpy(zero_copy_only=False).astype(np.float64)
+            for l in range(self.L):
+                x = fp[lay == l]
+                if len(x):
+                    rows[l]["active"] = {"mean": float(np.nanmean(x)), "eps": None, "source": "key_stats"}
+        if self.patterns_fig2 is not None:
+            f2 = self.patterns_fig2.to_pylist()
+            scopes = {r["scope"] for r in f2}
+            scope = "all" if "all" in scopes else (sorted(scopes)[0] if scopes else None)
+            for v in f2:
+                if v["scope"] == scope and 0 <= v["layer"] < self.L:
+                    rows[v["layer"]]["patterns"] = {k: v.get(k) for k in (
+                        "shallow", "semantic", "both", "not_covered", "keys", "patterns_per_key", "keys_with_pattern")}
+                    rows[v["layer"]]["patterns"]["scope"] = scope
+        ann = self.annotations()
+        per = {}
+        for a in ann:
+            per.setdefault(a["layer"], set()).add((a["dim"], a["sign"]))
+        for r in rows:
+            r["annotated"] = len(per.get(r["layer"], ()))
+        steps = {k: v.get("status") for k, v in (self.run.manifest.get("steps") or {}).items()}
+        return {"run": self.name, "model": self.model_id, "layers": self.L, "d_m": self.d_m, "vocab": self.V,
+                "lens": self.lens, "mined": int(len(self.keys)), "triggers": int(self.trig.table.num_rows),
+                "negative": self.negative, "corpus_source": self.corpus_source, "corpus_sha256": self.corpus_sha,
+                "sentences": int(len(self.sent_ids)), "steps": steps, "annotations": len(ann),
+                "has_report": self.has_report, "index": self.index_status(), "rows": rows,
+                "load_seconds": self.load_seconds}
+
+
+def _f(x):
+    x = float(x)
+    return None if math.isnan(x) else x

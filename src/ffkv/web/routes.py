@@ -1,0 +1,481 @@
+"""The memory browser's pages and JSON API.
+
+Public URLs (links get shared; keep them):
+- `/`: the overview, one row per layer.
+- `/memory/{layer}/{dim}`: a memory page (`?top=N` trigger rows per sign, `?annotate_sign=-1`
+  to annotate the negative list, `?slots=N` pattern slots in the form).
+- `/search?token=…` (with k, lens, dir=promote|suppress, layer), `/search?text=…` (mode=word|
+  token, sign, layer), `/search?sort=…` (by measure: layer, label, agree); all with sort, order,
+  page, per_page.
+- `/api/memory/{layer}/{dim}`, `/api/search?…`: the same data as JSON.
+More: `/sentence/{id}` (a trigger's provenance; permalink), `/annotations` (who annotated what;
+the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
+model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs checked by
+`common.same_origin`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+
+from ffkv.errors import FfkvError
+from ffkv.web import plots
+from ffkv.web.common import STATIC_DIR, render, same_origin, state
+from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
+                           NotFound)
+
+router = APIRouter()
+
+COOKIE = "ffkv_annotator"
+MAX_SLOTS = 20
+MAX_NOTE = 5000
+STATIC_FILES = {p.name: p for p in STATIC_DIR.iterdir() if p.is_file()}
+STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon"}
+REPORT_CSP = ("default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; base-uri 'none'; "
+              "form-action 'none'; frame-ancestors 'none'")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def clean(x):
+    """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x
+
+
+def api(data, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(clean(data), status_code=status_code)
+
+
+def opt_int(v: str | None, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """An optional integer query parameter ('' = absent); malformed -> 422."""
+    if v is None or str(v).strip() == "":
+        return None
+    try:
+        x = int(str(v).strip())
+    except ValueError:
+        raise BadQuery(f"{name} must be an integer (got {v!r})") from None
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise BadQuery(f"{name} must be in {lo}..{hi} (got {x})")
+    return x
+
+
+def req_int(v: str | None, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+    x = opt_int(v, name, lo, hi)
+    return default if x is None else x
+
+
+def opt_sign(v: str | None) -> int | None:
+    if v is None or str(v).strip() in ("", "any"):
+        return None
+    s = str(v).strip()
+    if s in ("1", "+1", "+", "pos"):
+        return 1
+    if s in ("-1", "-", "neg"):
+        return -1
+    raise BadQuery(f"sign must be 1 or -1 (got {v!r})")
+
+
+def opt_bool(v: str | None, name: str) -> bool | None:
+    if v is None or str(v).strip() in ("", "any"):
+        return None
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes"):
+        return True
+    if s in ("0", "false", "no"):
+        return False
+    raise BadQuery(f"{name} must be yes or no (got {v!r})")
+
+
+def opt_str(v: str | None) -> str | None:
+    return None if v is None or str(v).strip() == "" else str(v)
+
+
+def memory_data(request: Request, layer: int, dim: int, top: int) -> dict:
+    return state(request).memory(layer, dim, top)
+
+
+# ---- static files and the report ------------------------------------------------------------------
+@router.get("/static/{name}", include_in_schema=False)
+def static(name: str):
+    p = STATIC_FILES.get(name)  # a fixed set of files read at import: no path from the request
+    if p is None:
+        raise NotFound(f"no static file {name!r}")
+    return FileResponse(p, media_type=STATIC_TYPES.get(p.suffix, "application/octet-stream"),
+                        headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+def favicon():
+    return Response(status_code=204)
+
+
+@router.get("/report", include_in_schema=False)
+def report_redirect():
+    return RedirectResponse("/report/", status_code=308)
+
+
+@router.get("/report/", include_in_schema=False)
+def report(request: Request):
+    p = state(request).path / "report" / "index.html"
+    if not p.is_file():
+        raise NotFound(f"this run has no report yet; build it with `ffkv report {state(request).name}`")
+    return FileResponse(p, media_type="text/html; charset=utf-8", headers={"Content-Security-Policy": REPORT_CSP})
+
+
+@router.get("/report/figures/{name}", include_in_schema=False)
+def report_figure(request: Request, name: str):
+    folder = state(request).path / "report" / "figures"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+\.(png|svg)", name) or not folder.is_dir():
+        raise NotFound(f"no figure {name!r}")
+    files = {p.name: p for p in folder.iterdir() if p.is_file()}
+    if name not in files:
+        raise NotFound(f"no figure {name!r}")
+    return FileResponse(files[name], media_type=STATIC_TYPES[files[name].suffix],
+                        headers={"Content-Security-Policy": REPORT_CSP})
+
+
+# ---- the overview ---------------------------------------------------------------------------------
+def overview_rows(ov: dict) -> list[dict]:
+    rows = []
+    max_ag = max([r["agreement"]["ci_high"] or 0 for r in ov["rows"] if r.get("agreement")] + [1e-9])
+    for r in ov["rows"]:
+        ag, act, pat = r.get("agreement"), r.get("active"), r.get("patterns")
+        rows.append({**r,
+                     "active_plot": plots.bar(act["mean"], label=f"active share {act['mean']:.3f}")
+                     if act and act.get("mean") is not None else None,
+                     "agreement_plot": plots.interval(ag["agreement"], ag["ci_low"], ag["ci_high"], ag["shuffled"],
+                                                      vmax=max_ag, label="agreement with 95% interval; "
+                                                      "tick: shuffled pairing") if ag else None,
+                     "patterns_plot": plots.stacked([(pat.get("shallow"), "c-shallow", "shallow"),
+                                                     (pat.get("semantic"), "c-semantic", "semantic"),
+                                                     (pat.get("both"), "c-both", "both"),
+                                                     (pat.get("not_covered"), "c-none", "not covered")],
+                                                    label="prefixes by pattern kind") if pat else None})
+    return rows
+
+
+@router.get("/", include_in_schema=False)
+def overview(request: Request):
+    ov = state(request).overview()
+    return render(request, "overview.html", ov=ov, rows=overview_rows(ov))
+
+
+@router.get("/api/overview")
+def api_overview(request: Request):
+    return api(state(request).overview())
+
+
+@router.get("/api/", include_in_schema=False)
+@router.get("/api", include_in_schema=False)
+def api_index(request: Request):
+    return api({"endpoints": {
+        "/api/overview": "the run and one row per layer",
+        "/api/memory/{layer}/{dim}?top=25": "a memory: triggers of both signs, values, vocabulary views, "
+                                             "agreement, patterns, mutations, annotations, statistics",
+        "/api/memory/{layer}/{dim}/reverify?sign=1&rank=1": "recompute a stored trigger's coefficient",
+        "POST /api/memory/{layer}/{dim}/annotations": "save an annotation: {annotator, sign, note, patterns: "
+                                                      "[{description, kind, prefixes}]}",
+        "/api/search?token=…&k=10&lens=norm&dir=promote": "memories whose value ranks a token < k",
+        "/api/search?text=…&mode=word|token": "memories whose trigger prefixes contain a word / end in a token",
+        "/api/search?sort=max_prob|precision|agreement|…&layer=&label=&agree=": "memories by a measure",
+        "/api/sentence/{id}": "a sentence, its tokens, its triggers",
+        "/api/annotations": "every annotation and the human Fig 2",
+        "/api/index": "the token index's status",
+    }})
+
+
+# ---- a memory page --------------------------------------------------------------------------------
+def annotation_prefixes(request: Request, layer: int, dim: int, sign: int) -> list[dict]:
+    m = state(request).memory(layer, dim, ANNOTATE_TOP)
+    rows = m["triggers"]["+" if sign == 1 else "-"]
+    return [r for r in rows if r["rank"] <= ANNOTATE_TOP]
+
+
+def form_state(request: Request, layer: int, dim: int, sign: int, slots: int | None) -> dict:
+    """The annotation form: the annotator (cookie) and their saved patterns for this key."""
+    who = request.cookies.get(COOKIE, "")[:200]
+    pats, note = [], ""
+    if who:
+        for a in state(request).annotations(layer, dim):
+            if a["annotator"] == who and a["sign"] == sign:
+                pats, note = a["patterns"], a["note"]
+    n = max(slots or 0, len(pats) + 2, 3)
+    slots_ = [{"description": p["description"], "kind": p["kind"], "prefixes": set(p["prefixes"])} for p in pats]
+    slots_ += [{"description": "", "kind": None, "prefixes": set()} for _ in range(min(n, MAX_SLOTS) - len(slots_))]
+    return {"annotator": who, "note": note, "slots": slots_[:MAX_SLOTS], "sign": sign}
+
+
+def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, slots: int | None,
+                  form: dict | None = None, error: str | None = None, status_code: int = 200):
+    b = state(request)
+    m = memory_data(request, layer, dim, top)
+    can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
+    form = form or form_state(request, layer, dim, sign, slots)
+    prefixes = annotation_prefixes(request, layer, dim, sign) if can_annotate else []
+    st = m.get("stats") or {}
+    hist = None
+    if st and st.get("hist"):
+        h = st["hist"]
+        counts = [r.get("count", 0) for r in h["rows"]]
+        hist = plots.histogram(counts, h.get("edges"), label="activation histogram (coefficients)", log=True)
+    return render(request, "memory.html", status_code=status_code, m=m, form=form, form_error=error,
+                  prefixes=prefixes, can_annotate=can_annotate, hist=hist, b=b, slots=len(form["slots"]),
+                  max_slots=MAX_SLOTS)
+
+
+@router.get("/memory/{layer}/{dim}", include_in_schema=False)
+def memory_page(request: Request, layer: int, dim: int, top: str | None = None, annotate_sign: str | None = None,
+                slots: str | None = None):
+    return render_memory(request, layer, dim, req_int(top, "top", 25, 1, 200),
+                         opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS))
+
+
+@router.get("/api/memory/{layer}/{dim}")
+def api_memory(request: Request, layer: int, dim: int, top: str | None = None):
+    return api(memory_data(request, layer, dim, req_int(top, "top", 25, 1, 200)))
+
+
+@router.get("/random", include_in_schema=False)
+def random_memory(request: Request):
+    l, d = state(request).random_key()
+    return RedirectResponse(f"/memory/{l}/{d}", status_code=302, headers={"Cache-Control": "no-store"})
+
+
+# ---- annotation -----------------------------------------------------------------------------------
+def patterns_from_form(form) -> tuple[list[dict], list[dict]]:
+    """(patterns for the store, slots to re-show) from the form fields p{j}_description, p{j}_kind,
+    p{j}_prefixes. Blank slots (no description, no ticks) are skipped."""
+    pats, slots = [], []
+    for j in range(MAX_SLOTS):
+        desc = str(form.get(f"p{j}_description") or "")
+        kind = form.get(f"p{j}_kind") or None
+        raw = form.getlist(f"p{j}_prefixes")
+        if f"p{j}_description" not in form and not raw and kind is None:
+            continue
+        pre = []
+        for v in raw:
+            try:
+                pre.append(int(str(v)))
+            except ValueError:
+                raise BadQuery(f"pattern {len(pats) + 1}: prefix index {str(v)[:20]!r} is not an integer") from None
+        slots.append({"description": desc[:2000], "kind": kind if kind in ("shallow", "semantic") else None,
+                      "prefixes": set(pre)})
+        if not desc.strip() and not pre:
+            continue
+        pats.append({"description": desc, "kind": kind, "prefixes": pre})
+    return pats, slots
+
+
+@router.post("/memory/{layer}/{dim}/annotate", include_in_schema=False, dependencies=[Depends(same_origin)])
+async def annotate_form(request: Request, layer: int, dim: int):
+    b = state(request)
+    b.check_key(layer, dim)
+    try:
+        form = await request.form(max_files=0, max_fields=200 + MAX_SLOTS * (ANNOTATE_TOP + 3))
+    except Exception:  # noqa: BLE001 - a malformed or oversized body
+        raise BadQuery("the form could not be read (too many fields or a malformed body)") from None
+    sign = opt_sign(form.get("sign")) or 1
+    annotator = str(form.get("annotator") or "")
+    note = str(form.get("note") or "")
+    slots: list[dict] = []
+    try:
+        if len(note) > MAX_NOTE:
+            raise BadQuery(f"note: at most {MAX_NOTE} characters")
+        pats, slots = patterns_from_form(form)
+        await run_in_threadpool(b.annotate, annotator, layer, dim, pats, sign, note)
+    except FfkvError as e:
+        state_ = {"annotator": annotator[:200], "note": note[:MAX_NOTE], "sign": sign,
+                  "slots": (slots + [{"description": "", "kind": None, "prefixes": set()}] * 2)[:MAX_SLOTS]}
+        return await run_in_threadpool(render_memory, request, layer, dim, 25, sign, None, state_,
+                                       " ".join(str(e).split()), 422)
+    resp = RedirectResponse(f"/memory/{layer}/{dim}?annotate_sign={sign}#annotations", status_code=303)
+    resp.set_cookie(COOKIE, annotator.strip()[:200], max_age=365 * 24 * 3600, httponly=True, samesite="strict")
+    return resp
+
+
+@router.post("/api/memory/{layer}/{dim}/annotations", dependencies=[Depends(same_origin)])
+async def api_annotate(request: Request, layer: int, dim: int):
+    b = state(request)
+    b.check_key(layer, dim)
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise BadQuery("the body must be JSON: {annotator, sign, note, patterns}") from None
+    if not isinstance(body, dict):
+        raise BadQuery("the body must be a JSON object: {annotator, sign, note, patterns}")
+    extra = set(body) - {"annotator", "sign", "note", "patterns"}
+    if extra:
+        raise BadQuery(f"unknown field(s) {sorted(extra)}; expected annotator, sign, note, patterns")
+    note = body.get("note", "")
+    if isinstance(note, str) and len(note) > MAX_NOTE:
+        raise BadQuery(f"note: at most {MAX_NOTE} characters")
+    pats = body.get("patterns", [])
+    if isinstance(pats, list) and len(pats) > MAX_SLOTS:
+        raise BadQuery(f"patterns: at most {MAX_SLOTS}")
+    rec = await run_in_threadpool(b.annotate, body.get("annotator"), layer, dim, pats, body.get("sign", 1), note)
+    return api({"saved": rec}, status_code=201)
+
+
+@router.get("/annotations", include_in_schema=False)
+def annotations_page(request: Request, annotator: str | None = None):
+    b = state(request)
+    recs = b.annotations()
+    who = opt_str(annotator)
+    shown = [r for r in recs if who is None or r["annotator"] == who]
+    stats = b.annotation_stats()
+    fig2 = []
+    for r in (stats or {}).get("fig2") or []:
+        fig2.append({**r, "plot": plots.stacked([(r.get("shallow"), "c-shallow", "shallow"),
+                                                 (r.get("semantic"), "c-semantic", "semantic"),
+                                                 (r.get("both"), "c-both", "both"),
+                                                 (r.get("not_covered"), "c-none", "not covered")],
+                                                label=f"layer {r['layer']}: prefixes by kind")})
+    return render(request, "annotations.html", recs=shown, annotators=sorted({r["annotator"] for r in recs}),
+                  who=who, stats=stats, fig2=fig2, total=len(recs))
+
+
+@router.get("/api/annotations")
+def api_annotations(request: Request):
+    b = state(request)
+    return api({"annotations": b.annotations(), "stats": b.annotation_stats()})
+
+
+# ---- re-verify ------------------------------------------------------------------------------------
+def reverify(request: Request, layer: int, dim: int, sign: int, rank: int) -> dict:
+    import time
+
+    b = state(request)
+    b.check_key(layer, dim)
+    rows = [r for r in b.trig.rows(layer, dim) if r["sign"] == sign and r["rank"] == rank]
+    if not rows:
+        raise NotFound(f"memory {layer}/{dim} has no trigger of sign {sign:+d} and rank {rank}")
+    r = rows[0]
+    srow = b.sentence_row(r["sentence_id"])
+    ids = [int(t) for t in b.sentence_tokens(srow)[: r["position"] + 1]]
+    t0 = time.time()
+    loaded = b.model_loaded
+    mm = b.model()
+    t1 = time.time()
+    with b.model_lock:
+        import torch
+
+        with torch.no_grad():
+            x, mask = mm.batch([ids])
+            cap = mm.capture(x, mask, layers=[layer], what=("m",))
+            now = float(cap[layer]["m"][0, r["position"], dim].float())
+    stored = float(r["coef"])
+    return {"layer": layer, "dim": dim, "sign": sign, "rank": rank, "sentence_id": r["sentence_id"],
+            "position": r["position"], "prefix": b.prefix(srow, r["position"]), "stored": stored, "now": now,
+            "abs_diff": abs(now - stored), "rel_diff": abs(now - stored) / abs(stored) if stored else None,
+            "model": b.model_id, "device": str(mm.device), "dtype": str(mm.dtype).replace("torch.", ""),
+            "model_load_seconds": None if loaded else round(t1 - t0, 2),
+            "compute_seconds": round(time.time() - t1, 3), "permalink": b.permalink(r["sentence_id"], r["position"])}
+
+
+@router.get("/memory/{layer}/{dim}/reverify", include_in_schema=False)
+def reverify_page(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
+    res = reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000))
+    return render(request, "reverify.html", r=res)
+
+
+@router.get("/api/memory/{layer}/{dim}/reverify")
+def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
+    return api(reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000)))
+
+
+# ---- sentences (provenance) -----------------------------------------------------------------------
+@router.get("/sentence/{sid}", include_in_schema=False)
+def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None):
+    b = state(request)
+    s = b.sentence(sid, opt_int(pos, "pos", 0))
+    mismatch = bool(corpus) and not b.corpus_sha.startswith(str(corpus).lower())
+    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus)
+
+
+@router.get("/api/sentence/{sid}")
+def api_sentence(request: Request, sid: int, pos: str | None = None):
+    return api(state(request).sentence(sid, opt_int(pos, "pos", 0)))
+
+
+# ---- search ---------------------------------------------------------------------------------------
+def do_search(request: Request, p: dict) -> dict:
+    b = state(request)
+    page = req_int(p.get("page"), "page", 1, 1, 10**6)
+    per_page = req_int(p.get("per_page"), "per_page", 50, 1, 500)
+    layer = opt_int(p.get("layer"), "layer")
+    sort, order = opt_str(p.get("sort")), opt_str(p.get("order"))
+    token, text = p.get("token"), p.get("text")
+    if token is not None and token != "":
+        return b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
+                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
+                              order=order, page=page, per_page=per_page)
+    if text is not None and text != "":
+        return b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
+                             layer=layer, sort=sort, order=order, page=page, per_page=per_page)
+    if token == "" and text is None and sort is None:
+        return {"mode": "empty"}
+    return b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
+                            agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
+
+
+SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
+                 "sign", "label", "agree")
+
+
+def search_params(request: Request) -> dict:
+    q = request.query_params
+    unknown = sorted(set(q) - set(SEARCH_PARAMS))
+    if unknown:
+        raise BadQuery(f"unknown search parameter(s) {unknown}; use {', '.join(SEARCH_PARAMS)}")
+    return {k: q.get(k) for k in SEARCH_PARAMS if k in q}
+
+
+@router.get("/search", include_in_schema=False)
+def search_page(request: Request):
+    p = search_params(request)
+    res = do_search(request, p)
+    if res.get("mode") == "empty":
+        res = state(request).search_measure()
+        res["mode"] = "measure"
+    return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
+                  measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
+                  refresh=res.get("status") == "building")
+
+
+@router.get("/api/search")
+def api_search(request: Request):
+    res = do_search(request, search_params(request))
+    if res.get("mode") == "empty":
+        raise BadQuery("give token=…, text=… or sort=…")
+    status = 503 if res.get("mode") == "token" and res.get("status") in ("building", "absent") else 200
+    if res.get("status") == "failed":
+        status = 500
+    out = api(res, status_code=status)
+    if status == 503:
+        out.headers["Retry-After"] = "2"
+    return out
+
+
+@router.get("/api/index")
+def api_index_status(request: Request):
+    return api(state(request).index_status())
+
+
+@router.post("/index/build", include_in_schema=False, dependencies=[Depends(same_origin)])
+def build_index(request: Request):
+    state(request).start_index()
+    return RedirectResponse("/search", status_code=303)
