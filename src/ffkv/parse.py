@@ -1,5 +1,9 @@
-"""Parsers of user input shared by the CLI: integer ranges such as `0,3,5-7`."""
+"""Parsers of user input shared by the CLI: integer ranges such as `0,3,5-7`, memory
+interventions such as `12:345,3:7*0.5`."""
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 from ffkv.errors import FfkvError
 
@@ -44,3 +48,76 @@ def parse_int_list(text: str | None, upper: int, what: str) -> list[int] | None:
     if not out:
         raise FfkvError(f"--{what} {text!r} selects nothing")
     return out
+
+
+# ---- memory interventions: `L:D`, `L:D*F`, `L:D=V`, comma-separated ---------------------------
+
+MAX_INTERVENTIONS = 10_000  # one URL or command line; more is a typo or an attack, not a request
+INTERVENTION_OPS = ("scale", "set")
+
+
+class Intervention(NamedTuple):
+    """Edit memory `dim` of `layer`: op "scale" multiplies its coefficient m_i by `value`
+    (0 suppresses it), op "set" replaces m_i by `value`."""
+    layer: int
+    dim: int
+    op: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.layer}:{self.dim}{'*' if self.op == 'scale' else '='}{self.value!r}"
+
+
+def _finite(s: str, item: str, what: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise FfkvError(f"{what}: {item!r}: {s!r} is not a number") from None
+    if not math.isfinite(v):
+        raise FfkvError(f"{what}: {item!r}: {s!r} is not a finite number")
+    return v
+
+
+def parse_interventions(text: str | None, n_layers: int | None = None, d_m: int | None = None,
+                        scale: float = 0.0, what: str = "--suppress") -> list[Intervention]:
+    """'3:17,5:2*0.5,7:9=1.25' -> Interventions, in the order given.
+
+    `L:D` scales memory D of layer L by `scale` (default 0: suppress it); `L:D*F` scales it by F;
+    `L:D=V` sets its coefficient to V. Empty items are ignored; an item repeated identically counts
+    once. Raises FfkvError naming `what` for a malformed item, a layer outside 0..n_layers-1 or a dim
+    outside 0..d_m-1 (when given), a non-finite number, one memory given two different edits, or
+    more than MAX_INTERVENTIONS items.
+    """
+    if not math.isfinite(scale):
+        raise FfkvError(f"{what}: the scale {scale!r} is not a finite number")
+    out: dict[tuple[int, int], Intervention] = {}
+    items = [p.strip() for p in str(text or "").split(",")]
+    items = [p for p in items if p]
+    if len(items) > MAX_INTERVENTIONS:
+        raise FfkvError(f"{what}: {len(items):,} memories; at most {MAX_INTERVENTIONS:,} at once")
+    for item in items:
+        head, op, val = item, "scale", scale
+        for sym, name in (("=", "set"), ("*", "scale")):
+            if sym in item:
+                head, v = item.split(sym, 1)
+                op, val = name, _finite(v.strip(), item, what)
+                break
+        parts = head.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() and p.strip().isascii() for p in parts):
+            raise FfkvError(f"{what}: {item!r} is not LAYER:DIM (e.g. 12:345, 12:345*0.5 or 12:345=2.0)")
+        layer, dim = (int(p) for p in parts)
+        if n_layers is not None and layer >= n_layers:
+            raise FfkvError(f"{what}: {item!r}: layer {layer} out of range 0..{n_layers - 1}")
+        if d_m is not None and dim >= d_m:
+            raise FfkvError(f"{what}: {item!r}: dim {dim} out of range 0..{d_m - 1}")
+        iv = Intervention(layer, dim, op, float(val))
+        prev = out.get((layer, dim))
+        if prev is not None and prev != iv:
+            raise FfkvError(f"{what}: memory {layer}:{dim} is given twice ({prev} and {iv})")
+        out[(layer, dim)] = iv
+    return list(out.values())
+
+
+def format_interventions(ivs) -> str:
+    """The inverse of `parse_interventions`: every item explicit (`L:D*F` or `L:D=V`)."""
+    return ",".join(str(Intervention(*iv)) for iv in ivs)

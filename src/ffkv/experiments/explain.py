@@ -1,35 +1,221 @@
-"""Explain one prediction layer by layer: what the residual, the FFN and its top memories say."""
+"""Explain one prediction layer by layer, and intervene on its memories.
+
+`explain(mm, text, top)` follows the next-token prediction w at the text's last position through
+the layers. Per layer ℓ it reads, under both lenses (`Lens` "naive" and "norm"), the residual
+before the FFN (r), the FFN's own output (y) and the residual after it (o): their top tokens and
+the probability and logit of w. It ranks the layer's memories by their signed contribution to w,
+m_i·(v_i·e_w) under the chosen lens (`Lens.direction_logits`; m_i from the capture, which tests
+hold equal to `MemoryModel.coefficients`), both those pushing w up and those pushing it down,
+and likewise for a contrast token.
+
+With `interventions` (`ffkv.parse.Intervention`: scale or set chosen m_i, at the last position or
+at every position, through `MemoryModel.intervene`), a second forward pass runs with the edits.
+Its result (`intervened`) has the same shape as the original's and is read with the same w and
+contrast, so the two compare number by number; its own prediction is in `intervened.prediction`.
+
+The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web return it):
+  text, tokens (each token as text), n_tokens, lens (of the contributions), at,
+  prediction, prediction_id, p, top (the model's top next tokens: token, id, p, logit),
+  contrast (token, id, p, logit, rank; or None),
+  layers: per layer {layer, top_r, top_y, top_o, p_final_in_r (chosen lens), memories (the
+    `top` memories pushing w up: dim, coef, contrib, value_top), memories_down,
+    lenses: {naive|norm: {r|y|o: {top: [token...], p, logit, p_contrast, logit_contrast}}}},
+  top_memories: {up, down}: the strongest memories of all layers for w;
+  contrast_memories: {up, down} for the contrast token (None without one);
+    every memory entry: layer, dim, coef, contrib, contrib_contrast, value_top, value_tops;
+  interventions: each edit with the coefficient before and after at the last position
+    (coef, coef_after, contrib, contrib_after) and the contribution it had;
+  intervened: {prediction, prediction_id, p, p_original (of w), top, contrast, layers,
+    top_memories, contrast_memories} or None; changed: whether the prediction changed.
+"""
 from __future__ import annotations
 
 import torch
 
 from ffkv.errors import FfkvError
+from ffkv.model.memories import Lens, rank_of
+from ffkv.parse import Intervention
+
+QUANTS = ("r", "y", "o")
+TOP_TOKENS = 3  # top tokens shown per lens reading and per value
+TOP_NEXT = 10  # the model's next-token distribution shown
+
+
+def tokenize(mm, text: str, max_tokens: int | None = None) -> list[int]:
+    """The text's token ids as `explain` reads them. Over `max_tokens`: FfkvError; else cut at the
+    model's context."""
+    ids = mm.tok(text, add_special_tokens=True)["input_ids"]
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise FfkvError(f"the text is {len(ids):,} tokens long; at most {max_tokens:,} are explained")
+    ids = ids[: mm.max_length]
+    if not ids:
+        raise FfkvError("the text is empty after tokenization")
+    return ids
+
+
+def resolve_token(mm, token: int | str) -> int:
+    """A contrast token given as an id or as text that is exactly one token."""
+    if isinstance(token, int):
+        if not 0 <= token < mm.vocab_size:
+            raise FfkvError(f"contrast token id {token} out of range 0..{mm.vocab_size - 1}")
+        return token
+    ids = mm.tok(token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = [mm.tok.decode([i]) for i in ids]
+        hint = ""
+        if not token.startswith(" "):
+            sp = mm.tok(" " + token, add_special_tokens=False)["input_ids"]
+            if len(sp) == 1:
+                hint = f"; {' ' + token!r} (with a leading space) is one token"
+        raise FfkvError(f"the contrast {token!r} is {len(ids)} tokens {pieces}, not one{hint}")
+    return int(ids[0])
+
+
+def _lenses(mm) -> dict[str, Lens]:
+    """Both lenses; the model's own instance for its mode."""
+    return {mode: (mm.lens if mm.lens.mode == mode else Lens(mm, mode)) for mode in Lens.MODES}
 
 
 @torch.no_grad()
-def explain(mm, text: str, top_memories: int = 3) -> dict:
-    ids = mm.tok(text, add_special_tokens=True)["input_ids"][: mm.max_length]
-    if not ids:
-        raise FfkvError("the text is empty after tokenization")
+def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: str, top: int,
+          edits=(), at: str = "last") -> dict:
+    """One forward pass (with `edits` applied) read at the last position for tokens w and contrast.
+
+    w None: the run's own prediction."""
     inp, mask = mm.batch([ids])
-    cap = mm.capture(inp, mask, what=("r", "m", "y", "o"), logits=True)
-    w = int(cap.logits[0, -1].argmax())
-    lens = mm.lens
-    tok = lambda i: mm.tok.decode([int(i)])  # noqa: E731
+    if edits:
+        with mm.intervene(edits, at=at):
+            cap = mm.capture(inp, mask, what=("r", "m", "y", "o"), logits=True)
+    else:
+        cap = mm.capture(inp, mask, what=("r", "m", "y", "o"), logits=True)
+    logits = cap.logits[0, -1].float()
+    probs = torch.softmax(logits, -1)
+    pred = int(logits.argmax())
+    w = pred if w is None else w
+    targets = torch.tensor([w] if contrast is None else [w, contrast], device=mm.device)
+    dec = lambda i: mm.tok.decode([int(i)])  # noqa: E731
+    lenses = _lenses(mm)
+    lens = lenses[lens_mode]
+    L = mm.n_layers
+
+    def token_row(i):
+        return {"token": dec(i), "id": int(i), "p": float(probs[i]), "logit": float(logits[i])}
+
+    # r, y, o of every layer at the last position: one (3L, d) block per lens
+    states = torch.stack([cap[l][q][0, -1] for l in range(L) for q in QUANTS])
+    readings = {}
+    for mode, ln in lenses.items():
+        lg = ln.logits(states).float()  # (3L, V)
+        pr = torch.softmax(lg, -1)
+        readings[mode] = (lg.topk(TOP_TOKENS, -1).indices.tolist(), lg[:, targets].tolist(),
+                          pr[:, targets].tolist())
+    # the signed contribution of every memory to w (and the contrast): m_i·(v_i·e_t), (L, d_m, n)
+    m = torch.stack([cap[l]["m"][0, -1] for l in range(L)])  # (L, d_m)
+    dirs = torch.stack([lens.direction_logits(mm.values(l), targets) for l in range(L)])
+    contrib = (m.unsqueeze(-1) * dirs.to(m.dtype)).float()
+
+    # memories are chosen first (as (layer, dim) keys), then their values read in one batch
+    signed = {(col, sign): contrib[..., col] * sign for col in range(len(targets)) for sign in (1, -1)}
+
+    def ranked(col, sign, k, layer=None):
+        c = signed[col, sign]
+        if layer is not None:
+            return [(layer, i) for i in c[layer].topk(min(k, mm.d_m)).indices.tolist()]
+        return [divmod(j, mm.d_m) for j in c.flatten().topk(min(k, c.numel())).indices.tolist()]
+
+    layers = []
+    for l in range(L):
+        row = {"layer": l}
+        lens_rows = {}
+        for mode, (tops, lg, pr) in readings.items():
+            lens_rows[mode] = {q: {"top": [dec(t) for t in tops[3 * l + k]],
+                                   "p": pr[3 * l + k][0], "logit": lg[3 * l + k][0],
+                                   "p_contrast": pr[3 * l + k][1] if contrast is not None else None,
+                                   "logit_contrast": lg[3 * l + k][1] if contrast is not None else None}
+                               for k, q in enumerate(QUANTS)}
+        ch = lens_rows[lens_mode]
+        row.update({"top_r": ch["r"]["top"][0], "top_y": ch["y"]["top"][0], "top_o": ch["o"]["top"][0],
+                    "p_final_in_r": ch["r"]["p"],
+                    "memories": ranked(0, 1, top, l), "memories_down": ranked(0, -1, top, l),
+                    "lenses": lens_rows})
+        layers.append(row)
+    tops = {"up": ranked(0, 1, top * 3), "down": ranked(0, -1, top * 3)}
+    ctops = None if contrast is None else {"up": ranked(1, 1, top * 3), "down": ranked(1, -1, top * 3)}
+    keys = sorted({k for r in layers for k in r["memories"] + r["memories_down"]}
+                  | {k for t in (tops, ctops or {}) for ks in t.values() for k in ks})
+    # the value's top tokens, of sign(m)·v as the memory writes it
+    vecs = torch.stack([mm.values(l)[i] * (1.0 if m[l, i] >= 0 else -1.0) for l, i in keys])
+    vtops = dict(zip(keys, lens.direction_logits(vecs).topk(TOP_TOKENS, -1).indices.tolist()))
+
+    def memory(key):
+        l, i = key
+        return {"layer": l, "dim": i, "coef": float(m[l, i]) + 0.0, "contrib": float(contrib[l, i, 0]),
+                "contrib_contrast": float(contrib[l, i, 1]) if contrast is not None else None,
+                "value_top": dec(vtops[key][0]), "value_tops": [dec(t) for t in vtops[key]]}
+
+    for r in layers:
+        r["memories"] = [memory(k) for k in r["memories"]]
+        r["memories_down"] = [memory(k) for k in r["memories_down"]]
+    return {
+        "prediction": dec(pred), "prediction_id": pred, "p": float(probs[pred]),
+        "p_original": float(probs[w]), "logit_original": float(logits[w]),
+        "top": [token_row(i) for i in logits.topk(min(TOP_NEXT, logits.numel())).indices.tolist()],
+        "contrast": None if contrast is None else {
+            **token_row(contrast), "rank": int(rank_of(logits, torch.tensor(contrast, device=logits.device)))},
+        "layers": layers,
+        "top_memories": {k: [memory(x) for x in v] for k, v in tops.items()},
+        "contrast_memories": None if ctops is None else {k: [memory(x) for x in v] for k, v in ctops.items()},
+        "_m": m, "_contrib": contrib,
+    }
+
+
+def _edit_rows(res: dict, after: dict | None, edits) -> list[dict]:
     rows = []
-    for l in range(mm.n_layers):
-        c = cap[l]
-        r, y, o, m = c["r"][0, -1], c["y"][0, -1], c["o"][0, -1], c["m"][0, -1]
-        # contribution of memory i to the final token's logit, read through the lens direction
-        contrib = m * lens.direction_logits(mm.values(l), torch.tensor([w]))[:, 0]
-        best = contrib.topk(top_memories).indices.tolist()
-        rows.append({
-            "layer": l,
-            "top_r": tok(lens.top(r)), "top_y": tok(lens.top(y)), "top_o": tok(lens.top(o)),
-            "p_final_in_r": float(lens.probs(r)[w]),
-            "memories": [{"dim": i, "coef": float(m[i]), "contrib": float(contrib[i]),
-                          "value_top": tok(lens.direction_logits(mm.values(l)[i] * m[i].sign()).argmax())}
-                         for i in best],
-        })
-    return {"text": text, "prediction": tok(w), "prediction_id": w,
-            "p": float(torch.softmax(cap.logits[0, -1].float(), -1)[w]), "layers": rows}
+    for iv in edits:
+        l, d = iv.layer, iv.dim
+        rows.append({"layer": l, "dim": d, "op": iv.op, "value": iv.value, "edit": str(iv),
+                     "coef": float(res["_m"][l, d]), "contrib": float(res["_contrib"][l, d, 0]),
+                     "coef_after": None if after is None else float(after["_m"][l, d]) + 0.0,
+                     "contrib_after": None if after is None else float(after["_contrib"][l, d, 0])})
+    return rows
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+@torch.no_grad()
+def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "last",
+            contrast: int | str | None = None, lens: str | None = None,
+            max_tokens: int | None = None) -> dict:
+    """Explain the next-token prediction of `text`, optionally under `interventions`.
+
+    `lens`: the lens of the contributions and of top_r/top_y/top_o (default: the model's).
+    `interventions`: `Intervention`s (or (layer, dim, op, value) tuples), applied `at` the last
+    position or at all positions. `contrast`: a token id, or text that is one token.
+    """
+    lens = lens or mm.lens.mode
+    if lens not in Lens.MODES:
+        raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
+    if at not in ("last", "all"):
+        raise FfkvError(f"--at {at!r}: choose last or all")
+    if top_memories < 1:
+        raise FfkvError("--top must be at least 1")
+    edits = [Intervention(*iv) for iv in interventions]
+    for iv in edits:
+        if not (0 <= iv.layer < mm.n_layers and 0 <= iv.dim < mm.d_m):
+            raise FfkvError(f"memory {iv.layer}:{iv.dim} out of range: layers 0..{mm.n_layers - 1}, "
+                            f"dims 0..{mm.d_m - 1}")
+    ids = tokenize(mm, text, max_tokens)
+    c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
+    base = _read(mm, ids, None, c, lens, top_memories)
+    w = base["prediction_id"]
+    after = _read(mm, ids, w, c, lens, top_memories, edits, at) if edits else None
+    res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids),
+           "lens": lens, "at": at, **_public(base),
+           "interventions": _edit_rows(base, after, edits),
+           "intervened": None if after is None else _public(after),
+           "changed": None if after is None else after["prediction_id"] != w}
+    res.pop("p_original"), res.pop("logit_original")
+    res["logit"] = base["logit_original"]
+    return res

@@ -5,9 +5,13 @@ Definitions owned here (everything else calls them):
 - `is_active`: the active-memory test.
 - `Lens`: top(h) and softmax(h·E), naive or through the final norm.
 - `rank_of`: a target's rank, by counting logits above it.
+
+Capabilities: `capture` reads r, x, m, y, o in one forward pass; `intervene` edits chosen
+coefficients m_i (scale, suppress, set) at the value projection's input.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -286,6 +290,70 @@ class MemoryModel:
             for h in hooks:
                 h.remove()
         return out
+
+    # ---- interventions -----------------------------------------------------------------------
+    @contextmanager
+    def intervene(self, edits, at: str = "last", last: torch.Tensor | None = None):
+        """Within the block, every forward pass runs with chosen memory coefficients edited.
+
+        `edits`: (layer, dim, op, value) items (e.g. `ffkv.parse.Intervention`); op "scale"
+        multiplies m_i by value (0 suppresses memory i), "set" replaces m_i by value; a memory
+        both scaled and set is scaled first. `at`: "last" edits only the last position of each
+        row (T-1, or `last`, (B,) indices, for right-padded batches), "all" every position.
+
+        The edit happens where `capture` reads m (the value projection's input), so a capture
+        inside the block sees the edited m, and y, o and the logits follow from it.
+        """
+        if at not in ("last", "all"):
+            raise FfkvError(f"intervention position {at!r}: choose last or all")
+        per_layer: dict[int, dict[str, list]] = {}
+        for layer, dim, op, value in edits:
+            if not 0 <= layer < self.n_layers or not 0 <= dim < self.d_m:
+                raise FfkvError(f"memory {layer}:{dim} out of range: layers 0..{self.n_layers - 1}, "
+                                f"dims 0..{self.d_m - 1}")
+            if op not in ("scale", "set"):
+                raise FfkvError(f"intervention {op!r}: choose scale or set")
+            e = per_layer.setdefault(int(layer), {"scale": ([], []), "set": ([], [])})
+            e[op][0].append(int(dim))
+            e[op][1].append(float(value))
+        shape: list[int] = []  # (B, T) of the running forward pass; OPT flattens m to (B*T, d_m)
+
+        def on_model(mod, args, kwargs):
+            x = kwargs.get("input_ids", args[0] if args else None)
+            if x is None:
+                x = kwargs["inputs_embeds"]
+            shape[:] = x.shape[:2]
+
+        def make(spec):
+            sd, sv = (torch.tensor(spec["scale"][0], device=self.device, dtype=torch.long),
+                      torch.tensor(spec["scale"][1], device=self.device))
+            td, tv = (torch.tensor(spec["set"][0], device=self.device, dtype=torch.long),
+                      torch.tensor(spec["set"][1], device=self.device))
+
+            def hook(mod, args):
+                m = args[0]
+                B, T = shape
+                m3 = m.reshape(B, T, m.shape[-1]).clone()
+                if at == "all":
+                    pos = (slice(None), slice(None))
+                else:
+                    p = (last if last is not None else torch.full((B,), T - 1)).to(m.device).long()
+                    pos = (torch.arange(B, device=m.device)[:, None], p[:, None])
+                if len(sd):
+                    m3[(*pos, sd)] = m3[(*pos, sd)] * sv.to(m.dtype)
+                if len(td):
+                    m3[(*pos, td)] = tv.to(m.dtype)
+                return (m3.view(m.shape), *args[1:])
+            return hook
+
+        hooks = [self.hf.register_forward_pre_hook(on_model, with_kwargs=True)]
+        try:
+            for l, spec in per_layer.items():
+                hooks.append(self._mod(l, self.arch.value).register_forward_pre_hook(make(spec)))
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
 
     def info(self) -> dict:
         return {

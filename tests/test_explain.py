@@ -1,0 +1,260 @@
+"""The prediction explorer's engine (`ffkv.experiments.explain`), its interventions
+(`MemoryModel.intervene`), their parser (`ffkv.parse.parse_interventions`) and `ffkv explain`.
+
+The exactness tests check the engine against forward hooks written here, independently of
+`MemoryModel.intervene`: hooks on the value projection's input found by module name.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ARCHS, run_cli
+from ffkv.errors import FfkvError
+from ffkv.experiments.explain import explain
+from ffkv.parse import Intervention, format_interventions, parse_interventions
+
+TEXT = "The cat sat on the mat because it was"
+LONG = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
+        "It is named after the engineer Gustave Eiffel. The tower is in the city of")
+
+# The value projection (its input is m) of every architecture, by module name: kept apart
+# from ffkv's own adapter table on purpose.
+VALUE_PROJ = {"gpt2": "transformer.h.{}.mlp.c_proj", "gpt_neox": "gpt_neox.layers.{}.mlp.dense_4h_to_h",
+              "opt": "model.decoder.layers.{}.fc2", "llama": "model.layers.{}.mlp.down_proj"}
+
+
+# ---- the parser ----------------------------------------------------------------------------------
+def test_parse_forms():
+    assert parse_interventions("3:17, 5:2*0.5,,7:9=1.25", 10, 20) == [
+        Intervention(3, 17, "scale", 0.0), Intervention(5, 2, "scale", 0.5), Intervention(7, 9, "set", 1.25)]
+    assert parse_interventions("1:2", scale=2.0) == [Intervention(1, 2, "scale", 2.0)]
+    assert parse_interventions("1:2,1:2") == [Intervention(1, 2, "scale", 0.0)]
+    assert parse_interventions("") == [] and parse_interventions(None) == []
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("3", "is not LAYER:DIM"), ("3:", "is not LAYER:DIM"), ("a:b", "is not LAYER:DIM"),
+    ("1:2:3", "is not LAYER:DIM"), ("-1:2", "is not LAYER:DIM"), ("3-5", "is not LAYER:DIM"),
+    ("1:2*x", "is not a number"), ("1:2=nan", "not a finite number"), ("1:2*inf", "not a finite"),
+    ("30:1", "layer 30 out of range 0..29"), ("2:1536", "dim 1536 out of range 0..1535"),
+    ("1:2,1:2=3", "given twice"), ("1:٣", "is not LAYER:DIM"),
+])
+def test_parse_errors(text, msg):
+    with pytest.raises(FfkvError, match=msg):
+        parse_interventions(text, 30, 1536)
+
+
+item = st.builds(Intervention, st.integers(0, 40), st.integers(0, 5000), st.sampled_from(["scale", "set"]),
+                 st.floats(allow_nan=False, allow_infinity=False))
+
+
+@given(st.lists(item, max_size=8, unique_by=lambda iv: (iv.layer, iv.dim)))
+@settings(max_examples=200, deadline=None)
+def test_parse_round_trip(ivs):
+    assert parse_interventions(format_interventions(ivs), 41, 5001) == ivs
+
+
+@given(st.text(alphabet=st.sampled_from(list("0123456789:,*=.-e+ xn")), max_size=30), st.integers(1, 40),
+       st.integers(1, 3000))
+@settings(max_examples=400, deadline=None)
+def test_parse_never_crashes(text, n_layers, d_m):
+    """Any string parses into valid interventions or raises FfkvError, never anything else."""
+    try:
+        out = parse_interventions(text, n_layers, d_m)
+    except FfkvError as e:
+        assert "--suppress" in str(e)
+        return
+    assert all(0 <= iv.layer < n_layers and 0 <= iv.dim < d_m and math.isfinite(iv.value) for iv in out)
+    assert len({(iv.layer, iv.dim) for iv in out}) == len(out)
+
+
+# ---- exactness ------------------------------------------------------------------------------------
+def hooked_logits(mm, arch, text, layer, dim, at="last"):
+    """Final-position logits with coefficient `dim` of `layer` zeroed by a hand-written hook."""
+    ids = torch.tensor([mm.tok(text)["input_ids"]])
+    T = ids.shape[1]
+    mod = mm.hf.get_submodule(VALUE_PROJ[arch].format(layer))
+
+    def zero(module, args):
+        m = args[0].clone()
+        if m.dim() == 2:  # OPT: (B*T, d_m)
+            if at == "last":
+                m[T - 1, dim] = 0
+            else:
+                m[:, dim] = 0
+        elif at == "last":
+            m[:, -1, dim] = 0
+        else:
+            m[..., dim] = 0
+        return (m,)
+
+    h = mod.register_forward_pre_hook(zero)
+    try:
+        with torch.no_grad():
+            return mm.hf(input_ids=ids, use_cache=False).logits[0, -1].float()
+    finally:
+        h.remove()
+
+
+def check_suppress_top_last(mm, arch, text, tol):
+    """Suppress the last layer's top memory at the last position: the naive-lens logit of w at
+    the last layer moves by exactly its contribution, and the model's output equals a hooked pass."""
+    res = explain(mm, text, 3, lens="naive")
+    L = mm.n_layers - 1
+    top = res["layers"][L]["memories"][0]
+    assert top["layer"] == L and top["contrib"] == max(m["contrib"] for m in res["layers"][L]["memories"])
+    ed = explain(mm, text, 3, [Intervention(L, top["dim"], "scale", 0.0)], lens="naive")
+    before = res["layers"][L]["lenses"]["naive"]["o"]["logit"]
+    after = ed["intervened"]["layers"][L]["lenses"]["naive"]["o"]["logit"]
+    assert after - before == pytest.approx(-top["contrib"], rel=tol, abs=tol)
+    # nothing before the last layer moves
+    assert ed["intervened"]["layers"][L - 1] == res["layers"][L - 1]
+    assert ed["interventions"][0]["coef"] == top["coef"] and ed["interventions"][0]["coef_after"] == 0
+    ref = hooked_logits(mm, arch, text, L, top["dim"])
+    new = ed["intervened"]
+    assert new["prediction_id"] == int(ref.argmax())
+    probs = torch.softmax(ref, -1)
+    for row in new["top"]:
+        assert row["logit"] == pytest.approx(float(ref[row["id"]]), rel=tol, abs=tol)
+        assert row["p"] == pytest.approx(float(probs[row["id"]]), rel=tol, abs=tol)
+    assert new["p_original"] == pytest.approx(float(probs[res["prediction_id"]]), rel=tol, abs=tol)
+    return res, ed
+
+
+def check_all_positions(mm, arch, text, layer, tol):
+    res = explain(mm, text, 3)
+    dim = res["layers"][layer]["memories"][0]["dim"]
+    ed = explain(mm, text, 3, [Intervention(layer, dim, "scale", 0.0)], at="all")
+    ref = hooked_logits(mm, arch, text, layer, dim, at="all")
+    new = ed["intervened"]
+    assert new["prediction_id"] == int(ref.argmax())
+    for row in new["top"]:
+        assert row["logit"] == pytest.approx(float(ref[row["id"]]), rel=tol, abs=tol)
+    # at every position is not at the last one: the layers after it see other attention inputs
+    last = explain(mm, text, 3, [Intervention(layer, dim, "scale", 0.0)], at="last")["intervened"]
+    assert [r["logit"] for r in last["top"]] != [r["logit"] for r in new["top"]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_suppress_top_memory_exact_tiny(tiny_models, arch):
+    check_suppress_top_last(tiny_models[arch], arch, TEXT, 1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_suppress_at_all_positions_tiny(tiny_models, arch):
+    check_all_positions(tiny_models[arch], arch, TEXT, 0, 1e-4)
+
+
+def _numbers(r: dict) -> dict:
+    """What a read of one forward pass shows (without the run-specific prediction keys)."""
+    return {k: r[k] for k in ("top", "contrast", "layers", "top_memories", "contrast_memories")}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_scale_one_and_zero(tiny_models, arch):
+    mm = tiny_models[arch]
+    res = explain(mm, TEXT, 3, contrast=" the")
+    picks = [(m["layer"], m["dim"]) for m in res["top_memories"]["up"][:3]]
+    for at in ("last", "all"):
+        one = explain(mm, TEXT, 3, [Intervention(l, d, "scale", 1.0) for l, d in picks], at=at, contrast=" the")
+        assert _numbers(one["intervened"]) == _numbers(res) and one["changed"] is False
+        assert one["intervened"]["p_original"] == res["p"] and one["intervened"]["prediction"] == res["prediction"]
+        assert _numbers(one) == _numbers(res)
+        spec = ",".join(f"{l}:{d}" for l, d in picks)
+        outs = [explain(mm, TEXT, 3, parse_interventions(s, mm.n_layers, mm.d_m, scale=sc), at=at,
+                        contrast=" the")["intervened"]
+                for s, sc in ((spec, 0.0), (spec.replace(",", "*0,") + "*0", 1.0),
+                              (spec.replace(",", "=0,") + "=0", 1.0))]
+        assert outs[0] == outs[1] == outs[2]
+        assert _numbers(outs[0]) != _numbers(res)
+
+
+def test_set_and_scale_values(tiny_models):
+    mm = tiny_models["llama"]
+    res = explain(mm, TEXT, 3)
+    t = res["top_memories"]["up"][0]
+    l, d = t["layer"], t["dim"]
+    d2 = (d + 1) % mm.d_m  # same layer: the edits do not reach each other's inputs
+    ed = explain(mm, TEXT, 3, parse_interventions(f"{l}:{d}*0.5,{l}:{d2}=2.5", mm.n_layers, mm.d_m))
+    rows = {(e["layer"], e["dim"]): e for e in ed["interventions"]}
+    assert rows[(l, d)]["coef_after"] == pytest.approx(0.5 * t["coef"], rel=1e-6)
+    assert rows[(l, d2)]["coef_after"] == 2.5 and rows[(l, d2)]["edit"] == f"{l}:{d2}=2.5"
+
+
+def test_intervene_padded_batch_and_cleanup(tiny_models):
+    """`intervene(last=...)` edits each row's own last token; hooks are gone after the block."""
+    mm = tiny_models["opt"]
+    texts = ["The cat sat on the mat", "A dog"]
+    seqs = [mm.tok(t)["input_ids"] for t in texts]
+    ids, mask = mm.batch(seqs)
+    edits = [Intervention(1, 5, "scale", 0.0), Intervention(0, 2, "set", 3.0)]
+    lengths = mask.sum(1)
+    with mm.intervene(edits, at="last", last=lengths - 1):
+        cap = mm.capture(ids, mask, what=("m",), logits=True)
+    for b, s in enumerate(seqs):
+        one, m1 = mm.batch([s])
+        with mm.intervene(edits, at="last"):
+            ref = mm.capture(one, m1, what=("m",), logits=True)
+        n = len(s)
+        assert torch.allclose(cap.logits[b, n - 1], ref.logits[0, -1], atol=1e-4)
+        assert cap[1]["m"][b, n - 1, 5] == 0 and cap[0]["m"][b, n - 1, 2] == 3.0
+        assert cap[1]["m"][b, : n - 1, 5].abs().sum() > 0
+    plain = mm.capture(ids, mask, what=("m",))
+    assert plain[0]["m"][0, -1, 2] != 3.0
+    assert all(not m._forward_pre_hooks for m in mm.hf.modules())
+    with pytest.raises(FfkvError, match="out of range"):
+        with mm.intervene([(9, 0, "scale", 0.0)]):
+            pass
+
+
+def test_contrast_and_limits(tiny_models):
+    mm = tiny_models["gpt2"]
+    res = explain(mm, TEXT, 2, contrast=" the")
+    c = res["contrast"]
+    assert c["token"] == " the" and c["rank"] >= 0
+    assert len(res["contrast_memories"]["up"]) == 6 and len(res["layers"][0]["memories_down"]) == 2
+    # the contrast's contributions are the same memories read against another token
+    up = res["contrast_memories"]["up"]
+    assert all(a["contrib_contrast"] >= b["contrib_contrast"] for a, b in zip(up, up[1:]))
+    assert explain(mm, TEXT, 2, contrast=c["id"])["contrast"] == c
+    with pytest.raises(FfkvError, match="tokens"):
+        explain(mm, TEXT, contrast=" the cat sat")
+    with pytest.raises(FfkvError, match="at most 4"):
+        explain(mm, TEXT, max_tokens=4)
+    with pytest.raises(FfkvError, match="out of range"):
+        explain(mm, TEXT, interventions=[(0, mm.d_m, "scale", 0.0)])
+    # the contribution is m_i·(v_i·e_w) under the chosen lens
+    for lens in ("naive", "norm"):
+        r = explain(mm, TEXT, 2, lens=lens)
+        m = r["layers"][1]["memories"][0]
+        v = mm.values(1)[m["dim"]]
+        g = mm.hf.transformer.ln_f.weight if lens == "norm" else 1.0
+        with torch.no_grad():
+            want = m["coef"] * float((v * g) @ mm.hf.lm_head.weight[r["prediction_id"]])
+        assert m["contrib"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_cli_suppress(tiny_dirs):
+    res = run_cli("explain", TEXT, "--model", tiny_dirs["llama"], "--suppress", "2:3,1:4*0.5",
+                  "--contrast", " the", "--at", "all", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert [e["edit"] for e in out["interventions"]] == ["2:3*0.0", "1:4*0.5"]
+    assert out["at"] == "all" and out["contrast"]["token"] == " the" and out["intervened"]["layers"]
+    assert len(out["layers"]) == 3 and out["layers"][-1]["top_o"] == out["prediction"]
+    bad = run_cli("explain", TEXT, "--model", tiny_dirs["llama"], "--suppress", "7:1")
+    assert bad.returncode == 2 and "layer 7 out of range 0..2" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_exact(smollm2):
+    mm = smollm2
+    res, ed = check_suppress_top_last(mm, "llama", LONG, 1e-3)
+    check_all_positions(mm, "llama", LONG, 20, 1e-3)
