@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ffkv: error: {_one_line(e.format_message())}{where}", file=sys.stderr)
             sys.exit(2)
         raise
-    # typer returns a command's exit code instead of raising in non-standalone mode; a Ctrl-C
-    # caught by click comes back as 1 with nothing printed.
-    if isinstance(rv, int) and rv not in (0,):
-        if rv == 1:
+    # In non-standalone mode typer returns an exit code instead of raising: a Ctrl-C comes
+    # back as 130 with nothing printed.
+    if isinstance(rv, int) and rv != 0:
+        if rv == 130:
             _interrupted()
         sys.exit(rv)

@@ -1,6 +1,10 @@
 """The run directory: manifest.json plus one Parquet table per result, written atomically."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import errno
+import fcntl
 import json
 import os
 import time
@@ -15,32 +19,90 @@ from ffkv.errors import FfkvError
 MANIFEST = "manifest.json"
 
 
+def writing(path) -> "contextlib.AbstractContextManager":
+    """Turn the OS errors a user can cause (read-only or full disk, no permission) into one line."""
+    return _Writing(Path(path))
+
+
+class _Writing:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        if et is not None and issubclass(et, OSError):
+            if e.errno in USER_ERRNOS:
+                raise FfkvError(f"cannot write {self.path}: {os.strerror(e.errno)}") from None
+            why = next((w for w in USER_MESSAGES if w in str(e)), None)
+            if why:  # pyarrow's IO errors carry the text but no errno
+                raise FfkvError(f"cannot write {self.path}: {why}") from None
+        return False
+
+
+USER_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EISDIR,
+               errno.ENOTDIR}
+
+
+USER_MESSAGES = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Temp file + fsync + rename; the temp file never outlives a failure."""
     path = Path(path)
+    if path.is_dir():
+        raise FfkvError(f"{path} is a directory; give a file name")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=False, default=str).encode())
 
 
+def merge_changes(disk: dict, ours: dict, base: dict) -> dict:
+    """Three-way merge of a manifest: what this process changed since it read `base` wins, the
+    rest comes from `disk`, so two steps saving at once both persist."""
+    out = dict(disk)
+    for k, v in ours.items():
+        if k in base and base[k] == v:
+            continue
+        if isinstance(v, dict) and isinstance(base.get(k), dict) and isinstance(disk.get(k), dict):
+            out[k] = merge_changes(disk[k], v, base[k])
+        else:
+            out[k] = v
+    for k in base:
+        if k not in ours and k in out and disk.get(k) == base[k]:
+            del out[k]
+    return out
+
+
 class Run:
-    """A run directory. Readers never see a half-written file: every write is temp + rename."""
+    """A run directory. Readers never see a half-written file: every write is temp + rename, and
+    manifest.json is updated read-modify-write under an exclusive lock."""
 
     def __init__(self, path: str | Path, create: bool = False):
         self.path = Path(path)
         if create:
-            self.path.mkdir(parents=True, exist_ok=True)
+            if self.path.exists() and not self.path.is_dir():
+                raise FfkvError(f"{self.path} exists and is not a directory")
+            with writing(self.path):
+                self.path.mkdir(parents=True, exist_ok=True)
         elif not (self.path / MANIFEST).exists():
             if not self.path.exists():
                 raise FfkvError(f"run directory {self.path} does not exist; run `ffkv mine --out {self.path}` first")
             raise FfkvError(f"{self.path} is not an ffkv run (no {MANIFEST}); run `ffkv mine --out {self.path}` first")
         self.manifest = self._load()
+        self._base = copy.deepcopy(self.manifest)
 
     def _load(self) -> dict:
         p = self.path / MANIFEST
@@ -48,13 +110,46 @@ class Run:
             return {"ffkv_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "steps": {}, "settings": {}, "counts": {}}
         try:
-            return json.loads(p.read_text())
-        except json.JSONDecodeError:
+            m = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise FfkvError(f"{p} is not valid JSON; the run directory is damaged") from None
+        except OSError as e:
+            raise FfkvError(f"cannot read {p}: {os.strerror(e.errno) if e.errno else e}") from None
+        bad = not isinstance(m, dict) or any(not isinstance(m.get(k, {}), dict)
+                                             for k in ("steps", "settings", "counts", "model", "corpus"))
+        if not bad:
+            bad = any(not isinstance(v, dict) for v in m.get("steps", {}).values())
+        if bad:
+            raise FfkvError(f"{p} does not have the shape of an ffkv manifest; the run directory is damaged")
+        return m
+
+    @contextlib.contextmanager
+    def lock(self, name: str = "manifest", wait: bool = True):
+        """An exclusive lock on the run (`name` separates independent locks, e.g. one per step)."""
+        f = None
+        with writing(self.path):
+            f = open(self.path / f".lock-{name}", "a+")
+        try:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise FfkvError(f"{self.path} is busy: another process is running `{name}` on it; "
+                                f"wait for it to finish (or stop it) and rerun") from None
+            yield
+        finally:
+            f.close()
 
     def save(self) -> None:
-        self.manifest["ffkv_version"] = __version__
-        atomic_write_json(self.path / MANIFEST, self.manifest)
+        with self.lock():
+            disk = self._load() if (self.path / MANIFEST).exists() else {}
+            merged = merge_changes(disk, self.manifest, self._base)
+            merged["ffkv_version"] = __version__
+            atomic_write_json(self.path / MANIFEST, merged)
+        self.manifest, self._base = merged, copy.deepcopy(merged)
+
+    def reload(self) -> None:
+        self.manifest = self._load()
+        self._base = copy.deepcopy(self.manifest)
 
     # ---- steps -------------------------------------------------------------------------------
     def step(self, name: str) -> dict:
@@ -76,6 +171,13 @@ class Run:
         st["seconds"] = round(st["finished"] - st["started"], 2)
         self.save()
 
+    def fail_step(self, name: str, error: str) -> None:
+        """A step that stopped on an error: its settings are dropped, so a corrected rerun is not
+        refused as 'other settings' (a killed step keeps them and resumes)."""
+        self.manifest.setdefault("steps", {}).setdefault(name, {}).update(status="failed", error=error[:300])
+        self.manifest.setdefault("settings", {}).pop(name, None)
+        self.save()
+
     def require(self, step: str, command: str) -> None:
         if not self.step_done(step):
             raise FfkvError(f"run {self.path} has no finished `{step}` step; run `{command}` first")
@@ -95,8 +197,12 @@ class Run:
             table = pa.table(table)
         p = self.table_path(name)
         tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
-        os.replace(tmp, p)
+        with writing(p):
+            try:
+                pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+                os.replace(tmp, p)
+            finally:
+                tmp.unlink(missing_ok=True)
         return p
 
     def read_table(self, name: str, columns=None, filters=None) -> pa.Table:

@@ -155,7 +155,16 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
                   model_name=model_name, log=log, show_progress=show_progress, extra=extra, _mm=mm)
     if mm is not None:
         run.check_model(mm)
-    run.start_step(name, record)
-    info = step.compute(ctx) or {}
-    run.finish_step(name, **info)
+    with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
+        run.reload()  # what another process recorded while we waited
+        refuse_other(run, step, record)
+        if not force and is_done(run, step, record):
+            return Outcome(name, "skipped", dict(run.step(name)))
+        run.start_step(name, record)
+        try:
+            info = step.compute(ctx) or {}
+        except FfkvError as e:
+            run.fail_step(name, str(e))
+            raise
+        run.finish_step(name, **info)
     return Outcome(name, "done", dict(run.step(name)), ctx.extra.get("result"))
