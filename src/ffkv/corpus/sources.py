@@ -23,6 +23,7 @@ from ffkv.errors import FfkvError
 
 EMBEDDED = "wikipedia"
 VALID_SHARE = 0.1  # share of embedded documents held out as the "valid" split
+BINARY_SHARE = 0.01  # more non-UTF-8 characters than this share: not a text file
 
 
 @dataclass
@@ -47,12 +48,22 @@ def _read_text(path: Path, stats: CorpusStats) -> str:
         raise FfkvError(f"corpus file {path} does not exist")
     if path.is_dir():
         raise FfkvError(f"corpus {path} is a folder; pass a file")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
+    if b"\x00" in data[:1 << 16]:
+        raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
+                        f".tokens or .jsonl file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
-        stats.replaced_chars += text.count("\ufffd") - data.count("\ufffd".encode())
+        bad = text.count("\ufffd") - data.count("\ufffd".encode())
+        if bad > max(16, BINARY_SHARE * len(text)):
+            raise FfkvError(f"corpus {path} looks binary: {bad:,} of its {len(text):,} characters are "
+                            f"not UTF-8; pass a UTF-8 text, .tokens or .jsonl file") from None
+        stats.replaced_chars += bad
         return text
 
 
@@ -130,7 +141,10 @@ class CorpusSource:
         for n, rec in json_objects(text, str(path)):
             if fld not in rec:
                 raise FfkvError(f"{path}:{n}: no field {fld!r} (choose the field with --field)")
-            docs.append(str(rec[fld]))
+            if not isinstance(rec[fld], str):
+                raise FfkvError(f"{path}:{n}: field {fld!r} holds {type(rec[fld]).__name__ if rec[fld] is not None else 'null'}, "
+                                f"not text")
+            docs.append(rec[fld])
         return docs
 
     def _hf(self, name: str, cfg: str | None, split: str, wikitext: bool = False) -> list[str]:
