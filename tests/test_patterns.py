@@ -398,6 +398,30 @@ def test_patterns_sample_and_strict_alpha(prun, tiny_models):
     assert got == {(l, int(d)) for l, ds in want.items() for d in ds}
 
 
+def test_patterns_step(tmp_path, tiny_dirs, tiny_models):
+    """execute(run, "patterns", ...): the manifest keeps today's settings (not the device), a second
+    call is skipped and reports the same labels and Fig 2, bad settings are refused up front."""
+    from ffkv.errors import FfkvError
+    from ffkv.store.steps import execute
+
+    run = make_run(tmp_path / "r", tiny_dirs["gpt2"], n_sentences=60, k=25, mm=tiny_models["gpt2"])
+    s = P.PatternsSettings(semantic_keys_per_layer=3, background=300, device="cpu")
+    out = execute(run, "patterns", s, device="cpu", embedder=HashEmbedder(), show_progress=False)
+    assert out.status == "done" and out.result.keys.num_rows == 2 * 96
+    assert run.settings("patterns") == P.settings_for(0, 3, 25, 1, 0, 3, 1e-3, 300, True)
+    assert {k: v for k, v in out.result.stats.items() if k != "seconds"}.items() <= run.step("patterns").items()
+    first = P.summary(run, out)
+    assert first["status"] == "done" and sum(first["labels"].values()) == 2 * 96
+    again = execute(run, "patterns", s, device="cpu")
+    assert again.skipped
+    second = P.summary(run, again)
+    assert second["status"] == "already done"
+    assert (second["labels"], second["fig2"]) == (first["labels"], first["fig2"])
+    with pytest.raises(FfkvError, match="--alpha"):
+        execute(run, "patterns", P.PatternsSettings(alpha=0), device="cpu")
+    assert run.step_done("patterns")
+
+
 def test_cli_on_a_mined_run(tmp_path, tiny_dirs):
     """`ffkv mine` (the real miner) -> mutate -> patterns -> annotate sample, in one process."""
     from conftest import WT2
