@@ -28,7 +28,7 @@ def parse_ranges(text: str, what: str, upper: int | None = None) -> list[int]:
             else:
                 a = b = int(part)
         except ValueError:
-            raise FfkvError(f"{what} {text!r}: {part!r} is not a number or a range like 5-7") from None
+            raise FfkvError(f"{what} {text!r}: {part!r} is not an integer or a range like 5-7") from None
         if b < a:
             raise FfkvError(f"{what} {text!r}: the range {part!r} is reversed; write {b}-{a}")
         if b - a + 1 > MAX_RANGE:
