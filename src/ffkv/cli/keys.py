@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import List, Optional
 
@@ -105,17 +104,11 @@ def patterns(run_dir: Path = RunArg,
 
 
 def print_patterns(run, out, top: int = 25, as_json: bool = False) -> None:
-    from ffkv.experiments.patterns import LABELS
+    from ffkv.experiments.patterns import LABELS, summary
 
-    info = _status(out)
-    if out.skipped:
-        fig2 = run.read_table("patterns_fig2").to_pylist()
-        labels = run.read_table("pattern_keys", columns=["label"]).column("label").to_pylist()
-    else:
-        fig2, labels = out.result.fig2.to_pylist(), out.result.keys.column("label").to_pylist()
-    lab = Counter(labels)
+    info = summary(run, out)
     if as_json:
-        print(json.dumps({**info, "labels": dict(lab), "fig2": fig2}, indent=2, default=str))
+        print(json.dumps(info, indent=2, default=str))
         return
     if out.skipped:
         print(f"patterns: already done with these settings in {run.path} (use --force to re-run)")
@@ -123,8 +116,8 @@ def print_patterns(run, out, top: int = 25, as_json: bool = False) -> None:
         print(f"patterns: {info['keys']:,} keys ({info['semantic_keys']:,} with semantic patterns), "
               f"{info['patterns']:,} patterns in {info['seconds']:.1f} s "
               f"(embedding {info['embedding_seconds']:.1f} s)")
-    print("key labels: " + ", ".join(f"{k} {lab.get(k, 0):,}" for k in LABELS))
-    _print_fig2(fig2, top)
+    print("key labels: " + ", ".join(f"{k} {info['labels'].get(k, 0):,}" for k in LABELS))
+    _print_fig2(info["fig2"], top)
 
 
 def _print_fig2(fig2: list[dict], top: int) -> None:
