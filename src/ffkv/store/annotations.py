@@ -34,6 +34,7 @@ SQL schema (public: other tools may read it):
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 import uuid
@@ -102,16 +103,29 @@ class AnnotationStore:
 
     # ---- connections -------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-        con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
-        con.execute("PRAGMA foreign_keys = ON")
-        con.execute("PRAGMA synchronous = NORMAL")
+        with self._sqlite_errors():
+            con = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+            con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+            con.execute("PRAGMA foreign_keys = ON")
+            con.execute("PRAGMA synchronous = NORMAL")
         return con
+
+    @contextmanager
+    def _sqlite_errors(self):
+        """A read-only or full disk, or a damaged file, is one line for the user, not a traceback."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            raise FfkvError(f"cannot use {self.path}: {e}") from None
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.IntegrityError):
+                raise
+            raise FfkvError(f"{self.path} is damaged or not an annotation store: {e}") from None
 
     @contextmanager
     def _write(self):
         """One write transaction (BEGIN IMMEDIATE takes the write lock at once)."""
-        with closing(self._connect()) as con:
+        with closing(self._connect()) as con, self._sqlite_errors():
             con.execute("BEGIN IMMEDIATE")
             try:
                 yield con
@@ -121,7 +135,7 @@ class AnnotationStore:
             con.execute("COMMIT")
 
     def _init(self) -> None:
-        with closing(self._connect()) as con:
+        with closing(self._connect()) as con, self._sqlite_errors():
             mode = con.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise FfkvError(f"{self.path}: SQLite refused WAL mode ({mode}); is the run on a "
@@ -254,7 +268,7 @@ class AnnotationStore:
                "p.id, p.idx, p.description, p.kind FROM annotations a LEFT JOIN patterns p "
                "ON p.annotation_id = a.id" + (" WHERE " + " AND ".join(where) if where else "") +
                " ORDER BY a.layer, a.dim, a.sign DESC, a.annotator, p.idx")
-        with closing(self._connect()) as con:
+        with closing(self._connect()) as con, self._sqlite_errors():
             con.execute("BEGIN")  # one snapshot for both queries
             rows = con.execute(sql, args).fetchall()
             pre: dict[int, list[int]] = {}
@@ -274,7 +288,7 @@ class AnnotationStore:
         return r[0] if r else None
 
     def count(self) -> int:
-        with closing(self._connect()) as con:
+        with closing(self._connect()) as con, self._sqlite_errors():
             return con.execute("SELECT count(*) FROM annotations").fetchone()[0]
 
     # ---- export / import -----------------------------------------------------------------------------
@@ -317,7 +331,8 @@ class AnnotationStore:
                 raise FfkvError(f"import line {n}: uid must be a short string")
             now = time.time()
             cr, up = r.get("created", now), r.get("updated", r.get("created", now))
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (cr, up)):
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                       for x in (cr, up)):
                 raise FfkvError(f"import line {n}: created/updated must be Unix times (numbers)")
             k = (ann, l, d, s)
             if k in seen:
@@ -370,7 +385,7 @@ class AnnotationStore:
         return rows
 
     def stored_sample(self, sign: int = 1) -> list[tuple[int, int]]:
-        with closing(self._connect()) as con:
+        with closing(self._connect()) as con, self._sqlite_errors():
             return [tuple(r) for r in con.execute("SELECT layer, dim FROM sample WHERE sign=? ORDER BY layer, dim",
                                                   (sign,))]
 
