@@ -103,6 +103,7 @@ def register(app: typer.Typer) -> None:
                as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
         """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""
         from ffkv.corpus.sources import open_corpus, tokenize
+        from ffkv.display import printable
 
         mm = model(model_name)
         src = open_corpus(source, field=field, seed=seed)
@@ -114,6 +115,6 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
             return
         for k, v in counts.items():
-            print(f"{k:>15}: {v}")
+            print(f"{k:>15}: {printable(str(v))}")
         for s in sents[:head]:
-            print(f"  [{s.sentence_id}] {s.text}")
+            print(f"  [{s.sentence_id}] {printable(s.text, newlines=False)}")

@@ -41,7 +41,7 @@ class _Writing:
         return False
 
 
-USER_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EISDIR,
+USER_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EISDIR,
                errno.ENOTDIR}
 
 
