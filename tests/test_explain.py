@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +260,122 @@ def test_smollm2_exact(smollm2):
     mm = smollm2
     res, ed = check_suppress_top_last(mm, "llama", LONG, 1e-3)
     check_all_positions(mm, "llama", LONG, 20, 1e-3)
+
+
+# ---- the web explorer (`ffkv.web.explore`), through HTTP ----------------------------------------
+def build_explore_run(root: Path, model: Path) -> Path:
+    """A run with the mine step only (the explorer needs just the model)."""
+    from typer.testing import CliRunner
+
+    from conftest import wikitext_sentences
+    from ffkv.cli import app
+
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(wikitext_sentences(40)) + "\n", encoding="utf-8")
+    run = root / "run"
+    res = CliRunner().invoke(app, ["mine", "--out", str(run), "--model", str(model), "--corpus", str(corpus),
+                                   "--top-k", "5"])
+    assert res.exit_code == 0, f"{res.exception!r}\n{res.output[-2000:]}"
+    return run
+
+
+@pytest.fixture(scope="module")
+def explore_run(tmp_path_factory, tiny_dirs):
+    return build_explore_run(tmp_path_factory.mktemp("explore"), tiny_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def client(explore_run):
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    return TestClient(create_app(explore_run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+
+
+def test_api_is_the_engine(client, tiny_models):
+    mm = tiny_models["llama"]
+    q = {"text": TEXT, "suppress": "2:3,1:4*0.5", "at": "all", "contrast": " the", "lens": "naive"}
+    got = client.get("/api/explore", params=q)
+    assert got.status_code == 200, got.text
+    api = got.json()
+    want = explain(mm, TEXT, 3, parse_interventions("2:3,1:4*0.5", 3, mm.d_m), at="all", contrast=" the",
+                   lens="naive")
+    assert {k: api[k] for k in want} == json.loads(json.dumps(want))
+    assert api["query"]["interventions"] == ["2:3*0.0", "1:4*0.5"]
+    page = client.get(api["url"])
+    assert page.status_code == 200 and 'id="prediction-after"' in page.text
+    assert f'data-id="{api["intervened"]["prediction_id"]}"' in page.text
+
+
+@pytest.mark.parametrize("params, msg", [
+    ({"text": "a", "suppress": "3:1"}, "layer 3 out of range 0..2"),
+    ({"text": "a", "suppress": "1:80"}, "dim 80 out of range 0..79"),
+    ({"text": "a", "suppress": "1;2"}, "is not LAYER:DIM"),
+    ({"text": "a", "suppress": "1:2*"}, "is not a number"),
+    ({"text": "a", "scale": "x"}, "scale 'x' is not a number"),
+    ({"text": "a", "at": "first"}, "choose last"),
+    ({"text": "a", "lens": "tuned"}, "choose naive or norm"),
+    ({"text": "a", "top": "0"}, "1..20"),
+    ({"text": "a", "contrast": "the cat sat"}, "not one"),
+    ({"text": "a", "contrast_id": "999999"}, "out of range"),
+    ({"text": "word " * 300}, "at most 256"),
+    ({"text": "x" * 9000}, "at most 8,000 characters"),
+    ({}, "text is required"),
+])
+def test_api_errors_are_422(client, params, msg):
+    r = client.get("/api/explore", params=params)
+    assert r.status_code == 422 and msg in r.json()["detail"], r.text
+    if params:
+        page = client.get("/explore", params=params)
+        assert page.status_code == 422 and 'id="error"' in page.text and "Traceback" not in page.text
+
+
+def test_page_links_and_escaping(client, explore_run):
+    r = client.get("/explore", params={"text": 'The <script>window.__x=1</script> "cat" sat on the'})
+    assert r.status_code == 200
+    assert "<script>window.__x" not in r.text and "&lt;script&gt;" in r.text
+    assert "Content-Security-Policy" in r.headers and client.get("/explore.css").status_code == 200
+    assert re.search(r'href="/memory/\d+/\d+"', r.text)  # the memory pages (the browser's)
+    # a suppress link adds that memory to the URL's edits, and the result has it zeroed
+    link = re.search(r'<a class="small suppress" href="([^"]+)"', r.text).group(1).replace("&amp;", "&")
+    api = client.get(link.replace("/explore?", "/api/explore?")).json()
+    e = api["interventions"][0]
+    assert e["coef_after"] == 0 and (e["layer"], e["dim"]) == (api["top_memories"]["up"][0]["layer"],
+                                                               api["top_memories"]["up"][0]["dim"])
+    assert client.get("/explore").status_code == 200  # the empty form
+
+
+def test_busy_beyond_the_queue(explore_run):
+    """One model call at a time, `queue` more waiting; the next request gets 503 at once."""
+    import threading
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+    from ffkv.web.explore import Explorer
+
+    app = create_app(explore_run, log_fn=lambda m: None)
+    ex = app.state.explorer = Explorer(queue=1)
+    c = TestClient(app, base_url="http://127.0.0.1:8000")
+    codes = []
+    with ex.run_lock:  # the model is busy
+        ts = [threading.Thread(target=lambda t=t: codes.append(c.get("/api/explore", params={"text": t}).status_code))
+              for t in ("one", "two")]
+        for t in ts:
+            t.start()
+        for _ in range(200):
+            if ex.pending == 2:
+                break
+            time.sleep(0.05)
+        assert ex.pending == 2
+        r = c.get("/api/explore", params={"text": "three"})
+        assert r.status_code == 503 and "busy" in r.json()["detail"] and r.headers["retry-after"] == "2"
+        assert c.get("/explore", params={"text": "three"}).status_code == 503
+    for t in ts:
+        t.join(60)
+    assert codes == [200, 200] and ex.pending == 0
+    # answered from the cache: no admission needed
+    with ex.run_lock:
+        assert c.get("/api/explore", params={"text": "one"}).status_code == 200

@@ -176,7 +176,7 @@ def _edit_rows(res: dict, after: dict | None, edits) -> list[dict]:
         rows.append({"layer": l, "dim": d, "op": iv.op, "value": iv.value, "edit": str(iv),
                      "coef": float(res["_m"][l, d]), "contrib": float(res["_contrib"][l, d, 0]),
                      "coef_after": None if after is None else float(after["_m"][l, d]) + 0.0,
-                     "contrib_after": None if after is None else float(after["_contrib"][l, d, 0])})
+                     "contrib_after": None if after is None else float(after["_contrib"][l, d, 0]) + 0.0})
     return rows
 
 

@@ -1,0 +1,345 @@
+"""The prediction explorer: follow one prediction through the layers, and intervene on memories.
+
+Public URLs (links get shared; keep them):
+- `/explore?text=…`: the page. Optional: `suppress=L:D,…` (`L:D` scales memory D of layer L by
+  `scale`, default 0 = suppress; `L:D*F` scales it by F; `L:D=V` sets its coefficient to V),
+  `scale=F`, `at=last|all` (edit the last position or every position), `contrast=TOKEN` (text
+  that is one token) or `contrast_id=N`, `lens=naive|norm` (of the contributions; both lenses
+  are always read), `top=K` (memories per layer).
+- `/api/explore?…`: what the page shows, as JSON: `ffkv.experiments.explain`'s result (its
+  docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
+- `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
+
+The explorer needs only the model (loaded lazily by the app's `Browser`), so it works on a run
+without the key steps. One model call runs at a time (holding the browser's `model_lock`, shared
+with re-verification); at most `QUEUE` more wait for it, and a request beyond that gets 503 at
+once instead of a place in an unbounded queue. Identical requests are answered from a small
+cache. Texts are capped at `MAX_TOKENS` tokens, interventions are checked against the model's
+layers and dims: both give 422 with the reason, never a traceback.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from markupsafe import Markup
+
+from ffkv.errors import FfkvError
+from ffkv.parse import parse_interventions
+from ffkv.web import plots
+from ffkv.web.common import error_page, render, urlencode_clean
+from ffkv.web.routes import api
+
+router = APIRouter()
+
+MAX_TOKENS = 256  # tokens of one text; the speed goal is set at 64
+MAX_CHARS = 8_000  # characters, checked before tokenizing
+QUEUE = 4  # requests that may wait while one runs; beyond that: 503
+CACHE = 64  # results kept for identical requests
+MAX_TOP = 20  # memories per layer
+LENSES = ("naive", "norm")
+EXAMPLES = ("The Eiffel Tower is in the city of", "The capital of Japan is the city of",
+            "She poured herself a cup of hot")
+
+CSS = """
+.xp-form textarea { width: 100%; max-width: none; font-size: 1.05em; font-family: inherit; }
+.xp-form .row { display: flex; flex-wrap: wrap; gap: 0.5em 1.2em; align-items: center; margin-top: 0.5em; }
+.xp-form input[name=suppress] { width: 22em; font-family: ui-monospace, monospace; }
+.xp-form input[name=contrast] { width: 9em; }
+.xp-pred { font-size: 1.25em; }
+.xp-pred .tok { background: #ffe08a; border-radius: 3px; padding: 0 0.2em; }
+.xp-pred .tok.after { background: #f6c7b6; }
+.xp-grid { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 0 1.2em; align-items: start; }
+@media (max-width: 1100px) { .xp-grid { grid-template-columns: 1fr; } }
+.xp-two { display: grid; grid-template-columns: 1fr 1fr; gap: 0 0.8em; }
+table.xp-layers td { white-space: nowrap; }
+table.xp-layers td.mems { white-space: normal; font-size: 0.92em; }
+table.xp-layers th.group { text-align: center; border-left: 2px solid #ddd; }
+table.xp-layers td.first, table.xp-layers th.first { border-left: 2px solid #ddd; }
+.xp-changed { background: #fde9e2; }
+.xp-p { color: #777; font-size: 0.85em; margin-left: 0.2em; }
+.xp-after { display: block; color: #a0401f; font-size: 0.9em; }
+.xp-mem { white-space: nowrap; margin-right: 0.4em; display: inline-block; }
+table.xp-layers td.mems { min-width: 12em; }
+.xp-edit { font-size: 0.85em; }
+svg .xp-pos { fill: #2e8b57; } svg .xp-neg { fill: #c44e52; } svg .xp-mid { stroke: #999; stroke-width: 1; }
+tr.xp-edited { background: #fff3cf; }
+"""
+
+
+# ---- the gate: one model call at a time, a bounded queue ----------------------------------------
+class Busy(Exception):
+    pass
+
+
+@dataclass
+class Explorer:
+    """Per-app state: the admission counter and the result cache."""
+    queue: int = QUEUE
+    pending: int = 0  # running + waiting
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    run_lock: threading.Lock = field(default_factory=threading.Lock)
+    cache: OrderedDict = field(default_factory=OrderedDict)
+
+    def admit(self) -> None:
+        with self.lock:
+            if self.pending >= 1 + self.queue:
+                raise Busy(f"the explorer is busy: {self.pending - 1} request(s) already wait for the "
+                           f"model, the most it queues; try again in a moment")
+            self.pending += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def cached(self, key):
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+        return None
+
+    def keep(self, key, value) -> None:
+        with self.lock:
+            self.cache[key] = value
+            while len(self.cache) > CACHE:
+                self.cache.popitem(last=False)
+
+
+_state_lock = threading.Lock()
+
+
+def explorer(request: Request) -> Explorer:
+    st = request.app.state
+    with _state_lock:
+        if getattr(st, "explorer", None) is None:
+            st.explorer = Explorer(queue=getattr(st, "explore_queue", QUEUE))
+        return st.explorer
+
+
+def _browser(request: Request):
+    return getattr(request.app.state, "browser", None)
+
+
+def _model(request: Request):
+    """The model: `app.state.explore_model` when set (an app without a run), else the run's."""
+    mm = getattr(request.app.state, "explore_model", None)
+    return mm if mm is not None else _browser(request).model()
+
+
+def _shape(request: Request) -> tuple[int, int]:
+    """(layers, d_m), from the run's manifest when there is one (no need to load the model)."""
+    b = _browser(request)
+    if getattr(request.app.state, "explore_model", None) is None and b is not None:
+        return b.L, b.d_m
+    mm = _model(request)
+    return mm.n_layers, mm.d_m
+
+
+# ---- the query ------------------------------------------------------------------------------------
+@dataclass
+class Query:
+    text: str = ""
+    suppress: str = ""
+    scale: float = 0.0
+    scale_raw: str = ""
+    at: str = "last"
+    contrast: str = ""
+    contrast_id: int | None = None
+    lens: str = ""
+    top: int = 3
+    edits: list = field(default_factory=list)
+
+    def params(self, **changes) -> dict:
+        p = {"text": self.text, "suppress": self.suppress, "scale": self.scale_raw,
+             "at": "" if self.at == "last" else self.at, "contrast": self.contrast,
+             "contrast_id": "" if self.contrast_id is None else self.contrast_id,
+             "lens": self.lens, "top": "" if self.top == 3 else self.top}
+        p.update(changes)
+        return p
+
+    def url(self, path: str = "/explore", **changes) -> str:
+        q = urlencode_clean(self.params(**changes))
+        return f"{path}?{q}" if q else path
+
+    def key(self) -> tuple:
+        return (self.text, tuple(self.edits), self.at, self.contrast, self.contrast_id, self.lens, self.top)
+
+
+def _items(suppress: str) -> list[str]:
+    return [s.strip() for s in suppress.split(",") if s.strip()]
+
+
+def parse_query(request: Request) -> Query:
+    """The page's parameters, checked; anything wrong is an FfkvError (422)."""
+    g = request.query_params
+    text = g.get("text") or ""
+    if len(text) > MAX_CHARS:
+        raise FfkvError(f"the text is {len(text):,} characters long; the explorer takes at most "
+                        f"{MAX_CHARS:,} characters and {MAX_TOKENS} tokens")
+    q = Query(text=text, suppress=",".join(_items(g.get("suppress") or "")))
+    q.scale_raw = (g.get("scale") or "").strip()
+    if q.scale_raw:
+        try:
+            q.scale = float(q.scale_raw)
+        except ValueError:
+            raise FfkvError(f"scale {q.scale_raw!r} is not a number") from None
+        if not math.isfinite(q.scale):
+            raise FfkvError(f"scale {q.scale_raw!r} is not a finite number")
+    q.at = (g.get("at") or "last").strip()
+    if q.at not in ("last", "all"):
+        raise FfkvError(f"at {q.at!r}: choose last (the last position) or all (every position)")
+    q.contrast = g.get("contrast") or ""
+    cid = (g.get("contrast_id") or "").strip()
+    if cid:
+        if not cid.isdigit() or not cid.isascii():
+            raise FfkvError(f"contrast_id {cid!r} is not a token id")
+        q.contrast_id, q.contrast = int(cid), ""
+    q.lens = (g.get("lens") or "").strip()
+    if q.lens and q.lens not in LENSES:
+        raise FfkvError(f"lens {q.lens!r}: choose naive or norm")
+    top = (g.get("top") or "").strip()
+    if top:
+        if not top.isdigit() or not top.isascii() or not 1 <= int(top) <= MAX_TOP:
+            raise FfkvError(f"top {top!r}: memories per layer must be 1..{MAX_TOP}")
+        q.top = int(top)
+    if q.suppress:
+        L, d_m = _shape(request)
+        q.edits = parse_interventions(q.suppress, L, d_m, scale=q.scale, what="suppress")
+    return q
+
+
+# ---- running the engine ---------------------------------------------------------------------------
+def _compute(request: Request, q: Query, ex: Explorer) -> dict:
+    from ffkv.experiments.explain import explain
+
+    b = _browser(request)
+    with ex.run_lock:
+        mm = _model(request)
+        # the browser's lock too: its re-verification runs the same model
+        with getattr(b, "model_lock", None) or nullcontext():
+            res = explain(mm, q.text, q.top, q.edits, at=q.at,
+                          contrast=q.contrast_id if q.contrast_id is not None else (q.contrast or None),
+                          lens=q.lens or None, max_tokens=MAX_TOKENS)
+    res["query"] = {"text": q.text, "suppress": q.suppress, "scale": q.scale, "at": q.at,
+                    "contrast": q.contrast or None, "contrast_id": q.contrast_id, "lens": res["lens"],
+                    "top": q.top, "interventions": [str(e) for e in q.edits]}
+    res["url"] = q.url()
+    return res
+
+
+async def run_query(request: Request, q: Query) -> dict:
+    """The result for `q`: from the cache, or computed when the gate admits the request."""
+    ex = explorer(request)
+    key = q.key()
+    hit = ex.cached(key)
+    if hit is not None:
+        return hit
+    ex.admit()  # raises Busy: nothing waits beyond the queue
+    try:
+        res = await run_in_threadpool(_compute, request, q, ex)
+    finally:
+        ex.release()
+    ex.keep(key, res)
+    return res
+
+
+def _busy(request: Request, e: Busy) -> Response:
+    resp = error_page(request, 503, "Busy", str(e))
+    resp.headers["Retry-After"] = "2"
+    return resp
+
+
+# ---- the page's helpers ---------------------------------------------------------------------------
+def signed_bar(x: float, vmax: float, width: int = 90, height: int = 11) -> Markup:
+    """A bar from the middle: right (green) for a positive contribution, left (red) for a negative one."""
+    if x is None or vmax <= 0 or x != x:
+        return Markup("")
+    half = width / 2
+    w = min(abs(x) / vmax, 1.0) * half
+    x0 = half if x >= 0 else half - w
+    cls = "xp-pos" if x >= 0 else "xp-neg"
+    return Markup(f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+                  f'aria-hidden="true"><rect class="{cls}" x="{x0:.1f}" y="1" width="{w:.1f}" height="{height - 2}"/>'
+                  f'<line class="xp-mid" x1="{half}" y1="0" x2="{half}" y2="{height}"/></svg>')
+
+
+def page_context(q: Query, r: dict) -> dict:
+    """URLs and scales the template needs beside the result (the result itself is not changed)."""
+    edited = {(e.layer, e.dim) for e in q.edits}
+
+    def add(*keys) -> str:
+        items = _items(q.suppress)
+        have = {(e.layer, e.dim) for e in q.edits}
+        items += [f"{l}:{d}" for l, d in keys if (l, d) not in have]
+        return q.url(suppress=",".join(items))
+
+    def remove(layer: int, dim: int) -> str:
+        keep = []
+        for item in _items(q.suppress):
+            iv = parse_interventions(item)[0]
+            if (iv.layer, iv.dim) != (layer, dim):
+                keep.append(item)
+        return q.url(suppress=",".join(keep))
+
+    lists = [r["top_memories"]["up"], r["top_memories"]["down"]]
+    if r.get("contrast_memories"):
+        lists += [r["contrast_memories"]["up"], r["contrast_memories"]["down"]]
+    vmax = max([abs(m["contrib"]) for ms in lists[:2] for m in ms] + [1e-12])
+    cmax = max([abs(m["contrib_contrast"]) for ms in lists[2:] for m in ms] + [1e-12])
+    lmax = max([abs(m["contrib"]) for row in r["layers"] for m in row["memories"] + row["memories_down"]]
+               + [1e-12])
+    return {"add_url": add, "layer_top_url": lambda row: add(*[(m["layer"], m["dim"]) for m in row["memories"]]), "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax, "lmax": lmax,
+            "clear_url": q.url(suppress="", scale="", at=""),
+            "contrast_url": lambda tid: q.url(contrast="", contrast_id=tid),
+            "no_contrast_url": q.url(contrast="", contrast_id=""),
+            "lens_url": lambda lens: q.url(lens=lens), "api_url": q.url("/api/explore"),
+            "at_url": lambda at: q.url(at="" if at == "last" else at),
+            "signed_bar": signed_bar, "pbar": lambda p: plots.bar(p, width=80, height=10, label=f"p = {p:.3f}")}
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+@router.get("/explore.css", include_in_schema=False)
+def explore_css():
+    return Response(CSS, media_type="text/css; charset=utf-8", headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get("/explore", include_in_schema=False)
+async def explore_page(request: Request):
+    """The page; a mistake in the form (422) shows the form again with the reason above it."""
+    r, error, status = None, None, 200
+    try:
+        q = parse_query(request)
+    except FfkvError as e:
+        q, error, status = Query(text=(request.query_params.get("text") or "")[:MAX_CHARS],
+                                 suppress=request.query_params.get("suppress") or ""), str(e), 422
+    if error is None and q.text.strip():
+        try:
+            r = await run_query(request, q)
+        except Busy as e:
+            return _busy(request, e)
+        except FfkvError as e:
+            error, status = str(e), 422
+    ctx = page_context(q, r) if r else {}
+    examples = [(t, Query(text=t).url()) for t in EXAMPLES]
+    return render(request, "explore.html", status_code=status, q=q, r=r, error=error, examples=examples,
+                  max_tokens=MAX_TOKENS, max_chars=MAX_CHARS, lenses=LENSES, **ctx)
+
+
+@router.get("/api/explore")
+async def api_explore(request: Request):
+    q = parse_query(request)
+    if not q.text.strip():
+        raise FfkvError("text is required: /api/explore?text=…[&suppress=L:D,…&scale=F&at=last|all"
+                        "&contrast=TOKEN&lens=naive|norm&top=K]")
+    try:
+        r = await run_query(request, q)
+    except Busy as e:
+        return _busy(request, e)
+    return api(r)
