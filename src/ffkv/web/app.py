@@ -151,6 +151,9 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
         from ffkv.web import explore  # the prediction explorer (its own issue), when present
     except ImportError:
         explore = None
+    except Exception as e:  # noqa: BLE001 - a broken explorer must not take the browser down
+        say(f"warning: the prediction explorer is unavailable ({type(e).__name__}: {e})")
+        explore = None
     if explore is not None and hasattr(explore, "router"):
         app.include_router(explore.router)
         app.state.has_explore = True

@@ -838,29 +838,41 @@ class Browser:
         return {**base, "total": total, "results": rows}
 
     def _word_hits(self, q: str) -> np.ndarray:
-        """Trigger rows whose prefix contains `q` as a whole word (case-insensitive).
+        """Trigger rows whose prefix text contains `q` as a whole word (case-insensitive).
 
-        A prefix is the decoded tokens 0..position of its sentence; a sentence's first match ends
-        inside token j, so its prefixes of position ≥ j contain the word.
+        A prefix's text is its tokens' decoded texts joined (the `vocab` table's `text`), so it
+        can end inside a corpus word: "The" is a word of the prefix "The" cut from "Then". With
+        e_p the end of token p: prefix p contains the word when some occurrence not preceded by a
+        word character ends at or before e_p and is followed there by a non-word character (or
+        e_p itself, the prefix's end).
         """
         words = q.strip()
-        pat = re.compile(r"(?<!\w)" + re.escape(words) + r"(?!\w)", re.IGNORECASE)
+        occ = re.compile(r"(?<!\w)(?=(" + re.escape(words) + r"))", re.IGNORECASE)
         rough = re.compile(re.escape(words), re.IGNORECASE)
-        first = np.full(len(self.sent_ids), np.iinfo(np.int64).max, np.int64)
+        big = np.iinfo(np.int64).max
+        first = np.full(len(self.sent_ids), big, np.int64)  # first position of a whole-word match
+        extra: list[int] = []  # row * 2^32 + position: prefixes cut right after an occurrence
         texts = self._texts.to_pylist() if len(self.sent_ids) < 200_000 else None
         for row in range(len(self.sent_ids)):
             text = texts[row] if texts is not None else self._texts[row].as_py()
             if not rough.search(text or ""):
                 continue
-            toks = self.sentence_tokens(row)
-            pieces = [self.tok(t) for t in toks]
-            m = pat.search("".join(pieces))
-            if not m:
-                continue
+            pieces = [self.tok(t) for t in self.sentence_tokens(row)]
+            s = "".join(pieces)
             ends = np.cumsum([len(p) for p in pieces])
-            first[row] = int(np.searchsorted(ends, m.end(), "left"))
-        tpos = self.trig.table.column("position").to_numpy()
-        return np.nonzero(tpos >= first[self.trig_row])[0]
+            for m in occ.finditer(s):
+                e = m.start() + len(m.group(1))
+                if e >= len(s) or not (s[e].isalnum() or s[e] == "_"):
+                    first[row] = min(first[row], int(np.searchsorted(ends, e, "left")))
+                else:
+                    p = int(np.searchsorted(ends, e, "left"))
+                    if p < len(ends) and ends[p] == e:
+                        extra.append(row * (1 << 32) + p)
+        tpos = self.trig.table.column("position").to_numpy().astype(np.int64)
+        hit = tpos >= first[self.trig_row]
+        if extra:
+            hit |= np.isin(self.trig_row.astype(np.int64) * (1 << 32) + tpos, np.asarray(extra, np.int64))
+        return np.nonzero(hit)[0]
 
     def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
                        label: str | None = None, agree: bool | None = None, mined_only: bool = True,

@@ -426,8 +426,6 @@ def do_search(request: Request, p: dict) -> dict:
     if text is not None and text != "":
         return b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
                              layer=layer, sort=sort, order=order, page=page, per_page=per_page)
-    if token == "" and text is None and sort is None:
-        return {"mode": "empty"}
     return b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
                             agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
 
@@ -448,9 +446,6 @@ def search_params(request: Request) -> dict:
 def search_page(request: Request):
     p = search_params(request)
     res = do_search(request, p)
-    if res.get("mode") == "empty":
-        res = state(request).search_measure()
-        res["mode"] = "measure"
     return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
                   measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
                   refresh=res.get("status") == "building")
@@ -459,8 +454,6 @@ def search_page(request: Request):
 @router.get("/api/search")
 def api_search(request: Request):
     res = do_search(request, search_params(request))
-    if res.get("mode") == "empty":
-        raise BadQuery("give token=…, text=… or sort=…")
     status = 503 if res.get("mode") == "token" and res.get("status") in ("building", "absent") else 200
     if res.get("status") == "failed":
         status = 500
