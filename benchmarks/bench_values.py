@@ -120,7 +120,7 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from ffkv.cli import quiet_hf
+    from ffkv.model.load import quiet_hf
     from ffkv.experiments.values import compute_values, format_summary
     from ffkv.store.run import Run
 

@@ -140,6 +140,27 @@ def test_wilson_known_values():
     assert math.isnan(lo) and math.isnan(hi)
 
 
+def _wilson_closed_form(k, n, z=1.959963984540054):
+    """The hand-written interval `wilson` was before it called scipy (clipped to [0, 1])."""
+    p = k / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return min(max(centre - half, 0.0), 1.0), min(max(centre + half, 0.0), 1.0)
+
+
+def test_wilson_is_the_closed_form():
+    for n in (1, 2, 3, 5, 10, 37, 100, 1536, 46080):
+        for k in sorted({0, 1, n // 3, n // 2, n - 1, n} - {-1}):
+            lo, hi = wilson(k, n)
+            want = _wilson_closed_form(k, n)
+            assert abs(lo - want[0]) <= 1e-12 and abs(hi - want[1]) <= 1e-12, (k, n, lo, hi, want)
+    # element-wise over arrays, NaN where n == 0
+    lo, hi = wilson(np.array([0, 3, 7]), np.array([0, 10, 7]))
+    assert np.isnan(lo[0]) and np.isnan(hi[0]) and hi[2] == 1.0
+    assert abs(lo[1] - _wilson_closed_form(3, 10)[0]) <= 1e-12
+
+
 def test_summarize_logits_vs_full_softmax():
     torch.manual_seed(0)
     z = torch.randn(9, 700) * torch.linspace(0.1, 30, 9)[:, None]

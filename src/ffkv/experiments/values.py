@@ -21,7 +21,8 @@ Definitions used here
   permutations, its interval the 2.5/97.5 percentiles over them, `shuffled_p` the permutation
   p-value (1 + #{perm ≥ observed}) / (1 + R). `shuffled_rank_median` uses permutation 0.
 - random baseline: 1/|V| (a uniformly random top token).
-- 95% intervals on agreement rates: Wilson score intervals.
+- 95% intervals on agreement rates: Wilson score intervals
+  (`scipy.stats.binomtest(k, n).proportion_ci(method="wilson")`).
 - entropy: nats, −Σ p log p of softmax(logits) in float32, from the shifted log-sum-exp.
 - Table 2: the `table2_n` highest max-probability written directions over all layers. Kinds:
   `value` only (the paper), or `value` and `neg_value` (auto: when the run has negative trigger
@@ -57,41 +58,45 @@ Tables written (public contract; layers 0-based)
   precision float32 (precision@k), example_rank int16, example_sentence_id int64,
   example_position int32, example_coef float32, example_text (the decoded prefix; null without
   a `sentences` table or without a match).
-The step's summary (the dict `compute_values` returns) is stored in the manifest under
-steps.values.summary; `format_summary` prints it.
+The step is `STEP` (settings `ValuesSettings`), run through `ffkv.store.steps.execute`; its
+summary (the dict `compute_values` returns) is stored in the manifest under steps.values.summary;
+`format_summary` prints it.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from ffkv.defs import canonical_dtype, check_lens, pct
 from ffkv.errors import FfkvError
+from ffkv.store import query
+from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
+from ffkv.store.steps import Step, execute
 
-STEP = "values"
 KINDS = ("value", "neg_value", "key")
 TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
           "values_table2")
-TRIGGER_COLUMNS = ("layer", "dim", "sign", "rank", "coef", "sentence_id", "position", "next_token")
-Z95 = 1.959963984540054
 
 
 # ---- small statistics ------------------------------------------------------------------------
-def wilson(k, n, z: float = Z95):
-    """Wilson score interval for k successes in n trials (arrays or scalars); NaN when n == 0."""
-    k = np.asarray(k, dtype=np.float64)
-    n = np.asarray(n, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        p = k / n
-        den = 1 + z * z / n
-        centre = (p + z * z / (2 * n)) / den
-        half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-        lo, hi = np.clip(centre - half, 0, 1), np.clip(centre + half, 0, 1)
-    lo = np.where(n > 0, lo, np.nan)
-    hi = np.where(n > 0, hi, np.nan)
+def wilson(k, n, confidence: float = 0.95):
+    """Wilson score interval for k successes in n trials (arrays or scalars); NaN when n == 0.
+
+    scipy's `binomtest(k, n).proportion_ci(method="wilson")` element by element: the step asks
+    for a few dozen intervals, so the loop costs milliseconds.
+    """
+    from scipy.stats import binomtest
+
+    k, n = np.broadcast_arrays(np.asarray(k), np.asarray(n))
+    lo, hi = np.full(k.shape, np.nan), np.full(k.shape, np.nan)
+    for i in np.ndindex(k.shape):
+        if n[i] > 0:
+            ci = binomtest(int(k[i]), int(n[i])).proportion_ci(confidence_level=confidence, method="wilson")
+            lo[i], hi[i] = ci.low, ci.high
     return lo, hi
 
 
@@ -106,6 +111,24 @@ def precision_at_k(next_tokens, ranks, top_token: int, k: int = 50):
     nt, rk = nt[keep], rk[keep]
     hit = nt == int(top_token)
     return int(keep.sum()), int(hit.sum()), (int(rk[hit].min()) if hit.any() else None)
+
+
+def _perms(d_m: int, R: int, seed: int, layer: int) -> np.ndarray:
+    rng = np.random.default_rng(np.random.SeedSequence([seed, layer]))
+    return np.stack([rng.permutation(d_m) for _ in range(R)]) if R else np.zeros((0, d_m), np.int64)
+
+
+def _quant(x: np.ndarray, q: float) -> float:
+    return float(np.quantile(x, q)) if len(x) else float("nan")
+
+
+def _no_nan(x):
+    """NaN → None, so the manifest stays standard JSON."""
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 # ---- the vocabulary projection of one chunk ---------------------------------------------------
@@ -146,29 +169,55 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
     return out
 
 
+class _Projector:
+    """(n, d) directions -> (n, V) float32 logits through the lens. Three (chunk, V) float32
+    buffers are reused for every chunk: the logits and `work`, the two of `summarize_logits`."""
+
+    def __init__(self, mm, lens, chunk: int):
+        import torch
+
+        self.lens = lens
+        self.work = (torch.empty(chunk, mm.vocab_size, device=mm.device),
+                     torch.empty(chunk, mm.vocab_size, device=mm.device))
+        self.zbuf = (torch.empty(chunk, mm.vocab_size, device=mm.device)
+                     if lens.E.dtype == torch.float32 else None)
+
+    def logits(self, W):
+        if self.zbuf is None:
+            return self.lens.direction_logits(W).float()
+        return self.lens.direction_logits(W, out=self.zbuf[: len(W)])
+
+
+def _ranks(z, tgt):
+    """`rank_of` over row blocks: its (rows, V) comparison stays small."""
+    import torch
+
+    from ffkv.model.memories import rank_of
+
+    return torch.cat([rank_of(z[r:r + 128], tgt[r:r + 128]) for r in range(0, len(z), 128)])
+
+
+def _signed_ranks(z, direction, target):
+    """Per row: rank and logit of its target in s·z (s = −1 where direction < 0, else +1).
+
+    Rows are flipped in place (×−1 is exact and undone after), so no chunk-sized copy is made.
+    Returns (ranks, target logits, s).
+    """
+    import torch
+
+    sgn = torch.where(direction < 0, -1.0, 1.0).to(z.device, z.dtype)
+    tgt = target.clamp(min=0).to(z.device)
+    z.mul_(sgn[:, None])
+    rk = _ranks(z, tgt)
+    zt = z.gather(-1, tgt[:, None])[:, 0]
+    z.mul_(sgn[:, None])
+    return rk, zt, sgn
+
+
 # ---- triggers ----------------------------------------------------------------------------------
-def _trigger_path(run):
-    return run.table_path("triggers")
-
-
-def check_triggers(run) -> None:
-    if not run.has_table("triggers"):
-        raise FfkvError(f"run {run.path} has no `triggers` table; run `ffkv mine --out {run.path}` first")
-    names = set(pq.read_schema(_trigger_path(run)).names)
-    missing = [c for c in TRIGGER_COLUMNS if c not in names]
-    if missing:
-        raise FfkvError(f"the run's `triggers` table lacks column(s) {missing}; it was not made by "
-                        f"this ffkv; rerun `ffkv mine --out {run.path}`")
-
-
-def has_negative_lists(run) -> bool:
-    """Whether the run was mined with negative lists (sign −1 rows; `ffkv mine --negative`)."""
-    return pq.read_table(_trigger_path(run), columns=["sign"], filters=[("sign", "==", -1)]).num_rows > 0
-
-
 def top1_triggers(run, L: int, d_m: int) -> dict:
     """Per memory (L, d_m): the top-1 trigger as defined in the module docstring."""
-    t = pq.read_table(_trigger_path(run), columns=list(TRIGGER_COLUMNS), filters=[("rank", "==", 1)])
+    t = query.top_triggers(run)
     lay = t["layer"].to_numpy().astype(np.int64)
     dim = t["dim"].to_numpy().astype(np.int64)
     if len(lay) and (lay.min() < 0 or lay.max() >= L or dim.min() < 0 or dim.max() >= d_m):
@@ -201,227 +250,262 @@ def top1_triggers(run, L: int, d_m: int) -> dict:
     return {k: v.reshape(L, d_m) for k, v in res.items()}
 
 
-# ---- the step ------------------------------------------------------------------------------------
-_DTYPES = {"auto": "float32", "float32": "float32", "fp32": "float32", "float16": "float16",
-           "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-LENSES = ("naive", "norm")
+# ---- the step: settings ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValuesSettings:
+    """What `ffkv values` is asked for. `lens` None: the run's lens. `chunk` (values projected at
+    a time) changes memory, not results, so it is not recorded. `dtype` is the model's, recorded;
+    `compute` opens the model in it when `execute` is given no other dtype."""
+    lens: str | None = None
+    top_k: int = 10
+    chunk: int = 1024
+    permutations: int = 100
+    seed: int = 0
+    bins: int = 10
+    table2_n: int = 100
+    precision_k: int = 50
+    table2_kinds: str = "auto"
+    dtype: str = "auto"
 
 
-def resolve_settings(run, lens: str | None = None, top_k: int = 10, chunk: int = 1024,
-                     permutations: int = 100, seed: int = 0, bins: int = 10, table2_n: int = 100,
-                     precision_k: int = 50, table2_kinds: str = "auto", *,
-                     vocab_size: int | None = None, dtype: str = "auto") -> dict:
+def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
     """The step's settings as recorded in the manifest (what the results depend on; not chunk).
 
-    vocab_size defaults to the run's recorded model. Raises FfkvError on bad values.
+    vocab_size defaults to the run's recorded model. Raises FfkvError on bad values, before any
+    model is loaded.
     """
+    check_triggers(run)
     rec = run.manifest.get("model") or {}
     vocab_size = rec.get("vocab_size") if vocab_size is None else vocab_size
-    lens = lens or run.manifest.get("lens") or "norm"
-    if lens not in LENSES:
-        raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
-    if top_k < 1 or chunk < 1 or permutations < 0 or bins < 1 or table2_n < 0 or precision_k < 1:
+    lens = check_lens(s.lens or run.manifest.get("lens") or "norm")
+    if s.top_k < 1 or s.chunk < 1 or s.permutations < 0 or s.bins < 1 or s.table2_n < 0 or s.precision_k < 1:
         raise FfkvError("--top-k, --chunk, --bins and --precision-k must be ≥ 1; "
                         "--permutations and --table2 ≥ 0")
-    if table2_kinds not in ("auto", "value", "both"):
-        raise FfkvError(f"unknown --table2-kinds {table2_kinds!r}; choose auto, value or both")
-    both = table2_kinds == "both" or (table2_kinds == "auto" and has_negative_lists(run))
+    if s.table2_kinds not in ("auto", "value", "both"):
+        raise FfkvError(f"unknown --table2-kinds {s.table2_kinds!r}; choose auto, value or both")
+    both = s.table2_kinds == "both" or (s.table2_kinds == "auto" and has_negative_lists(run))
     kinds2 = ("value", "neg_value") if both else ("value",)
-    return {"lens": lens, "top_k": min(top_k, vocab_size) if vocab_size else top_k,
-            "permutations": permutations, "seed": seed, "fig6_bins": bins, "table2_n": table2_n,
-            "precision_k": precision_k, "table2_kinds": "+".join(kinds2),
-            "dtype": _DTYPES.get(dtype, dtype), "mine_finished": run.step("mine").get("finished")}
+    return {"lens": lens, "top_k": min(s.top_k, vocab_size) if vocab_size else s.top_k,
+            "permutations": s.permutations, "seed": s.seed, "fig6_bins": s.bins, "table2_n": s.table2_n,
+            "precision_k": s.precision_k, "table2_kinds": "+".join(kinds2),
+            "dtype": canonical_dtype(s.dtype), "mine_finished": run.step("mine").get("finished")}
 
 
-def done_summary(run, settings: dict) -> dict | None:
-    """The stored summary when the step is done with these settings and its tables exist."""
-    if (run.step_done(STEP) and run.settings(STEP) == settings
-            and all(run.has_table(t) for t in TABLES) and run.step(STEP).get("summary")):
-        return {**run.step(STEP)["summary"], "skipped": True}
-    return None
+def _has_summary(run, info: dict) -> bool:
+    return bool(info.get("summary"))
 
 
-def _perms(d_m: int, R: int, seed: int, layer: int) -> np.ndarray:
-    rng = np.random.default_rng(np.random.SeedSequence([seed, layer]))
-    return np.stack([rng.permutation(d_m) for _ in range(R)]) if R else np.zeros((0, d_m), np.int64)
-
-
-def _quant(x: np.ndarray, q: float) -> float:
-    return float(np.quantile(x, q)) if len(x) else float("nan")
-
-
-def compute_values(run, mm, lens: str | None = None, top_k: int = 10, chunk: int = 1024,
-                   permutations: int = 100, seed: int = 0, bins: int = 10, table2_n: int = 100,
-                   precision_k: int = 50, table2_kinds: str = "auto", show_progress: bool | None = None,
-                   force: bool = False) -> dict:
-    """Run the values step on `run` with the loaded model `mm`; returns the summary dict.
-
-    Skips (returning the stored summary with "skipped": True) when the step is already done with
-    the same settings and all its tables exist, unless `force`.
-    """
+# ---- the step: compute -------------------------------------------------------------------------
+def compute(ctx) -> dict:
+    """The step's work: project, compare, write the tables; the manifest keeps {"summary": ...}."""
     import torch
 
-    run.require("mine", f"ffkv mine --out {run.path}")
-    check_triggers(run)
-    run.check_model(mm)
-    settings = resolve_settings(run, lens, top_k, chunk, permutations, seed, bins, table2_n,
-                                precision_k, table2_kinds, vocab_size=mm.vocab_size,
-                                dtype=str(mm.dtype).replace("torch.", ""))
-    if not force and (done := done_summary(run, settings)):
-        return done
+    if ctx.dtype == "auto":
+        ctx.dtype = ctx.settings.dtype  # a model opened here is in the dtype the record names
+    mm = ctx.model()
     with torch.no_grad():
-        return _compute(run, mm, settings, chunk, show_progress)
+        summary = _compute(ctx.run, mm, ctx.record, ctx.settings.chunk, ctx.show_progress)
+    ctx.extra["result"] = summary
+    return {"summary": summary}
 
 
-def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
-    import torch
+def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
+    t0 = time.time()
+    L, d_m = mm.n_layers, mm.d_m
+    kinds2 = tuple(rec["table2_kinds"].split("+"))
+    trig = top1_triggers(run, L, d_m)
+    perms = [_perms(d_m, rec["permutations"], rec["seed"], l) for l in range(L)]
+    proj = _project(mm, rec["lens"], rec["top_k"], trig, perms, chunk, show_progress)
+    ag = _agreement(trig, proj)
+    layer_rows, hist_rows = _layer_tables(trig, proj, ag, perms, mm.vocab_size)
+    fig6_rows = _fig6_rows(ag["used_maxp"][ag["valid"]], ag["agree"][ag["valid"]], rec["fig6_bins"])
+    table2 = _table2(run, mm, proj.maxp, proj.top_tok, kinds2, rec["table2_n"], rec["precision_k"])
+    _write_values_table(run, L, d_m, proj.top_tok, proj.top_p, proj.maxp, proj.ent)
+    _write_agreement_table(run, trig, proj, ag)
+    _write_layer_tables(run, layer_rows, hist_rows, fig6_rows)
+    run.write_table("values_table2", table2)
+    summary = _summary(rec, mm, trig, ag, layer_rows, fig6_rows, table2, kinds2)
+    summary["seconds"] = round(time.time() - t0, 2)
+    return _no_nan(summary)
 
-    from ffkv.model.memories import Lens, rank_of
+
+# ---- projecting every value and key ---------------------------------------------------------------
+@dataclass
+class Projections:
+    """Per-memory results (small: L × d_m × 3 × k). Kind axis in KINDS order (v, −v, key)."""
+    top_tok: np.ndarray  # (L, d_m, 3, k) int32
+    top_p: np.ndarray  # (L, d_m, 3, k) float32
+    maxp: np.ndarray  # (L, d_m, 3) float32
+    ent: np.ndarray  # (L, d_m, 3) float32
+    rank: np.ndarray  # (L, d_m) rank of the top-1 trigger's next token in s_i·v_i; −1 if excluded
+    tprob: np.ndarray  # (L, d_m) its probability; NaN if excluded
+    sh_rank: np.ndarray  # (L, d_m) rank under shuffled pairing (permutation 0)
+
+    @classmethod
+    def empty(cls, L: int, d_m: int, k: int) -> "Projections":
+        return cls(np.zeros((L, d_m, 3, k), np.int32), np.zeros((L, d_m, 3, k), np.float32),
+                   np.zeros((L, d_m, 3), np.float32), np.zeros((L, d_m, 3), np.float32),
+                   np.full((L, d_m), -1, np.int64), np.full((L, d_m), np.nan, np.float32),
+                   np.full((L, d_m), -1, np.int64))
+
+    def put(self, l: int, a: int, b: int, kind: int, summary) -> None:
+        """Store one `summarize_logits` result for rows a:b of layer l."""
+        ti, pr, mx, en, _ = summary
+        self.top_tok[l, a:b, kind] = ti.cpu().numpy()
+        self.top_p[l, a:b, kind] = pr.cpu().numpy()
+        self.maxp[l, a:b, kind] = mx.cpu().numpy()
+        self.ent[l, a:b, kind] = en.cpu().numpy()
+
+
+def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, show_progress) -> Projections:
+    """Every value (both signs) and key through the lens, chunk by chunk, layer by layer."""
+    from ffkv.model.memories import Lens
     from ffkv.progress import progress
 
-    lens, top_k, permutations, seed = (settings[k] for k in ("lens", "top_k", "permutations", "seed"))
-    bins, table2_n, precision_k = settings["fig6_bins"], settings["table2_n"], settings["precision_k"]
-    kinds2 = tuple(settings["table2_kinds"].split("+"))
-    Vsz, L, d_m = mm.vocab_size, mm.n_layers, mm.d_m
-    t0 = time.time()
-    run.start_step(STEP, settings)
+    L, d_m = mm.n_layers, mm.d_m
     ln = mm.lens if mm.lens.mode == lens else Lens(mm, lens)
-    trig = top1_triggers(run, L, d_m)
     chunk = max(1, min(chunk, d_m))
-
-    # per-memory outputs (small: L × d_m × 3 × k)
-    top_tok = np.zeros((L, d_m, 3, top_k), np.int32)
-    top_p = np.zeros((L, d_m, 3, top_k), np.float32)
-    maxp = np.zeros((L, d_m, 3), np.float32)
-    ent = np.zeros((L, d_m, 3), np.float32)
-    rank = np.full((L, d_m), -1, np.int64)
-    tprob = np.full((L, d_m), np.nan, np.float32)
-    sh_rank = np.full((L, d_m), -1, np.int64)
-    perms = [_perms(d_m, permutations, seed, l) for l in range(L)]
-
-    # three (chunk, V) float32 buffers reused for every chunk: logits and two work buffers
-    work = (torch.empty(chunk, Vsz, device=mm.device), torch.empty(chunk, Vsz, device=mm.device))
-    zbuf = torch.empty(chunk, Vsz, device=mm.device) if ln.E.dtype == torch.float32 else None
-
-    def logits_of(W):  # (n, d) directions -> (n, V) float32 logits, through the lens
-        if zbuf is None:
-            return ln.direction_logits(W).float()
-        return ln.direction_logits(W, out=zbuf[: len(W)])
-
-    def ranks(z, tgt):  # rank_of over row blocks: its (rows, V) comparison stays small
-        return torch.cat([rank_of(z[r:r + 128], tgt[r:r + 128]) for r in range(0, len(z), 128)])
-
-    n_chunks = L * math.ceil(d_m / chunk)
+    out = Projections.empty(L, d_m, top_k)
+    proj = _Projector(mm, ln, chunk)
     with progress(disable=None if show_progress is None else not show_progress) as bar:
-        task = bar.add_task("values → vocabulary", total=n_chunks)
+        task = bar.add_task("values → vocabulary", total=L * math.ceil(d_m / chunk))
         for l in range(L):
-            Vw, Kw = mm.values(l), mm.keys(l)
-            direction = torch.as_tensor(trig["direction"][l], dtype=torch.long)
-            target = torch.as_tensor(trig["next"][l], dtype=torch.long)
-            valid = trig["valid"][l]
-            # permutation 0: key i reads value p0[i]; inverse: value j is read by key inv0[j]
-            inv0 = np.argsort(perms[l][0]) if permutations else None
-            for a in range(0, d_m, chunk):
-                b = min(a + chunk, d_m)
-                z = logits_of(Vw[a:b])
-                s = summarize_logits(z, top_k, work=work)
-                for kk, name in ((0, "pos"), (1, "neg")):
-                    ti, pr, mx, en, _ = s[name]
-                    top_tok[l, a:b, kk] = ti.cpu().numpy()
-                    top_p[l, a:b, kk] = pr.cpu().numpy()
-                    maxp[l, a:b, kk] = mx.cpu().numpy()
-                    ent[l, a:b, kk] = en.cpu().numpy()
-                # the top-1 trigger's next token in the distribution of s_i·v_i. Rows are flipped
-                # in place (×−1 is exact and undone after), so no chunk-sized copy is made.
-                rows = np.nonzero(valid[a:b])[0]
-                if len(rows):
-                    sgn = torch.where(direction[a:b] < 0, -1.0, 1.0).to(z.device, z.dtype)
-                    tgt = target[a:b].clamp(min=0).to(z.device)
-                    z.mul_(sgn[:, None])
-                    rk = ranks(z, tgt)
-                    lse = torch.where(sgn > 0, s["pos"][4], s["neg"][4])
-                    tp = torch.exp(z.gather(-1, tgt[:, None])[:, 0] - lse)
-                    z.mul_(sgn[:, None])
-                    rank[l, a + rows] = rk.cpu().numpy()[rows]
-                    tprob[l, a + rows] = tp.cpu().numpy()[rows]
-                # shuffled pairing (permutation 0): value j is read by key inv0[j], in its direction
-                if permutations:
-                    readers = inv0[a:b]
-                    ok = np.nonzero(valid[readers])[0]
-                    if len(ok):
-                        rd = torch.as_tensor(readers, dtype=torch.long)
-                        sgn = torch.where(direction[rd] < 0, -1.0, 1.0).to(z.device, z.dtype)
-                        z.mul_(sgn[:, None])
-                        rk = ranks(z, target[rd].clamp(min=0).to(z.device))
-                        z.mul_(sgn[:, None])
-                        sh_rank[l, readers[ok]] = rk.cpu().numpy()[ok]
-                del z, s
-                zk = logits_of(Kw[a:b])
-                ti, pr, mx, en, _ = summarize_logits(zk, top_k, negative=False, work=work)["pos"]
-                top_tok[l, a:b, 2], top_p[l, a:b, 2] = ti.cpu().numpy(), pr.cpu().numpy()
-                maxp[l, a:b, 2], ent[l, a:b, 2] = mx.cpu().numpy(), en.cpu().numpy()
-                del zk, ti, pr, mx, en
-                bar.advance(task)
+            _project_layer(mm, l, proj, out, trig, perms[l], chunk, top_k, lambda: bar.advance(task))
+    return out
 
-    # ---- agreement and baselines ---------------------------------------------------------------
-    dir_idx = np.where(trig["direction"] < 0, 1, 0)  # 0: v, 1: −v
-    value_top = np.take_along_axis(top_tok[..., 0], dir_idx[..., None], axis=2)[..., 0].astype(np.int64)
-    used_maxp = np.take_along_axis(maxp, dir_idx[..., None], axis=2)[..., 0]
+
+def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, perm: np.ndarray,
+                   chunk: int, top_k: int, advance) -> None:
+    import torch
+
+    Vw, Kw = mm.values(l), mm.keys(l)
+    direction = torch.as_tensor(trig["direction"][l], dtype=torch.long)
+    target = torch.as_tensor(trig["next"][l], dtype=torch.long)
+    valid = trig["valid"][l]
+    # permutation 0: key i reads value p0[i]; inverse: value j is read by key inv0[j]
+    inv0 = np.argsort(perm[0]) if len(perm) else None
+    for a in range(0, mm.d_m, chunk):
+        b = min(a + chunk, mm.d_m)
+        z = proj.logits(Vw[a:b])
+        s = summarize_logits(z, top_k, work=proj.work)
+        out.put(l, a, b, 0, s["pos"])
+        out.put(l, a, b, 1, s["neg"])
+        _target_ranks(z, s, direction[a:b], target[a:b], valid[a:b], out.rank[l], out.tprob[l], a)
+        if inv0 is not None:
+            _shuffled_ranks(z, inv0[a:b], valid, direction, target, out.sh_rank[l])
+        del z, s
+        out.put(l, a, b, 2, summarize_logits(proj.logits(Kw[a:b]), top_k, negative=False, work=proj.work)["pos"])
+        advance()
+
+
+def _target_ranks(z, s: dict, direction, target, valid, rank, tprob, a: int) -> None:
+    """The top-1 trigger's next token in the distribution of s_i·v_i, for the valid rows of a chunk
+    starting at row a: its rank into `rank` and its probability into `tprob` (per-layer rows)."""
+    import torch
+
+    rows = np.nonzero(valid)[0]
+    if len(rows):
+        rk, zt, sgn = _signed_ranks(z, direction, target)
+        lse = torch.where(sgn > 0, s["pos"][4], s["neg"][4])
+        rank[a + rows] = rk.cpu().numpy()[rows]
+        tprob[a + rows] = torch.exp(zt - lse).cpu().numpy()[rows]
+
+
+def _shuffled_ranks(z, readers: np.ndarray, valid, direction, target, sh_rank) -> None:
+    """Shuffled pairing (permutation 0): value j of the chunk is read by key readers[j], in that
+    key's direction; its target's rank goes to sh_rank[readers[j]]."""
+    import torch
+
+    ok = np.nonzero(valid[readers])[0]
+    if len(ok):
+        rd = torch.as_tensor(readers, dtype=torch.long)
+        rk, _, _ = _signed_ranks(z, direction[rd], target[rd])
+        sh_rank[readers[ok]] = rk.cpu().numpy()[ok]
+
+
+# ---- agreement and baselines ---------------------------------------------------------------
+def _agreement(trig: dict, proj: Projections) -> dict:
+    """Per memory: the compared direction (0: v, 1: −v), its top token and max probability, and
+    whether that top token is the top-1 trigger's next token."""
+    dir_idx = np.where(trig["direction"] < 0, 1, 0)
+    value_top = np.take_along_axis(proj.top_tok[..., 0], dir_idx[..., None], axis=2)[..., 0].astype(np.int64)
+    used_maxp = np.take_along_axis(proj.maxp, dir_idx[..., None], axis=2)[..., 0]
     valid = trig["valid"]
-    agree = valid & (value_top == trig["next"])
-    tops_both = top_tok[..., :2, 0].astype(np.int64)  # (L, d_m, 2)
+    return {"dir_idx": dir_idx, "value_top": value_top, "used_maxp": used_maxp, "valid": valid,
+            "agree": valid & (value_top == trig["next"])}
 
-    layer_rows = []
-    hist_rows = []
-    n_bins_rank = max(1, math.ceil(math.log2(max(Vsz, 2)))) + 1
-    edges = np.array([0] + [2 ** j for j in range(n_bins_rank)], dtype=np.int64)
-    edges = np.unique(np.minimum(edges, Vsz))
-    if edges[-1] < Vsz:
-        edges = np.append(edges, Vsz)
-    for l in range(L):
-        v = valid[l]
-        n = int(v.sum())
-        k_ag = int(agree[l].sum())
-        lo, hi = wilson(k_ag, n)
-        if permutations and n:
-            idx = np.nonzero(v)[0]
-            # key i reads value perms[r, i] in direction s_i
-            sh_top = tops_both[l][perms[l][:, idx], dir_idx[l][idx][None, :]]  # (R, n)
-            sh_rates = (sh_top == trig["next"][l][idx][None, :]).mean(1)
-            sh = float(sh_rates.mean())
-            sh_lo, sh_hi = (float(np.quantile(sh_rates, 0.025)), float(np.quantile(sh_rates, 0.975)))
-            sh_pv = float((1 + (sh_rates >= k_ag / n).sum()) / (1 + permutations))
-        else:
-            sh = sh_lo = sh_hi = sh_pv = float("nan")
-        rk = rank[l][v]
-        srk = sh_rank[l][v] if permutations else np.zeros(0, np.int64)
-        layer_rows.append({
-            "layer": l, "n_memories": d_m, "n_no_trigger": int((~trig["has"][l]).sum()),
-            "n_sentence_end": int((trig["has"][l] & ~v).sum()), "n": n,
-            "n_neg": int((v & (trig["direction"][l] < 0)).sum()), "n_agree": k_ag,
-            "agreement": k_ag / n if n else float("nan"), "ci_low": float(lo), "ci_high": float(hi),
-            "shuffled": sh, "shuffled_ci_low": sh_lo, "shuffled_ci_high": sh_hi, "shuffled_p": sh_pv,
-            "random_baseline": 1.0 / Vsz,
-            "rank_mean": float(rk.mean()) if n else float("nan"),
-            "rank_q10": _quant(rk, 0.10), "rank_q25": _quant(rk, 0.25), "rank_median": _quant(rk, 0.5),
-            "rank_q75": _quant(rk, 0.75), "rank_q90": _quant(rk, 0.90),
-            "shuffled_rank_median": _quant(srk, 0.5),
-            "frac_rank_lt10": float((rk < 10).mean()) if n else float("nan"),
-            "value_max_prob_mean": float(maxp[l, :, 0].mean()),
-            "value_entropy_mean": float(ent[l, :, 0].mean()),
-            "key_max_prob_mean": float(maxp[l, :, 2].mean()),
-            "key_entropy_mean": float(ent[l, :, 2].mean()),
-        })
-        c = np.histogram(rk, bins=edges)[0] if n else np.zeros(len(edges) - 1, np.int64)
-        cs = np.histogram(srk, bins=edges)[0] if len(srk) else np.zeros(len(edges) - 1, np.int64)
-        for j in range(len(edges) - 1):
-            hist_rows.append({"layer": l, "bin": j, "lo": int(edges[j]), "hi": int(edges[j + 1]),
-                              "count": int(c[j]), "shuffled_count": int(cs[j])})
 
-    # ---- Fig 6: agreement vs max probability of the compared direction --------------------------
-    x = used_maxp[valid].astype(np.float64)
-    y = agree[valid]
-    fig6_rows = []
+def rank_edges(V: int) -> np.ndarray:
+    """Fig 5's rank bins: [0,1), [1,2), [2,4), [4,8), … up to |V|."""
+    n_bins = max(1, math.ceil(math.log2(max(V, 2)))) + 1
+    edges = np.unique(np.minimum(np.array([0] + [2 ** j for j in range(n_bins)], dtype=np.int64), V))
+    return np.append(edges, V) if edges[-1] < V else edges
+
+
+def _shuffled_agreement(sh_top: np.ndarray, target: np.ndarray, observed: float) -> tuple:
+    """(mean, 2.5%, 97.5%, p-value) of one layer's agreement over its R shuffled pairings.
+
+    sh_top (R, n): the top token each evaluated key reads under each permutation; target (n,)."""
+    rates = (sh_top == target[None, :]).mean(1)
+    return (float(rates.mean()), float(np.quantile(rates, 0.025)), float(np.quantile(rates, 0.975)),
+            float((1 + (rates >= observed).sum()) / (1 + len(rates))))
+
+
+def _layer_tables(trig: dict, proj: Projections, ag: dict, perms: list, V: int) -> tuple[list, list]:
+    """Rows of `values_layers` and `values_rank_hist`."""
+    tops_both = proj.top_tok[..., :2, 0].astype(np.int64)  # (L, d_m, 2)
+    edges = rank_edges(V)
+    layer_rows, hist_rows = [], []
+    for l, perm in enumerate(perms):
+        v = ag["valid"][l]
+        rk = proj.rank[l][v]
+        srk = proj.sh_rank[l][v] if len(perm) else np.zeros(0, np.int64)
+        layer_rows.append(_layer_row(l, trig, proj, ag, perm, tops_both[l], rk, srk, V))
+        hist_rows += _hist_rows(l, rk, srk, edges)
+    return layer_rows, hist_rows
+
+
+def _layer_row(l: int, trig: dict, proj: Projections, ag: dict, perm: np.ndarray, tops_both: np.ndarray,
+               rk: np.ndarray, srk: np.ndarray, V: int) -> dict:
+    v = ag["valid"][l]
+    d_m, n, k_ag = len(v), int(v.sum()), int(ag["agree"][l].sum())
+    lo, hi = wilson(k_ag, n)
+    sh = sh_lo = sh_hi = sh_pv = float("nan")
+    if len(perm) and n:
+        idx = np.nonzero(v)[0]
+        # key i reads value perm[r, i] in direction s_i
+        sh_top = tops_both[perm[:, idx], ag["dir_idx"][l][idx][None, :]]  # (R, n)
+        sh, sh_lo, sh_hi, sh_pv = _shuffled_agreement(sh_top, trig["next"][l][idx], k_ag / n)
+    return {
+        "layer": l, "n_memories": d_m, "n_no_trigger": int((~trig["has"][l]).sum()),
+        "n_sentence_end": int((trig["has"][l] & ~v).sum()), "n": n,
+        "n_neg": int((v & (trig["direction"][l] < 0)).sum()), "n_agree": k_ag,
+        "agreement": k_ag / n if n else float("nan"), "ci_low": float(lo), "ci_high": float(hi),
+        "shuffled": sh, "shuffled_ci_low": sh_lo, "shuffled_ci_high": sh_hi, "shuffled_p": sh_pv,
+        "random_baseline": 1.0 / V,
+        "rank_mean": float(rk.mean()) if n else float("nan"),
+        "rank_q10": _quant(rk, 0.10), "rank_q25": _quant(rk, 0.25), "rank_median": _quant(rk, 0.5),
+        "rank_q75": _quant(rk, 0.75), "rank_q90": _quant(rk, 0.90),
+        "shuffled_rank_median": _quant(srk, 0.5),
+        "frac_rank_lt10": float((rk < 10).mean()) if n else float("nan"),
+        "value_max_prob_mean": float(proj.maxp[l, :, 0].mean()),
+        "value_entropy_mean": float(proj.ent[l, :, 0].mean()),
+        "key_max_prob_mean": float(proj.maxp[l, :, 2].mean()),
+        "key_entropy_mean": float(proj.ent[l, :, 2].mean()),
+    }
+
+
+def _hist_rows(l: int, rk: np.ndarray, srk: np.ndarray, edges: np.ndarray) -> list[dict]:
+    c = np.histogram(rk, bins=edges)[0] if len(rk) else np.zeros(len(edges) - 1, np.int64)
+    cs = np.histogram(srk, bins=edges)[0] if len(srk) else np.zeros(len(edges) - 1, np.int64)
+    return [{"layer": l, "bin": j, "lo": int(edges[j]), "hi": int(edges[j + 1]),
+             "count": int(c[j]), "shuffled_count": int(cs[j])} for j in range(len(edges) - 1)]
+
+
+def _fig6_rows(maxp: np.ndarray, agree: np.ndarray, bins: int) -> list[dict]:
+    """Fig 6: agreement vs max probability of the compared direction, in quantile bins."""
+    x = maxp.astype(np.float64)
+    rows = []
     if len(x):
         qe = np.unique(np.quantile(x, np.linspace(0, 1, bins + 1)))
         if len(qe) == 1:
@@ -429,87 +513,43 @@ def _compute(run, mm, settings: dict, chunk: int, show_progress) -> dict:
         which = np.clip(np.searchsorted(qe, x, side="right") - 1, 0, len(qe) - 2)
         for j in range(len(qe) - 1):
             sel = which == j
-            nn, kk = int(sel.sum()), int(y[sel].sum())
+            nn, kk = int(sel.sum()), int(agree[sel].sum())
             lo, hi = wilson(kk, nn)
-            fig6_rows.append({"bin": j, "lo": float(qe[j]), "hi": float(qe[j + 1]), "n": nn,
-                              "n_agree": kk, "agreement": kk / nn if nn else float("nan"),
-                              "ci_low": float(lo), "ci_high": float(hi),
-                              "mean_max_prob": float(x[sel].mean()) if nn else float("nan")})
+            rows.append({"bin": j, "lo": float(qe[j]), "hi": float(qe[j + 1]), "n": nn,
+                         "n_agree": kk, "agreement": kk / nn if nn else float("nan"),
+                         "ci_low": float(lo), "ci_high": float(hi),
+                         "mean_max_prob": float(x[sel].mean()) if nn else float("nan")})
+    return rows
 
-    # ---- Table 2 --------------------------------------------------------------------------------
-    table2 = _table2(run, mm, maxp, top_tok, kinds2, table2_n, precision_k)
 
-    # ---- write ------------------------------------------------------------------------------------
-    _write_values_table(run, L, d_m, top_tok, top_p, maxp, ent)
-    has = trig["has"]
-    run.write_table("values_agreement", pa.table({
-        "layer": pa.array(np.repeat(np.arange(L), d_m), pa.int16()),
-        "dim": pa.array(np.tile(np.arange(d_m), L), pa.int32()),
-        "trigger_sign": pa.array(trig["sign"].ravel(), pa.int8(), mask=~has.ravel()),
-        "trigger_coef": pa.array(trig["coef"].ravel(), pa.float32(), mask=~has.ravel()),
-        "sentence_id": pa.array(trig["sid"].ravel(), pa.int64(), mask=~has.ravel()),
-        "position": pa.array(trig["pos"].ravel(), pa.int32(), mask=~has.ravel()),
-        "next_token": pa.array(trig["next"].ravel(), pa.int32(), mask=~valid.ravel()),
-        "direction": pa.array(trig["direction"].ravel(), pa.int8(), mask=~has.ravel()),
-        "value_top": pa.array(value_top.ravel(), pa.int32(), mask=~has.ravel()),
-        "max_prob": pa.array(used_maxp.ravel(), pa.float32(), mask=~has.ravel()),
-        "target_prob": pa.array(tprob.ravel(), pa.float32(), mask=~valid.ravel()),
-        "rank": pa.array(rank.ravel(), pa.int32(), mask=~valid.ravel()),
-        "agree": pa.array(agree.ravel(), pa.bool_(), mask=~valid.ravel()),
-    }), row_group_size=100_000)
-    lt = pa.Table.from_pylist(layer_rows)
-    run.write_table("values_layers", lt.set_column(0, "layer", lt["layer"].cast(pa.int16())))
-    run.write_table("values_rank_hist", pa.table({
-        "layer": pa.array([r["layer"] for r in hist_rows], pa.int16()),
-        "bin": pa.array([r["bin"] for r in hist_rows], pa.int16()),
-        "lo": pa.array([r["lo"] for r in hist_rows], pa.int32()),
-        "hi": pa.array([r["hi"] for r in hist_rows], pa.int32()),
-        "count": pa.array([r["count"] for r in hist_rows], pa.int64()),
-        "shuffled_count": pa.array([r["shuffled_count"] for r in hist_rows], pa.int64())}))
-    f6_schema = pa.schema([("bin", pa.int16()), ("lo", pa.float64()), ("hi", pa.float64()),
-                           ("n", pa.int64()), ("n_agree", pa.int64()), ("agreement", pa.float64()),
-                           ("ci_low", pa.float64()), ("ci_high", pa.float64()),
-                           ("mean_max_prob", pa.float64())])
-    run.write_table("values_fig6", pa.Table.from_pylist(fig6_rows, schema=f6_schema))
-    run.write_table("values_table2", table2)
-
-    # ---- summary ----------------------------------------------------------------------------------
-    N = int(valid.sum())
-    K = int(agree.sum())
+def _summary(rec: dict, mm, trig: dict, ag: dict, layer_rows: list, fig6_rows: list, table2: pa.Table,
+             kinds2: tuple) -> dict:
+    """The step's summary (manifest steps.values.summary; `format_summary` prints it), but seconds."""
+    L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
+    valid = ag["valid"]
+    N, K = int(valid.sum()), int(ag["agree"].sum())
     lo, hi = wilson(K, N)
     sh_all = [r["shuffled"] * r["n"] for r in layer_rows if r["n"] and not math.isnan(r["shuffled"])]
     t2_layers = table2["layer"].to_pylist()
     t2_agree = table2["n_agree"].to_pylist()
-    summary = {
-        "lens": lens, "vocab_size": Vsz, "layers": L, "d_m": d_m, "memories": L * d_m,
+    return {
+        "lens": rec["lens"], "vocab_size": V, "layers": L, "d_m": d_m, "memories": L * d_m,
         "evaluated": N, "evaluated_neg": int((valid & (trig["direction"] < 0)).sum()),
         "no_trigger": int((~trig["has"]).sum()), "sentence_end": int((trig["has"] & ~valid).sum()),
         "agree": K, "agreement": K / N if N else None, "ci_low": float(lo), "ci_high": float(hi),
-        "shuffled": (sum(sh_all) / N) if (N and sh_all) else None, "random_baseline": 1.0 / Vsz,
+        "shuffled": (sum(sh_all) / N) if (N and sh_all) else None, "random_baseline": 1.0 / V,
         "best_layer": max(layer_rows, key=lambda r: (-1 if math.isnan(r["agreement"]) else r["agreement"]))["layer"],
         "layer_agreement": [None if math.isnan(r["agreement"]) else r["agreement"] for r in layer_rows],
         "layer_rank_median": [None if math.isnan(r["rank_median"]) else r["rank_median"] for r in layer_rows],
         "fig6_low": fig6_rows[0]["agreement"] if fig6_rows else None,
         "fig6_high": fig6_rows[-1]["agreement"] if fig6_rows else None,
-        "table2_n": len(t2_layers), "table2_kinds": list(kinds2), "precision_k": precision_k,
+        "table2_n": len(t2_layers), "table2_kinds": list(kinds2), "precision_k": rec["precision_k"],
         "table2_with_agreeing": int(sum(1 for a in t2_agree if a and a > 0)),
         "table2_upper_half": int(sum(1 for l in t2_layers if l >= L / 2)),
-        "seconds": round(time.time() - t0, 2),
     }
-    summary = _no_nan(summary)
-    run.finish_step(STEP, summary=summary)
-    return summary
 
 
-def _no_nan(x):
-    """NaN → None, so the manifest stays standard JSON."""
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_no_nan(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
-
-
+# ---- writing the tables ---------------------------------------------------------------------------
 def _write_values_table(run, L, d_m, top_tok, top_p, maxp, ent) -> None:
     k = top_tok.shape[-1]
     n = L * d_m * 3
@@ -527,6 +567,52 @@ def _write_values_table(run, L, d_m, top_tok, top_p, maxp, ent) -> None:
     }), row_group_size=100_000)
 
 
+def _write_agreement_table(run, trig: dict, proj: Projections, ag: dict) -> None:
+    L, d_m = trig["has"].shape
+    no_trig, excluded = ~trig["has"].ravel(), ~ag["valid"].ravel()
+    run.write_table("values_agreement", pa.table({
+        "layer": pa.array(np.repeat(np.arange(L), d_m), pa.int16()),
+        "dim": pa.array(np.tile(np.arange(d_m), L), pa.int32()),
+        "trigger_sign": pa.array(trig["sign"].ravel(), pa.int8(), mask=no_trig),
+        "trigger_coef": pa.array(trig["coef"].ravel(), pa.float32(), mask=no_trig),
+        "sentence_id": pa.array(trig["sid"].ravel(), pa.int64(), mask=no_trig),
+        "position": pa.array(trig["pos"].ravel(), pa.int32(), mask=no_trig),
+        "next_token": pa.array(trig["next"].ravel(), pa.int32(), mask=excluded),
+        "direction": pa.array(trig["direction"].ravel(), pa.int8(), mask=no_trig),
+        "value_top": pa.array(ag["value_top"].ravel(), pa.int32(), mask=no_trig),
+        "max_prob": pa.array(ag["used_maxp"].ravel(), pa.float32(), mask=no_trig),
+        "target_prob": pa.array(proj.tprob.ravel(), pa.float32(), mask=excluded),
+        "rank": pa.array(proj.rank.ravel(), pa.int32(), mask=excluded),
+        "agree": pa.array(ag["agree"].ravel(), pa.bool_(), mask=excluded),
+    }), row_group_size=100_000)
+
+
+FIG6_SCHEMA = pa.schema([("bin", pa.int16()), ("lo", pa.float64()), ("hi", pa.float64()),
+                         ("n", pa.int64()), ("n_agree", pa.int64()), ("agreement", pa.float64()),
+                         ("ci_low", pa.float64()), ("ci_high", pa.float64()),
+                         ("mean_max_prob", pa.float64())])
+
+
+def _write_layer_tables(run, layer_rows: list, hist_rows: list, fig6_rows: list) -> None:
+    lt = pa.Table.from_pylist(layer_rows)
+    run.write_table("values_layers", lt.set_column(0, "layer", lt["layer"].cast(pa.int16())))
+    types = {"layer": pa.int16(), "bin": pa.int16(), "lo": pa.int32(), "hi": pa.int32(),
+             "count": pa.int64(), "shuffled_count": pa.int64()}
+    run.write_table("values_rank_hist", pa.table({c: pa.array([r[c] for r in hist_rows], t)
+                                                  for c, t in types.items()}))
+    run.write_table("values_fig6", pa.Table.from_pylist(fig6_rows, schema=FIG6_SCHEMA))
+
+
+# ---- Table 2 ---------------------------------------------------------------------------------------
+TABLE2_SCHEMA = pa.schema([("position", pa.int16()), ("layer", pa.int16()), ("dim", pa.int32()),
+                           ("kind", pa.string()), ("direction", pa.int8()), ("max_prob", pa.float32()),
+                           ("top_token", pa.int32()), ("top_token_text", pa.string()),
+                           ("n_examples", pa.int32()), ("n_agree", pa.int32()),
+                           ("precision", pa.float32()), ("example_rank", pa.int16()),
+                           ("example_sentence_id", pa.int64()), ("example_position", pa.int32()),
+                           ("example_coef", pa.float32()), ("example_text", pa.string())])
+
+
 def _decode(mm, ids) -> str | None:
     try:
         return mm.tok.decode([int(i) for i in ids])
@@ -534,84 +620,105 @@ def _decode(mm, ids) -> str | None:
         return None
 
 
-def _table2(run, mm, maxp, top_tok, kinds2, n_top, precision_k) -> pa.Table:
-    L, d_m = maxp.shape[:2]
+def _table2_candidates(maxp, top_tok, kinds2, n_top: int) -> dict:
+    """The n_top highest max_prob directions of the given kinds: arrays lay, dim, direction, top
+    and the list kind. Ties by (layer, dim, kind) order."""
+    d_m = maxp.shape[1]
     kind_idx = [KINDS.index(k) for k in kinds2]
     cand = maxp[:, :, kind_idx].reshape(-1)  # order: layer, dim, kind
     n_top = min(n_top, len(cand))
-    # highest max_prob first; ties by (layer, dim, kind) order
     order = np.lexsort((np.arange(len(cand)), -cand.astype(np.float64)))[:n_top]
     nk = len(kind_idx)
     lay, rem = np.divmod(order, d_m * nk)
     dim, kj = np.divmod(rem, nk)
     kinds = [kinds2[j] for j in kj]
-    direction = np.array([1 if k == "value" else -1 for k in kinds], np.int64)
-    tops = top_tok[lay, dim, [kind_idx[j] for j in kj], 0].astype(np.int64) if n_top else np.zeros(0, np.int64)
+    return {"lay": lay, "dim": dim, "kind": kinds,
+            "direction": np.array([1 if k == "value" else -1 for k in kinds], np.int64),
+            "top": (top_tok[lay, dim, [kind_idx[j] for j in kj], 0].astype(np.int64) if n_top
+                    else np.zeros(0, np.int64))}
 
+
+def _triggers_by_key(run, c: dict, precision_k: int, d_m: int) -> dict:
+    """(layer, dim, sign) -> the key's trigger rows of rank ≤ precision_k, for the candidates."""
+    if not len(c["lay"]):
+        return {}
+    t = run.read_table("triggers", columns=list(TRIGGER_COLUMNS),
+                       filters=[("rank", "<=", precision_k), ("layer", "in", sorted(set(int(x) for x in c["lay"])))])
+    want = set(zip(c["lay"].tolist(), c["dim"].tolist(), c["direction"].tolist()))
+    tl, td, ts = (t[col].to_numpy() for col in ("layer", "dim", "sign"))
+    flat_key = (tl.astype(np.int64) * d_m + td) * 3 + (ts.astype(np.int64) + 1)
+    want_flat = np.array([(a * d_m + b) * 3 + (s + 1) for a, b, s in want], np.int64)
+    keep = np.nonzero(np.isin(flat_key, want_flat))[0]
+    sub = t.take(pa.array(keep)).to_pydict()
     rows_by_key: dict = {}
-    if n_top:
-        t = pq.read_table(_trigger_path(run), columns=list(TRIGGER_COLUMNS),
-                          filters=[("rank", "<=", precision_k),
-                                   ("layer", "in", sorted(set(int(x) for x in lay)))])
-        want = set(zip(lay.tolist(), dim.tolist(), direction.tolist()))
-        tl, td, ts = (t[c].to_numpy() for c in ("layer", "dim", "sign"))
-        flat_key = (tl.astype(np.int64) * d_m + td) * 3 + (ts.astype(np.int64) + 1)
-        want_flat = np.array([(a * d_m + b) * 3 + (s + 1) for a, b, s in want], np.int64)
-        keep = np.nonzero(np.isin(flat_key, want_flat))[0]
-        sub = t.take(pa.array(keep)).to_pydict()
-        for i in range(len(keep)):
-            key = (int(sub["layer"][i]), int(sub["dim"][i]), int(sub["sign"][i]))
-            rows_by_key.setdefault(key, []).append({c: sub[c][i] for c in TRIGGER_COLUMNS})
+    for i in range(len(keep)):
+        key = (int(sub["layer"][i]), int(sub["dim"][i]), int(sub["sign"][i]))
+        rows_by_key.setdefault(key, []).append({col: sub[col][i] for col in TRIGGER_COLUMNS})
+    return rows_by_key
 
-    out = {c: [] for c in ("position", "layer", "dim", "kind", "direction", "max_prob", "top_token",
-                           "top_token_text", "n_examples", "n_agree", "precision", "example_rank",
-                           "example_sentence_id", "example_position", "example_coef", "example_text")}
-    need_sent = {}
-    for j in range(n_top):
-        l, i, s, tok = int(lay[j]), int(dim[j]), int(direction[j]), int(tops[j])
+
+def _table2(run, mm, maxp, top_tok, kinds2, n_top, precision_k) -> pa.Table:
+    c = _table2_candidates(maxp, top_tok, kinds2, n_top)
+    rows_by_key = _triggers_by_key(run, c, precision_k, maxp.shape[1])
+    out = {name: [] for name in TABLE2_SCHEMA.names}
+    examples = {}  # row j -> (sentence_id, position) of its example trigger
+    for j in range(len(c["lay"])):
+        l, i, s, tok = int(c["lay"][j]), int(c["dim"][j]), int(c["direction"][j]), int(c["top"][j])
         rows = sorted(rows_by_key.get((l, i, s), []), key=lambda r: r["rank"])
         n_ex, n_ag, best = precision_at_k([r["next_token"] for r in rows], [r["rank"] for r in rows],
                                           tok, precision_k)
         ex = next((r for r in rows if r["rank"] == best), None) if best is not None else None
-        out["position"].append(j + 1)
-        out["layer"].append(l)
-        out["dim"].append(i)
-        out["kind"].append(kinds[j])
-        out["direction"].append(s)
-        out["max_prob"].append(float(maxp[l, i, KINDS.index(kinds[j])]))
-        out["top_token"].append(tok)
-        out["top_token_text"].append(_decode(mm, [tok]))
-        out["n_examples"].append(n_ex)
-        out["n_agree"].append(n_ag)
-        out["precision"].append(n_ag / n_ex if n_ex else None)
-        out["example_rank"].append(best)
-        out["example_sentence_id"].append(ex["sentence_id"] if ex else None)
-        out["example_position"].append(ex["position"] if ex else None)
-        out["example_coef"].append(ex["coef"] if ex else None)
-        out["example_text"].append(None)
+        row = {"position": j + 1, "layer": l, "dim": i, "kind": c["kind"][j], "direction": s,
+               "max_prob": float(maxp[l, i, KINDS.index(c["kind"][j])]), "top_token": tok,
+               "top_token_text": _decode(mm, [tok]), "n_examples": n_ex, "n_agree": n_ag,
+               "precision": n_ag / n_ex if n_ex else None, "example_rank": best,
+               "example_sentence_id": ex["sentence_id"] if ex else None,
+               "example_position": ex["position"] if ex else None,
+               "example_coef": ex["coef"] if ex else None, "example_text": None}
+        for name, v in row.items():
+            out[name].append(v)
         if ex:
-            need_sent[j] = (int(ex["sentence_id"]), int(ex["position"]))
-    if need_sent and run.has_table("sentences"):
-        ids = sorted({s for s, _ in need_sent.values()})
-        st = pq.read_table(run.table_path("sentences"), columns=["sentence_id", "token_ids"],
-                           filters=[("sentence_id", "in", ids)]).to_pydict()
-        toks = dict(zip(st["sentence_id"], st["token_ids"]))
-        for j, (sid, p) in need_sent.items():
-            if sid in toks:
-                out["example_text"][j] = _decode(mm, toks[sid][: p + 1])
-    schema = pa.schema([("position", pa.int16()), ("layer", pa.int16()), ("dim", pa.int32()),
-                        ("kind", pa.string()), ("direction", pa.int8()), ("max_prob", pa.float32()),
-                        ("top_token", pa.int32()), ("top_token_text", pa.string()),
-                        ("n_examples", pa.int32()), ("n_agree", pa.int32()),
-                        ("precision", pa.float32()), ("example_rank", pa.int16()),
-                        ("example_sentence_id", pa.int64()), ("example_position", pa.int32()),
-                        ("example_coef", pa.float32()), ("example_text", pa.string())])
-    return pa.Table.from_pydict(out, schema=schema)
+            examples[j] = (int(ex["sentence_id"]), int(ex["position"]))
+    _example_texts(run, mm, examples, out["example_text"])
+    return pa.Table.from_pydict(out, schema=TABLE2_SCHEMA)
+
+
+def _example_texts(run, mm, examples: dict, texts: list) -> None:
+    """Fill texts[j] with the decoded prefix of each example (left null without `sentences`)."""
+    if not examples or not run.has_table("sentences"):
+        return
+    st = query.sentences(run, [s for s, _ in examples.values()],
+                         columns=["sentence_id", "token_ids"]).to_pydict()
+    toks = dict(zip(st["sentence_id"], st["token_ids"]))
+    for j, (sid, p) in examples.items():
+        if sid in toks:
+            texts[j] = _decode(mm, toks[sid][: p + 1])
+
+
+# ---- the step ------------------------------------------------------------------------------------
+STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES, compute=compute, record=record,
+            done_info=_has_summary)
+
+
+def compute_values(run, mm, lens: str | None = None, top_k: int = 10, chunk: int = 1024,
+                   permutations: int = 100, seed: int = 0, bins: int = 10, table2_n: int = 100,
+                   precision_k: int = 50, table2_kinds: str = "auto", show_progress: bool | None = None,
+                   force: bool = False) -> dict:
+    """Run the values step on `run` with the loaded model `mm`; returns the summary dict.
+
+    Skips (returning the stored summary with "skipped": True) when the step is already done with
+    the same settings and all its tables exist, unless `force`.
+    """
+    s = ValuesSettings(lens, top_k, chunk, permutations, seed, bins, table2_n, precision_k, table2_kinds,
+                       dtype=str(mm.dtype).replace("torch.", ""))
+    out = execute(run, "values", s, mm=mm, force=force, show_progress=show_progress)
+    return {**out.info["summary"], "skipped": True} if out.skipped else out.result
 
 
 # ---- text summary ----------------------------------------------------------------------------
-def _pct(x, digits=2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+def _pct(x, digits: int = 2) -> str:
+    """`defs.pct`, with the summary's "n/a" for a missing value."""
+    return "n/a" if x is None or x != x else pct(x, digits)
 
 
 def format_summary(s: dict) -> str:
