@@ -65,21 +65,26 @@ Tables written to the run (public contract):
 - `compose_lens_effect`: how much the lens changes each per-layer curve: quantity, naive, norm
   (means over layers), mean_abs_diff, max_abs_diff, layer_of_max; plus rows `w_differs` and
   `category_differs` (shares of examples / example-layers that differ; naive, norm null).
+
+The step is `STEP` (settings `ComposeSettings`), run through `ffkv.store.steps.execute`; it needs no
+other step (a fresh run records the model it is given). `print_summary` reads the tables back.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from ffkv.corpus.stopwords import stopwords
+from ffkv.defs import LENSES, check_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
+from ffkv.store.steps import Step, execute
 
-LENSES = ("naive", "norm")
 CATEGORIES = ("residual", "ffn", "agreement", "composition")
 MASS_SHARES = (0.01, 0.10, 0.50)
 SHORT_PREFIX = 5  # the paper's "prefix shorter than 5 tokens"
@@ -160,25 +165,11 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
     table when it holds these lenses for this model's shape, else computed and cached."""
     from ffkv.store.run import unembed_digest
 
-    L, dm = mm.n_layers, mm.d_m
     digest = unembed_digest(mm) if run is not None else None
-    cached = (run.manifest.get("tables") or {}).get("value_tops") or {} if run is not None else {}
-    if run is not None and run.has_table("value_tops") and cached.get("unembed_sha256") == digest:
-        t = run.read_table("value_tops")
-        have = set(t.column("lens").to_pylist())
-        if set(lenses) <= have and t.num_rows == L * dm * len(have):
-            out = {}
-            lens_col = np.asarray(t.column("lens").to_pylist())
-            for ln in lenses:
-                sel = lens_col == ln
-                layer = t.column("layer").to_numpy()[sel].astype(np.int64)
-                dim = t.column("dim").to_numpy()[sel].astype(np.int64)
-                pos = torch.empty(L, dm, dtype=torch.long)
-                neg = torch.empty(L, dm, dtype=torch.long)
-                pos[layer, dim] = torch.from_numpy(t.column("top_token").to_numpy()[sel].astype(np.int64))
-                neg[layer, dim] = torch.from_numpy(t.column("top_token_neg").to_numpy()[sel].astype(np.int64))
-                out[ln] = (pos, neg)
-            return out
+    cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
+    if cached is not None:
+        return cached
+    L, dm = mm.n_layers, mm.d_m
     out = {}
     task = bar.add_task("value tops", total=len(lenses) * L) if bar is not None else None
     for ln in lenses:
@@ -195,17 +186,44 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
                 bar.advance(task)
         out[ln] = (pos, neg)
     if run is not None:
-        layer = np.repeat(np.arange(L), dm)
-        dim = np.tile(np.arange(dm), L)
-        run.write_table("value_tops", pa.concat_tables([pa.table({
-            "layer": pa.array(layer, pa.int16()), "dim": pa.array(dim, pa.int32()),
-            "lens": pa.array([ln] * (L * dm), pa.string()),
-            "top_token": pa.array(out[ln][0].reshape(-1).numpy(), pa.int32()),
-            "top_token_neg": pa.array(out[ln][1].reshape(-1).numpy(), pa.int32())}) for ln in lenses]))
-        run.manifest.setdefault("tables", {})["value_tops"] = {"unembed_sha256": digest,
-                                                               "lenses": list(lenses)}
-        run.save()
+        _write_value_tops(run, out, L, dm, digest)
     return out
+
+
+def _cached_value_tops(run, mm, lenses, digest: str) -> dict | None:
+    """The run's `value_tops` for these lenses, if made for this unembedding and shape."""
+    L, dm = mm.n_layers, mm.d_m
+    cached = (run.manifest.get("tables") or {}).get("value_tops") or {}
+    if not (run.has_table("value_tops") and cached.get("unembed_sha256") == digest):
+        return None
+    t = run.read_table("value_tops")
+    have = set(t.column("lens").to_pylist())
+    if not (set(lenses) <= have and t.num_rows == L * dm * len(have)):
+        return None
+    out = {}
+    lens_col = np.asarray(t.column("lens").to_pylist())
+    for ln in lenses:
+        sel = lens_col == ln
+        layer = t.column("layer").to_numpy()[sel].astype(np.int64)
+        dim = t.column("dim").to_numpy()[sel].astype(np.int64)
+        pos = torch.empty(L, dm, dtype=torch.long)
+        neg = torch.empty(L, dm, dtype=torch.long)
+        pos[layer, dim] = torch.from_numpy(t.column("top_token").to_numpy()[sel].astype(np.int64))
+        neg[layer, dim] = torch.from_numpy(t.column("top_token_neg").to_numpy()[sel].astype(np.int64))
+        out[ln] = (pos, neg)
+    return out
+
+
+def _write_value_tops(run, tops: dict, L: int, dm: int, digest: str) -> None:
+    layer = np.repeat(np.arange(L), dm)
+    dim = np.tile(np.arange(dm), L)
+    run.write_table("value_tops", pa.concat_tables([pa.table({
+        "layer": pa.array(layer, pa.int16()), "dim": pa.array(dim, pa.int32()),
+        "lens": pa.array([ln] * (L * dm), pa.string()),
+        "top_token": pa.array(pos.reshape(-1).numpy(), pa.int32()),
+        "top_token_neg": pa.array(neg.reshape(-1).numpy(), pa.int32())}) for ln, (pos, neg) in tops.items()]))
+    run.manifest.setdefault("tables", {})["value_tops"] = {"unembed_sha256": digest, "lenses": list(tops)}
+    run.save()
 
 
 # ---- the pass ------------------------------------------------------------------------------
@@ -222,10 +240,28 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
 
     if vtops is None:
         vtops = value_tops(None, mm)
-    N, L, dm, d = len(prefixes), mm.n_layers, mm.d_m, mm.d
+    N, L = len(prefixes), mm.n_layers
     lenses = {ln: Lens(mm, ln) for ln in vtops}
-    vnorm = torch.stack([mm.values(l).detach().float().norm(dim=-1) for l in range(L)])  # (L, d_m)
-    ks = [max(1, math.ceil(p * dm)) for p in MASS_SHARES]
+    vnorm = torch.stack([mm.values(l).detach().float().norm(dim=-1) for l in range(L)]).to(mm.device)  # (L, d_m)
+    common, per = _result_arrays(N, L, lenses)
+    vt_dev = {ln: (p.to(mm.device), n.to(mm.device)) for ln, (p, n) in vtops.items()}
+    lengths = [len(p) for p in prefixes]
+    task = bar.add_task("compose", total=N, tokens=0) if bar is not None else None
+    n_tokens = 0
+    # r, y, o of one layer sit together as (3B, d) rows, one projection each; B ≤ rows / 3
+    for idx in pack(lengths, batch_tokens, max(1, min(max_batch, rows // 3))):
+        ryo, M = _capture(mm, [prefixes[i] for i in idx])
+        _store(common, idx, _activity_and_mass(M, vnorm, eps))
+        for ln, lens in lenses.items():
+            _store(per[ln], idx, _lens_pass(lens, ryo, M, *vt_dev[ln], eps))
+        n_tokens += int(sum(lengths[i] for i in idx))
+        if task is not None:
+            bar.update(task, advance=len(idx), tokens=n_tokens)
+    return {"common": common, **per, "tokens": n_tokens}
+
+
+def _result_arrays(N: int, L: int, lenses) -> tuple[dict, dict]:
+    """The per-example, per-layer arrays `analyze` fills: common ones and one set per lens."""
     common = {k: np.zeros((N, L), np.int32) for k in ("n_active", "n_active_eps")}
     common.update({f"mass_top{round(p * 100)}": np.zeros((N, L), np.float32) for p in MASS_SHARES})
     per = {ln: {**{k: np.zeros((N, L), np.int32) for k in
@@ -234,74 +270,83 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
                 "y_matches_memory": np.zeros((N, L), bool),
                 "y_matches_memory_eps": np.zeros((N, L), bool),
                 "w": np.zeros(N, np.int64)} for ln in lenses}
-    vt_dev = {ln: (p.to(mm.device), n.to(mm.device)) for ln, (p, n) in vtops.items()}
-    vnorm = vnorm.to(mm.device)
-    lengths = [len(p) for p in prefixes]
-    task = bar.add_task("compose", total=N, tokens=0) if bar is not None else None
-    n_tokens = 0
-    order = [L - 1] + list(range(L - 1))  # the last layer first: it defines w
-    # r, y, o of one layer sit together as (3B, d) rows, one projection each; B ≤ rows / 3
-    max_batch = max(1, min(max_batch, rows // 3))
+    return common, per
+
+
+def _store(dst: dict, idx, src: dict) -> None:
+    """Rows idx (the batch's examples) of each array in dst from the batch's arrays in src."""
+    for k, v in src.items():
+        dst[k][idx] = v
+
+
+def _capture(mm, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass: r, y, o (L, 3, B, d) and m (L, B, d_m) at each prefix's last token."""
+    L, B = mm.n_layers, len(batch)
+    ids, mask = mm.batch(batch)
+    last = torch.as_tensor([len(p) - 1 for p in batch], device=mm.device)
+    ar = torch.arange(B, device=mm.device)
+    ryo = torch.empty(L, 3, B, mm.d, device=mm.device)
+    M = torch.empty(L, B, mm.d_m, device=mm.device)
     slot = {"r": 0, "y": 1, "o": 2}
-    for idx in pack(lengths, batch_tokens, max_batch):
-        B = len(idx)
-        ids, mask = mm.batch([prefixes[i] for i in idx])
-        last = torch.as_tensor([lengths[i] - 1 for i in idx], device=mm.device)
-        ar = torch.arange(B, device=mm.device)
-        ryo = torch.empty(L, 3, B, d, device=mm.device)
-        M = torch.empty(L, B, dm, device=mm.device)
 
-        def keep(layer, name, t):
-            (M[layer] if name == "m" else ryo[layer, slot[name]])[:] = t[ar, last]
+    def keep(layer, name, t):
+        (M[layer] if name == "m" else ryo[layer, slot[name]])[:] = t[ar, last]
 
-        mm.capture(ids, mask, what=("r", "m", "y", "o"), callback=keep)
-        # Fig 7: active memories and where the mass is
-        common["n_active"][idx] = is_active(M).sum(-1).T.cpu().numpy()
-        common["n_active_eps"][idx] = is_active(M, eps).sum(-1).T.cpu().numpy()
-        c = M.abs() * vnorm[:, None, :]  # (L, B, d_m)
-        tot = c.sum(-1)
-        cs = c.topk(max(ks), dim=-1).values.cumsum(-1)
-        for p, k in zip(MASS_SHARES, ks):
-            share = torch.where(tot > 0, cs[..., k - 1] / tot, torch.full_like(tot, float("nan")))
-            common[f"mass_top{round(p * 100)}"][idx] = share.T.cpu().numpy()
-        for ln, lens in lenses.items():
-            res = per[ln]
-            vpos, vneg = vt_dev[ln]
-            w = None
-            tops = torch.empty(3, L, B, dtype=torch.long, device=mm.device)
-            pw = torch.empty(L, B, device=mm.device)
-            rk = torch.zeros(L, B, dtype=torch.long, device=mm.device)
-            for l in order:
-                z = lens.logits(ryo[l].view(3 * B, d))  # (3B, V): r, y, o rows
-                t = z.max(-1).indices  # = argmax (the first maximum); a little faster on CPU
-                tops[:, l] = t.view(3, B)
-                if w is None:
-                    w = t[2 * B:]  # top(o) at the last layer
-                zr = z[:B].float()
-                pw[l] = torch.log_softmax(zr, -1).gather(-1, w[:, None])[:, 0].exp()
-                # rank 0 where w is the argmax (ties: only logits strictly above count)
-                off = (t[:B] != w).nonzero()[:, 0]
-                if len(off):
-                    rk[l, off] = rank_of(zr[off], w[off])
-            # Fig 8: does some active memory's value top equal the layer's top?
-            ty = tops[1]  # (L, B)
-            agree = vpos[:, None, :] == ty[:, :, None]  # (L, B, d_m)
-            hit = is_active(M) & agree
-            signed = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :]) == ty[:, :, None]
-            hit_eps = is_active(M, eps) & signed
-            res["top_r"][idx] = tops[0].T.cpu().numpy()
-            res["top_y"][idx] = tops[1].T.cpu().numpy()
-            res["top_o"][idx] = tops[2].T.cpu().numpy()
-            res["w"][idx] = w.cpu().numpy()
-            res["p_final_in_r"][idx] = pw.T.cpu().numpy()
-            res["rank_final_in_r"][idx] = rk.T.cpu().numpy()
-            res["n_agreeing"][idx] = hit.sum(-1).T.cpu().numpy()
-            res["y_matches_memory"][idx] = hit.any(-1).T.cpu().numpy()
-            res["y_matches_memory_eps"][idx] = hit_eps.any(-1).T.cpu().numpy()
-        n_tokens += int(sum(lengths[i] for i in idx))
-        if task is not None:
-            bar.update(task, advance=B, tokens=n_tokens)
-    return {"common": common, **per, "tokens": n_tokens}
+    mm.capture(ids, mask, what=("r", "m", "y", "o"), callback=keep)
+    return ryo, M
+
+
+def _activity_and_mass(M: torch.Tensor, vnorm: torch.Tensor, eps: float) -> dict:
+    """Fig 7 per (example, layer): active memories, and the share of Σ|m|·‖v‖ the top ones carry."""
+    ks = [max(1, math.ceil(p * M.shape[-1])) for p in MASS_SHARES]
+    out = {"n_active": is_active(M).sum(-1).T.cpu().numpy(),
+           "n_active_eps": is_active(M, eps).sum(-1).T.cpu().numpy()}
+    c = M.abs() * vnorm[:, None, :]  # (L, B, d_m)
+    tot = c.sum(-1)
+    cs = c.topk(max(ks), dim=-1).values.cumsum(-1)
+    for p, k in zip(MASS_SHARES, ks):
+        share = torch.where(tot > 0, cs[..., k - 1] / tot, torch.full_like(tot, float("nan")))
+        out[f"mass_top{round(p * 100)}"] = share.T.cpu().numpy()
+    return out
+
+
+def _lens_pass(lens, ryo: torch.Tensor, M: torch.Tensor, vpos, vneg, eps: float) -> dict:
+    """Under one lens, per (example, layer): top(r), top(y), top(o), the final prediction w and
+    its probability and rank under r (Figs 9-11), and Fig 8's single-memory matches."""
+    tops, w, pw, rk = _tops_and_final(lens, ryo)
+    ty = tops[1]  # (L, B)
+    hit = is_active(M) & (vpos[:, None, :] == ty[:, :, None])  # (L, B, d_m)
+    signed = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :]) == ty[:, :, None]
+    hit_eps = is_active(M, eps) & signed
+    return {"top_r": tops[0].T.cpu().numpy(), "top_y": tops[1].T.cpu().numpy(),
+            "top_o": tops[2].T.cpu().numpy(), "w": w.cpu().numpy(),
+            "p_final_in_r": pw.T.cpu().numpy(), "rank_final_in_r": rk.T.cpu().numpy(),
+            "n_agreeing": hit.sum(-1).T.cpu().numpy(), "y_matches_memory": hit.any(-1).T.cpu().numpy(),
+            "y_matches_memory_eps": hit_eps.any(-1).T.cpu().numpy()}
+
+
+def _tops_and_final(lens, ryo: torch.Tensor):
+    """(tops (3, L, B): top of r, y, o; w (B,): top(o) of the last layer; p(w | r) (L, B);
+    rank of w under r (L, B)). The last layer is projected first: it defines w."""
+    L, _, B, d = ryo.shape
+    dev = ryo.device
+    tops = torch.empty(3, L, B, dtype=torch.long, device=dev)
+    pw = torch.empty(L, B, device=dev)
+    rk = torch.zeros(L, B, dtype=torch.long, device=dev)
+    w = None
+    for l in [L - 1] + list(range(L - 1)):
+        z = lens.logits(ryo[l].view(3 * B, d))  # (3B, V): r, y, o rows
+        t = z.max(-1).indices  # = argmax (the first maximum); a little faster on CPU
+        tops[:, l] = t.view(3, B)
+        if w is None:
+            w = t[2 * B:]  # top(o) at the last layer
+        zr = z[:B].float()
+        pw[l] = torch.log_softmax(zr, -1).gather(-1, w[:, None])[:, 0].exp()
+        # rank 0 where w is the argmax (ties: only logits strictly above count)
+        off = (t[:B] != w).nonzero()[:, 0]
+        if len(off):
+            rk[l, off] = rank_of(zr[off], w[off])
+    return tops, w, pw, rk
 
 
 # ---- tables ------------------------------------------------------------------------------
@@ -311,100 +356,113 @@ def _q(x, q):
     return float(np.quantile(x, q)) if len(x) else float("nan")
 
 
+def _by_layer(a) -> np.ndarray:
+    """(N, L) -> flat, ordered by layer, then example."""
+    return np.ascontiguousarray(np.asarray(a).T).reshape(-1)
+
+
 def build_tables(mm, res: dict, prefixes: pa.Table, eps: float, seed: int = 0) -> dict[str, pa.Table]:
     L, dm = mm.n_layers, mm.d_m
     lenses = [ln for ln in LENSES if ln in res]
     com = res["common"]
-    N = com["n_active"].shape[0]
     is_stop = prefixes.column("target_is_stop").to_numpy(zero_copy_only=False).astype(bool)
     short = prefixes.column("prefix_tokens").to_numpy() < SHORT_PREFIX
-    ex_parts, lay_rows, case_parts = [], [], []
-    cats = {}
-    for ln in lenses:
-        r = res[ln]
-        w = r["w"]
-        cat = categorize(r["top_r"], r["top_y"], r["top_o"])  # (N, L)
-        cats[ln] = cat
-        layer = np.tile(np.arange(L), (N, 1))
-        ex = np.tile(np.arange(N)[:, None], (1, L))
-        # rows ordered by layer, then example: transpose (N, L) → (L, N)
-        col = lambda a: np.ascontiguousarray(np.asarray(a).T).reshape(-1)  # noqa: E731
-        ex_parts.append(pa.table({
-            "lens": pa.array([ln] * (N * L), pa.string()),
-            "layer": pa.array(col(layer), pa.int16()),
-            "example_id": pa.array(col(ex), pa.int32()),
-            "n_active": pa.array(col(com["n_active"]), pa.int32()),
-            "n_active_eps": pa.array(col(com["n_active_eps"]), pa.int32()),
-            **{f"mass_top{round(p * 100)}": pa.array(col(com[f"mass_top{round(p * 100)}"]), pa.float32())
-               for p in MASS_SHARES},
-            "top_r": pa.array(col(r["top_r"]), pa.int32()),
-            "top_y": pa.array(col(r["top_y"]), pa.int32()),
-            "top_o": pa.array(col(r["top_o"]), pa.int32()),
-            "top_final": pa.array(col(np.repeat(w[:, None], L, 1)), pa.int32()),
-            "p_final_in_r": pa.array(col(r["p_final_in_r"]), pa.float32()),
-            "rank_final_in_r": pa.array(col(r["rank_final_in_r"]), pa.int32()),
-            "category": pa.DictionaryArray.from_arrays(pa.array(col(cat), pa.int8()), pa.array(CATEGORIES)).cast(pa.string()),
-            "y_matches_memory": pa.array(col(r["y_matches_memory"]), pa.bool_()),
-            "y_matches_memory_eps": pa.array(col(r["y_matches_memory_eps"]), pa.bool_()),
-            "n_agreeing": pa.array(col(r["n_agreeing"]), pa.int32()),
-        }))
-        for l in range(L):
-            act = com["n_active"][:, l] / dm
-            act_e = com["n_active_eps"][:, l] / dm
-            matched = r["y_matches_memory"][:, l]
-            p = r["p_final_in_r"][:, l]
-            tr, ty, to = r["top_r"][:, l], r["top_y"][:, l], r["top_o"][:, l]
-            row = {
-                "lens": ln, "layer": l, "n_examples": N, "d_m": dm, "eps": float(eps),
-                "active_mean": float(act.mean()), "active_p25": _q(act, .25), "active_median": _q(act, .5),
-                "active_p75": _q(act, .75), "active_min": float(act.min()), "active_max": float(act.max()),
-                "active_eps_mean": float(act_e.mean()), "active_eps_median": _q(act_e, .5),
-                **{f"mass_top{round(q * 100)}": float(np.nanmean(com[f"mass_top{round(q * 100)}"][:, l]))
-                   for q in MASS_SHARES},
-                "fig8_no_single_memory": float((~matched).mean()),
-                "fig8_no_single_memory_eps": float((~r["y_matches_memory_eps"][:, l]).mean()),
-                "fig8_matched": int(matched.sum()),
-                "fig8_matched_stop": int((matched & is_stop).sum()),
-                "fig8_matched_short": int((matched & short).sum()),
-                "fig8_matched_stop_share": float((matched & is_stop).sum() / matched.sum()) if matched.any() else float("nan"),
-                "fig8_matched_short_share": float((matched & short).sum() / matched.sum()) if matched.any() else float("nan"),
-                "r_matches_final": float((tr == w).mean()),
-                "o_matches_final": float((to == w).mean()),
-                "p_final_mean": float(p.mean()), "p_final_q25": _q(p, .25),
-                "p_final_median": _q(p, .5), "p_final_q75": _q(p, .75),
-                **{c: float((cat[:, l] == i).mean()) for i, c in enumerate(CATEGORIES)},
-                "r_eq_y_ne_o": float(((tr == ty) & (to != tr)).mean()),
-            }
-            lay_rows.append(row)
-        # last-layer cases
-        ll = L - 1
-        sel = np.flatnonzero(r["top_r"][:, ll] != r["top_o"][:, ll])
-        order = np.empty(len(sel), np.int64)
-        order[np.random.default_rng(seed + 1).permutation(len(sel))] = np.arange(len(sel))
-        dec = lambda ids: [mm.tok.decode([int(i)]) for i in ids]  # noqa: E731
-        tr, to, ty = r["top_r"][sel, ll], r["top_o"][sel, ll], r["top_y"][sel, ll]
-        case = pa.table({
-            "lens": pa.array([ln] * len(sel), pa.string()),
-            "sample_order": pa.array(order, pa.int32()),
-            "example_id": pa.array(sel, pa.int32()),
-            "sentence_id": prefixes.column("sentence_id").take(pa.array(sel)),
-            "prefix": prefixes.column("prefix").take(pa.array(sel)),
-            "top_r": pa.array(tr, pa.int32()), "top_r_token": pa.array(dec(tr), pa.string()),
-            "top_o": pa.array(to, pa.int32()), "top_o_token": pa.array(dec(to), pa.string()),
-            "top_y": pa.array(ty, pa.int32()), "top_y_token": pa.array(dec(ty), pa.string()),
-            "category": pa.array([CATEGORIES[c] for c in cat[sel, ll]], pa.string()),
-            "target": prefixes.column("target").take(pa.array(sel)),
-            "target_token": prefixes.column("target_token").take(pa.array(sel)),
-            "p_final_in_r": pa.array(r["p_final_in_r"][sel, ll], pa.float32()),
-        })
-        case_parts.append(case.sort_by([("sample_order", "ascending")]))
-    layers_tbl = pa.Table.from_pylist(lay_rows)
+    cats = {ln: categorize(res[ln]["top_r"], res[ln]["top_y"], res[ln]["top_o"]) for ln in lenses}  # (N, L)
+    layers_tbl = pa.Table.from_pylist([_layer_row(ln, l, res[ln], com, cats[ln], dm, eps, is_stop, short)
+                                       for ln in lenses for l in range(L)])
     layers_tbl = layers_tbl.set_column(1, "layer", layers_tbl.column("layer").cast(pa.int16()))
-    tables = {"compose_examples": pa.concat_tables(ex_parts), "compose_layers": layers_tbl,
-              "compose_cases": pa.concat_tables(case_parts)}
+    tables = {"compose_examples": pa.concat_tables([_examples_table(ln, res[ln], com, cats[ln]) for ln in lenses]),
+              "compose_layers": layers_tbl,
+              "compose_cases": pa.concat_tables([_cases_table(mm, ln, res[ln], cats[ln], prefixes, seed)
+                                                 for ln in lenses])}
     if set(LENSES) <= set(lenses):
         tables["compose_lens_effect"] = lens_effect(layers_tbl, res, cats)
     return tables
+
+
+def _examples_table(ln: str, r: dict, com: dict, cat: np.ndarray) -> pa.Table:
+    """`compose_examples` rows of one lens."""
+    N, L = cat.shape
+    return pa.table({
+        "lens": pa.array([ln] * (N * L), pa.string()),
+        "layer": pa.array(_by_layer(np.tile(np.arange(L), (N, 1))), pa.int16()),
+        "example_id": pa.array(_by_layer(np.tile(np.arange(N)[:, None], (1, L))), pa.int32()),
+        "n_active": pa.array(_by_layer(com["n_active"]), pa.int32()),
+        "n_active_eps": pa.array(_by_layer(com["n_active_eps"]), pa.int32()),
+        **{f"mass_top{round(p * 100)}": pa.array(_by_layer(com[f"mass_top{round(p * 100)}"]), pa.float32())
+           for p in MASS_SHARES},
+        "top_r": pa.array(_by_layer(r["top_r"]), pa.int32()),
+        "top_y": pa.array(_by_layer(r["top_y"]), pa.int32()),
+        "top_o": pa.array(_by_layer(r["top_o"]), pa.int32()),
+        "top_final": pa.array(_by_layer(np.repeat(r["w"][:, None], L, 1)), pa.int32()),
+        "p_final_in_r": pa.array(_by_layer(r["p_final_in_r"]), pa.float32()),
+        "rank_final_in_r": pa.array(_by_layer(r["rank_final_in_r"]), pa.int32()),
+        "category": pa.DictionaryArray.from_arrays(pa.array(_by_layer(cat), pa.int8()),
+                                                   pa.array(CATEGORIES)).cast(pa.string()),
+        "y_matches_memory": pa.array(_by_layer(r["y_matches_memory"]), pa.bool_()),
+        "y_matches_memory_eps": pa.array(_by_layer(r["y_matches_memory_eps"]), pa.bool_()),
+        "n_agreeing": pa.array(_by_layer(r["n_agreeing"]), pa.int32()),
+    })
+
+
+def _layer_row(ln: str, l: int, r: dict, com: dict, cat: np.ndarray, dm: int, eps: float,
+               is_stop: np.ndarray, short: np.ndarray) -> dict:
+    """The `compose_layers` row of one lens and layer."""
+    N = cat.shape[0]
+    act = com["n_active"][:, l] / dm
+    act_e = com["n_active_eps"][:, l] / dm
+    matched = r["y_matches_memory"][:, l]
+    p = r["p_final_in_r"][:, l]
+    tr, ty, to = r["top_r"][:, l], r["top_y"][:, l], r["top_o"][:, l]
+    w = r["w"]
+    share = lambda sel: float(sel.sum() / matched.sum()) if matched.any() else float("nan")  # noqa: E731
+    return {
+        "lens": ln, "layer": l, "n_examples": N, "d_m": dm, "eps": float(eps),
+        "active_mean": float(act.mean()), "active_p25": _q(act, .25), "active_median": _q(act, .5),
+        "active_p75": _q(act, .75), "active_min": float(act.min()), "active_max": float(act.max()),
+        "active_eps_mean": float(act_e.mean()), "active_eps_median": _q(act_e, .5),
+        **{f"mass_top{round(q * 100)}": float(np.nanmean(com[f"mass_top{round(q * 100)}"][:, l]))
+           for q in MASS_SHARES},
+        "fig8_no_single_memory": float((~matched).mean()),
+        "fig8_no_single_memory_eps": float((~r["y_matches_memory_eps"][:, l]).mean()),
+        "fig8_matched": int(matched.sum()),
+        "fig8_matched_stop": int((matched & is_stop).sum()),
+        "fig8_matched_short": int((matched & short).sum()),
+        "fig8_matched_stop_share": share(matched & is_stop),
+        "fig8_matched_short_share": share(matched & short),
+        "r_matches_final": float((tr == w).mean()),
+        "o_matches_final": float((to == w).mean()),
+        "p_final_mean": float(p.mean()), "p_final_q25": _q(p, .25),
+        "p_final_median": _q(p, .5), "p_final_q75": _q(p, .75),
+        **{c: float((cat[:, l] == i).mean()) for i, c in enumerate(CATEGORIES)},
+        "r_eq_y_ne_o": float(((tr == ty) & (to != tr)).mean()),
+    }
+
+
+def _cases_table(mm, ln: str, r: dict, cat: np.ndarray, prefixes: pa.Table, seed: int) -> pa.Table:
+    """`compose_cases` of one lens: top(r) ≠ top(o) at the last layer, in a seeded random order."""
+    ll = cat.shape[1] - 1
+    sel = np.flatnonzero(r["top_r"][:, ll] != r["top_o"][:, ll])
+    order = np.empty(len(sel), np.int64)
+    order[np.random.default_rng(seed + 1).permutation(len(sel))] = np.arange(len(sel))
+    dec = lambda ids: [mm.tok.decode([int(i)]) for i in ids]  # noqa: E731
+    tr, to, ty = r["top_r"][sel, ll], r["top_o"][sel, ll], r["top_y"][sel, ll]
+    take = pa.array(sel)
+    case = pa.table({
+        "lens": pa.array([ln] * len(sel), pa.string()),
+        "sample_order": pa.array(order, pa.int32()),
+        "example_id": pa.array(sel, pa.int32()),
+        "sentence_id": prefixes.column("sentence_id").take(take),
+        "prefix": prefixes.column("prefix").take(take),
+        "top_r": pa.array(tr, pa.int32()), "top_r_token": pa.array(dec(tr), pa.string()),
+        "top_o": pa.array(to, pa.int32()), "top_o_token": pa.array(dec(to), pa.string()),
+        "top_y": pa.array(ty, pa.int32()), "top_y_token": pa.array(dec(ty), pa.string()),
+        "category": pa.array([CATEGORIES[c] for c in cat[sel, ll]], pa.string()),
+        "target": prefixes.column("target").take(take),
+        "target_token": prefixes.column("target_token").take(take),
+        "p_final_in_r": pa.array(r["p_final_in_r"][sel, ll], pa.float32()),
+    })
+    return case.sort_by([("sample_order", "ascending")])
 
 
 def lens_effect(layers_tbl: pa.Table, res: dict, cats: dict) -> pa.Table:
@@ -431,45 +489,67 @@ def lens_effect(layers_tbl: pa.Table, res: dict, cats: dict) -> pa.Table:
 
 
 # ---- the step ------------------------------------------------------------------------------
-def settings_of(mm, corpus, n, seed, eps, max_sentences) -> dict:
-    from ffkv.store.run import unembed_digest
+@dataclass(frozen=True)
+class ComposeSettings:
+    """What `ffkv compose` is asked for. `batch_tokens` changes speed, not results: not recorded."""
+    corpus: str | None = None  # held-out corpus; None: DEFAULT_CORPUS
+    n_prefixes: int = 4000
+    seed: int = 0
+    eps: float = DEFAULT_EPS
+    max_sentences: int | None = None
+    batch_tokens: int = 2048
 
-    return {"corpus": corpus or DEFAULT_CORPUS, "prefixes": int(n), "seed": int(seed),
-            "eps": float(eps), "max_sentences": max_sentences, "lenses": list(LENSES),
-            "model_unembed_sha256": unembed_digest(mm)}
+
+def record(run, s: ComposeSettings) -> dict:
+    """The settings as recorded in the manifest; raises FfkvError on bad values, before any model
+    loads. The model's identity is its unembedding digest (None until a fresh run records one)."""
+    if s.n_prefixes < 1:
+        raise FfkvError(f"--prefixes must be at least 1 (got {s.n_prefixes})")
+    if s.eps < 0:
+        raise FfkvError(f"--eps must be ≥ 0 (got {s.eps})")
+    if s.batch_tokens < 1:
+        raise FfkvError(f"--batch-tokens must be at least 1 (got {s.batch_tokens})")
+    return {"corpus": s.corpus or DEFAULT_CORPUS, "prefixes": int(s.n_prefixes), "seed": int(s.seed),
+            "eps": float(s.eps), "max_sentences": s.max_sentences, "lenses": list(LENSES),
+            "model_unembed_sha256": (run.manifest.get("model") or {}).get("unembed_sha256")}
 
 
-def compose(run, mm, corpus: str | None = None, n_prefixes: int = 4000, seed: int = 0,
-            eps: float = DEFAULT_EPS, max_sentences: int | None = None, batch_tokens: int = 2048,
-            force: bool = False, show_progress: bool | None = None, warn=print) -> dict:
-    """Run the compose step into `run`; returns {"skipped": bool, "info": manifest step info}."""
+def compute(ctx) -> dict:
+    """Sample the prefixes, one pass over them, write the tables; returns the manifest's info."""
     from ffkv.progress import progress
 
-    if n_prefixes < 1:
-        raise FfkvError(f"--prefixes must be at least 1 (got {n_prefixes})")
-    if eps < 0:
-        raise FfkvError(f"--eps must be ≥ 0 (got {eps})")
-    if batch_tokens < 1:
-        raise FfkvError(f"--batch-tokens must be at least 1 (got {batch_tokens})")
-    settings = settings_of(mm, corpus, n_prefixes, seed, eps, max_sentences)
-    names = ("compose_prefixes", "compose_examples", "compose_layers", "compose_cases")
-    if (not force and run.step_done("compose") and run.settings("compose") == settings
-            and all(run.has_table(t) for t in names)):
-        return {"skipped": True, "info": run.step("compose")}
-    run.start_step("compose", settings)
+    run, s, mm = ctx.run, ctx.settings, ctx.model()
+    if not run.manifest.get("model"):  # a fresh run: its model is the one loaded here
+        run.record_model(mm)
+        ctx.record["model_unembed_sha256"] = run.manifest["model"]["unembed_sha256"]
+        run.manifest["settings"]["compose"] = ctx.record
+        run.save()
     t0 = time.time()
-    prefixes = sample_prefixes(run, mm, corpus, n_prefixes, seed, max_sentences, warn=warn)
+    prefixes = sample_prefixes(run, mm, s.corpus, s.n_prefixes, s.seed, s.max_sentences,
+                               warn=ctx.extra.get("warn", ctx.log))
     ids = prefixes.column("token_ids").to_pylist()
-    with progress(None if show_progress is None else not show_progress) as bar:
+    with progress(None if ctx.show_progress is None else not ctx.show_progress) as bar:
         t1 = time.time()
         vt = value_tops(run, mm, LENSES, bar=bar)
         t2 = time.time()
-        res = analyze(mm, ids, eps=eps, vtops=vt, batch_tokens=batch_tokens, bar=bar)
+        res = analyze(mm, ids, eps=s.eps, vtops=vt, batch_tokens=s.batch_tokens, bar=bar)
     t3 = time.time()
-    tables = build_tables(mm, res, prefixes, eps, seed)
+    tables = build_tables(mm, res, prefixes, s.eps, s.seed)
     for name, t in tables.items():
         run.write_table(name, t)
-    lay = tables["compose_layers"].to_pydict()
+    return {"prefixes": len(ids), "prefixes_requested": s.n_prefixes, "tokens": res["tokens"],
+            "seconds_prepare": round(t1 - t0, 2), "seconds_value_tops": round(t2 - t1, 2),
+            "seconds_pass": round(t3 - t2, 2),
+            "tokens_per_second": round(res["tokens"] / max(t3 - t2, 1e-9), 1),
+            "fig8_pooled": _fig8_pooled(tables["compose_layers"]),
+            "last_layer_cases": {ln: int(sum(1 for x in tables["compose_cases"].column("lens").to_pylist() if x == ln))
+                                 for ln in LENSES}}
+
+
+def _fig8_pooled(layers: pa.Table) -> dict:
+    """Per lens, Fig 8's follow-up pooled over layers: matched example-layers, and the shares of
+    them with a stop-word target and with a short prefix."""
+    lay = layers.to_pydict()
     pooled = {}
     for ln in LENSES:
         s = [i for i, x in enumerate(lay["lens"]) if x == ln]
@@ -477,20 +557,27 @@ def compose(run, mm, corpus: str | None = None, n_prefixes: int = 4000, seed: in
         pooled[ln] = {"fig8_matched": m,
                       "fig8_matched_stop_share": sum(lay["fig8_matched_stop"][i] for i in s) / m if m else None,
                       "fig8_matched_short_share": sum(lay["fig8_matched_short"][i] for i in s) / m if m else None}
-    info = {"prefixes": len(ids), "prefixes_requested": n_prefixes, "tokens": res["tokens"],
-            "seconds_prepare": round(t1 - t0, 2), "seconds_value_tops": round(t2 - t1, 2),
-            "seconds_pass": round(t3 - t2, 2),
-            "tokens_per_second": round(res["tokens"] / max(t3 - t2, 1e-9), 1),
-            "fig8_pooled": pooled, "last_layer_cases": {
-                ln: int(sum(1 for x in tables["compose_cases"].column("lens").to_pylist() if x == ln))
-                for ln in LENSES}}
-    run.finish_step("compose", **info)
-    return {"skipped": False, "info": run.step("compose")}
+    return pooled
+
+
+STEP = Step("compose", ComposeSettings, requires=(), compute=compute, record=record,
+            tables=("compose_sentences", "compose_prefixes", "value_tops", "compose_examples",
+                    "compose_layers", "compose_cases", "compose_lens_effect"))
+
+
+def compose(run, mm, corpus: str | None = None, n_prefixes: int = 4000, seed: int = 0,
+            eps: float = DEFAULT_EPS, max_sentences: int | None = None, batch_tokens: int = 2048,
+            force: bool = False, show_progress: bool | None = None, warn=print) -> dict:
+    """Run the compose step into `run`; returns {"skipped": bool, "info": manifest step info}."""
+    s = ComposeSettings(corpus, n_prefixes, seed, eps, max_sentences, batch_tokens)
+    out = execute(run, "compose", s, mm=mm, force=force, show_progress=show_progress, warn=warn)
+    return {"skipped": out.skipped, "info": out.info}
 
 
 # ---- the summary ---------------------------------------------------------------------------
 def _pct(x) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+    """`defs.pct` without the % sign (the columns say %), "–" for a missing value."""
+    return "–" if x is None or x != x else pct(x, 1)[:-1]
 
 
 def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None:
@@ -498,10 +585,9 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
     from rich.console import Console
     from rich.table import Table
 
-    if lens not in LENSES:
-        raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
     import sys
 
+    check_lens(lens)
     con = console or Console(width=None if sys.stdout.isatty() else 200)
     other = "naive" if lens == "norm" else "norm"
     lay = run.read_table("compose_layers").to_pylist()
@@ -541,22 +627,7 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
               f"{SHORT_PREFIX} tokens in {_pct(pooled.get('fig8_matched_short_share'))}% "
               f"(paper: 60% and 43%).")
     if run.has_table("compose_lens_effect"):
-        eff = {r["quantity"]: r for r in run.read_table("compose_lens_effect").to_pylist()}
-        parts = []
-        for q, label in (("r_matches_final", "Fig 9"), ("p_final_mean", "Fig 10 mean p"),
-                         ("residual", "Fig 11 residual"), ("ffn", "ffn"),
-                         ("agreement", "agreement"), ("composition", "composition")):
-            e = eff[q]
-            if q == "p_final_mean":  # a probability, not a share of examples
-                parts.append(f"{label} by {e['mean_abs_diff']:.3f} on average "
-                             f"(max {e['max_abs_diff']:.3f} at layer {e['layer_of_max']})")
-                continue
-            parts.append(f"{label} by {100 * e['mean_abs_diff']:.1f} points on average "
-                         f"(max {100 * e['max_abs_diff']:.1f} at layer {e['layer_of_max']})")
-        con.print("Lens choice (naive vs norm) changes " + "; ".join(parts) + ". "
-                  f"The final prediction w differs in {_pct(eff['w_differs']['mean_abs_diff'])}% of "
-                  f"examples and the Fig 11 category in {_pct(eff['category_differs']['mean_abs_diff'])}% "
-                  f"of example-layers.")
+        con.print(_lens_effect_text({r["quantity"]: r for r in run.read_table("compose_lens_effect").to_pylist()}))
     if run.has_table("compose_cases") and cases > 0:
         cs = run.read_table("compose_cases").to_pylist()
         mine = [c for c in cs if c["lens"] == lens]
@@ -570,3 +641,22 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
         con.print(f"{info.get('prefixes')} prefixes, {info.get('tokens')} tokens: pass "
                   f"{info['seconds_pass']} s ({info.get('tokens_per_second')} tok/s), value tops "
                   f"{info.get('seconds_value_tops')} s; tables in {run.path}")
+
+
+def _lens_effect_text(eff: dict) -> str:
+    """How much the lens changes each curve, from `compose_lens_effect` rows by quantity."""
+    parts = []
+    for q, label in (("r_matches_final", "Fig 9"), ("p_final_mean", "Fig 10 mean p"),
+                     ("residual", "Fig 11 residual"), ("ffn", "ffn"),
+                     ("agreement", "agreement"), ("composition", "composition")):
+        e = eff[q]
+        if q == "p_final_mean":  # a probability, not a share of examples
+            parts.append(f"{label} by {e['mean_abs_diff']:.3f} on average "
+                         f"(max {e['max_abs_diff']:.3f} at layer {e['layer_of_max']})")
+            continue
+        parts.append(f"{label} by {100 * e['mean_abs_diff']:.1f} points on average "
+                     f"(max {100 * e['max_abs_diff']:.1f} at layer {e['layer_of_max']})")
+    return ("Lens choice (naive vs norm) changes " + "; ".join(parts) + ". "
+            f"The final prediction w differs in {_pct(eff['w_differs']['mean_abs_diff'])}% of "
+            f"examples and the Fig 11 category in {_pct(eff['category_differs']['mean_abs_diff'])}% "
+            f"of example-layers.")
