@@ -24,6 +24,7 @@ from ffkv.report import figures as F
 from ffkv.report import verdicts as V
 from ffkv.report.html import chip, code, esc, img, kv, table, template, tok, verdict_line
 from ffkv.report.paper import ORDER, PAPER, PAPER_MODEL
+from ffkv.store import query
 from ffkv.store.run import Run, atomic_write_bytes
 
 TABLE1_LAYERS = 4  # layers shown in Table 1, spread over the depth
@@ -124,11 +125,10 @@ class RunTables:
         return self._cache[key]
 
     def sentences(self, ids) -> dict[int, list[int]]:
-        ids = sorted({int(i) for i in ids if i is not None and not pd.isna(i)})
+        ids = [int(i) for i in ids if i is not None and not pd.isna(i)]
         if not ids or not self.run.has_table("sentences"):
             return {}
-        t = self.run.read_table("sentences", columns=["sentence_id", "token_ids"],
-                                filters=[("sentence_id", "in", ids)])
+        t = query.sentences(self.run, ids, columns=["sentence_id", "token_ids"])
         return dict(zip(t.column("sentence_id").to_pylist(), t.column("token_ids").to_pylist()))
 
 
@@ -150,34 +150,43 @@ def quantization(model: dict) -> str | None:
 def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[str]]]:
     """Rows (property, paper, this run, where it matters) and notes per section id."""
     m = manifest.get("model") or {}
-    L = int(m.get("layers") or 0)
-    act = str(m.get("activation") or "?")
-    gated = bool(m.get("gated"))
-    lens = manifest.get("lens") or "norm"
-    q = quantization(m)
-    settings = manifest.get("settings") or {}
     notes: dict[str, list[str]] = {k: [] for k in PAPER}
-    rows = []
-    arch = f"{m.get('architecture', '?')} ({m.get('class', '?')})"
-    rows.append(["model", PAPER_MODEL["name"], f"{m.get('model_id', '?')}", ""])
-    rows.append(["architecture", PAPER_MODEL["architecture"], arch, ""])
-    if L:
-        where = ""
-        if L != 16:
-            marks = ", ".join(f"{k}→{paper_layer_here(k, L)}" for k in (1, 5, 9, 10, 11, 16))
-            where = (f"Layer-wise figures are read by relative depth (ℓ+½)/L. The paper's layer k (1-based) "
-                     f"corresponds to this model's layer (0-based): {marks}.")
-            depth_note = (f"This model has {L} layers (the paper's has 16): compare by relative depth; the "
-                          f"paper's layer 10 ≈ layer {paper_layer_here(10, L)} here, its layer 11 ≈ layer "
-                          f"{paper_layer_here(11, L)} (0-based).")
-            for s in ("fig2", "fig2_human", "fig3", "fig4", "fig5", "fig7", "fig9", "table2"):
-                notes[s].append(depth_note)
-        rows.append(["layers", "16", str(L), where])
+    rows = [["model", PAPER_MODEL["name"], f"{m.get('model_id', '?')}", ""],
+            ["architecture", PAPER_MODEL["architecture"], f"{m.get('architecture', '?')} ({m.get('class', '?')})", ""]]
+    rows += _depth_rows(int(m.get("layers") or 0), notes)
     rows.append(["d / d_m", f"{PAPER_MODEL['d']} / {PAPER_MODEL['d_m']}", f"{m.get('d', '?')} / {m.get('d_m', '?')}",
                  "fewer memories per layer: counts in Fig 7 are shares of d_m"])
     rows.append(["memories", f"{PAPER_MODEL['memories']:,}", f"{m.get('memories', 0):,}", ""])
+    rows.append(_ffn_row(m, notes))
+    rows += _weights_and_vocabulary_rows(m, notes)
+    rows.append(_corpus_row(manifest))
+    rows.append(_lens_row(manifest.get("lens") or "norm", notes))
+    rows += _settings_rows(manifest.get("settings") or {})
+    return rows, notes
+
+
+def _depth_rows(L: int, notes: dict) -> list[list[str]]:
+    """The layer count, and how the paper's layers map onto this model's."""
+    if not L:
+        return []
+    where = ""
+    if L != 16:
+        marks = ", ".join(f"{k}→{paper_layer_here(k, L)}" for k in (1, 5, 9, 10, 11, 16))
+        where = (f"Layer-wise figures are read by relative depth (ℓ+½)/L. The paper's layer k (1-based) "
+                 f"corresponds to this model's layer (0-based): {marks}.")
+        depth_note = (f"This model has {L} layers (the paper's has 16): compare by relative depth; the "
+                      f"paper's layer 10 ≈ layer {paper_layer_here(10, L)} here, its layer 11 ≈ layer "
+                      f"{paper_layer_here(11, L)} (0-based).")
+        for s in ("fig2", "fig2_human", "fig3", "fig4", "fig5", "fig7", "fig9", "table2"):
+            notes[s].append(depth_note)
+    return [["layers", "16", str(L), where]]
+
+
+def _ffn_row(m: dict, notes: dict) -> list[str]:
+    """The FFN's form (gated or not, activation) and what it changes in the figures."""
+    act = str(m.get("activation") or "?")
     ffn_paper = "ReLU, m = ReLU(x·k) ≥ 0"
-    if gated:
+    if m.get("gated"):
         ffn_run = f"gated {act}: m = {act}(x·g)·(x·u), signed"
         why = ("A negative coefficient writes −v: directions are compared as sign·v (Figs 4–6, Table 2, Fig 8's "
                "signed form); m > 0 holds for about half the memories by symmetry, so Fig 7 is not comparable.")
@@ -199,30 +208,46 @@ def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[s
         ffn_run = f"{act}, not gated"
         why = ("GELU is slightly negative for negative inputs; m > 0 still means a positive pre-activation."
                if "gelu" in act.lower() else "")
-    rows.append(["FFN", ffn_paper, ffn_run, why])
-    rows.append(["weights", PAPER_MODEL["weights"],
-                 (f"stored as {q}, dequantized to {m.get('dtype', 'float32')}" if q else str(m.get("dtype", "?"))),
-                 "quantization shifts coefficients and logits slightly; trends should not depend on it" if q else ""])
-    rows.append(["vocabulary", PAPER_MODEL["vocabulary"],
-                 f"{m.get('vocab_size', 0):,} subword tokens ({m.get('tokenizer', '?')})",
-                 "the next token is often a word piece, which lowers agreement (Fig 4) and makes last-token "
-                 "patterns sub-word (Table 1, Fig 2)"])
+    return ["FFN", ffn_paper, ffn_run, why]
+
+
+def _weights_and_vocabulary_rows(m: dict, notes: dict) -> list[list[str]]:
+    q = quantization(m)
+    rows = [["weights", PAPER_MODEL["weights"],
+             (f"stored as {q}, dequantized to {m.get('dtype', 'float32')}" if q else str(m.get("dtype", "?"))),
+             "quantization shifts coefficients and logits slightly; trends should not depend on it" if q else ""],
+            ["vocabulary", PAPER_MODEL["vocabulary"],
+             f"{m.get('vocab_size', 0):,} subword tokens ({m.get('tokenizer', '?')})",
+             "the next token is often a word piece, which lowers agreement (Fig 4) and makes last-token "
+             "patterns sub-word (Table 1, Fig 2)"]]
     for s in ("fig4", "table2", "table1"):
         notes[s].append("Subword vocabulary: the trigger's next token is often a piece of a word, not a word "
                         "as in the paper's word-level model.")
+    return rows
+
+
+def _corpus_row(manifest: dict) -> list[str]:
     corpus = (manifest.get("corpus") or {})
     counts = manifest.get("counts") or corpus.get("counts") or {}
-    rows.append(["trigger corpus", "WikiText-103 training set (the model's own training data)",
-                 f"{corpus.get('source', '?')}: {counts.get('sentences', '?'):,} sentences"
-                 if isinstance(counts.get("sentences"), int) else str(corpus.get("source", "?")),
-                 "a smaller corpus than the model's training data gives fewer, noisier trigger examples "
-                 "(Figs 2–6)"])
-    rows.append(["lens", PAPER_MODEL["lens"], lens,
-                 "norm: through the model's final norm (at the last layer it gives the model's own logits); "
-                 "the compose figures draw both lenses, the verdicts use the run's" if lens != "naive" else ""])
+    return ["trigger corpus", "WikiText-103 training set (the model's own training data)",
+            f"{corpus.get('source', '?')}: {counts.get('sentences', '?'):,} sentences"
+            if isinstance(counts.get("sentences"), int) else str(corpus.get("source", "?")),
+            "a smaller corpus than the model's training data gives fewer, noisier trigger examples "
+            "(Figs 2–6)"]
+
+
+def _lens_row(lens: str, notes: dict) -> list[str]:
     if lens != "naive":
         for s in ("fig4", "fig5", "fig6", "fig8", "fig9", "fig10", "fig11"):
             notes[s].append(f"Projected with the {lens} lens; the paper used the naive projection h·E.")
+    return ["lens", PAPER_MODEL["lens"], lens,
+            "norm: through the model's final norm (at the last layer it gives the model's own logits); "
+            "the compose figures draw both lenses, the verdicts use the run's" if lens != "naive" else ""]
+
+
+def _settings_rows(settings: dict) -> list[list[str]]:
+    """Where the run's sample sizes differ from the paper's (compose, mutate, patterns)."""
+    rows = []
     cs = settings.get("compose") or {}
     if cs.get("prefixes"):
         rows.append(["compose prefixes", "4,000", f"{cs['prefixes']:,}",
@@ -237,7 +262,7 @@ def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[s
                      f"{ps.get('semantic_keys_per_layer', '?') or 'all'} per layer"
                      + ("" if ps.get("semantic", True) else " (semantic off)"),
                      "automatic labels are a proxy for the experts' reading"])
-    return rows, notes
+    return rows
 
 
 # ---- sections --------------------------------------------------------------------------------------------
@@ -382,33 +407,25 @@ class Builder:
                   f"{TABLE1_PREFIXES} trigger prefixes, with the trigger token <mark>marked</mark>.</p>" + table(["key", "patterns", "top trigger prefixes"], rows, raw={1, 2}))
         return s
 
-    def fig3(self) -> Section:
-        (df,), miss = self.need("fig3", "mutations_layers")
-        s = Section("fig3", V.fig3(df, self.L), missing=miss)
+    def _plain(self, sid: str, name: str, verdict, *vargs) -> Section:
+        """A section that is one table's verdict and figure `F.<sid>`."""
+        (df,), miss = self.need(sid, name)
+        s = Section(sid, verdict(df, *vargs), missing=miss)
         if df is not None:
-            s.figure = self.draw("fig3", F.fig3, df)
+            s.figure = self.draw(sid, getattr(F, sid), df)
         return s
+
+    def fig3(self) -> Section:
+        return self._plain("fig3", "mutations_layers", V.fig3, self.L)
 
     def fig4(self) -> Section:
-        (df,), miss = self.need("fig4", "values_layers")
-        s = Section("fig4", V.fig4(df, self.L), missing=miss)
-        if df is not None:
-            s.figure = self.draw("fig4", F.fig4, df)
-        return s
+        return self._plain("fig4", "values_layers", V.fig4, self.L)
 
     def fig5(self) -> Section:
-        (df,), miss = self.need("fig5", "values_layers")
-        s = Section("fig5", V.fig5(df, self.L), missing=miss)
-        if df is not None:
-            s.figure = self.draw("fig5", F.fig5, df)
-        return s
+        return self._plain("fig5", "values_layers", V.fig5, self.L)
 
     def fig6(self) -> Section:
-        (df,), miss = self.need("fig6", "values_fig6")
-        s = Section("fig6", V.fig6(df), missing=miss)
-        if df is not None:
-            s.figure = self.draw("fig6", F.fig6, df)
-        return s
+        return self._plain("fig6", "values_fig6", V.fig6)
 
     def table2(self) -> Section:
         (df,), miss = self.need("table2", "values_table2")

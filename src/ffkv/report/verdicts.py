@@ -19,6 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from ffkv.defs import pct
+
 SAME, DIFFERS, NA = "same trend", "differs", "not comparable"
 VERDICTS = (SAME, DIFFERS, NA)
 
@@ -79,7 +81,8 @@ def _span(ls: list[int]) -> str:
 
 
 def _pct(x: float, digits: int = 1) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+    """`defs.pct`, with "n/a" for a missing value."""
+    return "n/a" if x is None or x != x else pct(x, digits)
 
 
 def _weighted(df: pd.DataFrame, layers: list[int], col: str, weight: str | None = None) -> float:
@@ -111,6 +114,10 @@ def _lens(df: pd.DataFrame, lens: str | None) -> tuple[pd.DataFrame, str | None]
 
 
 def _thirds_or_none(df: pd.DataFrame, n_layers: int | None):
+    """(n_layers, bottom, middle, top), or None when the table has no layer in the bottom or the
+    top third (or no rows at all)."""
+    if df.empty:
+        return None
     n = _n_layers(df, n_layers)
     bottom, middle, top = thirds(df["layer"], n)
     if not bottom or not top:
@@ -142,7 +149,7 @@ def fig2(table, n_layers: int | None = None, semantic_ran: bool = True, source: 
                                  "shallow/semantic split cannot be read")
     n_layers = n_layers or _n_layers(df, None)
     df = df[df["prefixes"] > 0]
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds(f"the {source} Fig 2 table")
     _, bottom, _, top = t
@@ -192,7 +199,7 @@ def fig4(values_layers, n_layers: int | None = None) -> Verdict:
             f"the bottom third and higher than the top third's shuffled-pairing baseline ({THIRDS})")
     n_layers = n_layers or _n_layers(df, None)
     df = df[df["n"] > 0]
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds("values_layers")
     _, bottom, _, top = t
@@ -218,7 +225,7 @@ def fig5(values_layers, n_layers: int | None = None) -> Verdict:
             f"averaged over the layers of the top third, is lower (better) than over the bottom third ({THIRDS})")
     n_layers = n_layers or _n_layers(df, None)
     df = df[(df["n"] > 0) & df["rank_median"].notna()]
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds("values_layers")
     _, bottom, _, top = t
@@ -293,7 +300,7 @@ def fig7(compose_layers, activation: str | None, gated: bool, n_layers: int | No
                f"activation {act}: the coefficient is rarely exactly 0, so m > 0 does not mean 'fired'")
         return Verdict(NA, crit + f". Not comparable here — {why}",
                        f"typical share with m > 0: {_pct(typical)}{eps}")
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds("compose_layers")
     _, bottom, middle, _ = t
@@ -346,7 +353,7 @@ def fig9(compose_layers, n_layers: int | None = None, lens: str | None = None) -
     crit = ("same trend when the share of examples whose residual already has the final prediction "
             "(top(r_ℓ) = top(o_L)) is higher in the top third of the layers than in the bottom third, "
             f"and the curve ends at 1 (top(o) of the last layer; {THIRDS})")
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds("compose_layers")
     _, bottom, _, top = t
@@ -367,7 +374,7 @@ def fig10(compose_layers, n_layers: int | None = None, lens: str | None = None) 
     df, _ = _lens(df, lens)
     crit = ("same trend when the mean probability of the final prediction under the residual's distribution "
             f"is higher in the top third of the layers than in the bottom third ({THIRDS})")
-    t = _thirds_or_none(df, n_layers) if not df.empty else None
+    t = _thirds_or_none(df, n_layers)
     if t is None:
         return _no_thirds("compose_layers")
     _, bottom, _, top = t
