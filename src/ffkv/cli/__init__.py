@@ -22,7 +22,8 @@ from ffkv.model.load import quiet_hf  # noqa: E402,F401
 
 
 # One module per command group; each adds its commands to `app`.
-for _mod in ("info", "mine", "values", "compose", "keys", "annotate", "report", "reproduce", "serve"):
+for _mod in ("info", "mine", "values", "compose", "keys", "annotate", "report", "reproduce", "serve",
+             "normalize"):
     importlib.import_module(f"ffkv.cli.{_mod}").register(app)
 
 

@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "compose": "ffkv.experiments.compose",
     "mutate": "ffkv.experiments.mutate",
     "patterns": "ffkv.experiments.patterns",
+    "normalize": "ffkv.experiments.normalize",
 }
 
 # The user-facing command that makes each step, for "run `...` first" messages.
@@ -32,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "compose": "ffkv compose {run}",
     "mutate": "ffkv mutate {run}",
     "patterns": "ffkv patterns {run}",
+    "normalize": "ffkv normalize {run}",
 }
 
 

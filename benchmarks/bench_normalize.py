@@ -1,0 +1,109 @@
+"""Benchmark `ffkv normalize` on SmolLM2 over held-out Wikipedia (wikipedia:valid).
+
+    .venv/bin/python benchmarks/bench_normalize.py                    # the goal: all layers × 2 variants, 10,000 tokens, ≤ 15 min
+    .venv/bin/python benchmarks/bench_normalize.py --only reproduce   # the sizing `reproduce` uses: ≤ 2 min
+    .venv/bin/python benchmarks/bench_normalize.py --only default     # `ffkv normalize RUN` as is (sweep and variance too)
+    .venv/bin/python benchmarks/bench_normalize.py --tokens 1000      # a quick look
+
+"goal" substitutes every layer's FFN by each of the two variants (no capacity sweep, no variance
+on the model) and prints the wall time of each part, and the ratio to a plain transformers forward
+pass with logits over exactly the same evaluation batches, measured in the same process right
+before and right after (their mean is the baseline, so load from other processes hits both sides
+alike). Running each substitution as a full forward pass would cost 2·L plain passes; the ratio
+says how much of that the cached residual stream saves.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from _common import load_default, out, peak_rss_mb  # noqa: F401  (imports ffkv first)
+
+GOAL_MIN, REPRODUCE_MIN = 15.0, 2.0
+
+
+def plain_forward(mm, seqs, batch_tokens: int) -> float:
+    """Seconds for hf(...).logits over the batches the step packs."""
+    import torch
+
+    from ffkv.experiments.normalize.passes import batches_of
+
+    t = time.perf_counter()
+    with torch.no_grad():
+        for idx in batches_of(seqs, batch_tokens):
+            ids, mask = mm.batch([seqs[i] for i in idx])
+            mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+    return time.perf_counter() - t
+
+
+def measure(mm, name: str, s, goal_min: float | None, baseline: bool) -> None:
+    from ffkv.experiments.normalize import normalize, split
+
+    ev = split(mm, s, warn=lambda m: out(f"note: {m}"))[0]
+    n_tok = sum(map(len, ev))
+    base1 = plain_forward(mm, ev, s.batch_tokens) if baseline else None
+    if baseline:
+        out(f"[{name}] plain forward with logits (before): {base1:.1f} s, {n_tok / base1:,.0f} tok/s")
+    t0 = time.perf_counter()
+    res = normalize(mm, s, warn=lambda m: out(f"note: {m}"), show_progress=None)
+    wall = time.perf_counter() - t0
+    info = res["info"]
+    out(f"[{name}] {info['eval_tokens']:,} evaluation tokens, {info['fit_tokens']:,} fit tokens, "
+        f"{info['layers']} layers, capacity layers {info['capacity_layers']}: prepare {info['seconds_prepare']} s, "
+        f"fit {info['seconds_fit']} s, substitution pass {info['seconds_substitute']} s, tables "
+        f"{info['seconds_tables']} s; total {wall:.1f} s = {wall / 60:.2f} min"
+        + (f" (goal ≤ {goal_min:g} min: {'met' if wall / 60 <= goal_min else 'NOT met'})" if goal_min else ""))
+    if baseline:
+        base2 = plain_forward(mm, ev, s.batch_tokens)
+        base = (base1 + base2) / 2
+        L = mm.n_layers
+        out(f"[{name}] plain forward (after): {base2:.1f} s; mean {base:.1f} s. Substitution pass = "
+            f"{info['seconds_substitute'] / base:.1f} plain passes for {2 * info['layers']} substitutions "
+            f"(one full pass each would be {2 * info['layers']}: {2 * info['layers'] * base / info['seconds_substitute']:.1f}x "
+            f"saved); whole step {wall / base:.1f} plain passes; L = {L}")
+    lay = res["tables"]["normalize_layers"].to_pandas()
+    for v in ("softmax", "scaled_relu"):
+        d = lay[lay["variant"] == v]
+        out(f"[{name}] {v}: Δloss median {d['delta_loss'].median():+.3f} nats (min {d['delta_loss'].min():+.3f}, "
+            f"max {d['delta_loss'].max():+.3f}); intact loss {lay['loss_intact'].iloc[0]:.3f}")
+    out(f"[{name}] peak RSS so far {peak_rss_mb():,.0f} MB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("goal", "reproduce", "default"), default="goal")
+    ap.add_argument("--tokens", type=int, default=None, help="Evaluation tokens (default: the mode's own).")
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--no-baseline", action="store_true", help="Skip the plain forward passes.")
+    args = ap.parse_args()
+
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    from dataclasses import replace
+
+    from ffkv.experiments.normalize import NormalizeSettings
+    from ffkv.experiments.normalize import reproduce_settings
+
+    t0 = time.perf_counter()
+    mm = load_default()
+    out(f"SmolLM2-135M: {mm.n_layers} layers, d_m={mm.d_m}; torch threads {torch.get_num_threads()}; load "
+        f"{time.perf_counter() - t0:.1f} s; machine load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    if args.only == "goal":
+        s = NormalizeSettings(sweep_tokens=0, capacity_layers=(), batch_tokens=args.batch_tokens)
+        goal = GOAL_MIN
+    elif args.only == "reproduce":
+        s, goal = replace(reproduce_settings(mm.n_layers), batch_tokens=args.batch_tokens), REPRODUCE_MIN
+    else:
+        s, goal = NormalizeSettings(batch_tokens=args.batch_tokens), None
+    if args.tokens:
+        s = replace(s, tokens=args.tokens)
+    measure(mm, args.only, s, goal, baseline=not args.no_baseline)
+    out(f"machine load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
