@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +27,8 @@ log = logging.getLogger("ffkv.web")
 
 class SecurityHeaders:
     """Pure ASGI middleware: add `SECURITY_HEADERS` to every HTTP response (a route may set its
-    own Content-Security-Policy, e.g. the report's)."""
+    own Content-Security-Policy, e.g. the report's), and `Server-Timing: app;dur=MS`, the time
+    from the request to the response's start (what benchmarks/bench_serve.py reads)."""
 
     def __init__(self, app):
         self.app = app
@@ -36,10 +38,13 @@ class SecurityHeaders:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        t0 = time.perf_counter()
+
         async def send_(msg):
             if msg["type"] == "http.response.start":
                 have = {k.lower() for k, _ in msg.get("headers", [])}
                 msg["headers"] = list(msg.get("headers", [])) + [(k, v) for k, v in self.headers if k not in have]
+                msg["headers"].append((b"server-timing", f"app;dur={1000 * (time.perf_counter() - t0):.2f}".encode()))
             await send(msg)
 
         return await self.app(scope, receive, send_)

@@ -151,16 +151,35 @@ class IndexState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _find_edges(obj, path=()):
-    """A list named `edges` somewhere under a manifest entry about key statistics."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k == "edges" and isinstance(v, list) and any("stat" in str(p) or "hist" in str(p) for p in path):
-                return v
-            r = _find_edges(v, path + (k,))
-            if r is not None:
-                return r
-    return None
+def _num(x: float) -> str:
+    return f"{x:.3g}" if x >= 1e-3 or x == 0 else f"2^{math.log2(x):.0f}"
+
+
+def hist_layout(manifest: dict) -> dict | None:
+    """The bins of `key_hist` from the manifest (`steps.mine.stats`: per bin its sign and the
+    |m| bounds lo <= |m| < hi, in value order; see `ffkv.mine.stats`), with a label per bin."""
+    st = ((manifest.get("steps") or {}).get("mine") or {}).get("stats")
+    if not isinstance(st, dict) or not all(isinstance(st.get(k), list) for k in ("sign", "lo", "hi")):
+        return None
+    labels = []
+    for sg, lo, hi in zip(st["sign"], st["lo"], st["hi"]):
+        if sg == 0:
+            labels.append("m = 0")
+        elif hi is None or (isinstance(hi, float) and math.isinf(hi)):
+            labels.append(f"m ≥ {_num(lo)}" if sg > 0 else f"m ≤ −{_num(lo)}")
+        elif sg > 0:
+            labels.append(f"{_num(lo)} ≤ m < {_num(hi)}")
+        else:
+            labels.append(f"−{_num(hi)} < m ≤ −{_num(lo)}")
+    return {"sign": [int(x) for x in st["sign"]], "labels": labels, "n": len(labels)}
+
+
+def position_buckets(n: int) -> list[str]:
+    """Labels of `key_stats.pos_hist`: 0, 1, 2–3, 4–7, …, the last one open."""
+    out = ["0"] + [f"{2 ** (b - 1)}" if b == 1 else f"{2 ** (b - 1)}–{2 ** b - 1}" for b in range(1, n)]
+    if n > 1:
+        out[-1] = f"≥ {2 ** (n - 2)}"
+    return out
 
 
 # ---- the browser's view of a run -------------------------------------------------------------------
@@ -242,7 +261,7 @@ class Browser:
         self.key_stats = opt("key_stats")
         self.key_hist = opt("key_hist")
         self.key_samples = opt("key_samples")
-        self.hist_edges = _find_edges(man)
+        self.hist_layout = hist_layout(man)
         self.values_layers = opt("values_layers", False)
         self.compose_layers = opt("compose_layers", False)
         self.patterns_fig2 = opt("patterns_fig2", False)
@@ -257,6 +276,8 @@ class Browser:
             self._exact.setdefault(s, []).append(i)
 
         self.memories = self._memories_table()
+        self._precision = tuple(self.memories.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
+                                for c in ("precision", "precision_neg"))
         self._con = query.connect(self.run)
         self._con.register("memories", self.memories)
         self._con_lock = threading.Lock()
@@ -510,9 +531,11 @@ class Browser:
 
     # ---- a memory page -----------------------------------------------------------------------
     def prefix(self, row: int, position: int) -> dict:
-        toks = self.sentence_tokens(row)[: position + 1]
-        cut = max(0, len(toks) - PREFIX_TOKENS)
-        texts = [self.tok(t) for t in toks]
+        """A prefix's text (its tokens' decoded texts joined): `full`, and for display its last
+        PREFIX_TOKENS tokens as `head` + `trigger` (the last token), `cut` when shortened."""
+        vocab = self.vocab
+        texts = [vocab[t] for t in self.sentence_tokens(row)[: position + 1].tolist()]
+        cut = max(0, len(texts) - PREFIX_TOKENS)
         return {"head": "".join(texts[cut:-1]), "trigger": texts[-1] if texts else "",
                 "cut": cut > 0, "full": "".join(texts)}
 
@@ -533,7 +556,7 @@ class Browser:
                     return out, len(r["top_tokens"]), "values"
         return {}, 0, None
 
-    def memory(self, layer: int, dim: int, top: int = 25) -> dict:
+    def memory(self, layer: int, dim: int, top: int = 25, all_samples: bool = True) -> dict:
         """Everything a memory page shows, as plain data (the JSON API returns it as is)."""
         self.check_key(layer, dim)
         top = max(1, min(int(top), MAX_TOP))
@@ -542,7 +565,9 @@ class Browser:
         if not mined and not values_rows:
             raise NotFound(f"memory {layer}/{dim} has no triggers and no values in this run "
                            f"(mined: {len(self.keys):,} of {self.L * self.d_m:,} memories)")
-        trig = self.trig.slice(layer, dim).to_pylist()
+        a, _ = self.trig.span(layer, dim)
+        trig = self.trig.slice(layer, dim).to_pylist()  # sorted: sign desc, rank (the table's order)
+        srows = self.trig_row[a:a + len(trig)].tolist()
         muts: dict[tuple[int, int], dict] = {}
         if self.mutations is not None:
             for m in self.mutations.rows(layer, dim):
@@ -554,11 +579,11 @@ class Browser:
                 covered.setdefault((p["sign"], i + 1), []).append(p["pattern_id"])
         ranks = {s: self.value_ranks(layer, dim, s) for s in (1, -1)}
         triggers: dict[str, list[dict]] = {"+": [], "-": []}
-        for r in sorted(trig, key=lambda r: (-r["sign"], r["rank"])):
+        for j in sorted(range(len(trig)), key=lambda j: (-trig[j]["sign"], trig[j]["rank"])):
+            r, row = trig[j], srows[j]
             key = "+" if r["sign"] == 1 else "-"
             if len(triggers[key]) >= top:
                 continue
-            row = self.sentence_row(r["sentence_id"])
             nt = r["next_token"]
             # the direction this trigger writes: +v when its coefficient is ≥ 0, else −v
             direction = 1 if (r["coef"] or 0) >= 0 else -1
@@ -592,17 +617,18 @@ class Browser:
                 if len(xs):
                     mut_summary.append({"mutation": kind, "n": int(len(xs)), "mean": float(xs.mean()),
                                         "median": float(np.median(xs)), "share_lower": float((xs < 0).mean())})
-        meas = self.measures(layer, dim)
+        c = self.code(layer, dim)
+        prec = {"k": PRECISION_K, "value": _f(self._precision[0][c]), "neg_value": _f(self._precision[1][c])}
         return {
             "layer": layer, "dim": dim, "mined": mined, "lens": self.lens, "top": top,
             "model": self.model_id, "corpus_sha256": self.corpus_sha, "negative": self.negative,
             "triggers": triggers, "n_triggers": {"+": int(sum(1 for r in trig if r["sign"] == 1)),
                                                  "-": int(sum(1 for r in trig if r["sign"] == -1))},
             "values": vals, "vocab_views": views, "agreement": agreement,
-            "precision": {"k": PRECISION_K, "value": meas["precision"], "neg_value": meas["precision_neg"]},
+            "precision": prec,
             "patterns": pats, "pattern_keys": pk, "mutations": mut_summary,
             "annotations": self.annotations(layer, dim),
-            "stats": self.key_statistics(layer, dim),
+            "stats": self.key_statistics(layer, dim, all_samples),
             "links": {**{k: {"layer": v[0], "dim": v[1]} for k, v in self.neighbours(layer, dim).items()}}
             if len(self.keys) else {},
         }
@@ -632,27 +658,52 @@ class Browser:
                 out["lenses"][self.lens] = d
         return out
 
-    def key_statistics(self, layer: int, dim: int) -> dict | None:
+    def key_statistics(self, layer: int, dim: int, all_samples: bool = True) -> dict | None:
+        """The key-statistics tables of `ffkv mine` for one key (None when the run has none):
+        summary rows per sign, the signed histogram, the positions of each sentence's best
+        coefficient, and sample prefixes per histogram bin (strongest first)."""
         if self.key_stats is None and self.key_hist is None and self.key_samples is None:
             return None
-        out: dict = {"stats": [], "hist": None, "samples": []}
+        lay = self.hist_layout
+        label = (lambda b: lay["labels"][b] if lay and 0 <= b < lay["n"] else f"bin {b}")  # noqa: E731
+        out: dict = {"stats": [], "hist": None, "samples": [], "n_samples": 0}
         if self.key_stats is not None:
-            out["stats"] = self.key_stats.rows(layer, dim)
+            for r in self.key_stats.rows(layer, dim):
+                ph = r.pop("pos_hist", None)
+                if ph is not None:
+                    r["positions"] = [{"bucket": b, "count": int(c)} for b, c in zip(position_buckets(len(ph)), ph)]
+                out["stats"].append(r)
         if self.key_hist is not None:
-            h = sorted(self.key_hist.rows(layer, dim), key=lambda r: (r.get("sign", 0), r.get("bin", 0)))
-            if h:
-                edges = self.hist_edges
-                if "lo" in h[0] and "hi" in h[0]:
-                    edges = [h[0]["lo"]] + [r["hi"] for r in h]
-                out["hist"] = {"rows": h, "edges": edges}
+            rows = self.key_hist.rows(layer, dim)
+            if rows:
+                n = lay["n"] if lay else max(r["bin"] for r in rows) + 1
+                counts = [0] * n
+                for r in rows:
+                    if 0 <= r["bin"] < n:
+                        counts[r["bin"]] += int(r["count"])
+                occ = [b for b, c in enumerate(counts) if c]
+                zero = lay["sign"].index(0) if lay and 0 in lay["sign"] else None
+                lo, hi = min(occ + ([zero] if zero is not None else [])), max(occ + ([zero] if zero is not None else []))
+                out["hist"] = {"counts": counts, "labels": [label(b) for b in range(n)],
+                               "sign": lay["sign"] if lay else None, "shown": [lo, hi], "total": sum(counts)}
         if self.key_samples is not None:
             rows = self.key_samples.rows(layer, dim)
-            for r in sorted(rows, key=lambda r: (-(r.get("sign") or 0), r.get("bin", 0), -(r.get("coef") or 0))):
+            order = sorted(range(len(rows)), key=lambda j: (-(rows[j].get("sign") or 0),
+                                                            -(rows[j].get("sign") or 1) * rows[j].get("bin", 0), j))
+            out["n_samples"] = len(rows)
+            seen = set()
+            for j in order:
+                r = rows[j]
+                level = (r.get("sign"), r.get("bin"))
+                if not all_samples and level in seen:
+                    continue
+                seen.add(level)
                 try:
-                    row = self.sentence_row(int(r["sentence_id"]))
+                    srow = self.sentence_row(int(r["sentence_id"]))
                 except (NotFound, KeyError, TypeError):
                     continue
-                out["samples"].append({**r, "prefix": self.prefix(row, int(r["position"])),
+                out["samples"].append({**r, "level": label(int(r.get("bin", -1))),
+                                       "prefix": self.prefix(srow, int(r["position"])),
                                        "permalink": self.permalink(r["sentence_id"], r["position"])})
         return out
 
@@ -921,12 +972,14 @@ class Browser:
             for v in self.compose_layers.to_pylist():
                 if v.get("lens", self.lens) == self.lens and 0 <= v["layer"] < self.L:
                     rows[v["layer"]]["active"] = {"mean": v.get("active_mean"), "eps": v.get("active_eps_mean")}
-        elif self.key_stats is not None and "frac_pos" in self.key_stats.table.column_names:
+        elif self.key_stats is not None and ({"frac_active", "frac_pos"} & set(self.key_stats.table.column_names)):
+            # the density of m > 0 per key (key_stats of `ffkv mine`), averaged over the layer's keys
             ks = self.key_stats.table
+            col = "frac_active" if "frac_active" in ks.column_names else "frac_pos"
             if "sign" in ks.column_names:
                 ks = ks.filter(pc.equal(ks.column("sign"), 1))
             lay = ks.column("layer").to_numpy()
-            fp = ks.column("frac_pos").to_numpy(zero_copy_only=False).astype(np.float64)
+            fp = ks.column(col).to_numpy(zero_copy_only=False).astype(np.float64)
             for l in range(self.L):
                 x = fp[lay == l]
                 if len(x):

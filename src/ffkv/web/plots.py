@@ -64,9 +64,11 @@ def stacked(parts: list[tuple[float, str, str]], width: int = 160, height: int =
     return Markup("".join(out))
 
 
-def histogram(counts: list[float], edges: list[float] | None = None, width: int = 360, height: int = 90,
-              label: str = "", log: bool = False) -> Markup:
-    """Bars of `counts` (optionally on a log scale), with the edge range as axis labels."""
+def histogram(counts: list[float], labels: list[str] | None = None, classes: list[str] | None = None,
+              axis: tuple[str, str, str] | None = None, width: int = 380, height: int = 96, label: str = "",
+              log: bool = True) -> Markup:
+    """Bars of `counts` (log scale by default), each with a tooltip (`labels`) and a CSS class
+    (`classes`, e.g. by sign); `axis` = texts under the left end, the middle and the right end."""
     if not counts:
         return Markup('<span class="muted">–</span>')
     ys = [math.log1p(max(float(c), 0.0)) if log else max(float(c), 0.0) for c in counts]
@@ -78,17 +80,15 @@ def histogram(counts: list[float], edges: list[float] | None = None, width: int 
            f'aria-label="{escape(label)}"><title>{escape(label)}</title>']
     for i, (y, c) in enumerate(zip(ys, counts)):
         bh = y / top * h
-        rng = ""
-        if edges and len(edges) == n + 1:
-            rng = f"[{float(edges[i]):.3g}, {float(edges[i + 1]):.3g}): "
-        out.append(f'<rect class="bar" x="{_num(1 + i * bw)}" y="{_num(h - bh)}" width="{_num(max(bw - 1, 0.5))}" '
-                   f'height="{_num(bh)}"><title>{escape(rng)}{escape(f"{float(c):,.0f}")}</title></rect>')
+        cls = classes[i] if classes else "bar"
+        tip = f"{labels[i]}: " if labels else ""
+        out.append(f'<rect class="{escape(cls)}" x="{_num(1 + i * bw)}" y="{_num(h - bh)}" '
+                   f'width="{_num(max(bw - 1, 0.5))}" height="{_num(bh)}"><title>{escape(tip)}'
+                   f'{escape(f"{float(c):,.0f}")}</title></rect>')
     out.append(f'<line class="axis" x1="0" y1="{h}" x2="{width}" y2="{h}"/>')
-    if edges and len(edges) == n + 1:
-        out.append(f'<text x="1" y="{height - 3}" class="lbl">{escape(f"{float(edges[0]):.3g}")}</text>')
-        out.append(f'<text x="{width - 1}" y="{height - 3}" class="lbl end">{escape(f"{float(edges[-1]):.3g}")}</text>')
-        if edges[0] < 0 < edges[-1]:
-            zx = (0 - edges[0]) / (edges[-1] - edges[0]) * (width - 2) + 1
-            out.append(f'<line class="zero" x1="{_num(zx)}" y1="0" x2="{_num(zx)}" y2="{h}"/>')
+    if axis:
+        out.append(f'<text x="1" y="{height - 3}" class="lbl">{escape(axis[0])}</text>')
+        out.append(f'<text x="{width / 2}" y="{height - 3}" class="lbl mid">{escape(axis[1])}</text>')
+        out.append(f'<text x="{width - 1}" y="{height - 3}" class="lbl end">{escape(axis[2])}</text>')
     out.append("</svg>")
     return Markup("".join(out))

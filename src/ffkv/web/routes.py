@@ -23,6 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from markupsafe import Markup
 
 from ffkv.errors import FfkvError
 from ffkv.web import plots
@@ -104,8 +105,8 @@ def opt_str(v: str | None) -> str | None:
     return None if v is None or str(v).strip() == "" else str(v)
 
 
-def memory_data(request: Request, layer: int, dim: int, top: int) -> dict:
-    return state(request).memory(layer, dim, top)
+def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:
+    return state(request).memory(layer, dim, top, all_samples)
 
 
 # ---- static files and the report ------------------------------------------------------------------
@@ -199,9 +200,20 @@ def api_index(request: Request):
 
 
 # ---- a memory page --------------------------------------------------------------------------------
-def annotation_prefixes(request: Request, layer: int, dim: int, sign: int) -> list[dict]:
-    m = state(request).memory(layer, dim, ANNOTATE_TOP)
+def prefix_html(p: dict) -> Markup:
+    """A prefix as HTML: its text escaped, the trigger token marked (built once per row here
+    rather than in the template, which is the hot loop of a memory page)."""
+    return Markup('<span class="prefix">{}{}<mark>{}</mark></span>').format(
+        Markup('<span class="muted">…</span>') if p["cut"] else "", p["head"], p["trigger"])
+
+
+def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
+    """The top-25 prefixes of one sign (from `m` when it holds them)."""
     rows = m["triggers"]["+" if sign == 1 else "-"]
+    if m["top"] < ANNOTATE_TOP:
+        rows = state(request).memory(m["layer"], m["dim"], ANNOTATE_TOP)["triggers"]["+" if sign == 1 else "-"]
+        for r in rows:
+            r["prefix_html"] = prefix_html(r["prefix"])
     return [r for r in rows if r["rank"] <= ANNOTATE_TOP]
 
 
@@ -219,29 +231,44 @@ def form_state(request: Request, layer: int, dim: int, sign: int, slots: int | N
     return {"annotator": who, "note": note, "slots": slots_[:MAX_SLOTS], "sign": sign}
 
 
+def stats_plot(st: dict | None):
+    """The key's signed activation histogram over the occupied bins (and the zero bin)."""
+    if not st or not st.get("hist"):
+        return None
+    h = st["hist"]
+    a, b = h["shown"]
+    cls = {-1: "neg", 0: "zero-bin", 1: "pos"}
+    classes = [cls.get(x, "bar") for x in h["sign"][a:b + 1]] if h.get("sign") else None
+    labels = h["labels"][a:b + 1]
+    return plots.histogram(h["counts"][a:b + 1], labels, classes, axis=(labels[0], "", labels[-1]),
+                           label=f"coefficients of this key over {h['total']:,} corpus tokens (log counts)")
+
+
 def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, slots: int | None,
-                  form: dict | None = None, error: str | None = None, status_code: int = 200):
+                  form: dict | None = None, error: str | None = None, status_code: int = 200,
+                  all_samples: bool = False):
     b = state(request)
-    m = memory_data(request, layer, dim, top)
+    m = memory_data(request, layer, dim, top, all_samples)
+    for rows in m["triggers"].values():
+        for r in rows:
+            r["prefix_html"] = prefix_html(r["prefix"])
     can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
     form = form or form_state(request, layer, dim, sign, slots)
-    prefixes = annotation_prefixes(request, layer, dim, sign) if can_annotate else []
-    st = m.get("stats") or {}
-    hist = None
-    if st and st.get("hist"):
-        h = st["hist"]
-        counts = [r.get("count", 0) for r in h["rows"]]
-        hist = plots.histogram(counts, h.get("edges"), label="activation histogram (coefficients)", log=True)
+    prefixes = annotation_prefixes(request, m, sign) if can_annotate else []
+    hist = stats_plot(m.get("stats"))
     return render(request, "memory.html", status_code=status_code, m=m, form=form, form_error=error,
                   prefixes=prefixes, can_annotate=can_annotate, hist=hist, b=b, slots=len(form["slots"]),
-                  max_slots=MAX_SLOTS)
+                  max_slots=MAX_SLOTS, all_samples=all_samples)
 
 
 @router.get("/memory/{layer}/{dim}", include_in_schema=False)
 def memory_page(request: Request, layer: int, dim: int, top: str | None = None, annotate_sign: str | None = None,
-                slots: str | None = None):
+                slots: str | None = None, samples: str | None = None):
+    if samples not in (None, "", "all", "first"):
+        raise BadQuery(f"samples must be all or first (got {samples!r})")
     return render_memory(request, layer, dim, req_int(top, "top", 25, 1, 200),
-                         opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS))
+                         opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS),
+                         all_samples=samples == "all")
 
 
 @router.get("/api/memory/{layer}/{dim}")

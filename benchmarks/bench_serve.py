@@ -1,0 +1,192 @@
+"""Benchmark of `ffkv serve` (the memory browser) on a real run, measured side by side in one run.
+
+    .venv/bin/python benchmarks/bench_serve.py --run runs/default [--pages 500] [--direct]
+
+It starts `ffkv serve RUN` as a user would (a subprocess on a free localhost port) and reads the
+server's own time of each response from its `Server-Timing` header (the client's wall time is
+printed beside it). Goals (issue 16), against the default run (46,080 memories, 4.6M trigger rows):
+- startup: from starting the command to the first page ≤ 5 s;
+- memory page: server time median ≤ 30 ms and p99 ≤ 150 ms over `--pages` random memories;
+- token search over all 46,080 values ≤ 300 ms (with the token index in memory: read from the
+  run's `value_index` table, or built by the server on first use, whose build time is printed);
+- concurrency: 50 concurrent page requests all get 200.
+With `--direct`, the same token's exact ranks computed directly (all values projected onto the
+vocabulary, as without an index) are timed in this process, for the ratio.
+Speeds are goals, never timed assertions in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from _common import ROOT, out
+
+GOALS = {"startup_s": 5.0, "page_median_ms": 30.0, "page_p99_ms": 150.0, "token_ms": 300.0}
+TOKENS = ["the", "of", "Paris", "river", "war", "music", "1990", "he", "city", "played", "king", "water",
+          "film", "church", "German", "team", "school", "gold", "north", "computer"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_ms(r) -> float:
+    m = re.search(r"dur=([0-9.]+)", r.headers.get("server-timing", ""))
+    return float(m.group(1)) if m else float("nan")
+
+
+def stats(xs) -> str:
+    a = np.asarray(xs, dtype=np.float64)
+    return (f"median {np.median(a):.1f} ms, p90 {np.percentile(a, 90):.1f} ms, p99 {np.percentile(a, 99):.1f} ms, "
+            f"max {a.max():.1f} ms (n={len(a)})")
+
+
+def start(run: Path, port: int):
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(run), "--port", str(port)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return p, t0
+
+
+def wait_first_page(client, url: str, p, t0: float) -> float:
+    import httpx
+
+    while True:
+        try:
+            r = client.get(url + "/")
+            if r.status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            raise SystemExit(f"ffkv serve exited: {p.stderr.read()}")
+        time.sleep(0.02)
+
+
+def main() -> None:
+    import httpx
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", type=Path, default=ROOT / "runs" / "default")
+    ap.add_argument("--pages", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--direct", action="store_true", help="time the direct projection of one token too")
+    a = ap.parse_args()
+    if not (a.run / "manifest.json").exists():
+        raise SystemExit(f"{a.run} is not a run; make one with `ffkv reproduce runs/default` (or pass --run)")
+    import pyarrow.parquet as pq
+
+    n_trig = pq.ParquetFile(a.run / "triggers.parquet").metadata.num_rows
+    out(f"run {a.run}: {n_trig:,} trigger rows; value_index table: "
+        f"{'yes' if (a.run / 'value_index.parquet').exists() else 'no (the server builds it in memory)'}")
+
+    # ---- startup: command start -> first page ----------------------------------------------------
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(timeout=600)
+    p, t0 = start(a.run, port)
+    try:
+        startup = wait_first_page(client, url, p, t0)
+        t_imp = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import ffkv.cli"], check=True, cwd=ROOT)
+        import_s = time.perf_counter() - t_imp
+        ov = client.get(url + "/api/overview").json()
+        out(f"startup: first page {startup:.2f} s after starting `ffkv serve` (goal ≤ {GOALS['startup_s']:.0f} s); "
+            f"tables loaded in {ov['load_seconds']} s; `import ffkv.cli` alone takes {import_s:.2f} s here")
+
+        # ---- memory pages ------------------------------------------------------------------------
+        rng = random.Random(a.seed)
+        L, D = ov["layers"], ov["d_m"]
+        keys = [(rng.randrange(L), rng.randrange(D)) for _ in range(a.pages)]
+        client.get(url + "/memory/0/0")  # compile the template once
+        srv, wall, codes = [], [], []
+        for l, d in keys:
+            t = time.perf_counter()
+            r = client.get(f"{url}/memory/{l}/{d}")
+            wall.append(1000 * (time.perf_counter() - t))
+            srv.append(server_ms(r))
+            codes.append(r.status_code)
+        ok = sum(c == 200 for c in codes)
+        out(f"memory page, server time: {stats(srv)}; goal median ≤ {GOALS['page_median_ms']:.0f} ms, "
+            f"p99 ≤ {GOALS['page_p99_ms']:.0f} ms; {ok}/{len(codes)} × 200")
+        out(f"memory page, client wall time: {stats(wall)}; page size {len(r.content) / 1024:.0f} kB")
+        api = [server_ms(client.get(f"{url}/api/memory/{l}/{d}")) for l, d in keys[:100]]
+        out(f"memory JSON (/api/memory), server time: {stats(api)}")
+
+        # ---- 50 concurrent pages -----------------------------------------------------------------
+        async def burst(n=50):
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=n)) as c:
+                t = time.perf_counter()
+                rs = await asyncio.gather(*(c.get(f"/memory/{l}/{d}") for l, d in keys[:n]))
+                return rs, time.perf_counter() - t
+
+        rs, dt = asyncio.run(burst())
+        out(f"concurrency: 50 concurrent memory pages: {sum(r.status_code == 200 for r in rs)}/50 × 200 in "
+            f"{dt:.2f} s wall (server times {stats([server_ms(r) for r in rs])})")
+
+        # ---- token search ------------------------------------------------------------------------
+        t = time.perf_counter()
+        client.post(url + "/index/build", headers={"Origin": url}, follow_redirects=False)
+        while True:
+            st = client.get(url + "/api/index").json()
+            if st["status"] in ("ready", "failed"):
+                break
+            time.sleep(0.5)
+        build = time.perf_counter() - t
+        if st["status"] == "failed":
+            raise SystemExit(f"token index failed: {st['error']}")
+        out(f"token index: {st['source']} (k = {st['k']}); ready after {build:.1f} s"
+            + (" (includes loading the model)" if st["source"] != "run" else ""))
+        tok_ms, totals = [], []
+        for q in TOKENS:
+            for direction in ("promote", "suppress"):
+                r = client.get(url + "/api/search", params={"token": q, "k": 10, "dir": direction})
+                tok_ms.append(server_ms(r))
+                totals.append(r.json().get("total", 0))
+        html_ms = [server_ms(client.get(url + "/search", params={"token": q, "k": 10})) for q in TOKENS]
+        out(f"token search over all {L * D:,} values (API): {stats(tok_ms)}; goal ≤ {GOALS['token_ms']:.0f} ms; "
+            f"memories found per query: median {np.median(totals):.0f}")
+        out(f"token search page (HTML): {stats(html_ms)}")
+        text_ms = [server_ms(client.get(url + "/api/search", params={"text": q})) for q in TOKENS[:8]]
+        out(f"text search (word in 4.6M-row prefixes): {stats(text_ms)}")
+        meas_ms = [server_ms(client.get(url + "/api/search", params={"sort": s}))
+                   for s in ("max_prob", "precision", "agreement", "coverage", "max_prob_neg") * 4]
+        out(f"search by measure: {stats(meas_ms)}")
+    finally:
+        p.terminate()
+        p.wait(10)
+
+    if a.direct:  # the same answer without an index: project every value onto the vocabulary
+        import torch
+
+        from _common import load_default
+        from ffkv.model.memories import rank_of
+
+        mm = load_default()
+        tok = mm.tok.encode(" the", add_special_tokens=False)[-1]
+        t = time.perf_counter()
+        n = 0
+        with torch.no_grad():
+            for l in range(mm.n_layers):
+                V = mm.values(l)
+                for s in range(0, V.shape[0], 512):
+                    z = mm.lens.direction_logits(V[s:s + 512]).float()
+                    n += int((rank_of(z, torch.full((len(z),), tok)) < 10).sum())
+        direct = time.perf_counter() - t
+        out(f"direct projection of all values for one token: {direct:.1f} s ({n} memories rank it < 10), "
+            f"{1000 * direct / np.median(tok_ms):,.0f}× the indexed search's median")
+
+
+if __name__ == "__main__":
+    main()
