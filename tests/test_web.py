@@ -368,6 +368,30 @@ def test_key_statistics(client, web_run, tmp_path):
     assert r.status_code == 200 and "Activation statistics" not in r.text
 
 
+def test_a_run_with_only_mine(web_run, tmp_path):
+    """Runs made with `ffkv mine` alone (or older runs): every page works, showing what there is."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    run = tmp_path / "mine-only"
+    run.mkdir()
+    for name in ("manifest.json", "sentences.parquet", "triggers.parquet", "vocab.parquet"):
+        shutil.copy(web_run / name, run / name)
+    c = TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+    for url in ("/", "/memory/1/5", "/memory/1/5?top=50&annotate_sign=-1", "/search", "/search?sort=precision",
+                "/search?text=river", "/search?text=the&mode=token", "/annotations", "/sentence/3",
+                "/api/memory/0/0", "/api/overview"):
+        r = c.get(url)
+        assert r.status_code == 200, (url, r.text[:500])
+    m = c.get("/api/memory/1/5").json()
+    assert m["values"] == {} and m["agreement"] is None and m["patterns"] == [] and m["stats"] is None
+    assert all(r["badge"] is None for r in m["triggers"]["+"])  # no value distribution to rank in
+    assert "needs values" in c.get("/").text
+
+
 def test_navigation_sentence_and_reverify(client, web_run):
     m = client.get("/api/memory/0/0").json()
     assert m["links"]["prev"] == {"layer": 2, "dim": 79} and m["links"]["next"] == {"layer": 0, "dim": 1}

@@ -62,23 +62,38 @@ class BadQuery(FfkvError):
 
 # ---- per-memory lookups ----------------------------------------------------------------------------
 class ByKey:
-    """The rows of a table grouped by memory: code = layer × d_m + dim, sorted (stable)."""
+    """The rows of a table grouped by memory, code = layer × d_m + dim, without reordering the
+    table: `code` is in table order, `order` (None when the table is already sorted by code)
+    a stable argsort, so a memory's rows keep the table's order among themselves."""
 
     def __init__(self, table: pa.Table, d_m: int):
+        table = table.combine_chunks()  # one chunk: take() of a few rows stays O(rows)
         code = (table.column("layer").to_numpy().astype(np.int64) * d_m
                 + table.column("dim").to_numpy().astype(np.int64))
+        if len(code) and code.max() < 2 ** 31:
+            code = code.astype(np.int32)
+        self.order = None
         if len(code) and np.any(code[1:] < code[:-1]):
-            order = np.argsort(code, kind="stable")
-            table, code = table.take(pa.array(order)), code[order]
+            self.order = np.argsort(code, kind="stable").astype(np.int64)
+        self.sorted_code = code if self.order is None else code[self.order]
         self.table, self.code, self.d_m = table, code, d_m
 
     def span(self, layer: int, dim: int) -> tuple[int, int]:
-        c = int(layer) * self.d_m + int(dim)
-        return int(np.searchsorted(self.code, c, "left")), int(np.searchsorted(self.code, c, "right"))
+        # the needle in the array's own dtype: a Python int would make numpy cast the whole array
+        c = self.sorted_code.dtype.type(int(layer) * self.d_m + int(dim))
+        return (int(np.searchsorted(self.sorted_code, c, "left")),
+                int(np.searchsorted(self.sorted_code, c, "right")))
+
+    def indices(self, layer: int, dim: int) -> np.ndarray:
+        """Row numbers (in table order) of one memory's rows."""
+        a, b = self.span(layer, dim)
+        return np.arange(a, b) if self.order is None else self.order[a:b]
 
     def slice(self, layer: int, dim: int) -> pa.Table:
-        a, b = self.span(layer, dim)
-        return self.table.slice(a, b - a)
+        if self.order is None:
+            a, b = self.span(layer, dim)
+            return self.table.slice(a, b - a)
+        return self.table.take(pa.array(self.indices(layer, dim)))
 
     def rows(self, layer: int, dim: int) -> list[dict]:
         return self.slice(layer, dim).to_pylist()
@@ -224,7 +239,7 @@ class Browser:
         self.sent, self.sent_ids = sent, sid
         tok_col = sent.column("token_ids").combine_chunks()
         self.tok_offsets = tok_col.offsets.to_numpy().astype(np.int64)
-        self.tok_flat = tok_col.values.to_numpy().astype(np.int64)
+        self.tok_flat = tok_col.values.to_numpy().astype(np.int32)
         self._texts = sent.column("text")
         self._docs = sent.column("doc_id").to_numpy() if "doc_id" in cols else None
         self._titles = sent.column("title") if "title" in cols else None
@@ -234,16 +249,23 @@ class Browser:
         t = self.trig.table
         tsid = t.column("sentence_id").to_numpy().astype(np.int64)
         tpos = t.column("position").to_numpy().astype(np.int64)
-        row = np.clip(np.searchsorted(self.sent_ids, tsid), 0, max(len(self.sent_ids) - 1, 0))
-        ok = (self.sent_ids[row] == tsid) if len(self.sent_ids) else np.zeros(len(tsid), bool)
+        n_sent = len(self.sent_ids)
+        if n_sent and self.sent_ids[0] == 0 and self.sent_ids[-1] == n_sent - 1:  # ids 0..N-1: the row is the id
+            row = tsid
+            ok = (tsid >= 0) & (tsid < n_sent)
+        else:
+            row = np.searchsorted(self.sent_ids, tsid)
+            row[row >= n_sent] = 0
+            ok = (self.sent_ids[row] == tsid) if n_sent else np.zeros(len(tsid), bool)
         if not ok.all():
             raise FfkvError(f"{int((~ok).sum())} trigger rows point to sentences missing from the "
                             f"`sentences` table of {self.path}; the run is inconsistent (re-run `ffkv mine`)")
-        self.trig_row = row
+        self.trig_row = row.astype(np.int32)
         self.trig_token = self.tok_flat[self.tok_offsets[row] + tpos]
-        self.trig_sign = t.column("sign").to_numpy().astype(np.int64)
-        self.trig_rank = t.column("rank").to_numpy().astype(np.int64)
-        self.keys = np.unique(self.trig.code)
+        del tsid, tpos, row, ok
+        self.trig_sign = t.column("sign").to_numpy().astype(np.int8)
+        self.trig_rank = t.column("rank").to_numpy().astype(np.int16)
+        self.keys = np.unique(self.trig.code).astype(np.int64)
         self.negative = bool((self.trig_sign == -1).any())
 
         # the other steps' tables, when present
@@ -525,9 +547,8 @@ class Browser:
         return st.stats() if st is not None else None
 
     def n_prefixes(self, layer: int, dim: int, sign: int) -> int:
-        a, b = self.trig.span(layer, dim)
-        sel = (self.trig_sign[a:b] == sign) & (self.trig_rank[a:b] <= ANNOTATE_TOP)
-        return int(sel.sum())
+        idx = self.trig.indices(layer, dim)
+        return int(((self.trig_sign[idx] == sign) & (self.trig_rank[idx] <= ANNOTATE_TOP)).sum())
 
     # ---- a memory page -----------------------------------------------------------------------
     def prefix(self, row: int, position: int) -> dict:
@@ -565,9 +586,9 @@ class Browser:
         if not mined and not values_rows:
             raise NotFound(f"memory {layer}/{dim} has no triggers and no values in this run "
                            f"(mined: {len(self.keys):,} of {self.L * self.d_m:,} memories)")
-        a, _ = self.trig.span(layer, dim)
-        trig = self.trig.slice(layer, dim).to_pylist()  # sorted: sign desc, rank (the table's order)
-        srows = self.trig_row[a:a + len(trig)].tolist()
+        idx = self.trig.indices(layer, dim)
+        trig = self.trig.table.take(pa.array(idx)).to_pylist()
+        srows = self.trig_row[idx].tolist()
         muts: dict[tuple[int, int], dict] = {}
         if self.mutations is not None:
             for m in self.mutations.rows(layer, dim):
