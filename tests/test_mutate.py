@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from conftest import WT2, build_tiny, run_cli
+from ffkv.corpus.batching import pack
 from ffkv.experiments import mutate as M
+from ffkv.store.query import read_triggers, sample_keys, sentence_lookup
 from ffkv.store.run import Run
 
 
@@ -153,7 +155,7 @@ def test_mutations_match_direct_forward(runs, tiny_models, arch):
     t = res.mutations.to_pylist()
     assert len(t) == res.stats["variants"] > 0
     assert {r["mutation"] for r in t} == set(M.MUTATIONS)
-    sents = M.sentence_lookup(run, [r["sentence_id"] for r in t])
+    sents = sentence_lookup(run, [r["sentence_id"] for r in t])
     rng = random.Random(0)
     old_cache = {}
     for r in rng.sample(t, 45) + [r for r in t if r["mutation"] == "last"][:10]:
@@ -249,8 +251,8 @@ def test_rescore_stops_at_the_layer(tiny_models):
 def test_last_token_costs_no_pass(runs, tiny_models):
     """Originals and their last-token variants are served by one pass per sentence."""
     run, mm = runs["llama"], tiny_models["llama"]
-    trig = M.read_triggers(run, 1, 5).to_pylist()
-    sents = M.sentence_lookup(run, [r["sentence_id"] for r in trig])
+    trig = read_triggers(run, 1, 5).to_pylist()
+    sents = sentence_lookup(run, [r["sentence_id"] for r in trig])
     seqs, lays, dims = [], [], []
     for r in trig:
         if r["position"] < 1:
@@ -266,6 +268,42 @@ def test_last_token_costs_no_pass(runs, tiny_models):
     assert st.sequences_run <= n_sent  # no sequence of its own for any last-token variant
     for i in range(0, len(seqs), 37):
         assert got[i] == pytest.approx(_direct(mm, seqs[i], lays[i], dims[i]), rel=1e-4, abs=1e-5)
+
+
+def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
+    """The declared step: its manifest settings, skip when done, refuse bad settings before any
+    model is opened or the step is started."""
+    import shutil
+
+    from ffkv.errors import FfkvError
+    from ffkv.store.steps import execute
+
+    shutil.copytree(runs["gpt2"].path, tmp_path / "r")
+    run, mm = Run(tmp_path / "r"), tiny_models["gpt2"]
+    s = M.MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=[1, 0], batch_tokens=256)
+    rec = {"keys_per_layer": 2, "examples": 5, "sign": 1, "seed": 1, "layers": [0, 1], "dtype": "auto"}
+    assert M.STEP.recorded(run, s) == M.settings_for(2, 5, 1, 1, [1, 0]) == rec
+    assert M.STEP.requires == ("mine",) and M.STEP.tables == ("mutations", "mutations_layers")
+    out = execute(run, "mutate", s, mm=mm, show_progress=False)
+    res = out.result
+    assert out.status == "done" and run.settings("mutate") == rec
+    assert res.mutations.num_rows == res.stats["variants"] == out.info["variants"] > 0
+    assert {k: v for k, v in out.info.items() if k in res.stats and k != "seconds"} == \
+        {k: v for k, v in res.stats.items() if k != "seconds"}
+    assert run.read_table("mutations").equals(res.mutations)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was opened")
+
+    monkeypatch.setattr(run, "open_model", no_model)
+    again = execute(run, "mutate", M.MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=(0, 1),
+                                                    batch_tokens=4096))
+    assert again.skipped and again.result is None
+    for bad, msg in ((dict(examples=0), "--examples"), (dict(keys_per_layer=-1), "--keys-per-layer"),
+                     (dict(sign=2), "--sign"), (dict(layers=[7]), "no mined keys")):
+        with pytest.raises(FfkvError, match=msg):
+            execute(run, "mutate", M.MutateSettings(**bad), force=True)
+        assert run.step("mutate")["status"] == "done" and run.settings("mutate") == rec
 
 
 def test_batch_size_and_determinism(runs, tiny_models):
@@ -284,9 +322,11 @@ def test_batch_size_and_determinism(runs, tiny_models):
 
 
 def test_pack_tight():
+    """`pack` as `mutate` calls it (ratio 1.5, up to 256 a batch); equal to the old `pack_tight`
+    (tests/test_batching.py)."""
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 90, 500)
-    bs = M.pack_tight(lens, 512)
+    bs = pack(lens, 512, max_batch=256, ratio=1.5)
     assert sorted(int(i) for b in bs for i in b) == list(range(500))
     for b in bs:
         L = lens[b]
@@ -309,11 +349,11 @@ def test_plan_prefers_the_whole_original():
 
 def test_sample_keys_nested_and_seeded():
     keys = {0: np.arange(50), 1: np.arange(7)}
-    s10, s20 = M.sample_keys(keys, 10, 0), M.sample_keys(keys, 20, 0)
+    s10, s20 = sample_keys(keys, 10, 0), sample_keys(keys, 20, 0)
     assert len(s10[0]) == 10 and set(s10[0]) <= set(s20[0]) and list(s10[1]) == list(range(7))
-    assert list(M.sample_keys(keys, 10, 0)[0]) == list(s10[0])
-    assert list(M.sample_keys(keys, 10, 1)[0]) != list(s10[0])
-    assert len(M.sample_keys(keys, 0, 0)[0]) == 50
+    assert list(sample_keys(keys, 10, 0)[0]) == list(s10[0])
+    assert list(sample_keys(keys, 10, 1)[0]) != list(s10[0])
+    assert len(sample_keys(keys, 0, 0)[0]) == 50
 
 
 def test_bos_first_token_and_short_prefixes():
@@ -367,7 +407,7 @@ def test_planted_key_last_token(planted):
     res = M.mutate(run, mm, keys_per_layer=0, examples=10, layers=[0], show_progress=False)
     rows = [r for r in res.mutations.to_pylist() if r["dim"] == 5]
     assert len(rows) == 30
-    sents = M.sentence_lookup(run, [r["sentence_id"] for r in rows])
+    sents = sentence_lookup(run, [r["sentence_id"] for r in rows])
     blk = mm.blocks[0]
     emb = mm.hf.get_input_embeddings().weight
 

@@ -36,7 +36,7 @@ Speed (the whole point of the engine below, `rescore`):
   model (`sharing_ok`); a model where it does not reproduce a full pass gets full passes.
 - Requests of all keys and all layers share batches; batches are packed by length within groups
   of equal deepest layer, right-padded, and cut so that padding stays under a third
-  (`pack_tight`: on a CPU padding costs in full, smaller batches hardly).
+  (`ffkv.corpus.batching.pack` with ratio=1.5: on a CPU padding costs in full, smaller batches hardly).
 
 Tables (public contract):
 - `mutations`: layer int16, dim int32, sign int8, rank int16, sentence_id int64, position int32
@@ -47,6 +47,10 @@ Tables (public contract):
 - `mutations_layers`: layer int16, mutation string, n int64 (variants scored), n_skipped int64
   (examples too short to mutate), mean, q25, median, q75 (of rel_change, float64),
   share_lower float64 (share of variants with new < old in the trigger's direction, rel < 0).
+
+The step: `STEP` (settings `MutateSettings`, manifest settings `settings_for`), run through
+`ffkv.store.steps.execute(run, "mutate", MutateSettings(...))`; `mutate(run, mm, ...)` is the
+computation alone.
 """
 from __future__ import annotations
 
@@ -55,11 +59,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
+from ffkv.corpus.batching import pack
 from ffkv.errors import FfkvError
-from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup  # noqa: F401
+from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup
+from ffkv.store.steps import Step
 
 MUTATIONS = ("first", "last", "random")
 DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
@@ -112,33 +117,12 @@ def _lcp(a: tuple, b: tuple) -> int:
     return i
 
 
-def pack_tight(lengths, batch_tokens: int = 2048, ratio: float = 1.5, max_batch: int = 256) -> list[np.ndarray]:
-    """Like `ffkv.corpus.batching.pack` (sorted by length, max_len × size ≤ batch_tokens), and a
-    batch also ends when a length exceeds `ratio` × its shortest: padding stays under a third.
-    On a CPU a small batch costs little more per token than a big one, padding costs in full."""
-    lengths = np.asarray(lengths)
-    order = np.argsort(lengths, kind="stable")
-    out, cur, lo, hi = [], [], 0, 0
-    for i in order:
-        L = int(lengths[i])
-        if cur and (L > ratio * lo or max(hi, L) * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
-            out.append(np.array(cur))
-            cur = []
-        if not cur:
-            lo = hi = L
-        cur.append(int(i))
-        hi = max(hi, L)
-    if cur:
-        out.append(np.array(cur))
-    return out
-
-
 def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int):
     """Index batches of `members`: groups of equal deepest layer, tightly packed by length."""
     out = []
     for L in np.unique(deepest[members]):
         m = members[deepest[members] == L]
-        for b in pack_tight(lengths[m], batch_tokens):
+        for b in pack(lengths[m], batch_tokens, max_batch=256, ratio=1.5):
             out.append(m[b])
     return out
 
@@ -186,61 +170,94 @@ def plan(seqs: list[tuple], layers: np.ndarray, positions: np.ndarray, anchors=N
     uniq: dict[tuple, int] = {}
     uid = np.fromiter((uniq.setdefault(s, len(uniq)) for s in seqs), dtype=np.int64, count=R)
     useqs = list(uniq)
-    n_u = len(useqs)
     if anchors is None:
         rep_of_u = absorb_prefixes(useqs)
     else:
         anchors = np.asarray(anchors, dtype=np.int64)
-        has = anchors >= 0
-        in_a = np.zeros(n_u, dtype=bool)
-        in_a[uid[~has]] = True
-        in_a[uid[anchors[has]]] = True
-        rep_of_u = np.arange(n_u, dtype=np.int64)
-        a_idx = np.nonzero(in_a)[0]
-        ra = absorb_prefixes([useqs[u] for u in a_idx])
-        rep_of_u[a_idx] = a_idx[ra]
-        prefixes: dict[tuple, int] = {}
-        for u in np.unique(rep_of_u[a_idx]):
-            a = useqs[u]
-            for i in range(1, len(a) + 1):
-                prefixes.setdefault(a[:i], int(u))
-        b_rest = []
-        for u in np.nonzero(~in_a)[0]:
-            hit = prefixes.get(useqs[u])
-            if hit is None:
-                b_rest.append(int(u))
-            else:
-                rep_of_u[u] = hit
-        if b_rest:
-            b_rest = np.array(b_rest, dtype=np.int64)
-            rb = absorb_prefixes([useqs[u] for u in b_rest])
-            rep_of_u[b_rest] = b_rest[rb]
+        rep_of_u = _absorb_anchored(useqs, uid, anchors)
     reps, rid = np.unique(rep_of_u[uid], return_inverse=True)  # request -> run-sequence index
     run_seqs = [useqs[u] for u in reps]
     n_run = len(run_seqs)
     deepest = np.full(n_run, -1, dtype=np.int64)
     np.maximum.at(deepest, rid, layers)
-    parent = np.full(n_run, -1, dtype=np.int64)
-    share = np.zeros(n_run, dtype=np.int64)
-    if anchors is not None:
-        is_parent = np.zeros(n_run, dtype=bool)
-        is_parent[rid[anchors[has]]] = True
-        all_have = np.ones(n_run, dtype=bool)
-        np.logical_and.at(all_have, rid, has)
-        minpos = np.full(n_run, np.iinfo(np.int64).max)
-        np.minimum.at(minpos, rid, positions)
-        cand = np.full(n_run, -1, dtype=np.int64)
-        cand[rid[has]] = rid[anchors[has]]
-        for w in np.nonzero((cand >= 0) & all_have & ~is_parent)[0]:
-            p = int(cand[w])
-            if p == w or parent[p] >= 0:
-                continue
-            k = min(_lcp(run_seqs[w], run_seqs[p]), int(minpos[w]))
-            if k >= min_share:
-                parent[w], share[w] = p, k
+    if anchors is None:
+        parent, share = np.full(n_run, -1, dtype=np.int64), np.zeros(n_run, dtype=np.int64)
+    else:
+        parent, share = _attach_leaves(run_seqs, rid, positions, anchors, min_share)
         leaves = np.nonzero(parent >= 0)[0]
         np.maximum.at(deepest, parent[leaves], deepest[leaves])  # a parent's cache reaches its leaves' layers
-    return run_seqs, rid, deepest, parent, share, n_u
+    return run_seqs, rid, deepest, parent, share, len(useqs)
+
+
+def _absorb_anchored(useqs: list[tuple], uid: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+    """Unique sequence -> its representative, group A first (see `plan`)."""
+    n_u = len(useqs)
+    has = anchors >= 0
+    in_a = np.zeros(n_u, dtype=bool)
+    in_a[uid[~has]] = True
+    in_a[uid[anchors[has]]] = True
+    rep_of_u = np.arange(n_u, dtype=np.int64)
+    a_idx = np.nonzero(in_a)[0]
+    ra = absorb_prefixes([useqs[u] for u in a_idx])
+    rep_of_u[a_idx] = a_idx[ra]
+    prefixes: dict[tuple, int] = {}
+    for u in np.unique(rep_of_u[a_idx]):
+        a = useqs[u]
+        for i in range(1, len(a) + 1):
+            prefixes.setdefault(a[:i], int(u))
+    b_rest = []
+    for u in np.nonzero(~in_a)[0]:
+        hit = prefixes.get(useqs[u])
+        if hit is None:
+            b_rest.append(int(u))
+        else:
+            rep_of_u[u] = hit
+    if b_rest:
+        b_rest = np.array(b_rest, dtype=np.int64)
+        rb = absorb_prefixes([useqs[u] for u in b_rest])
+        rep_of_u[b_rest] = b_rest[rb]
+    return rep_of_u
+
+
+def _attach_leaves(run_seqs: list[tuple], rid: np.ndarray, positions: np.ndarray, anchors: np.ndarray,
+                   min_share: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parent, share) per run sequence: a run sequence whose requests all have anchors, and that
+    is no anchor's run sequence itself, continues its anchors' run sequence (a root) from the
+    cached keys and values of their common prefix, when that is ≥ `min_share` tokens long and no
+    request reads a position inside it."""
+    n_run = len(run_seqs)
+    has = anchors >= 0
+    parent = np.full(n_run, -1, dtype=np.int64)
+    share = np.zeros(n_run, dtype=np.int64)
+    is_parent = np.zeros(n_run, dtype=bool)
+    is_parent[rid[anchors[has]]] = True
+    all_have = np.ones(n_run, dtype=bool)
+    np.logical_and.at(all_have, rid, has)
+    minpos = np.full(n_run, np.iinfo(np.int64).max)
+    np.minimum.at(minpos, rid, positions)
+    cand = np.full(n_run, -1, dtype=np.int64)
+    cand[rid[has]] = rid[anchors[has]]
+    for w in np.nonzero((cand >= 0) & all_have & ~is_parent)[0]:
+        p = int(cand[w])
+        if p == w or parent[p] >= 0:
+            continue
+        k = min(_lcp(run_seqs[w], run_seqs[p]), int(minpos[w]))
+        if k >= min_share:
+            parent[w], share[w] = p, k
+    return parent, share
+
+
+def _check_requests(mm, seqs: list[tuple], layers, positions, dims):
+    """The requests as int64 arrays; a position outside its sequence or a bad layer raises."""
+    layers = np.asarray(layers, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    dims = np.asarray(dims, dtype=np.int64)
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    if (positions < 0).any() or (positions >= lens).any():
+        raise ValueError("a requested position lies outside its sequence")
+    if (layers < 0).any() or (layers >= mm.n_layers).any():
+        raise FfkvError(f"layer out of range 0..{mm.n_layers - 1}")
+    return layers, positions, dims
 
 
 @torch.no_grad()
@@ -258,91 +275,118 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
     """
     t0 = time.perf_counter()
     R = len(seqs)
-    layers = np.asarray(layers, dtype=np.int64)
-    positions = np.asarray(positions, dtype=np.int64)
-    dims = np.asarray(dims, dtype=np.int64)
     out = np.full(R, np.nan, dtype=np.float32)
     st = stats if stats is not None else RescoreStats()
     st.requests += R
     if R == 0:
         return out
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=R)
-    if (positions < 0).any() or (positions >= lens).any():
-        raise ValueError("a requested position lies outside its sequence")
-    if (layers < 0).any() or (layers >= mm.n_layers).any():
-        raise FfkvError(f"layer out of range 0..{mm.n_layers - 1}")
+    layers, positions, dims = _check_requests(mm, seqs, layers, positions, dims)
     sharing = anchors is not None and (not _check or sharing_ok(mm))
-    run_seqs, rid, deepest, parent, share, n_unique = plan(
-        seqs, layers, positions, anchors if sharing else None, min_share)
-    st.unique_sequences += n_unique
-    n_run = len(run_seqs)
-    run_len = np.array([len(s) for s in run_seqs], dtype=np.int64)
-    roots = np.nonzero(parent < 0)[0]
-    new_len = run_len - share
-    st.sequences_run += n_run
-    st.tokens_run += int(new_len.sum())
-    # requests grouped by run sequence
-    req_order = np.argsort(rid, kind="stable")
-    starts = np.searchsorted(rid[req_order], np.arange(n_run + 1))
-    leaves_of: dict[int, list[int]] = {}
-    for w in np.nonzero(parent >= 0)[0]:
-        leaves_of.setdefault(int(parent[w]), []).append(int(w))
-    if bar is not None:
-        bar(0, 0, total=n_run)
+    planned = plan(seqs, layers, positions, anchors if sharing else None, min_share)
+    passes = _Passes(mm, planned, layers, positions, dims, out, st, bar, batch_tokens)
+    passes.run()
+    st.seconds += time.perf_counter() - t0
+    return out
 
-    def run_batch(b, ids, mask, offset, deep, **kw):
-        rq = np.concatenate([req_order[starts[s]:starts[s + 1]] for s in b])
+
+class _Passes:
+    """The forward passes of one `rescore` call: roots in full, each root batch keeping its cache
+    for its leaves when it has any; every pass writes its requests' coefficients into `out`."""
+
+    def __init__(self, mm, planned: tuple, layers: np.ndarray, positions: np.ndarray, dims: np.ndarray,
+                 out: np.ndarray, st: RescoreStats, bar, batch_tokens: int):
+        self.mm, self.layers, self.positions, self.dims = mm, layers, positions, dims
+        self.out, self.st, self.bar, self.batch_tokens = out, st, bar, batch_tokens
+        self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
+        n_run = len(self.run_seqs)
+        self.run_len = np.array([len(s) for s in self.run_seqs], dtype=np.int64)
+        self.new_len = self.run_len - self.share  # tokens each run sequence feeds the model
+        st.unique_sequences += n_unique
+        st.sequences_run += n_run
+        st.tokens_run += int(self.new_len.sum())
+        # requests grouped by run sequence
+        self.req_order = np.argsort(self.rid, kind="stable")
+        self.starts = np.searchsorted(self.rid[self.req_order], np.arange(n_run + 1))
+        self.leaves_of: dict[int, list[int]] = {}
+        for w in np.nonzero(self.parent >= 0)[0]:
+            self.leaves_of.setdefault(int(self.parent[w]), []).append(int(w))
+        if bar is not None:
+            bar(0, 0, total=n_run)
+
+    def run(self) -> None:
+        zero = np.zeros(len(self.run_seqs), dtype=np.int64)
+        roots = np.nonzero(self.parent < 0)[0]
+        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens):
+            self.root_batch(b, zero)
+
+    def root_batch(self, b: np.ndarray, zero: np.ndarray) -> None:
+        """Run sequences `b` in full; then their leaves, from this batch's cache."""
+        mm = self.mm
+        ids, mask = mm.batch([list(self.run_seqs[s]) for s in b])
+        deep = int(self.deepest[b].max())
+        kids = np.array([w for s in b for w in self.leaves_of.get(int(s), [])], dtype=np.int64)
+        if not len(kids):
+            self.forward(b, ids, mask, zero, deep)
+            return
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=mm.hf.config)
+        self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
+        row_of_root = {int(s): k for k, s in enumerate(b)}
+        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens):
+            self.leaf_batch(lb, cache, row_of_root, ids.device)
+
+    def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
+        """Run the tokens of leaves `lb` after their shared prefix, on their roots' cached keys and
+        values (rows picked from the root batch, cut to the longest shared prefix P)."""
+        from transformers import DynamicCache
+
+        kk = torch.as_tensor(self.share[lb], device=device)
+        P = int(kk.max())
+        ids_new, mask_new = self.mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
+        T = ids_new.shape[1]
+        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in lb], device=device)
+        ldeep = int(self.deepest[lb].max())
+        past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
+                for l in range(ldeep + 1)]
+        am = torch.cat([(torch.arange(P, device=device)[None] < kk[:, None]).to(mask_new.dtype),
+                        mask_new], 1)
+        pos_ids = kk[:, None] + torch.arange(T, device=device)[None]
+        self.forward(lb, ids_new, am, self.share, ldeep, past_key_values=DynamicCache(ddp_cache_data=past),
+                     use_cache=True, position_ids=pos_ids)
+
+    def requests_by_layer(self, b: np.ndarray, offset: np.ndarray) -> dict[int, tuple]:
+        """layer -> (request ids, batch rows, positions in the batch, dims) of run sequences `b`,
+        whose first `offset` tokens are not in the batch (they come from a cache)."""
+        rid, layers = self.rid, self.layers
+        rq = np.concatenate([self.req_order[self.starts[s]:self.starts[s + 1]] for s in b])
         row_of_seq = {int(s): k for k, s in enumerate(b)}
         rows = np.array([row_of_seq[int(rid[r])] for r in rq], dtype=np.int64)
-        pos = positions[rq] - offset[rid[rq]]
+        pos = self.positions[rq] - offset[rid[rq]]
         need = {}
         for l in np.unique(layers[rq]):
             sel = layers[rq] == l
             need[int(l)] = (rq[sel], torch.as_tensor(rows[sel]), torch.as_tensor(pos[sel]),
-                            torch.as_tensor(dims[rq[sel]]))
+                            torch.as_tensor(self.dims[rq[sel]]))
+        return need
+
+    def forward(self, b: np.ndarray, ids, mask, offset: np.ndarray, deep: int, **kw) -> None:
+        """One pass of batch `b` up to layer `deep`, reading the coefficients its requests ask for."""
+        need = self.requests_by_layer(b, offset)
+        out = self.out
 
         def take(layer, name, m):
             if layer in need:
                 r_idx, rr, pp, dd = need[layer]
                 out[r_idx] = m[rr.to(m.device), pp.to(m.device), dd.to(m.device)].float().cpu().numpy()
 
-        mm.capture(ids, mask, layers=sorted(set(need) | {deep}), what=("m",), callback=take, **kw)
-        st.batches += 1
-        st.layer_tokens += int(new_len[b].sum()) * (deep + 1)
-        st.padded_layer_tokens += int(ids.shape[0] * ids.shape[1] * (deep + 1))
-        if bar is not None:
-            bar(len(b), int(new_len[b].sum()))
-
-    zero = np.zeros(n_run, dtype=np.int64)
-    for b in _batches(run_len, deepest, roots, batch_tokens):
-        ids, mask = mm.batch([list(run_seqs[s]) for s in b])
-        deep = int(deepest[b].max())
-        kids = np.array([w for s in b for w in leaves_of.get(int(s), [])], dtype=np.int64)
-        if not len(kids):
-            run_batch(b, ids, mask, zero, deep)
-            continue
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=mm.hf.config)
-        run_batch(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
-        row_of_root = {int(s): k for k, s in enumerate(b)}
-        for lb in _batches(new_len, deepest, kids, batch_tokens):
-            kk = torch.as_tensor(share[lb], device=ids.device)
-            P = int(kk.max())
-            ids_new, mask_new = mm.batch([list(run_seqs[w][share[w]:]) for w in lb])
-            T = ids_new.shape[1]
-            src = torch.as_tensor([row_of_root[int(parent[w])] for w in lb], device=ids.device)
-            ldeep = int(deepest[lb].max())
-            past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
-                    for l in range(ldeep + 1)]
-            am = torch.cat([(torch.arange(P, device=ids.device)[None] < kk[:, None]).to(mask_new.dtype),
-                            mask_new], 1)
-            pos_ids = kk[:, None] + torch.arange(T, device=ids.device)[None]
-            run_batch(lb, ids_new, am, share, ldeep, past_key_values=DynamicCache(ddp_cache_data=past),
-                      use_cache=True, position_ids=pos_ids)
-        del cache
-    st.seconds += time.perf_counter() - t0
-    return out
+        self.mm.capture(ids, mask, layers=sorted(set(need) | {deep}), what=("m",), callback=take, **kw)
+        new_tokens = int(self.new_len[b].sum())
+        self.st.batches += 1
+        self.st.layer_tokens += new_tokens * (deep + 1)
+        self.st.padded_layer_tokens += int(ids.shape[0] * ids.shape[1] * (deep + 1))
+        if self.bar is not None:
+            self.bar(len(b), new_tokens)
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -450,25 +494,31 @@ def summarize(layer: np.ndarray, mutation: np.ndarray, rel: np.ndarray,
         **{k: pa.array(cols[k], pa.float64()) for k in ("mean", "q25", "median", "q75", "share_lower")}})
 
 
-def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
-           examples: int = DEFAULT_EXAMPLES, sign: int = 1, seed: int = 0,
-           batch_tokens: int = 2048, layers=None, show_progress: bool | None = None,
-           write: bool = True, share_prefixes: bool = True) -> MutateResult:
-    """Run the experiment and (with `write`) store `mutations` and `mutations_layers`."""
-    from ffkv.progress import progress
-
+def check_settings(keys_per_layer: int | None, examples: int, sign: int = 1) -> None:
+    """Settings a user can get wrong, checked before any table or model is read."""
     if examples < 1:
         raise FfkvError("--examples must be at least 1")
     if keys_per_layer is not None and keys_per_layer < 0:
         raise FfkvError("--keys-per-layer must be ≥ 0 (0 = all mined keys)")
-    t0 = time.perf_counter()
+    if sign not in (1, -1):
+        raise FfkvError(f"--sign must be + or - (1 or -1), not {sign}")
+
+
+def _require_layers(run, layers, mined) -> None:
+    bad = sorted(set(layers) - set(int(l) for l in mined))
+    if bad:
+        raise FfkvError(f"layer(s) {bad} have no mined keys in {run.path}")
+
+
+def select_triggers(run, sign: int, examples: int, keys_per_layer: int | None, seed: int,
+                    layers=None) -> tuple[dict, dict[int, np.ndarray]]:
+    """The top-`examples` triggers of a seeded sample of keys: (numpy columns layer, dim, rank,
+    coef, sentence_id, position sorted by layer, dim, rank; the sample, layer -> dims)."""
     trig = read_triggers(run, sign, examples, columns=["layer", "dim", "rank", "coef", "sentence_id",
                                                        "position"])
     keys = mined_keys(trig)
     if layers is not None:
-        bad = sorted(set(layers) - set(keys))
-        if bad:
-            raise FfkvError(f"layer(s) {bad} have no mined keys in {run.path}")
+        _require_layers(run, layers, keys)
         keys = {l: keys[l] for l in layers}
     chosen = sample_keys(keys, keys_per_layer, seed)
     code = np.concatenate([l * (1 << 32) + d for l, d in chosen.items()])
@@ -477,11 +527,15 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
     sel = np.nonzero(np.isin(tl * (1 << 32) + td, code))[0]
     t = {c: trig.column(c).to_numpy()[sel] for c in trig.column_names}
     order = np.lexsort((t["rank"], t["dim"], t["layer"]))
-    t = {c: v[order] for c, v in t.items()}
-    sents = sentence_lookup(run, t["sentence_id"])
-    specials = leading_specials(mm.tok)
-    (seqs, lays, poss, dims, anchors), rows, skipped = build_variants(t, sents, specials, seed)
+    return {c: v[order] for c, v in t.items()}, chosen
 
+
+def _rescore_with_bar(mm, requests: tuple, batch_tokens: int, show_progress: bool | None,
+                      share_prefixes: bool) -> tuple[np.ndarray, RescoreStats]:
+    """`rescore` the requests of `build_variants` under a progress bar."""
+    from ffkv.progress import progress
+
+    seqs, lays, poss, dims, anchors = requests
     stats = RescoreStats()
     with progress(show_progress is False if show_progress is not None else None) as pb:
         task = pb.add_task("mutate: re-scoring", total=None, tokens=0)
@@ -493,21 +547,24 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
 
         coef = rescore(mm, seqs, lays, poss, dims, batch_tokens=batch_tokens, bar=bar, stats=stats,
                        anchors=anchors if share_prefixes else None)
+    return coef, stats
+
+
+def mutations_table(t: dict, rows: dict, coef: np.ndarray, sign: int) -> pa.Table:
+    """The `mutations` table: one row per variant, its trigger's columns and both coefficients."""
     ti = np.asarray(rows["t"], dtype=np.int64)
     old = coef[np.asarray(rows["old_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)
     new = coef[np.asarray(rows["new_req"], dtype=np.int64)] if len(ti) else np.zeros(0, np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(old != 0, (new - old) / old, np.nan).astype(np.float32)
-    mut_arr = np.asarray(rows["mutation"], dtype=object)
-    layer_arr = t["layer"][ti].astype(np.int16)
-    table = pa.table({
-        "layer": pa.array(layer_arr, pa.int16()),
+    return pa.table({
+        "layer": pa.array(t["layer"][ti].astype(np.int16), pa.int16()),
         "dim": pa.array(t["dim"][ti].astype(np.int32), pa.int32()),
         "sign": pa.array(np.full(len(ti), sign, np.int8), pa.int8()),
         "rank": pa.array(t["rank"][ti].astype(np.int16), pa.int16()),
         "sentence_id": pa.array(t["sentence_id"][ti].astype(np.int64), pa.int64()),
         "position": pa.array(t["position"][ti].astype(np.int32), pa.int32()),
-        "mutation": pa.array(list(mut_arr), pa.string()),
+        "mutation": pa.array(list(np.asarray(rows["mutation"], dtype=object)), pa.string()),
         "removed_position": pa.array(np.asarray(rows["removed_position"], np.int32), pa.int32()),
         "removed_token": pa.array(np.asarray(rows["removed_token"], np.int32), pa.int32()),
         "n_tokens": pa.array(np.asarray(rows["n_tokens"], np.int32), pa.int32()),
@@ -516,17 +573,39 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
         "new_coef": pa.array(new, pa.float32()),
         "rel_change": pa.array(rel, pa.float32()),
     })
-    summary = summarize(layer_arr.astype(np.int64), mut_arr, rel, skipped, sorted(chosen))
-    trig_coef = t["coef"][ti].astype(np.float64)
-    denom = np.maximum(np.abs(trig_coef), 1e-6)
-    mismatch = float(np.max(np.abs(old - trig_coef) / denom)) if len(ti) else 0.0
+
+
+def max_rel_mismatch(table: pa.Table) -> float:
+    """Largest |old − mined| / |mined| (denominator ≥ 1e-6): re-computed against mined coefficients."""
+    if not table.num_rows:
+        return 0.0
+    trig_coef = table.column("trigger_coef").to_numpy().astype(np.float64)
+    old = table.column("old_coef").to_numpy()
+    return float(np.max(np.abs(old - trig_coef) / np.maximum(np.abs(trig_coef), 1e-6)))
+
+
+def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
+           examples: int = DEFAULT_EXAMPLES, sign: int = 1, seed: int = 0,
+           batch_tokens: int = 2048, layers=None, show_progress: bool | None = None,
+           write: bool = True, share_prefixes: bool = True) -> MutateResult:
+    """Run the experiment and (with `write`) store `mutations` and `mutations_layers`."""
+    check_settings(keys_per_layer, examples, sign)
+    t0 = time.perf_counter()
+    t, chosen = select_triggers(run, sign, examples, keys_per_layer, seed, layers)
+    sents = sentence_lookup(run, t["sentence_id"])
+    requests, rows, skipped = build_variants(t, sents, leading_specials(mm.tok), seed)
+    coef, stats = _rescore_with_bar(mm, requests, batch_tokens, show_progress, share_prefixes)
+    table = mutations_table(t, rows, coef, sign)
+    summary = summarize(table.column("layer").to_numpy().astype(np.int64),
+                        np.asarray(rows["mutation"], dtype=object),
+                        table.column("rel_change").to_numpy(), skipped, sorted(chosen))
     info = {
         "keys": int(sum(len(d) for d in chosen.values())),
         "layers": len(chosen),
-        "examples_scored": int(len(ti) // 3),
+        "examples_scored": int(table.num_rows // 3),
         "examples_skipped": int(sum(skipped.values())),
-        "variants": int(len(ti)),
-        "max_rel_mismatch_vs_mined_coef": mismatch,
+        "variants": int(table.num_rows),
+        "max_rel_mismatch_vs_mined_coef": max_rel_mismatch(table),
         "rescore": stats.as_dict(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -540,3 +619,44 @@ def settings_for(keys_per_layer, examples, sign, seed, layers, dtype: str = "aut
     """What the results depend on (not batch size or device, up to float rounding)."""
     return {"keys_per_layer": keys_per_layer or 0, "examples": examples, "sign": sign, "seed": seed,
             "layers": sorted(layers) if layers else None, "dtype": dtype}
+
+
+# ---- the step ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MutateSettings:
+    """The `mutate` step's settings (`ffkv mutate`'s options). `batch_tokens` changes speed only
+    and is not recorded; `dtype` is recorded and is the dtype the model is opened with."""
+    keys_per_layer: int = DEFAULT_KEYS_PER_LAYER
+    examples: int = DEFAULT_EXAMPLES
+    sign: int = 1
+    seed: int = 0
+    layers: tuple[int, ...] | None = None
+    batch_tokens: int = 2048
+    dtype: str = "auto"
+
+
+def record(run, s: MutateSettings) -> dict:
+    """The manifest's settings of the step (`settings_for`); raises FfkvError on bad settings, and
+    on layers without mined triggers, before any model is loaded."""
+    check_settings(s.keys_per_layer, s.examples, s.sign)
+    if s.layers:
+        mined = read_triggers(run, s.sign, 1, columns=["layer"]).column("layer").to_numpy()
+        _require_layers(run, s.layers, np.unique(mined))
+    return settings_for(s.keys_per_layer, s.examples, s.sign, s.seed, s.layers, s.dtype)
+
+
+def compute(ctx) -> dict:
+    """Open the model (in the settings' dtype unless the caller gave one), run the experiment, and
+    keep its numbers but the wall time (the manifest times the step itself)."""
+    s = ctx.settings
+    if ctx.dtype == "auto":
+        ctx.dtype = s.dtype
+    res = mutate(ctx.run, ctx.model(), keys_per_layer=s.keys_per_layer, examples=s.examples, sign=s.sign,
+                 seed=s.seed, batch_tokens=s.batch_tokens, layers=list(s.layers) if s.layers else None,
+                 show_progress=ctx.show_progress)
+    ctx.extra["result"] = res
+    return {k: v for k, v in res.stats.items() if k != "seconds"}
+
+
+STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",),
+            tables=("mutations", "mutations_layers"), compute=compute, record=record)
