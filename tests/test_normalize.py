@@ -129,7 +129,8 @@ def test_grid_sums_match_softmax_weights(tiny_models, arch):
         grid_sums(mm, 1, m, y, taus, sums, keep)
         for t, s in zip(taus, sums):
             ref = Sums()
-            ref.add(softmax_weights(m, t, mm.gated, keep) @ mm.values(1), y)
+            with torch.no_grad():
+                ref.add(softmax_weights(m, t, mm.gated, keep) @ mm.values(1), y)
             assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in ((s.zz, ref.zz), (s.zy, ref.zy), (s.yy, ref.yy)))
 
 
@@ -265,7 +266,7 @@ def test_settings_errors(tiny_run):
 
     run, _, s, _ = tiny_run
     for bad in (dict(tokens=0), dict(variance_repeats=1), dict(gamma=0.0), dict(layers=(0, 99)),
-                dict(capacity_layers=(-1,))):
+                dict(capacity_layers=(-1,)), dict(capacity_n=(0, 16))):
         with pytest.raises(FfkvError):
             record(run, replace(s, **bad))
 
@@ -279,8 +280,12 @@ def test_report_items(tiny_run, tmp_path):
         assert it.verdict.verdict in (N.HOLDS, N.NOT_HOLDS, N.NA) and it.verdict.criterion
         assert it.figure["png"].stat().st_size > 1000 and it.figure["svg"].exists()
     assert any(N.GATED_NOTE in i.notes for i in its)
+    html = N.section_html(its)
+    assert html.count('class="verdict ') == 5 and "norm_c5.png" in html and "data:image/png;base64," in html
+    assert [r["id"] for r in N.verdict_records(its)] == list(N.CLAIMS)
     none = N.items(lambda t: None, tmp_path)
     assert all(i.verdict.verdict == N.NA and i.missing and i.figure is None for i in none)
+    assert "ffkv normalize" in N.section_html(none)
 
 
 # ---- verdicts on constructed tables -------------------------------------------------------------------

@@ -9,8 +9,10 @@ against a baseline or a stated band and an interval (2 standard errors, clustere
 paired differences; 3 SE for the synthetic variance); a difference inside the interval is "not
 comparable". `AS_REPORT` maps the three outcomes onto the report's chips.
 
-`items(get, fig_dir, gated)` builds the whole section for a report builder: `get(name)` returns a
-table as a DataFrame or None.
+For a report builder: `its = items(get, fig_dir, gated, run_path)` (`get(name)` returns a table as
+a DataFrame or None; figures are saved into fig_dir as norm_c1..norm_c5 .png/.svg), then
+`section_html(its, fig_rel)` is the section in the report's markup and `verdict_records(its)` the
+records for verdicts.json.
 """
 from __future__ import annotations
 
@@ -203,6 +205,13 @@ def _panels(n: int, size=(9.0, 3.4)):
     return fig, list(np.atleast_1d(axes))
 
 
+def _layer_ticks(ax, label: str = "layer (0-based)") -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(label)
+
+
 def _styled(fn):
     def wrapper(*a, **kw):
         import matplotlib
@@ -227,7 +236,7 @@ def fig_concentration(normalize_layers):
             d = df[df["variant"] == v]
             ax.errorbar(d["layer"], d[f"{st}_w"], yerr=2 * d[f"{st}_diff_se"], fmt="o-", ms=3, capsize=2,
                         color=VARIANT_COLORS[v], label=LABELS[v])
-        ax.set_xlabel("layer (0-based)")
+        _layer_ticks(ax)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     a1.axhline(float(df["entropy_uniform"].iloc[0]), color="#8C8C8C", ls=":", lw=1, label="uniform")
@@ -253,7 +262,7 @@ def fig_substitution(normalize_layers):
                label=f"+{100 * PPL_TOLERANCE:g}% perplexity")
     if (df["delta_loss"] > 0).any() and df["delta_loss"].max() / max(df["delta_loss"].abs().min(), 1e-9) > 100:
         ax.set_yscale("symlog", linthresh=0.01)
-    ax.set_xlabel("layer substituted (0-based)")
+    _layer_ticks(ax, "layer substituted (0-based)")
     ax.set_ylabel("held-out loss − intact (nats)")
     ax.set_title(f"One FFN replaced at a time (intact loss {df['loss_intact'].iloc[0]:.3f} nats; bars: 2 SE)")
     ax.grid(axis="y", alpha=0.3)
@@ -274,6 +283,8 @@ def fig_capacity(normalize_capacity):
                         color=colors[i % len(colors)], label=f"layer {int(layer)}")
         ax.axhline(0, color="#333333", lw=0.8)
         ax.set_xscale("log", base=2)
+        ns = sorted(int(n) for n in df["n"].unique())
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("memories kept, n")
         ax.set_ylabel("loss(softmax) − loss(original) (nats)")
         ax.set_title(f"{'a fixed random draw' if sel == 'random' else 'each token’s top n by |m|'}")
@@ -365,3 +376,69 @@ def items(get, fig_dir: Path, gated: bool = False, run_path: str = "RUN") -> lis
                                 f"the best τ there may lie beyond it.")
         out.append(it)
     return out
+
+
+# ---- HTML (for the report builder) -------------------------------------------------------------------
+INTRO = ("The paper (§2) reads a FFN as a key-value memory that lacks the softmax of a memory network. "
+         "Seed 004 argues about what a normalization would change; each claim is measured here on the model's "
+         "own FFNs, on held-out text, by replacing one layer's FFN at a time by a normalized memory built from "
+         "the same keys and values (τ and scales fit on a separate split).")
+CLAIM_TEXT = {
+    "norm_c1": ("The softmax is exponential in the scores, so nearly all of its weight lands on the few best "
+                "matching slots.",
+                "entropy and top-10 share of the weights per held-out token: the model's own |m|/Σ|m| against "
+                "softmax(m/τ) at the fitted τ (and the scaled ReLU's)"),
+    "norm_c2": ("Because of that concentration, a softmax memory falls behind an unnormalized one more and more as "
+                "it gets more slots.",
+                "held-out loss with one FFN restricted to n slots (a fixed random draw, or each token's top n by "
+                "|m|), softmax memory vs the model's own activation, n = 16 … d_m, for a low, a middle and a "
+                "high layer"),
+    "norm_c3": ("Left unnormalized, the output adds up n terms; with independent standard normal scores and "
+                "values each ReLU(x)·v term has variance 1/2, so the output's variance is n/2.",
+                "the variance of Σ ReLU(x_i)·v_i for n = 16 … 16,384 (synthetic), and of Σ_{i∈S} m_i·v_i over "
+                "random subsets S of each layer's memories (the model)"),
+    "norm_c4": ("Dividing the ReLU weights by γ·√(n/2) makes that variance 1/γ² for every n.",
+                "the same variances divided by γ²·n/2"),
+    "norm_c5": ("A key-value memory followed by a layer normalization computes the same kind of function as a "
+                "FFN.",
+                "held-out loss and perplexity with one layer's FFN replaced by the softmax memory rescaled to the "
+                "FFN's RMS output norm, per layer, beside the scaled ReLU"),
+}
+
+
+def verdict_records(its: list[Item]) -> list[dict]:
+    """The section's verdicts as data, in the shape of the report's verdicts.json records."""
+    return [{"id": it.id, "title": it.title, "verdict": it.verdict.verdict, "report_verdict": it.report_verdict,
+             "criterion": it.verdict.criterion, "measured": it.verdict.measured,
+             "figure": it.figure["png"].name if it.figure else None, "missing": it.missing} for it in its]
+
+
+def section_html(its: list[Item], fig_rel: str = "figures") -> str:
+    """The whole section as HTML in the report's markup (figure, the claim, verdict line, notes)."""
+    from ffkv.report.html import VERDICT_CLASS, code, esc, img
+
+    parts = ['<section id="normalize" class="figure-section" data-section="normalize">',
+             "<h2>Normalized vs unnormalized memories (seed 004, claims C1–C5)</h2>", f"<p>{esc(INTRO)}</p>"]
+    for it in its:
+        claim, measure = CLAIM_TEXT[it.id]
+        if it.figure:
+            fig = (f'<figure>{img(it.figure["png"], it.title)}<figcaption class="files">Files: '
+                   f'<a href="{fig_rel}/{it.figure["png"].name}">{esc(it.figure["png"].name)}</a>, '
+                   f'<a href="{fig_rel}/{it.figure["svg"].name}">{esc(it.figure["svg"].name)}</a></figcaption></figure>')
+        else:
+            fig = f'<div class="missing"><p>{code(it.missing or "no rows")}</p></div>'
+        aside = (f'<aside class="paper"><h3>The claim</h3><p>{esc(claim)}</p>'
+                 f'<p class="setup"><b>Measured:</b> {esc(measure)}.</p></aside>')
+        cls = VERDICT_CLASS.get(it.report_verdict, "v-na")
+        v = it.verdict
+        parts += [f'<section id="{it.id}" class="figure-section" data-section="{it.id}">', f"<h3>{esc(it.title)}</h3>",
+                  f'<div class="cols">{fig}{aside}</div>',
+                  f'<p class="verdict {cls}" data-verdict="{esc(v.verdict)}"><span class="label">Verdict: '
+                  f'{esc(v.verdict)}.</span> <span class="measured">Measured: {code(v.measured)}</span>'
+                  f'<span class="criterion">Criterion: {code(v.criterion)}</span></p>']
+        if it.notes:
+            parts.append('<div class="notes"><b>Reading this with this model:</b><ul>'
+                         + "".join(f"<li>{esc(n)}</li>" for n in it.notes) + "</ul></div>")
+        parts.append("</section>")
+    parts.append("</section>")
+    return "\n".join(parts)

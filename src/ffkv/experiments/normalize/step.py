@@ -82,6 +82,8 @@ def record(run, s: NormalizeSettings) -> dict:
             raise FfkvError(f"{name} must be at least {lo} (got {v})")
     if not s.gamma > 0:
         raise FfkvError(f"--gamma must be positive (got {s.gamma})")
+    if s.capacity_n and min(s.capacity_n) < 1:
+        raise FfkvError(f"--capacity-n: every n must be at least 1 (got {min(s.capacity_n)})")
     L = (run.manifest.get("model") or {}).get("layers")
     if L:
         for what, ls in (("--layers", s.layers), ("--capacity-layers", s.capacity_layers)):
