@@ -189,6 +189,23 @@ def test_set_and_scale_values(tiny_models):
     assert rows[(l, d2)]["coef_after"] == 2.5 and rows[(l, d2)]["edit"] == f"{l}:{d2}=2.5"
 
 
+@pytest.mark.parametrize("at", ["last", "all"])
+def test_unedited_layers_are_reused_exactly(tiny_models, at):
+    """The edited pass takes the layers before the first edited one from the original pass:
+    the same numbers as reading them again."""
+    from ffkv.experiments.explain import _public, _read, tokenize
+
+    mm = tiny_models["llama"]
+    ids = tokenize(mm, TEXT)
+    base = _read(mm, ids, None, 5, "norm", 3)
+    edits = [Intervention(2, 5, "scale", 0.0), Intervention(1, 7, "set", 1.5)]
+    fast = _read(mm, ids, base["prediction_id"], 5, "norm", 3, edits, at, base=base)
+    full = _read(mm, ids, base["prediction_id"], 5, "norm", 3, edits, at)
+    assert _public(fast) == _public(full)
+    assert torch.equal(fast["_m"], full["_m"]) and torch.equal(fast["_contrib"], full["_contrib"])
+    assert fast["layers"][0] is base["layers"][0] and fast["layers"][1] is not base["layers"][1]
+
+
 def test_intervene_padded_batch_and_cleanup(tiny_models):
     """`intervene(last=...)` edits each row's own last token; hooks are gone after the block."""
     mm = tiny_models["opt"]

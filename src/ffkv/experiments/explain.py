@@ -16,7 +16,7 @@ contrast, so the two compare number by number; its own prediction is in `interve
 The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web return it):
   text, tokens (each token as text), n_tokens, lens (of the contributions), at,
   prediction, prediction_id, p, top (the model's top next tokens: token, id, p, logit),
-  contrast (token, id, p, logit, rank; or None),
+  contrast (token, id, p, logit, rank: 0-based, the tokens with a higher logit; or None),
   layers: per layer {layer, top_r, top_y, top_o, p_final_in_r (chosen lens), memories (the
     `top` memories pushing w up: dim, coef, contrib, value_top), memories_down,
     lenses: {naive|norm: {r|y|o: {top: [token...], p, logit, p_contrast, logit_contrast}}}},
@@ -29,6 +29,9 @@ The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web retur
     top_memories, contrast_memories} or None; changed: whether the prediction changed.
 """
 from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
 
 import torch
 
@@ -76,44 +79,65 @@ def _lenses(mm) -> dict[str, Lens]:
     return {mode: (mm.lens if mm.lens.mode == mode else Lens(mm, mode)) for mode in Lens.MODES}
 
 
+# Top tokens of sign(m)·v per (lens, layer, dim, sign), per model: values are weights, so a memory
+# read once (in the original pass, or an earlier request) is not projected onto the vocabulary again.
+_VALUE_TOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+VALUE_TOPS_CACHE = 200_000
+
+
+def _value_tops(mm, lens: Lens, keys: list[tuple[int, int, int]]) -> dict:
+    """{(layer, dim, sign): top token ids of sign·v_dim under `lens`}, computing only the new ones."""
+    cache = _VALUE_TOPS.setdefault(mm, {})
+    new = [k for k in dict.fromkeys(keys) if (lens.mode, *k) not in cache]
+    if new:
+        vecs = torch.stack([mm.values(l)[i] * float(sg) for l, i, sg in new])
+        for k, t in zip(new, lens.direction_logits(vecs).topk(TOP_TOKENS, -1).indices.tolist()):
+            cache[(lens.mode, *k)] = t
+        while len(cache) > VALUE_TOPS_CACHE:
+            cache.pop(next(iter(cache)))
+    return {k: cache[(lens.mode, *k)] for k in keys}
+
+
 @torch.no_grad()
 def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: str, top: int,
-          edits=(), at: str = "last") -> dict:
+          edits=(), at: str = "last", base: dict | None = None) -> dict:
     """One forward pass (with `edits` applied) read at the last position for tokens w and contrast.
 
-    w None: the run's own prediction."""
+    w None: the run's own prediction. `base`: the unedited read of the same text; the layers
+    before the first edited one compute exactly what they computed there, so their readings
+    are taken from it rather than computed again."""
+    L = mm.n_layers
+    first = min((e[0] for e in edits), default=0) if base is not None else 0
     inp, mask = mm.batch([ids])
-    if edits:
-        with mm.intervene(edits, at=at):
-            cap = mm.capture(inp, mask, what=("r", "m", "y", "o"), logits=True)
-    else:
-        cap = mm.capture(inp, mask, what=("r", "m", "y", "o"), logits=True)
+    with mm.intervene(edits, at=at) if edits else nullcontext():
+        cap = mm.capture(inp, mask, layers=range(first, L), what=("r", "m", "y", "o"), logits=True)
     logits = cap.logits[0, -1].float()
-    probs = torch.softmax(logits, -1)
+    lse = torch.logsumexp(logits, -1)
     pred = int(logits.argmax())
     w = pred if w is None else w
     targets = torch.tensor([w] if contrast is None else [w, contrast], device=mm.device)
     dec = lambda i: mm.tok.decode([int(i)])  # noqa: E731
     lenses = _lenses(mm)
     lens = lenses[lens_mode]
-    L = mm.n_layers
+    new = range(first, L)
 
     def token_row(i):
-        return {"token": dec(i), "id": int(i), "p": float(probs[i]), "logit": float(logits[i])}
+        return {"token": dec(i), "id": int(i), "p": float(torch.exp(logits[i] - lse)), "logit": float(logits[i])}
 
-    # r, y, o of every layer at the last position: one (3L, d) block per lens
-    states = torch.stack([cap[l][q][0, -1] for l in range(L) for q in QUANTS])
+    # r, y, o of every (new) layer at the last position: one (3L, d) block per lens
+    states = torch.stack([cap[l][q][0, -1] for l in new for q in QUANTS])
     readings = {}
     for mode, ln in lenses.items():
         lg = ln.logits(states).float()  # (3L, V)
-        pr = torch.softmax(lg, -1)
-        readings[mode] = (lg.topk(TOP_TOKENS, -1).indices.tolist(), lg[:, targets].tolist(),
-                          pr[:, targets].tolist())
+        at_t = lg[:, targets]
+        readings[mode] = (lg.topk(TOP_TOKENS, -1).indices.tolist(), at_t.tolist(),
+                          torch.exp(at_t - torch.logsumexp(lg, -1, keepdim=True)).tolist())
     # the signed contribution of every memory to w (and the contrast): m_i·(v_i·e_t), (L, d_m, n)
-    m = torch.stack([cap[l]["m"][0, -1] for l in range(L)])  # (L, d_m)
-    dirs = torch.stack([lens.direction_logits(mm.values(l), targets) for l in range(L)])
+    m = torch.stack([cap[l]["m"][0, -1] for l in new])  # (L, d_m)
+    dirs = torch.stack([lens.direction_logits(mm.values(l), targets) for l in new])
     contrib = (m.unsqueeze(-1) * dirs.to(m.dtype)).float()
-
+    if first:
+        m, contrib = torch.cat([base["_m"][:first], m]), torch.cat([base["_contrib"][:first], contrib])
     # memories are chosen first (as (layer, dim) keys), then their values read in one batch
     signed = {(col, sign): contrib[..., col] * sign for col in range(len(targets)) for sign in (1, -1)}
 
@@ -125,27 +149,30 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
 
     layers = []
     for l in range(L):
-        row = {"layer": l}
+        if l < first:  # unchanged: the original pass's row (its memories are already read)
+            layers.append(base["layers"][l])
+            continue
+        k0 = 3 * (l - first)
         lens_rows = {}
         for mode, (tops, lg, pr) in readings.items():
-            lens_rows[mode] = {q: {"top": [dec(t) for t in tops[3 * l + k]],
-                                   "p": pr[3 * l + k][0], "logit": lg[3 * l + k][0],
-                                   "p_contrast": pr[3 * l + k][1] if contrast is not None else None,
-                                   "logit_contrast": lg[3 * l + k][1] if contrast is not None else None}
+            lens_rows[mode] = {q: {"top": [dec(t) for t in tops[k0 + k]],
+                                   "p": pr[k0 + k][0], "logit": lg[k0 + k][0],
+                                   "p_contrast": pr[k0 + k][1] if contrast is not None else None,
+                                   "logit_contrast": lg[k0 + k][1] if contrast is not None else None}
                                for k, q in enumerate(QUANTS)}
         ch = lens_rows[lens_mode]
-        row.update({"top_r": ch["r"]["top"][0], "top_y": ch["y"]["top"][0], "top_o": ch["o"]["top"][0],
-                    "p_final_in_r": ch["r"]["p"],
-                    "memories": ranked(0, 1, top, l), "memories_down": ranked(0, -1, top, l),
-                    "lenses": lens_rows})
-        layers.append(row)
+        layers.append({"layer": l, "top_r": ch["r"]["top"][0], "top_y": ch["y"]["top"][0],
+                       "top_o": ch["o"]["top"][0], "p_final_in_r": ch["r"]["p"],
+                       "memories": ranked(0, 1, top, l), "memories_down": ranked(0, -1, top, l),
+                       "lenses": lens_rows})
     tops = {"up": ranked(0, 1, top * 3), "down": ranked(0, -1, top * 3)}
     ctops = None if contrast is None else {"up": ranked(1, 1, top * 3), "down": ranked(1, -1, top * 3)}
-    keys = sorted({k for r in layers for k in r["memories"] + r["memories_down"]}
+    keys = sorted({k for r in layers[first:] for k in r["memories"] + r["memories_down"]}
                   | {k for t in (tops, ctops or {}) for ks in t.values() for k in ks})
     # the value's top tokens, of sign(m)·v as the memory writes it
-    vecs = torch.stack([mm.values(l)[i] * (1.0 if m[l, i] >= 0 else -1.0) for l, i in keys])
-    vtops = dict(zip(keys, lens.direction_logits(vecs).topk(TOP_TOKENS, -1).indices.tolist()))
+    sg = {k: 1 if m[k] >= 0 else -1 for k in keys}
+    vt = _value_tops(mm, lens, [(l, i, sg[l, i]) for l, i in keys])
+    vtops = {k: vt[(*k, sg[k])] for k in keys}
 
     def memory(key):
         l, i = key
@@ -153,12 +180,12 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
                 "contrib_contrast": float(contrib[l, i, 1]) if contrast is not None else None,
                 "value_top": dec(vtops[key][0]), "value_tops": [dec(t) for t in vtops[key]]}
 
-    for r in layers:
+    for r in layers[first:]:
         r["memories"] = [memory(k) for k in r["memories"]]
         r["memories_down"] = [memory(k) for k in r["memories_down"]]
     return {
-        "prediction": dec(pred), "prediction_id": pred, "p": float(probs[pred]),
-        "p_original": float(probs[w]), "logit_original": float(logits[w]),
+        "prediction": dec(pred), "prediction_id": pred, "p": float(torch.exp(logits[pred] - lse)),
+        "p_original": float(torch.exp(logits[w] - lse)), "logit_original": float(logits[w]),
         "top": [token_row(i) for i in logits.topk(min(TOP_NEXT, logits.numel())).indices.tolist()],
         "contrast": None if contrast is None else {
             **token_row(contrast), "rank": int(rank_of(logits, torch.tensor(contrast, device=logits.device)))},
@@ -210,7 +237,7 @@ def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "l
     c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
     base = _read(mm, ids, None, c, lens, top_memories)
     w = base["prediction_id"]
-    after = _read(mm, ids, w, c, lens, top_memories, edits, at) if edits else None
+    after = _read(mm, ids, w, c, lens, top_memories, edits, at, base=base) if edits else None
     res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids),
            "lens": lens, "at": at, **_public(base),
            "interventions": _edit_rows(base, after, edits),

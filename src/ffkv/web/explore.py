@@ -301,7 +301,7 @@ def page_context(q: Query, r: dict) -> dict:
             "no_contrast_url": q.url(contrast="", contrast_id=""),
             "lens_url": lambda lens: q.url(lens=lens), "api_url": q.url("/api/explore"),
             "at_url": lambda at: q.url(at="" if at == "last" else at),
-            "signed_bar": signed_bar, "pbar": lambda p: plots.bar(p, width=80, height=10, label=f"p = {p:.3f}")}
+            "signed_bar": signed_bar, "pbar": lambda p: plots.bar(p, width=50, height=10, label=f"p = {p:.3f}")}
 
 
 # ---- routes ---------------------------------------------------------------------------------------
