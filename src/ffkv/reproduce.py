@@ -14,7 +14,7 @@ from pathlib import Path
 from ffkv.errors import FfkvError
 from ffkv.store.run import Run
 
-STEPS = ("mine", "values", "compose", "mutate", "patterns")
+STEPS = ("mine", "values", "compose", "mutate", "patterns", "normalize")
 
 
 @dataclass
@@ -23,18 +23,35 @@ class ReproduceSettings:
     model: str | None = None
     corpus: str | None = None  # mining corpus; default: the embedded Wikipedia (train split)
     compose_corpus: str | None = None  # held-out corpus; default: the embedded valid split
-    sentences: int = 1500
+    sentences: int | None = 1500  # None: every sentence of the corpus
     top_k: int = 50
     prefixes: int = 1000
     keys_per_layer: int = 4  # mutate: keys per layer (the paper: 100)
-    semantic_keys_per_layer: int = 4
+    semantic_keys_per_layer: int = 10  # the paper's experts read 10 keys per layer
+    normalize: str = "reproduce"  # "reproduce": the ≤ 2-minute sizing; "default": `ffkv normalize` as is
     negative: bool | None = None  # None: mine negatives when the FFN is gated
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
 
 
-def step_settings(step: str, s: ReproduceSettings, gated: bool):
+# Named sets of flags. "full" mines every sentence of the corpus and uses the paper's sample
+# sizes (4,000 held-out prefixes, 100 mutated keys per layer, 10 semantic keys per layer).
+PRESETS: dict[str, dict] = {
+    "default": {},
+    "full": {"sentences": None, "prefixes": 4000, "keys_per_layer": 100, "semantic_keys_per_layer": 10,
+             "normalize": "default"},
+}
+
+
+def preset(name: str, **overrides) -> ReproduceSettings:
+    """The settings of preset `name`, with `overrides` (flags the user typed) on top."""
+    if name not in PRESETS:
+        raise FfkvError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return ReproduceSettings(**{**PRESETS[name], **overrides})
+
+
+def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | None = None):
     """The settings each step gets: the same as typing its command with reproduce's flags."""
     if step == "mine":
         from ffkv.mine.engine import MineSettings
@@ -57,6 +74,12 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool):
         from ffkv.experiments.patterns import PatternsSettings
 
         return PatternsSettings(semantic_keys_per_layer=s.semantic_keys_per_layer, seed=s.seed, device=s.device)
+    if step == "normalize":
+        from ffkv.experiments.normalize.step import NormalizeSettings, reproduce_settings
+
+        if s.normalize == "default":
+            return NormalizeSettings(seed=s.seed, dtype=s.dtype)
+        return reproduce_settings(int(n_layers), seed=s.seed, dtype=s.dtype)
     raise ValueError(step)
 
 
@@ -91,9 +114,9 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
         log(f"\n[{i}/{len(STEPS)}] {step}" + (" (done earlier; checking settings)" if done else ""))
         t0 = time.time()
         kw = {"checkpoint_every": 60.0} if step == "mine" else {}
-        if step == "compose":
+        if step in ("compose", "normalize"):
             kw["warn"] = lambda msg: log(f"ffkv: note: {msg}")
-        out = execute(r, step, step_settings(step, s, mm.gated), mm=mm, device=s.device, dtype=s.dtype,
+        out = execute(r, step, step_settings(step, s, mm.gated, mm.n_layers), mm=mm, device=s.device, dtype=s.dtype,
                       log=log, **kw)
         if show is not None:
             show(step, r, out)

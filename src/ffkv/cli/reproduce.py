@@ -13,26 +13,27 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
               model_name: Optional[str] = typer.Option(None, "--model", "-m", help="HF id, folder or .gguf (default: embedded SmolLM2), e.g. gpt2."),
               corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Mining corpus (default wikipedia:train), e.g. wikitext-103:train or a file."),
               compose_corpus: Optional[str] = typer.Option(None, "--compose-corpus", help="Held-out corpus for compose (default wikipedia:valid)."),
-              sentences: int = typer.Option(1500, "--sentences", min=1, help="Sentences to mine (the paper: all of WikiText-103 train)."),
-              top_k: int = typer.Option(50, "--top-k", min=1, help="Trigger examples per key."),
-              prefixes: int = typer.Option(1000, "--prefixes", min=1, help="Held-out prefixes for compose (the paper: 4,000)."),
-              keys_per_layer: int = typer.Option(4, "--keys-per-layer", min=1, help="Keys per layer for mutate (the paper: 100)."),
-              semantic_keys_per_layer: int = typer.Option(4, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns."),
+              preset: str = typer.Option("default", "--preset", help="default (about 8 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 prefixes and 100 keys per layer); flags below override it."),
+              sentences: Optional[int] = typer.Option(None, "--sentences", min=1, help="Sentences to mine (default 1,500; the paper: all of WikiText-103 train)."),
+              top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Trigger examples per key (default 50)."),
+              prefixes: Optional[int] = typer.Option(None, "--prefixes", min=1, help="Held-out prefixes for compose (default 1,000; the paper: 4,000)."),
+              keys_per_layer: Optional[int] = typer.Option(None, "--keys-per-layer", min=1, help="Keys per layer for mutate (default 4; the paper: 100)."),
+              semantic_keys_per_layer: Optional[int] = typer.Option(None, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns (default 10, as the paper)."),
               negative: Optional[bool] = typer.Option(None, "--negative/--no-negative", help="Mine most-negative triggers too (default: when the FFN is gated)."),
               seed: int = typer.Option(0, "--seed", help="Seed of every sample."),
               device: str = DeviceOpt, dtype: str = DtypeOpt):
-    """Run every experiment of the paper (mine, values, compose, mutate, patterns) and build
+    """Run every experiment of the paper (mine, values, compose, mutate, patterns, normalize) and build
     the report. Defaults take ≤ 15 minutes on a 2-core CPU; a killed run resumes where it stopped.
 
     Scale up for real studies, e.g. --sentences 1000000 --device cuda, --model gpt2,
     --corpus wikitext-103:train.
     """
-    from ffkv.reproduce import ReproduceSettings, reproduce as run_reproduce, summary_lines
+    from ffkv.reproduce import preset as make_preset, reproduce as run_reproduce, summary_lines
 
-    s = ReproduceSettings(model=model_name, corpus=corpus, compose_corpus=compose_corpus, sentences=sentences,
-                          top_k=top_k, prefixes=prefixes, keys_per_layer=keys_per_layer,
-                          semantic_keys_per_layer=semantic_keys_per_layer, negative=negative,
-                          device=device, dtype=dtype, seed=seed)
+    typed = {"sentences": sentences, "top_k": top_k, "prefixes": prefixes, "keys_per_layer": keys_per_layer,
+             "semantic_keys_per_layer": semantic_keys_per_layer}
+    s = make_preset(preset, model=model_name, corpus=corpus, compose_corpus=compose_corpus, negative=negative,
+                    device=device, dtype=dtype, seed=seed, **{k: v for k, v in typed.items() if v is not None})
     res = run_reproduce(run_dir, s, show=show_step)
     print()
     for line in summary_lines(run_dir, res["times"])[:10]:
@@ -42,7 +43,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
 
 def show_step(step: str, run, out) -> None:
     """Print a step's outcome as its own command prints it."""
-    from ffkv.cli import compose, keys, mine, values
+    from ffkv.cli import compose, keys, mine, normalize, values
 
     if step == "mine":
         if out.skipped:
@@ -56,6 +57,8 @@ def show_step(step: str, run, out) -> None:
         keys.print_mutate(run, out)
     elif step == "patterns":
         keys.print_patterns(run, out, top=25)
+    elif step == "normalize":
+        normalize.print_normalize(run, out)
 
 
 def register(app: typer.Typer) -> None:
