@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import socket
@@ -50,6 +51,12 @@ def stats(xs) -> str:
     a = np.asarray(xs, dtype=np.float64)
     return (f"median {np.median(a):.1f} ms, p90 {np.percentile(a, 90):.1f} ms, p99 {np.percentile(a, 99):.1f} ms, "
             f"max {a.max():.1f} ms (n={len(a)})")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to read beside wall times on a busy machine."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start(run: Path, port: int):
@@ -98,18 +105,22 @@ def main() -> None:
     p, t0 = start(a.run, port)
     try:
         startup = wait_first_page(client, url, p, t0)
+        startup_cpu = cpu_seconds(p.pid)
         t_imp = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import ffkv.cli"], check=True, cwd=ROOT)
         import_s = time.perf_counter() - t_imp
         ov = client.get(url + "/api/overview").json()
-        out(f"startup: first page {startup:.2f} s after starting `ffkv serve` (goal ≤ {GOALS['startup_s']:.0f} s); "
-            f"tables loaded in {ov['load_seconds']} s; `import ffkv.cli` alone takes {import_s:.2f} s here")
+        out(f"startup: first page {startup:.2f} s after starting `ffkv serve` (goal ≤ {GOALS['startup_s']:.0f} s; "
+            f"{startup_cpu:.2f} s of CPU); tables loaded in {ov['load_seconds']} s; `import ffkv.cli` alone "
+            f"takes {import_s:.2f} s here")
+        out(f"machine load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
         # ---- memory pages ------------------------------------------------------------------------
         rng = random.Random(a.seed)
         L, D = ov["layers"], ov["d_m"]
         keys = [(rng.randrange(L), rng.randrange(D)) for _ in range(a.pages)]
         client.get(url + "/memory/0/0")  # compile the template once
+        cpu0 = cpu_seconds(p.pid)
         srv, wall, codes = [], [], []
         for l, d in keys:
             t = time.perf_counter()
@@ -117,9 +128,11 @@ def main() -> None:
             wall.append(1000 * (time.perf_counter() - t))
             srv.append(server_ms(r))
             codes.append(r.status_code)
+        cpu_page = 1000 * (cpu_seconds(p.pid) - cpu0) / len(keys)
         ok = sum(c == 200 for c in codes)
         out(f"memory page, server time: {stats(srv)}; goal median ≤ {GOALS['page_median_ms']:.0f} ms, "
             f"p99 ≤ {GOALS['page_p99_ms']:.0f} ms; {ok}/{len(codes)} × 200")
+        out(f"memory page, server CPU: {cpu_page:.1f} ms per page (the server process's user+system time / pages)")
         out(f"memory page, client wall time: {stats(wall)}; page size {len(r.content) / 1024:.0f} kB")
         api = [server_ms(client.get(f"{url}/api/memory/{l}/{d}")) for l, d in keys[:100]]
         out(f"memory JSON (/api/memory), server time: {stats(api)}")

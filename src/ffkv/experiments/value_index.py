@@ -73,6 +73,65 @@ def _top_rows(z, k: int):
     return tuple(torch.cat([o[j] for o in out]) for j in range(4))
 
 
+class IndexBuilder:
+    """Collects index rows chunk by chunk, so a step that already projects the values (the
+    values step, for its own lens) can feed its logits instead of projecting them again:
+
+        ib = IndexBuilder(k)
+        ib.add("norm", layer, a, z)   # z: (C, V) float32 logits of values a..a+C-1 of `layer`
+        table = ib.table()
+    """
+
+    def __init__(self, k: int = DEFAULT_K):
+        if k < 1:
+            from ffkv.errors import FfkvError
+
+            raise FfkvError(f"the index needs k ≥ 1 (got {k})")
+        self.k = int(k)
+        self.parts: dict[tuple[str, int], list] = {}
+        self.lenses: list[str] = []
+
+    def add(self, lens: str, layer: int, start: int, z) -> None:
+        """Index the rows of z (C, V), the logits of values start..start+C-1 of `layer` under
+        `lens`, for +v and −v. z is not modified (−z is a temporary copy)."""
+        import torch
+
+        if lens not in self.lenses:
+            self.lenses.append(lens)
+        z = z.float()
+        for s in (1, -1):
+            zz = z if s == 1 else torch.neg(z)
+            lse = torch.logsumexp(zz, dim=-1)
+            row, tok, rk, lv = _top_rows(zz, self.k)
+            prob = torch.exp(lv - lse[row])
+            self.parts.setdefault((lens, s), []).append((
+                np.full(len(row), layer, np.int16),
+                (row + start).cpu().numpy().astype(np.int32),
+                tok.cpu().numpy().astype(np.int32),
+                rk.cpu().numpy().astype(np.int16),
+                prob.cpu().numpy().astype(np.float32)))
+            del zz
+
+    def table(self) -> pa.Table:
+        cols = {c: [] for c in COLUMNS}
+        for (ln_name, s) in sorted(self.parts, key=lambda x: (x[0], -x[1])):
+            ps = self.parts[(ln_name, s)]
+            layer, dim, tok, rk, pr = (np.concatenate([p[j] for p in ps]) for j in range(5))
+            order = np.lexsort((dim, layer, rk, tok))
+            n = len(order)
+            cols["lens"].append(pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
+                                                               pa.array([ln_name])).cast(pa.string()))
+            cols["sign"].append(pa.array(np.full(n, s, np.int8)))
+            cols["token"].append(pa.array(tok[order]))
+            cols["rank"].append(pa.array(rk[order]))
+            cols["prob"].append(pa.array(pr[order]))
+            cols["layer"].append(pa.array(layer[order]))
+            cols["dim"].append(pa.array(dim[order]))
+        arrays = [pa.chunked_array(cols[c], SCHEMA.field(c).type) for c in COLUMNS]
+        meta = {"ffkv.k": str(self.k), "ffkv.lenses": ",".join(sorted(self.lenses))}
+        return pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata(meta)).combine_chunks()
+
+
 def build_index(mm, lenses=LENSES, k: int = DEFAULT_K, chunk: int = 512, progress=None) -> pa.Table:
     """The `value_index` table of model `mm` (a `MemoryModel`): see the module docstring.
 
@@ -88,58 +147,22 @@ def build_index(mm, lenses=LENSES, k: int = DEFAULT_K, chunk: int = 512, progres
         from ffkv.errors import FfkvError
 
         raise FfkvError(f"unknown lens(es) {bad or lenses}; choose from {', '.join(LENSES)}")
-    if k < 1:
-        from ffkv.errors import FfkvError
-
-        raise FfkvError(f"the index needs k ≥ 1 (got {k})")
+    ib = IndexBuilder(k)
     L, d_m = mm.n_layers, mm.d_m
     chunk = max(1, min(chunk, d_m))
     n_chunks = len(lenses) * L * ((d_m + chunk - 1) // chunk)
     done = 0
-    parts: dict[tuple[str, int], list] = {(ln, s): [] for ln in lenses for s in (1, -1)}
     with torch.no_grad():
         for ln_name in lenses:
             ln = mm.lens if mm.lens.mode == ln_name else Lens(mm, ln_name)
             for layer in range(L):
                 W = mm.values(layer)
                 for a in range(0, d_m, chunk):
-                    z = ln.direction_logits(W[a:a + chunk]).float()
-                    for s in (1, -1):
-                        zz = z if s == 1 else torch.neg(z)
-                        lse = torch.logsumexp(zz, dim=-1)
-                        row, tok, rk, lv = _top_rows(zz, k)
-                        prob = torch.exp(lv - lse[row])
-                        parts[(ln_name, s)].append((
-                            np.full(len(row), layer, np.int16),
-                            (row + a).cpu().numpy().astype(np.int32),
-                            tok.cpu().numpy().astype(np.int32),
-                            rk.cpu().numpy().astype(np.int16),
-                            prob.cpu().numpy().astype(np.float32)))
-                        del zz
-                    del z
+                    ib.add(ln_name, layer, a, ln.direction_logits(W[a:a + chunk]))
                     done += 1
                     if progress is not None:
                         progress(done, n_chunks)
-    cols = {c: [] for c in COLUMNS}
-    for (ln_name, s), ps in parts.items():
-        layer = np.concatenate([p[0] for p in ps])
-        dim = np.concatenate([p[1] for p in ps])
-        tok = np.concatenate([p[2] for p in ps])
-        rk = np.concatenate([p[3] for p in ps])
-        pr = np.concatenate([p[4] for p in ps])
-        order = np.lexsort((dim, layer, rk, tok))
-        n = len(order)
-        cols["lens"].append(pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
-                                                           pa.array([ln_name])).cast(pa.string()))
-        cols["sign"].append(pa.array(np.full(n, s, np.int8)))
-        cols["token"].append(pa.array(tok[order]))
-        cols["rank"].append(pa.array(rk[order]))
-        cols["prob"].append(pa.array(pr[order]))
-        cols["layer"].append(pa.array(layer[order]))
-        cols["dim"].append(pa.array(dim[order]))
-    arrays = [pa.chunked_array(cols[c], SCHEMA.field(c).type) for c in COLUMNS]
-    meta = {"ffkv.k": str(int(k)), "ffkv.lenses": ",".join(lenses)}
-    return pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata(meta)).combine_chunks()
+    return ib.table()
 
 
 def index_k(table: pa.Table) -> int | None:

@@ -166,6 +166,9 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
     app.add_middleware(BodyLimit)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or allowed_hosts_for(host))
     app.add_middleware(SecurityHeaders)
+    import threading
+
+    threading.Thread(target=app.state.browser.warm, name="ffkv-warm", daemon=True).start()
     if build_index:
         app.state.browser.start_index()
     return app

@@ -261,11 +261,10 @@ class Browser:
             raise FfkvError(f"{int((~ok).sum())} trigger rows point to sentences missing from the "
                             f"`sentences` table of {self.path}; the run is inconsistent (re-run `ffkv mine`)")
         self.trig_row = row.astype(np.int32)
-        self.trig_token = self.tok_flat[self.tok_offsets[row] + tpos]
         del tsid, tpos, row, ok
         self.trig_sign = t.column("sign").to_numpy().astype(np.int8)
         self.trig_rank = t.column("rank").to_numpy().astype(np.int16)
-        self.keys = np.unique(self.trig.code).astype(np.int64)
+        self.keys = np.nonzero(np.bincount(self.trig.code, minlength=self.L * self.d_m))[0].astype(np.int64)
         self.negative = bool((self.trig_sign == -1).any())
 
         # the other steps' tables, when present
@@ -289,19 +288,8 @@ class Browser:
         self.patterns_fig2 = opt("patterns_fig2", False)
         self.values_top_k = int(vs.get("top_k") or 10)
 
-        # vocabulary lookups for token search
-        self._norm: dict[str, list[int]] = {}
-        for i, s in enumerate(self.vocab):
-            self._norm.setdefault(s.strip().casefold(), []).append(i)
-        self._exact: dict[str, list[int]] = {}
-        for i, s in enumerate(self.vocab):
-            self._exact.setdefault(s, []).append(i)
-
-        self.memories = self._memories_table()
-        self._precision = tuple(self.memories.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
-                                for c in ("precision", "precision_neg"))
-        self._con = query.connect(self.run)
-        self._con.register("memories", self.memories)
+        # built on first use (or by `warm()` in the background): searches need them, the overview not
+        self._lazy_lock = threading.RLock()
         self._con_lock = threading.Lock()
 
         # lazily: token index, model, annotation store
@@ -316,6 +304,65 @@ class Browser:
         self._store = None
         self._store_lock = threading.Lock()
         self.load_seconds = round(time.time() - t0, 2)
+
+    # ---- what is built on first use -----------------------------------------------------------
+    def _lazy(self, name: str, make):
+        v = self.__dict__.get(name)
+        if v is None:
+            with self._lazy_lock:
+                v = self.__dict__.get(name)
+                if v is None:
+                    v = make()
+                    self.__dict__[name] = v
+        return v
+
+    @property
+    def memories(self) -> pa.Table:
+        """One row per memory of the model: the measures searched by (see `_memories_table`)."""
+        return self._lazy("_memories", self._memories_table)
+
+    @property
+    def _precision(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._lazy("_precision_", lambda: tuple(
+            self.memories.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
+            for c in ("precision", "precision_neg")))
+
+    @property
+    def _con(self):
+        def make():
+            con = query.connect(self.run)
+            con.register("memories", self.memories)
+            return con
+        return self._lazy("_con_", make)
+
+    @property
+    def _norm(self) -> dict[str, list[int]]:
+        def make():
+            d: dict[str, list[int]] = {}
+            for i, s in enumerate(self.vocab):
+                d.setdefault(s.strip().casefold(), []).append(i)
+            return d
+        return self._lazy("_norm_", make)
+
+    @property
+    def _exact(self) -> dict[str, list[int]]:
+        def make():
+            d: dict[str, list[int]] = {}
+            for i, s in enumerate(self.vocab):
+                d.setdefault(s, []).append(i)
+            return d
+        return self._lazy("_exact_", make)
+
+    @property
+    def trig_token(self) -> np.ndarray:
+        """The token at each trigger's position (table order)."""
+        return self._lazy("_trig_token", lambda: self.tok_flat[
+            self.tok_offsets[self.trig_row] + self.trig.table.column("position").to_numpy().astype(np.int64)])
+
+    def warm(self) -> None:
+        """Build everything that is otherwise built on first use (called in a background thread)."""
+        for name in ("memories", "_precision", "_con", "_norm", "_exact", "trig_token"):
+            getattr(self, name)
 
     # ---- small helpers ------------------------------------------------------------------------
     def check_key(self, layer: int, dim: int) -> None:
