@@ -561,6 +561,13 @@ def test_cross_origin_posts_are_refused(client, web_run):
         r = client.post("/index/build", headers=headers, follow_redirects=False)
         assert r.status_code == 403
     assert AnnotationStore(web_run).get("evil", 0, 1) is None
+    # GETs that load the model or build the index: not as another site's subresource, but a
+    # shared link (a top-level navigation) still opens
+    for url in ("/memory/0/1/reverify", "/api/memory/0/1/reverify", "/search?token=the", "/api/search?token=the"):
+        r = client.get(url, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})
+        assert r.status_code == 403, url
+    r = client.get("/search?sort=max_prob", headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"})
+    assert r.status_code == 200
     # DNS rebinding: another Host name is refused before any route runs
     r = client.get("/", headers={"Host": "evil.example"})
     assert r.status_code == 400

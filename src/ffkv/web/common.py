@@ -164,6 +164,15 @@ def same_origin(request: Request) -> None:
         raise HTTPException(403, "cross-origin request refused")
 
 
+def no_cross_site_fetch(request: Request) -> None:
+    """Refuse (403) a GET that costs the server real work (loading the model, building the
+    token index) when another site's page fetches it as a subresource (an <img>, a script, a
+    fetch). Following a shared link (a top-level navigation) stays allowed."""
+    site = request.headers.get("sec-fetch-site")
+    if site in ("cross-site", "same-site") and request.headers.get("sec-fetch-mode") != "navigate":
+        raise HTTPException(403, "cross-site request refused")
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def wants_json(request: Request) -> bool:
     return request.url.path.startswith("/api/")

@@ -27,7 +27,7 @@ from markupsafe import Markup
 
 from ffkv.errors import FfkvError
 from ffkv.web import plots
-from ffkv.web.common import STATIC_DIR, render, same_origin, state
+from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, state
 from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
                            NotFound)
 
@@ -413,13 +413,13 @@ def reverify(request: Request, layer: int, dim: int, sign: int, rank: int) -> di
             "compute_seconds": round(time.time() - t1, 3), "permalink": b.permalink(r["sentence_id"], r["position"])}
 
 
-@router.get("/memory/{layer}/{dim}/reverify", include_in_schema=False)
+@router.get("/memory/{layer}/{dim}/reverify", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
 def reverify_page(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
     res = reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000))
     return render(request, "reverify.html", r=res)
 
 
-@router.get("/api/memory/{layer}/{dim}/reverify")
+@router.get("/api/memory/{layer}/{dim}/reverify", dependencies=[Depends(no_cross_site_fetch)])
 def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
     return api(reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000)))
 
@@ -469,7 +469,7 @@ def search_params(request: Request) -> dict:
     return {k: q.get(k) for k in SEARCH_PARAMS if k in q}
 
 
-@router.get("/search", include_in_schema=False)
+@router.get("/search", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
 def search_page(request: Request):
     p = search_params(request)
     res = do_search(request, p)
@@ -478,7 +478,7 @@ def search_page(request: Request):
                   refresh=res.get("status") == "building")
 
 
-@router.get("/api/search")
+@router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
 def api_search(request: Request):
     res = do_search(request, search_params(request))
     status = 503 if res.get("mode") == "token" and res.get("status") in ("building", "absent") else 200
