@@ -267,9 +267,19 @@ def test_cli_suppress(tiny_dirs):
     assert [e["edit"] for e in out["interventions"]] == ["2:3*0.0", "1:4*0.5"]
     assert out["at"] == "all" and out["contrast"]["token"] == " the" and out["intervened"]["layers"]
     assert len(out["layers"]) == 3 and out["layers"][-1]["top_o"] == out["prediction"]
-    bad = run_cli("explain", TEXT, "--model", tiny_dirs["llama"], "--suppress", "7:1")
-    assert bad.returncode == 2 and "layer 7 out of range 0..2" in bad.stderr
-    assert "Traceback" not in bad.stderr
+
+
+def test_cli_suppress_errors(tiny_dirs, capsys):
+    """In process (the entry point's own error handling): one line, exit code 2."""
+    from ffkv.cli import main
+
+    for args, msg in ((["--suppress", "7:1"], "layer 7 out of range 0..2"),
+                      (["--suppress", "1:x"], "is not LAYER:DIM"), (["--at", "first"], "choose last or all"),
+                      (["--contrast", "the cat sat"], "not one")):
+        with pytest.raises(SystemExit) as e:
+            main(["explain", TEXT, "--model", str(tiny_dirs["llama"]), *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
