@@ -4,8 +4,8 @@ Public URLs (links get shared; keep them):
 - `/explore?text=…`: the page. Optional: `suppress=L:D,…` (`L:D` scales memory D of layer L by
   `scale`, default 0 = suppress; `L:D*F` scales it by F; `L:D=V` sets its coefficient to V),
   `scale=F`, `at=last|all` (edit the last position or every position), `contrast=TOKEN` (text
-  that is one token) or `contrast_id=N`, `lens=naive|norm` (of the contributions; both lenses
-  are always read), `top=K` (memories per layer).
+  that is one token; it wins over `contrast_id=N`, a token id), `lens=naive|norm` (of the
+  contributions; both lenses are always read), `top=K` (memories per layer).
 - `/api/explore?…`: what the page shows, as JSON: `ffkv.experiments.explain`'s result (its
   docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
@@ -197,10 +197,10 @@ def parse_query(request: Request) -> Query:
         raise FfkvError(f"at {q.at!r}: choose last (the last position) or all (every position)")
     q.contrast = g.get("contrast") or ""
     cid = (g.get("contrast_id") or "").strip()
-    if cid:
+    if cid and not q.contrast:  # a typed contrast wins over an id carried from a link
         if not cid.isdigit() or not cid.isascii():
             raise FfkvError(f"contrast_id {cid!r} is not a token id")
-        q.contrast_id, q.contrast = int(cid), ""
+        q.contrast_id = int(cid)
     q.lens = (g.get("lens") or "").strip()
     if q.lens and q.lens not in LENSES:
         raise FfkvError(f"lens {q.lens!r}: choose naive or norm")
@@ -293,15 +293,15 @@ def page_context(q: Query, r: dict) -> dict:
         lists += [r["contrast_memories"]["up"], r["contrast_memories"]["down"]]
     vmax = max([abs(m["contrib"]) for ms in lists[:2] for m in ms] + [1e-12])
     cmax = max([abs(m["contrib_contrast"]) for ms in lists[2:] for m in ms] + [1e-12])
-    lmax = max([abs(m["contrib"]) for row in r["layers"] for m in row["memories"] + row["memories_down"]]
-               + [1e-12])
-    return {"add_url": add, "layer_top_url": lambda row: add(*[(m["layer"], m["dim"]) for m in row["memories"]]), "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax, "lmax": lmax,
+    return {"add_url": add, "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax,
+            "layer_top_url": lambda row: add(*[(m["layer"], m["dim"]) for m in row["memories"]]),
             "clear_url": q.url(suppress="", scale="", at=""),
             "contrast_url": lambda tid: q.url(contrast="", contrast_id=tid),
             "no_contrast_url": q.url(contrast="", contrast_id=""),
             "lens_url": lambda lens: q.url(lens=lens), "api_url": q.url("/api/explore"),
             "at_url": lambda at: q.url(at="" if at == "last" else at),
-            "signed_bar": signed_bar, "pbar": lambda p: plots.bar(p, width=50, height=10, label=f"p = {p:.3f}")}
+            "signed_bar": signed_bar,
+            "pbar": lambda p: plots.bar(p, width=50, height=10, label=f"p = {p:.3f}")}
 
 
 # ---- routes ---------------------------------------------------------------------------------------
