@@ -142,10 +142,10 @@ def test_report_model_differences(report):
 def test_decoder_matches_the_tokenizer(tiny_run, tok_dir):
     from transformers import AutoTokenizer
 
-    from ffkv.report.build import Decoder
+    from ffkv.store.decode import Decoder
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    dec = Decoder(pq.read_table(tiny_run / "vocab.parquet").to_pandas())
+    dec = Decoder.of_frame(pq.read_table(tiny_run / "vocab.parquet").to_pandas())
     assert dec.mode == "bytelevel"
     sents = pq.read_table(tiny_run / "sentences.parquet").to_pandas().head(50)
     for ids in sents["token_ids"]:
@@ -153,6 +153,37 @@ def test_decoder_matches_the_tokenizer(tiny_run, tok_dir):
         assert dec.decode(ids) == tok.decode(ids)
         head, last = dec.marked(ids, len(ids) // 2)
         assert head + last == tok.decode(ids[: len(ids) // 2 + 1])
+
+
+def test_decoder_keeps_multibyte_characters_whole(tok_dir):
+    """Hebrew and emoji split over byte-level tokens: every decoded prefix equals the original
+    text's prefix (tokens one at a time give "��לו��"), and the pieces join to the decoding."""
+    from transformers import AutoTokenizer
+
+    from ffkv.mine.runner import vocab_table
+    from ffkv.store.decode import Decoder
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    dec = Decoder.of_frame(vocab_table(tok, len(tok)).to_pandas())
+    text = "Shalom שלום עולם, and a cat 🐈 named Ω — naïve café 日本"
+    ids = tok(text)["input_ids"]
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)  # the bug: one token at a time breaks it
+    assert dec.decode(ids) == text
+    pieces = dec.pieces(ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    for k in range(1, len(ids) + 1):
+        head, last = dec.marked(ids, k - 1)
+        full = tok.decode(ids[:k])
+        assert head + last == full == dec.decode(ids[:k])
+        if "\ufffd" not in full:
+            assert text.startswith(full)
+
+
+def test_report_escapes_control_characters():
+    from ffkv.report.html import esc, tok
+
+    assert esc("a\x00b\u202ec<") == "a\\x00b\\u202ec&lt;"
+    assert "\u202e" not in tok("\u202eevil") and "\x00" not in tok("\x00")
 
 
 # ---- partial runs, annotations, errors ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from ffkv.report import figures as F
 from ffkv.report import verdicts as V
 from ffkv.report.html import chip, code, esc, img, kv, table, template, tok, verdict_line
 from ffkv.report.paper import ORDER, PAPER, PAPER_MODEL
-from ffkv.store import query
+from ffkv.store import decode, query
 from ffkv.store.run import Run, atomic_write_bytes
 
 TABLE1_LAYERS = 4  # layers shown in Table 1, spread over the depth
@@ -48,61 +48,8 @@ class Section:
     extra: str = ""  # appended to the measured text (e.g. the other lens)
 
 
-# ---- token decoding (from the run's `vocab` table; no tokenizer needed) ---------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (byte-level BPE vocabularies use it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-class Decoder:
-    """Turns token ids into text. Byte-level BPE: exact bytes from the `token` strings (so a
-    character split over two tokens decodes whole); SentencePiece: '▁' → space and <0xNN> bytes;
-    otherwise the concatenation of per-token `text`."""
-
-    def __init__(self, vocab: pd.DataFrame):
-        self.text = vocab["text"].tolist()
-        self.token = vocab["token"].tolist() if "token" in vocab.columns else self.text
-        self.byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-        sample = [t for t in self.token[: min(len(self.token), 5000)] if t]
-        bl = np.mean([all(c in self.byte_of for c in t) for t in sample]) if sample else 0
-        sp = np.mean(["▁" in t for t in sample]) if sample else 0
-        self.mode = "bytelevel" if bl > 0.95 and sp < 0.05 else "sentencepiece" if sp > 0.1 else "text"
-
-    def _piece(self, i: int) -> bytes:
-        i = int(i)
-        if not 0 <= i < len(self.token):
-            return b""
-        t = self.token[i]
-        if self.mode == "bytelevel" and all(c in self.byte_of for c in t):
-            return bytes(self.byte_of[c] for c in t)
-        if self.mode == "sentencepiece":
-            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", t)
-            if m:
-                return bytes([int(m.group(1), 16)])
-            return t.replace("▁", " ").encode()
-        return self.text[i].encode()
-
-    def decode(self, ids) -> str:
-        s = b"".join(self._piece(i) for i in ids).decode("utf-8", errors="replace")
-        return s[1:] if self.mode == "sentencepiece" and s.startswith(" ") else s
-
-    def token_text(self, i) -> str:
-        return self.text[int(i)] if 0 <= int(i) < len(self.text) else f"<{i}>"
-
-    def marked(self, ids, position: int) -> tuple[str, str]:
-        """(head, last) of the prefix ids[:position + 1], as text."""
-        ids = list(ids)[: position + 1]
-        head, full = self.decode(ids[:-1]), self.decode(ids)
-        last = full[len(head):] if full.startswith(head) else self.token_text(ids[-1])
-        return head, last
+# ---- token decoding: `ffkv.store.decode` (one decoder for the report, `ffkv show` and the web) ----------
+Decoder = decode.Decoder  # kept importable from here
 
 
 def prefix_html(head: str, last: str, chars: int = PREFIX_CHARS) -> str:
@@ -281,7 +228,7 @@ class Builder:
     @property
     def decoder(self) -> Decoder | None:
         if self._decoder is None and self.run.has_table("vocab"):
-            self._decoder = Decoder(self.t.get("vocab"))
+            self._decoder = Decoder.of_frame(self.t.get("vocab"))
         return self._decoder
 
     def cmd(self, step: str) -> str:
@@ -499,6 +446,46 @@ class Builder:
                           rows, num={0, 7}, raw={1, 2, 3, 4, 6}))
         return s
 
+    def beyond_the_paper(self) -> tuple[list[tuple[str, str, str]], list[dict]]:
+        """Sections beyond the paper's figures: key activation profiles (`ffkv mine`'s key
+        statistics; absent in runs mined before them) and normalized memories (`ffkv normalize`,
+        only when the step ran). Returns ((id, title, html) sections, verdicts.json records)."""
+        from ffkv.report import keystats
+        from ffkv.report import normalize as N
+
+        extra, records = [], []
+        for sid, build in (("keystats", self._keystats), ("normalize", self._normalize)):
+            try:
+                got = build(N) if sid == "normalize" else build(keystats)
+            except Exception as e:  # noqa: BLE001 - a malformed table must not sink the whole report
+                msg = f"{sid}: {type(e).__name__}: {e}"
+                self.problems.append(msg)
+                self.log(f"report: warning: {msg}")
+                got = (sid, sid, f'<section id="{sid}"><h2>{esc(sid)}</h2><p class="error">{esc(msg)}</p></section>'), []
+            if got is not None:
+                extra.append(got[0])
+                records += got[1]
+        return extra, records
+
+    def _keystats(self, keystats):
+        sec = keystats.section(self.run, self.fig_dir)
+        if sec is None:
+            return None
+        figs = "".join(f'<figure>{img(f["png"], sec["title"])}<figcaption class="files">Files: '
+                       f'<a href="figures/{f["png"].name}">{esc(f["png"].name)}</a>, '
+                       f'<a href="figures/{f["svg"].name}">{esc(f["svg"].name)}</a></figcaption></figure>'
+                       for f in sec["figures"])
+        html = (f'<section id="keystats" class="figure-section" data-section="keystats"><h2>{esc(sec["title"])}</h2>'
+                f"{figs}{sec['html']}</section>")
+        return ("keystats", "Key activations", html), []
+
+    def _normalize(self, N):
+        if not self.run.step_done("normalize"):
+            return None
+        its = N.items(lambda name: self.t.get(name), self.fig_dir, gated=bool(self.m.get("gated")),
+                      run_path=str(self.run.path))
+        return ("normalize", "Normalized memories", N.section_html(its, "figures")), N.verdict_records(its)
+
     def sections(self) -> list[Section]:
         out = []
         for sid in ORDER:
@@ -589,13 +576,16 @@ def manifest_html(run: Run) -> str:
             + esc(json.dumps(man, indent=2, default=str)) + "</pre></details>")
 
 
-def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str) -> str:
+def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, extra: list[tuple[str, str, str]] = ()) -> str:
+    """The page. `extra`: (id, title, html) sections beyond the paper's (key statistics, normalize),
+    placed after the paper's figures."""
     m = run.manifest.get("model") or {}
     counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
     overview = table(["section", "verdict", "measured"],
                      [[f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>', chip(s.verdict.verdict),
                        s.verdict.measured] for s in sections], raw={0, 1})
     toc = " ".join(f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>' for s in sections)
+    toc += "".join(f' <a href="#{xid}">{esc(xtitle)}</a>' for xid, xtitle, _ in extra)
     body = [
         f'<nav class="toc">{toc} <a href="#model">Model</a> <a href="#manifest">Manifest</a></nav>',
         '<section id="overview"><h2>Overview</h2>'
@@ -607,6 +597,7 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str) ->
         + table(["", "paper", "this run", "where it matters"], diff_rows) + "</section>",
     ]
     body += [section_html(s, notes.get(s.id, []), fig_rel) for s in sections]
+    body += [xhtml for _, _, xhtml in extra]
     body.append('<section id="manifest"><h2>Manifest</h2>' + manifest_html(run) + "</section>")
     return template().substitute(
         title=esc(f"ffkv report — {m.get('model_id', run.path.name)}"),
@@ -639,10 +630,11 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
         raise FfkvError(f"cannot write the report to {html_path.parent}: {e.strerror}") from None
     b = Builder(run, fig_dir, log=log)
     sections = b.sections()
+    extra, records = b.beyond_the_paper()
     diff_rows, notes = model_differences(run.manifest)
-    page = render(run, sections, diff_rows, notes, fig_rel="figures")
+    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra)
     atomic_write_bytes(html_path, page.encode("utf-8"))
-    atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections), indent=2,
+    atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections) + records, indent=2,
                                                                       ensure_ascii=False).encode("utf-8"))
     return html_path, b.problems
 

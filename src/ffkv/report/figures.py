@@ -32,12 +32,20 @@ def new_figure(size=SIZE) -> tuple[Figure, object]:
 
 
 def save(fig: Figure, folder: Path, name: str) -> dict[str, Path]:
-    """Write `name`.png and `name`.svg into `folder`; returns both paths."""
+    """Write `name`.png and `name`.svg into `folder`, each atomically (rendered in memory, then
+    temp file + rename: a killed report never leaves a truncated figure); returns both paths."""
+    import io
+
+    from ffkv.store.run import atomic_write_bytes
+
     folder.mkdir(parents=True, exist_ok=True)
     out = {"png": folder / f"{name}.png", "svg": folder / f"{name}.svg"}
     with matplotlib.rc_context(RC):
-        fig.savefig(out["png"], dpi=DPI, metadata={"Software": None})
-        fig.savefig(out["svg"], metadata={"Date": None, "Creator": None})
+        for kind, kw in (("png", {"dpi": DPI, "metadata": {"Software": None}}),
+                         ("svg", {"metadata": {"Date": None, "Creator": None}})):
+            buf = io.BytesIO()
+            fig.savefig(buf, format=kind, **kw)
+            atomic_write_bytes(out[kind], buf.getvalue())
     return out
 
 

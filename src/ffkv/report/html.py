@@ -20,7 +20,12 @@ VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", NA: "v-na"}
 
 
 def esc(x) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
+    """HTML-escaped text with control and bidi characters (NUL, an unclosed right-to-left
+    override, …) shown as escapes first (`ffkv.display.printable`): corpus text never reaches the
+    page raw."""
+    from ffkv.display import printable
+
+    return html.escape(printable("" if x is None else str(x)), quote=True)
 
 
 def code(text: str) -> str:

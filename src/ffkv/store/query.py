@@ -188,15 +188,18 @@ def key_triggers(run, layer: int, dim: int, sign: int | None = None, top: int = 
             rows.append(r)
     sent = sentences(run, [r["sentence_id"] for r in rows], columns=["sentence_id", "text", "token_ids"])
     by_sid = {r["sentence_id"]: r for r in sent.to_pylist()}
-    vocab = vocab_texts(run)
+    from ffkv.store.decode import for_run
+
+    dec = for_run(run)  # bytes joined before decoding: multi-byte characters stay whole
     out = []
     for r in rows:
         s = by_sid[r["sentence_id"]]
         toks = s["token_ids"][: r["position"] + 1]
         nt = r["next_token"]
-        out.append({**r, "text": s["text"], "prefix_tokens": [vocab[t] for t in toks],
-                    "prefix": "".join(vocab[t] for t in toks), "trigger_token": vocab[toks[-1]],
-                    "next_token_text": vocab[nt] if nt is not None else None})
+        pieces = dec.pieces(toks)
+        out.append({**r, "text": s["text"], "prefix_tokens": pieces,
+                    "prefix": "".join(pieces), "trigger_token": pieces[-1] if pieces else "",
+                    "next_token_text": dec.token_text(nt) if nt is not None else None})
     return out
 
 
