@@ -1,5 +1,5 @@
-"""Each verdict function on constructed tables whose right answer is known: "same trend" and
-"differs" (and "not comparable" where the paper's measure does not apply)."""
+"""Each verdict function on constructed tables whose right answer is known: "same trend",
+"differs" and "inconclusive" (and "not comparable" where the paper's measure does not apply)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from ffkv.report import verdicts as V
-from ffkv.report.verdicts import DIFFERS, NA, SAME
+from ffkv.report.verdicts import DIFFERS, INCONCLUSIVE, NA, SAME
 
 
 def layers_frame(n: int, **cols) -> pd.DataFrame:
@@ -93,7 +93,7 @@ def test_fig2_human_rows_and_no_semantic():
 
 def test_fig2_weights_layers_by_prefixes():
     df = fig2_table(3, lambda t: 0.5 + 0 * t, lambda t: 0.1 + 0 * t, scope=False)
-    assert V.fig2(df).verdict == DIFFERS  # flat: neither share moves
+    assert V.fig2(df).verdict == INCONCLUSIVE  # flat: neither share moves, a difference of 0 ± its interval
     # two bottom-third layers... only one per third for 3 layers; weights matter with several layers
     df = fig2_table(6, lambda t: 0.5 + 0 * t, lambda t: 0.1 + 0 * t, scope=False)
     df.loc[df.layer == 0, ["shallow", "semantic"]] = [0.9, 0.0]
@@ -124,11 +124,13 @@ def test_fig3_differs():
     assert V.fig3(mutations_layers(16, first=-0.6, last=-0.1, random=-0.2)).verdict == DIFFERS
 
 
-def test_fig3_averages_over_layers():
+def test_fig3_inconclusive_when_one_layer_flips_the_average():
     df = mutations_layers(4, first=-0.1, last=-0.3, random=-0.2)
-    # one layer where the first token matters enormously flips the average
+    # one layer where the first token matters enormously flips the average, but last < first in 3
+    # of 4 layers: the sign test cannot tell (p = 0.625)
     df.loc[(df.layer == 0) & (df.mutation == "first"), "median"] = -2.0
-    assert V.fig3(df).verdict == DIFFERS
+    v = V.fig3(df)
+    assert v.verdict == INCONCLUSIVE and "3 of 4" in v.measured
 
 
 # ---- Fig 4 --------------------------------------------------------------------------------------------
@@ -145,8 +147,26 @@ def test_fig4_same_trend():
     assert V.fig4(values_layers(16, lambda t: np.where(t > 0.6, 0.035 * t, 0.0))).verdict == SAME
 
 
-def test_fig4_differs_when_flat():
+def test_fig4_inconclusive_when_flat_at_chance():
+    v = V.fig4(values_layers(16, lambda t: 0.0 * t, shuffled=lambda t: 0.0 * t))
+    assert v.verdict == INCONCLUSIVE and "not above it" in v.measured
+    # zero agreement where chance gives 0.1% of 20,000: clearly below chance
     assert V.fig4(values_layers(16, lambda t: 0.0 * t)).verdict == DIFFERS
+
+
+def test_fig4_inconclusive_when_rising_but_not_above_chance():
+    # a significant rise that stays inside the shuffled baseline's reach
+    v = V.fig4(values_layers(16, lambda t: 0.001 + 0.004 * t, shuffled=lambda t: 0.0045 + 0 * t))
+    assert v.verdict == INCONCLUSIVE
+
+
+def test_fig4_lens_column():
+    a = values_layers(16, lambda t: np.where(t > 0.6, 0.035 * t, 0.0))
+    b = values_layers(16, lambda t: 0.03 * (1 - t))
+    a.insert(0, "lens", "naive")
+    b.insert(0, "lens", "norm")
+    df = pd.concat([a, b])
+    assert V.fig4(df, lens="naive").verdict == SAME and V.fig4(df, lens="norm").verdict == DIFFERS
 
 
 def test_fig4_differs_when_below_shuffled_baseline():
@@ -173,10 +193,19 @@ def test_fig5_differs():
     assert V.fig5(values_layers(16, lambda t: 0 * t, rank=lambda t: 100 + 4900 * t)).verdict == DIFFERS
 
 
+def test_fig5_inconclusive_when_flat_or_not_better_than_shuffled():
+    noisy = lambda t: 17500 + 200 * np.sin(40 * t)  # flat up to noise: the layers cannot tell
+    assert V.fig5(values_layers(30, lambda t: 0 * t, rank=noisy)).verdict == INCONCLUSIVE
+    df = values_layers(16, lambda t: 0 * t, rank=lambda t: 30000 - 4900 * t)
+    v = V.fig5(df)  # falls, but stays above the shuffled pairing's 20,000
+    assert v.verdict == INCONCLUSIVE and "beaten in 0%" in v.measured
+
+
 # ---- Fig 6 --------------------------------------------------------------------------------------------
-def fig6_table(agree):
+def fig6_table(agree, n=100):
     b = np.arange(10)
-    return pd.DataFrame({"bin": b, "lo": b / 10, "hi": (b + 1) / 10, "n": 100, "n_agree": 0,
+    agree = np.asarray(agree, float)
+    return pd.DataFrame({"bin": b, "lo": b / 10, "hi": (b + 1) / 10, "n": n, "n_agree": np.round(agree * n),
                          "agreement": agree, "ci_low": 0.0, "ci_high": 1.0, "mean_max_prob": (b + 0.5) / 10})
 
 
@@ -188,14 +217,16 @@ def test_fig6_differs_when_falling():
     assert V.fig6(fig6_table([0.08, 0.03, 0.01, 0.01, 0.01, 0, 0, 0, 0, 0])).verdict == DIFFERS
 
 
-def test_fig6_differs_when_flat():
+def test_fig6_inconclusive_when_flat():
     v = V.fig6(fig6_table([0.0] * 10))
-    assert v.verdict == DIFFERS and "constant" in v.measured
+    assert v.verdict == INCONCLUSIVE and "constant" in v.measured
 
 
 def test_fig6_differs_when_only_the_end_points_rise():
-    # highest bin above the lowest, but agreement mostly falls across the bins: ρ < 0
-    assert V.fig6(fig6_table([0.01, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02])).verdict == DIFFERS
+    # highest bin significantly above the lowest, but agreement mostly falls across the bins: ρ < 0
+    agree = [0.01, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02]
+    assert V.fig6(fig6_table(agree, n=100_000)).verdict == DIFFERS
+    assert V.fig6(fig6_table(agree, n=100)).verdict == INCONCLUSIVE  # 1 vs 2 of 100: within the interval
 
 
 # ---- Table 2 ------------------------------------------------------------------------------------------
@@ -216,8 +247,13 @@ def test_table2_differs():
 
 
 def test_table2_upper_part_of_the_paper():
-    v = V.table2(table2_rows([10] * 51 + [9] * 49), 16)  # 0-based 10 = the paper's layer 11
+    v = V.table2(table2_rows([10] * 80 + [9] * 20), 16)  # 0-based 10 = the paper's layer 11
     assert v.verdict == SAME and "layers 10–15" in v.criterion
+
+
+def test_table2_inconclusive_near_half():
+    v = V.table2(table2_rows([10] * 51 + [9] * 49), 16)  # 51%: its interval holds 50%
+    assert v.verdict == INCONCLUSIVE
 
 
 # ---- Fig 7 --------------------------------------------------------------------------------------------
@@ -253,7 +289,58 @@ def test_fig7_not_comparable_for_gated_silu():
     assert v.verdict == NA and "symmetric" in v.criterion and "%" in v.measured
 
 
+def n90_layers(n, n90):
+    return compose_layers(n, n90_mean=n90, n90_median=n90, active_mean=lambda t: 0.5 + 0 * t,
+                          active_eps_mean=lambda t: 0.3 + 0 * t).assign(d_m=1536)
+
+
+def test_fig7_scale_free_same_trend_even_for_gated():
+    dip = lambda t: 600 - 1000 * t * (1 - t)  # 600 at the ends, 350 in the middle
+    v = V.fig7(n90_layers(30, dip), "silu", gated=True)
+    assert v.verdict == SAME and "n90" in v.criterion
+
+
+def test_fig7_scale_free_differs_with_few_memories():
+    dip = lambda t: 60 - 100 * t * (1 - t)
+    assert V.fig7(n90_layers(30, dip), "silu", gated=True).verdict == DIFFERS
+
+
+def test_fig7_scale_free_inconclusive_without_a_clear_dip():
+    flat = lambda t: 500 + 20 * np.sin(50 * t)
+    assert V.fig7(n90_layers(30, flat), "relu", gated=False).verdict == INCONCLUSIVE
+
+
 # ---- Fig 8 --------------------------------------------------------------------------------------------
+def fig8_variants(n, obs, shuffled, gated=True):
+    col = "fig8_no_match_rel" if gated else "fig8_no_single_memory"
+    sh = "fig8_shuffled_rel" if gated else "fig8_shuffled_paper"
+    cols = {c: (lambda t: 0.5 + 0 * t) for c in ("fig8_no_single_memory", "fig8_no_single_memory_eps",
+                                                 "fig8_no_match_signed", "fig8_no_match_code", "fig8_no_match_rel",
+                                                 "fig8_shuffled_paper", "fig8_shuffled_signed",
+                                                 "fig8_shuffled_code", "fig8_shuffled_rel")}
+    cols[col], cols[sh] = obs, shuffled
+    df = compose_layers(n, **cols)
+    df["fig8_shuffled_n"] = df["n_examples"]
+    df["fig8_hub_share"] = 0.3
+    df["fig8_no_match_rel_nohub"] = 0.8
+    return df
+
+
+def test_fig8_variants_same_trend_against_the_shuffled_baseline():
+    v = V.fig8(fig8_variants(30, lambda t: 0.75 + 0 * t, lambda t: 0.9 + 0 * t), gated=True)
+    assert v.verdict == SAME
+    assert "code" in v.measured and "hub" in v.measured and "top(o" in v.criterion
+
+
+def test_fig8_variants_differ_below_the_papers_share():
+    v = V.fig8(fig8_variants(30, lambda t: 0.4 + 0 * t, lambda t: 0.9 + 0 * t), gated=True)
+    assert v.verdict == DIFFERS
+
+
+def test_fig8_variants_inconclusive_at_chance():
+    v = V.fig8(fig8_variants(30, lambda t: 0.7 + 0 * t, lambda t: 0.7 + 0 * t, gated=False), gated=False)
+    assert v.verdict == INCONCLUSIVE
+
 def test_fig8_same_trend():
     df = compose_layers(16, fig8_no_single_memory=lambda t: 0.7 + 0.2 * t,
                         fig8_no_single_memory_eps=lambda t: 0.1 + 0 * t)
@@ -292,6 +379,17 @@ def test_fig9_differs_when_not_rising():
     assert V.fig9(df).verdict == DIFFERS
 
 
+def test_fig9_differs_when_the_level_is_far_from_a_third():
+    df = compose_layers(16, r_matches_final=lambda t: 0.05 + 0.9 * t ** 3, o_matches_final=lambda t: 0.4 + 0.6 * t)
+    v = V.fig9(df)
+    assert v.verdict == DIFFERS and "level" in v.measured
+
+
+def test_fig9_inconclusive_when_flat():
+    df = compose_layers(16, r_matches_final=lambda t: 0.33 + 0 * t, o_matches_final=lambda t: 0.4 + 0.6 * t)
+    assert V.fig9(df).verdict == INCONCLUSIVE
+
+
 def test_fig9_differs_when_the_end_point_is_not_one():
     df = compose_layers(16, r_matches_final=lambda t: 0.3 + 0.6 * t, o_matches_final=lambda t: 0.4 + 0.5 * t)
     assert V.fig9(df).verdict == DIFFERS
@@ -305,6 +403,27 @@ def test_fig10_same_trend_and_lens_choice():
     assert V.fig10(df, lens="norm").verdict == SAME
     assert V.fig10(df, lens="naive").verdict == DIFFERS
     assert V.fig10(df).verdict == SAME  # default: the norm lens
+
+
+def test_fig10_inconclusive_when_flat():
+    df = compose_layers(16, p_final_mean=lambda t: 0.2 + 0.01 * np.sin(40 * t))
+    assert V.fig10(df).verdict == INCONCLUSIVE
+
+
+def test_fig11_inconclusive_at_half():
+    df = compose_layers(16, residual=lambda t: 0.3 + 0 * t, agreement=lambda t: 0.2 + 0 * t,
+                        composition=lambda t: 0.3 + 0 * t, ffn=lambda t: 0.2 + 0 * t)
+    assert V.fig11(df).verdict == INCONCLUSIVE
+
+
+def test_interval_helpers_against_closed_forms():
+    d, lo, hi = V.diff_ci(30, 100, 10, 100)
+    se = np.sqrt(0.3 * 0.7 / 100 + 0.1 * 0.9 / 100)
+    assert (d, lo, hi) == pytest.approx((0.2, 0.2 - 1.959964 * se, 0.2 + 1.959964 * se), rel=1e-5)
+    lo, hi = V.wilson_ci(0, 49152)
+    assert lo == 0 and hi == pytest.approx(1.959964 ** 2 / (49152 + 1.959964 ** 2), rel=1e-4)
+    assert V.by_test(*V.layers_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])) == DIFFERS
+    assert V.by_test(*V.layers_test([1], [6])) == INCONCLUSIVE
 
 
 def test_fig11_same_trend():

@@ -589,9 +589,11 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
     body = [
         f'<nav class="toc">{toc} <a href="#model">Model</a> <a href="#manifest">Manifest</a></nav>',
         '<section id="overview"><h2>Overview</h2>'
-        f"<p>{counts[V.SAME]} sections show the paper's trend, {counts[V.DIFFERS]} differ and "
-        f"{counts[V.NA]} are not comparable. Each verdict is computed from the run's tables by the criterion "
-        f"printed under its figure; layer-wise criteria compare parts of the network by relative depth.</p>"
+        f"<p>{counts[V.SAME]} sections show the paper's trend, {counts[V.DIFFERS]} differ, "
+        f"{counts[V.INCONCLUSIVE]} are inconclusive (the difference lies within its interval or cannot be told "
+        f"apart from chance) and {counts[V.NA]} are not comparable. Each verdict is computed from the run's "
+        f"tables by the criterion printed under its figure, against a chance baseline with a 95% interval; "
+        f"layer-wise criteria compare parts of the network by relative depth.</p>"
         + overview + "</section>",
         '<section id="model"><h2>How this model differs from the paper\'s</h2>'
         + table(["", "paper", "this run", "where it matters"], diff_rows) + "</section>",

@@ -14,9 +14,9 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from ffkv.report.verdicts import DIFFERS, NA, SAME, Verdict
+from ffkv.report.verdicts import DIFFERS, INCONCLUSIVE, NA, SAME, Verdict
 
-VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", NA: "v-na"}
+VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", INCONCLUSIVE: "v-inconclusive", NA: "v-na"}
 
 
 def esc(x) -> str:
