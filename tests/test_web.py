@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import build_tiny, wikitext_sentences
+from conftest import WT2, build_tiny, wikitext_sentences
 
 PAYLOADS = [
     'The <script>window.__xss = "s1"</script> river flows into the sea.',
@@ -46,13 +46,16 @@ def cli(*args) -> str:
 
 
 def build_web_run(root: Path, model: Path) -> Path:
-    """mine (both signs) + values + mutate + shallow patterns on 200 WikiText-2 sentences and the payloads."""
+    """mine (both signs) + values + compose + mutate + shallow patterns on 200 WikiText-2 sentences and
+    the payloads."""
     corpus = root / "corpus.txt"
     docs = wikitext_sentences(200) + PAYLOADS
     corpus.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     run = root / "run"
     cli("mine", "--out", run, "--model", model, "--corpus", corpus, "--top-k", 25, "--negative")
     cli("values", run, "--model", model, "--permutations", 5)
+    cli("compose", run, "--model", model, "--prefixes", 50, "--corpus", WT2 / "wiki.test.tokens",
+        "--max-sentences", 100)
     cli("mutate", run, "--keys-per-layer", 1, "--examples", 5)
     cli("patterns", run, "--no-semantic", "--background", 50, "--alpha", 1)
     return run
@@ -474,8 +477,13 @@ def test_measure_search_matches_the_tables(client, web_run):
 
 
 # ---- overview and annotation --------------------------------------------------------------------------
-def test_overview(client, web_run):
+def test_overview(client, web_run, tmp_path):
+    import shutil
+
     import duckdb
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
 
     ov = client.get("/api/overview").json()
     assert ov["layers"] == 3 and ov["d_m"] == 80 and ov["mined"] == 240 and ov["triggers"] == 12000
@@ -484,10 +492,17 @@ def test_overview(client, web_run):
     f2 = duckdb.sql(f"select layer, shallow from '{web_run}/patterns_fig2.parquet' where scope = 'all' "
                     f"order by layer").fetchall()
     assert [r["patterns"]["shallow"] for r in ov["rows"]] == pytest.approx([s for _, s in f2])
+    act = duckdb.sql(f"select layer, active_mean from '{web_run}/compose_layers.parquet' where lens = "
+                     f"'{ov['lens']}' order by layer").fetchall()
+    assert [r["active"]["mean"] for r in ov["rows"]] == pytest.approx([a for _, a in act])
     if (web_run / "key_stats.parquet").exists():  # without compose, the active share is key_stats' density
+        bare = tmp_path / "no-compose"
+        shutil.copytree(web_run, bare, ignore=shutil.ignore_patterns("compose_*", "annotations.sqlite*"))
+        c = TestClient(create_app(bare, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
         act = duckdb.sql(f"select layer, avg(frac_active) from '{web_run}/key_stats.parquet' where sign = 1 "
                          f"group by layer order by layer").fetchall()
-        assert [r["active"]["mean"] for r in ov["rows"]] == pytest.approx([a for _, a in act], rel=1e-5)
+        rows = c.get("/api/overview").json()["rows"]
+        assert [r["active"]["mean"] for r in rows] == pytest.approx([a for _, a in act], rel=1e-5)
     page = client.get("/")
     assert page.status_code == 200 and page.text.count("<tr>") >= 3
 
