@@ -74,3 +74,30 @@ def test_reproduce_help_and_bad_run(tmp_path):
     f.write_text("x")
     res = run_cli("reproduce", f, "--model", "x")
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_presets_and_step_settings():
+    """--preset full: every sentence, the paper's 4,000 prefixes and 100 keys per layer, 10
+    semantic keys (also the default's), normalize at its own defaults; typed flags win."""
+    from ffkv.errors import FfkvError
+    from ffkv.experiments.normalize.step import NormalizeSettings, reproduce_settings
+    from ffkv.reproduce import STEPS, preset, step_settings
+
+    assert STEPS[-1] == "normalize"
+    d, f = preset("default"), preset("full")
+    assert (d.sentences, d.prefixes, d.keys_per_layer, d.semantic_keys_per_layer) == (1500, 1000, 4, 10)
+    assert (f.sentences, f.prefixes, f.keys_per_layer, f.semantic_keys_per_layer) == (None, 4000, 100, 10)
+    assert step_settings("mine", f, True).max_sentences is None
+    assert step_settings("compose", f, True).n_prefixes == 4000
+    assert step_settings("mutate", f, True).keys_per_layer == 100
+    assert step_settings("patterns", d, True).semantic_keys_per_layer == 10
+    assert step_settings("normalize", d, True, 30) == reproduce_settings(30)
+    assert step_settings("normalize", f, True, 30) == NormalizeSettings()
+    assert preset("full", prefixes=50).prefixes == 50
+    with pytest.raises(FfkvError, match="unknown preset"):
+        preset("huge")
+
+
+def test_reproduce_bad_preset_is_one_line(tmp_path):
+    res = run_cli("reproduce", tmp_path / "r", "--preset", "huge", "--model", "x")
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "preset" in res.stderr

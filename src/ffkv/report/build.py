@@ -365,19 +365,39 @@ class Builder:
     def fig3(self) -> Section:
         return self._plain("fig3", "mutations_layers", V.fig3, self.L)
 
+    def _values_lenses(self, s: Section, name: str, fn, *args) -> Section:
+        """The values sections read under each lens (`values_lenses`, `values_fig6_lenses`,
+        `values_table2_lenses`, from issue 14 on): the other lens's verdict and numbers beside the
+        run's, the paper's naive lens named as such."""
+        df = self.t.get(name)
+        if df is None or "lens" not in df.columns:
+            return s
+        main = self.run.settings("values") or {}
+        main_lens = main.get("lens") or self.lens
+        for ln in dict.fromkeys(df["lens"]):
+            if ln == main_lens:
+                continue
+            v = fn(df, *args, lens=ln)
+            tag = f"{ln} lens" + (", the paper's" if ln == "naive" else "")
+            s.extra += f" ({tag}: {v.verdict} — {v.measured})"
+        s.notes.append(f"Verdict under the {main_lens} lens; the paper projected with the naive lens v·E, whose "
+                       "verdict and numbers follow the measured line.")
+        return s
+
     def fig4(self) -> Section:
-        return self._plain("fig4", "values_layers", V.fig4, self.L)
+        return self._values_lenses(self._plain("fig4", "values_layers", V.fig4, self.L), "values_lenses", V.fig4, self.L)
 
     def fig5(self) -> Section:
-        return self._plain("fig5", "values_layers", V.fig5, self.L)
+        return self._values_lenses(self._plain("fig5", "values_layers", V.fig5, self.L), "values_lenses", V.fig5, self.L)
 
     def fig6(self) -> Section:
-        return self._plain("fig6", "values_fig6", V.fig6)
+        return self._values_lenses(self._plain("fig6", "values_fig6", V.fig6), "values_fig6_lenses", V.fig6)
 
     def table2(self) -> Section:
         (df,), miss = self.need("table2", "values_table2")
-        s = Section("table2", V.table2(df, self.L or (int(df["layer"].max()) + 1 if df is not None and len(df) else 1)),
-                    missing=miss)
+        L2 = self.L or (int(df["layer"].max()) + 1 if df is not None and len(df) else 1)
+        s = Section("table2", V.table2(df, L2), missing=miss)
+        self._values_lenses(s, "values_table2_lenses", V.table2, L2)
         if df is None or df.empty:
             return s
         d = df.sort_values("position").head(TABLE2_ROWS)
@@ -598,7 +618,7 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
         '<section id="model"><h2>How this model differs from the paper\'s</h2>'
         + table(["", "paper", "this run", "where it matters"], diff_rows) + "</section>",
     ]
-    body += [section_html(s, notes.get(s.id, []), fig_rel) for s in sections]
+    body += [section_html(s, notes.get(s.id, []) + s.notes, fig_rel) for s in sections]
     body += [xhtml for _, _, xhtml in extra]
     body.append('<section id="manifest"><h2>Manifest</h2>' + manifest_html(run) + "</section>")
     return template().substitute(
