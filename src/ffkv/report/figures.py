@@ -184,6 +184,9 @@ def fig7(df: pd.DataFrame, primary: str | None = None) -> Figure:
     ax.plot(x, d["active_median"] * 100, "o-", ms=3.5, color="C0", label="m > 0 (median, IQR)")
     if "active_eps_median" in d.columns:
         ax.plot(x, d["active_eps_median"] * 100, "s--", ms=3, color="C1", label="|m| > ε (median)")
+    if "n90_median" in d.columns and "d_m" in d.columns and d["n90_median"].notna().any():
+        ax.plot(x, d["n90_median"] / d["d_m"] * 100, "^-", ms=3.5, color="C2",
+                label="n90: fewest memories with 90% of Σ|m|·‖v‖ (median)")
     return _finish(fig, ax, x, "% of the layer's memories", "Active memories per example", ylim=(0, 100))
 
 
@@ -196,9 +199,16 @@ def fig8(df: pd.DataFrame, primary: str | None = None) -> Figure:
         tag = f" ({lens} lens)" if lens else ""
         ax.plot(d["layer"], d["fig8_no_single_memory"] * 100, "o" + ls, ms=3.5, color="C0",
                 alpha=1 if first else 0.5, label=f"paper's form, m > 0{tag}")
-        if "fig8_no_single_memory_eps" in d.columns:
+        if "fig8_no_single_memory_eps" in d.columns and "fig8_no_match_rel" not in d.columns:
             ax.plot(d["layer"], d["fig8_no_single_memory_eps"] * 100, "s" + ls, ms=3, color="C1",
                     alpha=1 if first else 0.5, label=f"signed form, |m| > ε{tag}")
+        if first and "fig8_no_match_rel" in d.columns:  # issue 14's variants, run's lens only
+            for col, c, lab in (("signed", "C1", "all m ≠ 0, signed"), ("code", "C3", "paper's code: vs top(o)"),
+                                ("rel", "C2", "signed, |m| > 0.1·max|m|")):
+                ax.plot(d["layer"], d[f"fig8_no_match_{col}"] * 100, "s-", ms=3, color=c, label=lab)
+                ax.plot(d["layer"], d[f"fig8_shuffled_{col}"] * 100, ":", color=c, lw=1,
+                        label=f"{lab}, shuffled pairing")
+            ax.plot(d["layer"], d["fig8_shuffled_paper"] * 100, ":", color="C0", lw=1, label="m > 0, shuffled pairing")
     ax.axhline(68, color="black", lw=0.8, ls="--", label="paper: ≥ 68%")
     return _finish(fig, ax, df["layer"], "% examples: no memory has top(y)",
                    "The layer's prediction is not any single memory's", ylim=(0, 100))

@@ -532,8 +532,8 @@ def _fig8_variants(df: pd.DataFrame, gated: bool) -> Verdict:
             "example's target): pooled over layers, the share of examples where no single memory has the "
             "prediction must be above the shuffled share (difference's 95% interval above 0: the matches are "
             "not chance) and consistent with the paper's ≥ 68% (every layer ≥ 0.68 − 2·SE); differs when a "
-            "layer falls below that or the matches are rarer than chance; inconclusive when the difference "
-            "from the shuffled pairing holds 0. The paper's text compares with top(y); its released code "
+            "layer falls below that; inconclusive when the matches are not above the shuffled pairing's "
+            "(the interval holds 0 or lies below it). The paper's text compares with top(y); its released code "
             "with top(o_ℓ): both are shown")
     df = df[df["n_examples"] > 0]
     if df.empty:
@@ -543,11 +543,8 @@ def _fig8_variants(df: pd.DataFrame, gated: bool) -> Verdict:
     obs, base = float((df[col] * df["n_examples"]).sum() / n), float(np.nanmean(df[sh]))
     d, lo, hi = diff_ci(base * nsh, nsh, obs * n, n)  # matches: (1 − obs) − (1 − base) = base − obs
     thr = PAPER_FIG8 - 2 * math.sqrt(PAPER_FIG8 * (1 - PAPER_FIG8) / int(df["n_examples"].min()))
-    above_chance = by_interval(lo, hi)
-    if above_chance == INCONCLUSIVE:
+    if by_interval(lo, hi) != SAME:  # single-memory matches not above chance: nothing to read
         verdict = INCONCLUSIVE
-    elif above_chance == DIFFERS:
-        verdict = DIFFERS
     else:
         verdict = SAME if bool((df[col] >= thr).all()) else DIFFERS
     parts = []
