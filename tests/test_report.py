@@ -73,9 +73,10 @@ def test_report_has_every_section_figure_and_verdict(report, tiny_run):
     page = report.read_text()
     v = verdicts_in(page)
     assert list(v) == SECTIONS
-    assert set(v.values()) <= {"same trend", "differs", "not comparable"}
+    assert set(v.values()) <= {"same trend", "differs", "inconclusive", "not comparable"}
     assert v["fig2_human"] == "not comparable"  # no annotations in this run
-    assert v["fig7"] == "not comparable"  # gated SiLU: m > 0 is ~50% by symmetry
+    # gated SiLU: m > 0 is ~50% by symmetry, so Fig 7 is judged by the scale-free n90
+    assert v["fig7"] != "not comparable" and "n90" in page[page.index('id="fig7"'):page.index('id="fig8"')]
     figs = report.parent / "figures"
     for f in FIGURES:
         for ext in ("png", "svg"):
@@ -83,7 +84,9 @@ def test_report_has_every_section_figure_and_verdict(report, tiny_run):
             assert p.stat().st_size > 1000, p
         assert f'href="figures/{f}.svg"' in page
     assert (figs / "fig2.svg").read_text().lstrip().startswith("<?xml")
-    assert page.count('<img src="data:image/png;base64,') == len(FIGURES)
+    # the paper's figures, then the key-statistics section's two (density, histograms)
+    assert page.count('<img src="data:image/png;base64,') == len(FIGURES) + 2
+    assert 'id="keystats"' in page and (figs / "keystats_density.svg").exists()
     assert 'class="error"' not in page and "class=error" not in page
     assert len(page.encode()) < 5_000_000
     # self-contained: nothing external is linked or loaded
@@ -211,6 +214,43 @@ def test_report_of_a_run_with_only_mine(tiny_run, tmp_path):
     assert f"<code>ffkv mutate {run}</code>" in page
     assert f"<code>ffkv patterns {run}</code>" in page
     assert "<img" not in page
+
+
+def test_report_wires_the_normalize_section(tiny_run, tmp_path):
+    """A run whose normalize step is done gets the section and five records in verdicts.json
+    (here without its tables: each claim says which command makes them)."""
+    from ffkv.report.build import build
+
+    run = copy_run(tiny_run, tmp_path / "run", ["sentences", "triggers", "vocab"], ["mine"])
+    man = json.loads((run / "manifest.json").read_text())
+    man["steps"]["normalize"] = {"status": "done", "seconds": 1.0}
+    (run / "manifest.json").write_text(json.dumps(man))
+    out, problems = build(run, tmp_path / "out.html")
+    page = out.read_text()
+    assert problems == [] and 'id="normalize"' in page and "ffkv normalize" in page
+    recs = json.loads((tmp_path / "verdicts.json").read_text())
+    assert [r["id"] for r in recs][-5:] == ["norm_c1", "norm_c2", "norm_c3", "norm_c4", "norm_c5"]
+    assert [r["id"] for r in recs][:len(SECTIONS)] == SECTIONS
+
+
+def test_figures_are_written_atomically(tmp_path, monkeypatch):
+    """A save that dies half-way leaves the previous figure whole and no temp file."""
+    from ffkv.report import figures as F
+
+    fig, ax = F.new_figure()
+    ax.plot([0, 1], [0, 1])
+    F.save(fig, tmp_path, "f")
+    before = (tmp_path / "f.svg").read_bytes()
+
+    def broken(buf, format=None, **kw):
+        buf.write(b"<?xml trunc")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fig, "savefig", broken)
+    with pytest.raises(KeyboardInterrupt):
+        F.save(fig, tmp_path, "f")
+    assert (tmp_path / "f.svg").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png", "f.svg"]
 
 
 def annotate(run: Path, kinds: dict[int, str]) -> None:

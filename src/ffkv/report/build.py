@@ -495,7 +495,7 @@ class Builder:
                        f'<a href="figures/{f["png"].name}">{esc(f["png"].name)}</a>, '
                        f'<a href="figures/{f["svg"].name}">{esc(f["svg"].name)}</a></figcaption></figure>'
                        for f in sec["figures"])
-        html = (f'<section id="keystats" class="figure-section" data-section="keystats"><h2>{esc(sec["title"])}</h2>'
+        html = (f'<section id="keystats" class="figure-section beyond" data-section="keystats"><h2>{esc(sec["title"])}</h2>'
                 f"{figs}{sec['html']}</section>")
         return ("keystats", "Key activations", html), []
 
