@@ -418,6 +418,55 @@ def test_skip_when_done(tmp_path, tiny_dirs):
     assert set(ag["trigger_sign"]) == {1}
 
 
+def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
+    """The other lens's block of values_lenses equals a run whose own lens is that one; the run's
+    lens block equals values_layers; value_index equals `build_index` (both lenses, k = 20)."""
+    from ffkv.experiments.value_index import build_index
+    from ffkv.experiments.values import ValuesSettings
+    from ffkv.store.steps import execute
+
+    mm = open_model(str(tiny_dirs["llama"]), device="cpu")
+    syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=3, seed=5)
+    both = make_run(tmp_path / "both", mm, syn, lens="norm")
+    execute(both, "values", ValuesSettings(permutations=7, table2_n=5), mm=mm, show_progress=False)
+    naive = make_run(tmp_path / "naive", mm, syn, lens="naive")
+    execute(naive, "values", ValuesSettings(lens="naive", permutations=7, table2_n=5, both_lenses=False), mm=mm,
+            show_progress=False)
+    assert both.settings("values")["lenses"] == ["norm", "naive"]
+    lay = both.read_table("values_lenses").to_pandas()
+    assert list(dict.fromkeys(lay["lens"])) == ["norm", "naive"]
+    skip = {"key_max_prob_mean", "key_entropy_mean"}
+    for ln, run in (("norm", both), ("naive", naive)):
+        ref = run.read_table("values_layers").to_pandas()
+        got = lay[lay["lens"] == ln].drop(columns="lens").reset_index(drop=True)
+        for c in ref.columns:
+            if ln == "naive" and c in skip:
+                assert got[c].isna().all()
+                continue
+            np.testing.assert_allclose(got[c].to_numpy(float), ref[c].to_numpy(float), rtol=1e-5, err_msg=c)
+    f6 = both.read_table("values_fig6_lenses").to_pandas()
+    ref6 = naive.read_table("values_fig6").to_pandas()
+    np.testing.assert_array_equal(f6[f6["lens"] == "naive"]["n_agree"].to_numpy(), ref6["n_agree"].to_numpy())
+    t2 = both.read_table("values_table2_lenses").to_pandas()
+    ref2 = naive.read_table("values_table2").to_pandas()
+    got2 = t2[t2["lens"] == "naive"]
+    assert got2["dim"].tolist() == ref2["dim"].tolist() and got2["n_agree"].tolist() == ref2["n_agree"].tolist()
+    # the inverse index: the same rows as a direct build over both lenses
+    idx = both.read_table("value_index").to_pandas()
+    direct = build_index(mm).to_pandas()
+    key = ["lens", "sign", "token", "rank", "layer", "dim"]
+    a = idx.sort_values(key).reset_index(drop=True)
+    b = direct.sort_values(key).reset_index(drop=True)
+    assert a[key].equals(b[key])
+    np.testing.assert_allclose(a["prob"], b["prob"], rtol=1e-5)
+    # the rank < 100 share, next to rank < 10
+    ag = both.read_table("values_agreement").to_pandas()
+    for r in both.read_table("values_layers").to_pylist():
+        rk = ag[(ag["layer"] == r["layer"]) & ag["rank"].notna()]["rank"]
+        if len(rk):
+            assert r["frac_rank_lt100"] == pytest.approx(float((rk < 100).mean()))
+
+
 # ---- CLI ----------------------------------------------------------------------------------------
 def _one_line_error(res, *needles):
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])

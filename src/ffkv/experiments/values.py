@@ -58,6 +58,15 @@ Tables written (public contract; layers 0-based)
   precision float32 (precision@k), example_rank int16, example_sentence_id int64,
   example_position int32, example_coef float32, example_text (the decoded prefix; null without
   a `sentences` table or without a match).
+- Both lenses (issue 14): with `both_lenses` (the default) the values are projected a second time
+  through the other lens (the paper's naive v·E when the run's lens is norm; keys are not
+  re-projected). `values_lenses` = `values_layers` with a leading `lens` column, one block per lens
+  (the run's lens first, equal to `values_layers`); `values_fig6_lenses` and `values_table2_lenses`
+  likewise for `values_fig6` and `values_table2` (`example_text` null for the other lens).
+  The other lens's key columns (key_max_prob_mean, key_entropy_mean) are null.
+- `value_index`: the token → memories inverse index of `ffkv.experiments.value_index` (k = 20),
+  fed from the same projections (no extra pass), for every lens projected.
+- `frac_rank_lt100` (in `values_layers`): the share of evaluated memories with rank < 100.
 The step is `STEP` (settings `ValuesSettings`), run through `ffkv.store.steps.execute`; its
 summary (the dict `compute_values` returns) is stored in the manifest under steps.values.summary;
 `format_summary` prints it.
@@ -79,7 +88,7 @@ from ffkv.store.steps import Step, execute
 
 KINDS = ("value", "neg_value", "key")
 TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
-          "values_table2")
+          "values_table2", "values_lenses", "values_fig6_lenses", "values_table2_lenses", "value_index")
 
 
 # ---- small statistics ------------------------------------------------------------------------
@@ -266,6 +275,7 @@ class ValuesSettings:
     precision_k: int = 50
     table2_kinds: str = "auto"
     dtype: str = "auto"
+    both_lenses: bool = True  # also project through the other lens (the paper's naive one)
 
 
 def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
@@ -288,7 +298,15 @@ def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
     return {"lens": lens, "top_k": min(s.top_k, vocab_size) if vocab_size else s.top_k,
             "permutations": s.permutations, "seed": s.seed, "fig6_bins": s.bins, "table2_n": s.table2_n,
             "precision_k": s.precision_k, "table2_kinds": "+".join(kinds2),
-            "dtype": canonical_dtype(s.dtype), "mine_finished": run.step("mine").get("finished")}
+            "dtype": canonical_dtype(s.dtype), "mine_finished": run.step("mine").get("finished"),
+            "lenses": [lens] + ([other_lens(lens)] if s.both_lenses else []), "value_index_k": INDEX_K}
+
+
+INDEX_K = 20
+
+
+def other_lens(lens: str) -> str:
+    return "naive" if lens == "norm" else "norm"
 
 
 def _has_summary(run, info: dict) -> bool:
@@ -315,7 +333,10 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     kinds2 = tuple(rec["table2_kinds"].split("+"))
     trig = top1_triggers(run, L, d_m)
     perms = [_perms(d_m, rec["permutations"], rec["seed"], l) for l in range(L)]
-    proj = _project(mm, rec["lens"], rec["top_k"], trig, perms, chunk, show_progress)
+    from ffkv.experiments.value_index import IndexBuilder, write_index
+
+    index = IndexBuilder(rec.get("value_index_k", INDEX_K))
+    proj = _project(mm, rec["lens"], rec["top_k"], trig, perms, chunk, show_progress, index=index)
     ag = _agreement(trig, proj)
     layer_rows, hist_rows = _layer_tables(trig, proj, ag, perms, mm.vocab_size)
     fig6_rows = _fig6_rows(ag["used_maxp"][ag["valid"]], ag["agree"][ag["valid"]], rec["fig6_bins"])
@@ -324,7 +345,22 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     _write_agreement_table(run, trig, proj, ag)
     _write_layer_tables(run, layer_rows, hist_rows, fig6_rows)
     run.write_table("values_table2", table2)
+    per_lens = {rec["lens"]: (layer_rows, fig6_rows, table2)}
+    other = {}
+    for ln in rec.get("lenses", [rec["lens"]])[1:]:
+        p2 = _project(mm, ln, rec["top_k"], trig, perms, chunk, show_progress, index=index, keys=False)
+        ag2 = _agreement(trig, p2)
+        rows2, _ = _layer_tables(trig, p2, ag2, perms, mm.vocab_size)
+        for r in rows2:
+            r["key_max_prob_mean"] = r["key_entropy_mean"] = None
+        f6 = _fig6_rows(ag2["used_maxp"][ag2["valid"]], ag2["agree"][ag2["valid"]], rec["fig6_bins"])
+        t2 = _table2(run, mm, p2.maxp, p2.top_tok, kinds2, rec["table2_n"], rec["precision_k"], texts=False)
+        per_lens[ln] = (rows2, f6, t2)
+        other[ln] = _other_summary(rows2, f6)
+    _write_lens_tables(run, per_lens)
+    write_index(run, index.table())
     summary = _summary(rec, mm, trig, ag, layer_rows, fig6_rows, table2, kinds2)
+    summary["other_lenses"] = other
     summary["seconds"] = round(time.time() - t0, 2)
     return _no_nan(summary)
 
@@ -357,8 +393,10 @@ class Projections:
         self.ent[l, a:b, kind] = en.cpu().numpy()
 
 
-def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, show_progress) -> Projections:
-    """Every value (both signs) and key through the lens, chunk by chunk, layer by layer."""
+def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, show_progress,
+             index=None, keys: bool = True) -> Projections:
+    """Every value (both signs) and key (unless not `keys`) through the lens, chunk by chunk,
+    layer by layer; each chunk's logits also feed `index` (an `IndexBuilder`) when given."""
     from ffkv.model.memories import Lens
     from ffkv.progress import progress
 
@@ -368,14 +406,15 @@ def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, sho
     out = Projections.empty(L, d_m, top_k)
     proj = _Projector(mm, ln, chunk)
     with progress(disable=None if show_progress is None else not show_progress) as bar:
-        task = bar.add_task("values → vocabulary", total=L * math.ceil(d_m / chunk))
+        task = bar.add_task(f"values → vocabulary ({lens} lens)", total=L * math.ceil(d_m / chunk))
         for l in range(L):
-            _project_layer(mm, l, proj, out, trig, perms[l], chunk, top_k, lambda: bar.advance(task))
+            _project_layer(mm, l, proj, out, trig, perms[l], chunk, top_k, lambda: bar.advance(task),
+                           index=index, lens=lens, keys=keys)
     return out
 
 
 def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, perm: np.ndarray,
-                   chunk: int, top_k: int, advance) -> None:
+                   chunk: int, top_k: int, advance, index=None, lens: str = "", keys: bool = True) -> None:
     import torch
 
     Vw, Kw = mm.values(l), mm.keys(l)
@@ -387,6 +426,8 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
     for a in range(0, mm.d_m, chunk):
         b = min(a + chunk, mm.d_m)
         z = proj.logits(Vw[a:b])
+        if index is not None:
+            index.add(lens, l, a, z)
         s = summarize_logits(z, top_k, work=proj.work)
         out.put(l, a, b, 0, s["pos"])
         out.put(l, a, b, 1, s["neg"])
@@ -394,7 +435,8 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
         if inv0 is not None:
             _shuffled_ranks(z, inv0[a:b], valid, direction, target, out.sh_rank[l])
         del z, s
-        out.put(l, a, b, 2, summarize_logits(proj.logits(Kw[a:b]), top_k, negative=False, work=proj.work)["pos"])
+        if keys:
+            out.put(l, a, b, 2, summarize_logits(proj.logits(Kw[a:b]), top_k, negative=False, work=proj.work)["pos"])
         advance()
 
 
@@ -488,6 +530,7 @@ def _layer_row(l: int, trig: dict, proj: Projections, ag: dict, perm: np.ndarray
         "rank_q75": _quant(rk, 0.75), "rank_q90": _quant(rk, 0.90),
         "shuffled_rank_median": _quant(srk, 0.5),
         "frac_rank_lt10": float((rk < 10).mean()) if n else float("nan"),
+        "frac_rank_lt100": float((rk < 100).mean()) if n else float("nan"),
         "value_max_prob_mean": float(proj.maxp[l, :, 0].mean()),
         "value_entropy_mean": float(proj.ent[l, :, 0].mean()),
         "key_max_prob_mean": float(proj.maxp[l, :, 2].mean()),
@@ -657,7 +700,7 @@ def _triggers_by_key(run, c: dict, precision_k: int, d_m: int) -> dict:
     return rows_by_key
 
 
-def _table2(run, mm, maxp, top_tok, kinds2, n_top, precision_k) -> pa.Table:
+def _table2(run, mm, maxp, top_tok, kinds2, n_top, precision_k, texts: bool = True) -> pa.Table:
     c = _table2_candidates(maxp, top_tok, kinds2, n_top)
     rows_by_key = _triggers_by_key(run, c, precision_k, maxp.shape[1])
     out = {name: [] for name in TABLE2_SCHEMA.names}
@@ -679,8 +722,36 @@ def _table2(run, mm, maxp, top_tok, kinds2, n_top, precision_k) -> pa.Table:
             out[name].append(v)
         if ex:
             examples[j] = (int(ex["sentence_id"]), int(ex["position"]))
-    _example_texts(run, mm, examples, out["example_text"])
+    if texts:
+        _example_texts(run, mm, examples, out["example_text"])
     return pa.Table.from_pydict(out, schema=TABLE2_SCHEMA)
+
+
+def _other_summary(rows: list, fig6: list) -> dict:
+    """The summary of another lens: agreement and median rank per layer, Fig 6's end bins."""
+    return {"layer_agreement": [None if math.isnan(r["agreement"]) else r["agreement"] for r in rows],
+            "layer_rank_median": [None if math.isnan(r["rank_median"]) else r["rank_median"] for r in rows],
+            "fig6_low": fig6[0]["agreement"] if fig6 else None, "fig6_high": fig6[-1]["agreement"] if fig6 else None}
+
+
+def _write_lens_tables(run, per_lens: dict) -> None:
+    """`values_lenses`, `values_fig6_lenses`, `values_table2_lenses`: a `lens` column, then the
+    per-lens tables' columns, one block per lens (the run's lens first)."""
+    def with_lens(ln, t):
+        return t.add_column(0, "lens", pa.array([ln] * t.num_rows, pa.string()))
+
+    lay, f6, t2 = [], [], []
+    for ln, (rows, fig6, table2) in per_lens.items():
+        lt = pa.Table.from_pylist(rows)
+        lt = lt.set_column(0, "layer", lt["layer"].cast(pa.int16()))
+        for c in ("key_max_prob_mean", "key_entropy_mean"):
+            lt = lt.set_column(lt.schema.get_field_index(c), c, lt[c].cast(pa.float64()))
+        lay.append(with_lens(ln, lt))
+        f6.append(with_lens(ln, pa.Table.from_pylist(fig6, schema=FIG6_SCHEMA)))
+        t2.append(with_lens(ln, table2))
+    run.write_table("values_lenses", pa.concat_tables(lay))
+    run.write_table("values_fig6_lenses", pa.concat_tables(f6))
+    run.write_table("values_table2_lenses", pa.concat_tables(t2))
 
 
 def _example_texts(run, mm, examples: dict, texts: list) -> None:
@@ -750,4 +821,11 @@ def format_summary(s: dict) -> str:
         f"(paper: 46/100); {s['table2_upper_half']} lie in the upper half of the layers",
         f"  tables: {', '.join(TABLES)}  ({s['seconds']:.1f} s)",
     ]
+    for ln, o in (s.get("other_lenses") or {}).items():
+        lines.insert(-1, f"  {ln} lens{' (the paper’s)' if ln == 'naive' else ''}: agreement by thirds "
+                     + ", ".join(_pct(mean_of(o["layer_agreement"][a:b])) for a, b in thirds if b > a)
+                     + "; median rank by thirds " + ", ".join(
+                         f"{mean_of(o['layer_rank_median'][a:b]):,.0f}" if mean_of(o['layer_rank_median'][a:b]) is not None
+                         else "n/a" for a, b in thirds if b > a)
+                     + f"; Fig 6 lowest bin {_pct(o['fig6_low'])}, highest {_pct(o['fig6_high'])}")
     return "\n".join(lines)
