@@ -57,8 +57,8 @@ def brute_force(hf, arch, prefixes, eps, dtype=torch.float64):
     vnorm = [v.double().norm(dim=-1) for v in values]
     out = {"m": [], "gap": {ln: [] for ln in lenses}, "model_top": []}
     per = {ln: {k: [] for k in ("top_r", "top_y", "top_o", "p", "rank_lo", "rank_hi", "match",
-                                "match_eps", "w")} for ln in lenses}
-    common = {k: [] for k in ("n_active", "n_active_eps", "mass1", "mass10", "mass50")}
+                                "match_eps", "match_signed", "match_code", "match_rel", "w")} for ln in lenses}
+    common = {k: [] for k in ("n_active", "n_active_eps", "mass1", "mass10", "mass50", "n90")}
     for ids in prefixes:
         got = {}
         hooks = []
@@ -90,6 +90,12 @@ def brute_force(hf, arch, prefixes, eps, dtype=torch.float64):
             c = np.sort((m.double().abs() * vnorm[l]).numpy())[::-1]
             for p, k in ((1, "mass1"), (10, "mass10"), (50, "mass50")):
                 row[k].append(c[: math.ceil(p / 100 * len(c))].sum() / c.sum())
+            # fewest memories carrying 90% of the mass, counted one at a time
+            acc, n90 = 0.0, 0
+            while acc < 0.9 * c.sum() and n90 < len(c):
+                acc += c[n90]
+                n90 += 1
+            row["n90"].append(max(n90, 1))
             for ln, f in lenses.items():
                 lr, ly, lo = f(r), f(y), f(o)
                 for t in (lr, ly, lo):
@@ -104,6 +110,21 @@ def brute_force(hf, arch, prefixes, eps, dtype=torch.float64):
                 lrow[ln]["match"].append(bool(((m > 0) & (pos == ty)).any()))
                 signed = torch.where(m > 0, pos, neg)
                 lrow[ln]["match_eps"].append(bool(((m.abs() > eps) & (signed == ty)).any()))
+                # Fig 8's variants, memory by memory: top(m_i·v_i) read from m_i·v_i itself
+                # (tiny models only: on SmolLM2 this is 92k vocabulary projections per prefix)
+                if len(m) * W.shape[0] > 200_000:
+                    continue
+                to = int(lo.argmax())
+                big = float(m.abs().max())
+                sig = cod = rel = False
+                for i in torch.nonzero(m != 0)[:, 0].tolist():
+                    t = int(dirs[ln](m[i] * values[l][i]).argmax())
+                    sig |= t == ty
+                    cod |= t == to
+                    rel |= t == ty and abs(float(m[i])) > 0.1 * big
+                lrow[ln]["match_signed"].append(sig)
+                lrow[ln]["match_code"].append(cod)
+                lrow[ln]["match_rel"].append(rel)
         for ln in lenses:
             w = lrow[ln]["top_o"][-1]
             lrow[ln]["w"] = w
@@ -253,6 +274,58 @@ def test_results_do_not_depend_on_batching(runs):
         for k in ("top_r", "top_y", "top_o", "w", "y_matches_memory", "n_agreeing"):
             np.testing.assert_array_equal(a[ln][k], b[ln][k])
         np.testing.assert_allclose(a[ln]["p_final_in_r"], b[ln]["p_final_in_r"], rtol=1e-4, atol=1e-7)
+
+
+def test_fig8_variants_and_n90_match_brute_force(runs):
+    """Fig 8's three variants (signed, the paper's code vs top(o), relative ε) and Fig 7's n90
+    against hooks and a memory-by-memory loop (top(m_i·v_i) projected one memory at a time)."""
+    from ffkv.experiments.compose import analyze, value_tops
+
+    for arch in ("llama", "gpt2"):
+        run, mm, bf = runs[arch]
+        ids = run.read_table("compose_prefixes").column("token_ids").to_pylist()
+        a = analyze(mm, ids, eps=EPS, vtops=value_tops(run, mm))
+        np.testing.assert_array_equal(a["common"]["n90"], bf["common"]["n90"])
+        for ln in ("naive", "norm"):
+            for v in ("signed", "code", "rel"):
+                np.testing.assert_array_equal(a[ln][f"fig8_{v}"], bf[ln][f"match_{v}"], err_msg=f"{arch} {ln} {v}")
+
+
+def test_fig8_shuffled_baseline_pairs_within_the_batch():
+    """The shuffled baseline: each example's memories against the previous example's target in
+    its batch (a roll); a batch of one has no partner (−1). A loop gives the same."""
+    from ffkv.experiments.compose import fig8_variants
+
+    g = torch.Generator().manual_seed(0)
+    L, B, dm, V = 3, 5, 40, 7
+    M = torch.randn(L, B, dm, generator=g) * (torch.rand(L, B, dm, generator=g) > 0.3)
+    vpos = torch.randint(0, V, (L, dm), generator=g)
+    vneg = torch.randint(0, V, (L, dm), generator=g)
+    stop = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :])
+    ty, to = torch.randint(0, V, (L, B), generator=g), torch.randint(0, V, (L, B), generator=g)
+    out = fig8_variants(M, vpos, stop, ty, to)
+    for l in range(L):
+        for b in range(B):
+            p = (b - 1) % B
+            m = M[l, b]
+            sig = any(m[i] != 0 and stop[l, b, i] == ty[l, b] for i in range(dm))
+            assert out["fig8_signed"][b, l] == sig
+            assert out["fig8_shuf_signed"][b, l] == any(m[i] != 0 and stop[l, b, i] == ty[l, p] for i in range(dm))
+            assert out["fig8_shuf_code"][b, l] == any(m[i] != 0 and stop[l, b, i] == to[l, p] for i in range(dm))
+            assert out["fig8_shuf_paper"][b, l] == any(m[i] > 0 and vpos[l, i] == ty[l, p] for i in range(dm))
+    one = fig8_variants(M[:, :1], vpos, stop[:, :1], ty[:, :1], to[:, :1])
+    assert (one["fig8_shuf_rel"] == -1).all()
+
+
+def test_hub_tokens_rule(tiny_models):
+    """Hubs: the top 0.1% (at least one) of the vocabulary by e_t·ē/‖ē‖."""
+    from ffkv.experiments.compose import hub_tokens
+
+    mm = tiny_models["llama"]
+    E = mm.hf.get_output_embeddings().weight.double()
+    score = E @ (E.mean(0) / E.mean(0).norm())
+    k = max(1, math.ceil(0.001 * E.shape[0]))
+    assert hub_tokens(mm).tolist() == sorted(score.topk(k).indices.tolist())
 
 
 def test_value_tops_cache_matches_raw_weights(runs):

@@ -23,6 +23,20 @@ Definitions and choices
 - Fig 8, paper's form (`y_matches_memory`): some memory with m_i > 0 has top(v_i) = top(y).
   Signed form (`y_matches_memory_eps`): some memory with |m_i| > eps has top(sign(m_i)·v_i) =
   top(y), since a negative coefficient (gated FFNs, GELU) writes -v_i. With eps = 0 the two agree.
+- Fig 8, three variants side by side (issue 14), each with a shuffled baseline:
+  `signed` (every memory with m_i ≠ 0: top(sign(m_i)·v_i) = top(y)); `code`, the paper's released
+  code, which compares top(m_i·v_i) with top(o_ℓ) (the layer *output*, not the FFN output y its
+  text names): every m_i ≠ 0, top(sign(m_i)·v_i) = top(o); `rel`, the signed form with an ε
+  relative to the coefficients' scale: |m_i| > EPS_REL·max_j |m_j| (same example and layer), so
+  the threshold follows the coefficients' growth with depth. Shuffled baseline of a variant: the
+  same memories against the target of another example of the same batch (the batch's targets
+  rolled by one; batches of one example have none, NaN). The pairing is one random draw: it
+  depends on the length packing, so `batch_tokens` moves the baseline within its sampling error.
+- Hub tokens: the ⌈HUB_SHARE·|V|⌉ tokens with the largest e_t·ē/‖ē‖ (ē the mean unembedding row),
+  i.e. high norm and aligned with the mean; `fig8_hub_share` = share of the `rel` matches whose
+  top(y) is a hub, `fig8_no_match_rel_nohub` = the `rel` no-match share over the examples whose
+  top(y) is not a hub (the sensitivity check).
+- Fig 7, scale-free: `n90` = the fewest memories whose c_i = |m_i|·‖v_i‖ carry 90% of Σ c_i.
 - Fig 8 follow-up: among examples where some active memory matches (paper's form), the share
   whose target (the next token of the sentence) is a stop word (`src/ffkv/data/stopwords.txt`:
   decoded token, stripped, lower-cased, on the list) and the share whose prefix has fewer than
@@ -57,7 +71,11 @@ Tables written to the run (public contract):
   fig8_no_single_memory_eps (fractions), fig8_matched, fig8_matched_stop, fig8_matched_short
   (counts), fig8_matched_stop_share, fig8_matched_short_share, r_matches_final, o_matches_final,
   p_final_mean, p_final_q25, p_final_median, p_final_q75, residual, ffn, agreement, composition,
-  r_eq_y_ne_o (fractions).
+  r_eq_y_ne_o (fractions); added by issue 14 (absent in older runs): n90_mean, n90_median,
+  n90_p25, n90_p75 (counts of memories), fig8_no_match_signed, fig8_no_match_code,
+  fig8_no_match_rel, fig8_shuffled_paper, fig8_shuffled_signed, fig8_shuffled_code,
+  fig8_shuffled_rel (no-match shares under the shuffled pairing), fig8_shuffled_n (examples with a
+  shuffled partner), fig8_hub_share, fig8_no_match_rel_nohub, fig8_n_nohub, n_hubs.
 - `compose_cases`: last-layer cases, top(r_{L-1}) ≠ top(o_{L-1}): lens, sample_order int32 (a
   seeded random order; the first 100 are the paper's random sample), example_id, sentence_id,
   prefix, top_r, top_r_token, top_o, top_o_token, top_y, top_y_token, category (ffn or
@@ -86,10 +104,14 @@ from ffkv.model.memories import Lens, is_active, rank_of
 from ffkv.store.steps import Step, execute
 
 CATEGORIES = ("residual", "ffn", "agreement", "composition")
+FIG8_VARIANTS = ("signed", "code", "rel")
 MASS_SHARES = (0.01, 0.10, 0.50)
 SHORT_PREFIX = 5  # the paper's "prefix shorter than 5 tokens"
 DEFAULT_CORPUS = "wikipedia:valid"
 DEFAULT_EPS = 0.1
+EPS_REL = 0.1  # Fig 8 relative form: |m_i| > EPS_REL · max_j |m_j| of the same example and layer
+HUB_SHARE = 0.001  # hub tokens: the top 0.1% of the vocabulary by e_t · ē/‖ē‖ (norm × alignment with the mean)
+SHARE_90 = 0.9  # Fig 7 scale-free: the fewest memories carrying 90% of Σ|m_i|·‖v_i‖
 CURVES = ("fig8_no_single_memory", "r_matches_final", "p_final_mean", "residual", "ffn",
           "agreement", "composition")
 
@@ -262,13 +284,15 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
 
 def _result_arrays(N: int, L: int, lenses) -> tuple[dict, dict]:
     """The per-example, per-layer arrays `analyze` fills: common ones and one set per lens."""
-    common = {k: np.zeros((N, L), np.int32) for k in ("n_active", "n_active_eps")}
+    common = {k: np.zeros((N, L), np.int32) for k in ("n_active", "n_active_eps", "n90")}
     common.update({f"mass_top{round(p * 100)}": np.zeros((N, L), np.float32) for p in MASS_SHARES})
     per = {ln: {**{k: np.zeros((N, L), np.int32) for k in
                    ("top_r", "top_y", "top_o", "rank_final_in_r", "n_agreeing")},
                 "p_final_in_r": np.zeros((N, L), np.float32),
                 "y_matches_memory": np.zeros((N, L), bool),
                 "y_matches_memory_eps": np.zeros((N, L), bool),
+                **{f"fig8_{v}": np.zeros((N, L), bool) for v in FIG8_VARIANTS},
+                **{f"fig8_shuf_{v}": np.zeros((N, L), np.int8) for v in ("paper",) + FIG8_VARIANTS},
                 "w": np.zeros(N, np.int64)} for ln in lenses}
     return common, per
 
@@ -303,6 +327,8 @@ def _activity_and_mass(M: torch.Tensor, vnorm: torch.Tensor, eps: float) -> dict
            "n_active_eps": is_active(M, eps).sum(-1).T.cpu().numpy()}
     c = M.abs() * vnorm[:, None, :]  # (L, B, d_m)
     tot = c.sum(-1)
+    csort = c.sort(dim=-1, descending=True).values.cumsum(-1)
+    out["n90"] = ((csort < SHARE_90 * tot[..., None]).sum(-1) + 1).clamp(max=M.shape[-1]).T.cpu().numpy()
     cs = c.topk(max(ks), dim=-1).values.cumsum(-1)
     for p, k in zip(MASS_SHARES, ks):
         share = torch.where(tot > 0, cs[..., k - 1] / tot, torch.full_like(tot, float("nan")))
@@ -316,13 +342,46 @@ def _lens_pass(lens, ryo: torch.Tensor, M: torch.Tensor, vpos, vneg, eps: float)
     tops, w, pw, rk = _tops_and_final(lens, ryo)
     ty = tops[1]  # (L, B)
     hit = is_active(M) & (vpos[:, None, :] == ty[:, :, None])  # (L, B, d_m)
-    signed = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :]) == ty[:, :, None]
-    hit_eps = is_active(M, eps) & signed
+    stop = torch.where(M > 0, vpos[:, None, :], vneg[:, None, :])  # top(sign(m_i)·v_i)
+    hit_eps = is_active(M, eps) & (stop == ty[:, :, None])
     return {"top_r": tops[0].T.cpu().numpy(), "top_y": tops[1].T.cpu().numpy(),
             "top_o": tops[2].T.cpu().numpy(), "w": w.cpu().numpy(),
             "p_final_in_r": pw.T.cpu().numpy(), "rank_final_in_r": rk.T.cpu().numpy(),
             "n_agreeing": hit.sum(-1).T.cpu().numpy(), "y_matches_memory": hit.any(-1).T.cpu().numpy(),
-            "y_matches_memory_eps": hit_eps.any(-1).T.cpu().numpy()}
+            "y_matches_memory_eps": hit_eps.any(-1).T.cpu().numpy(),
+            **fig8_variants(M, vpos, stop, ty, tops[2])}
+
+
+def fig8_variants(M: torch.Tensor, vpos, stop, ty, to) -> dict:
+    """Fig 8's variants (module docstring) and their shuffled baselines, per (example, layer).
+
+    M (L, B, d_m); vpos (L, d_m) top(v_i); stop (L, B, d_m) top(sign(m_i)·v_i); ty, to (L, B).
+    Returns fig8_<variant> (B, L) bool (some memory matches) and fig8_shuf_<variant> (B, L) int8
+    (1 match, 0 none, −1 no partner: a batch of one)."""
+    B = M.shape[1]
+    nz = M != 0
+    rel = M.abs() > EPS_REL * M.abs().amax(-1, keepdim=True)
+    sets = {"paper": (M > 0, vpos[:, None, :].expand_as(M), ty), "signed": (nz, stop, ty),
+            "code": (nz, stop, to), "rel": (rel & nz, stop, ty)}
+    out = {}
+    for name, (act, tok, tgt) in sets.items():
+        if name != "paper":
+            out[f"fig8_{name}"] = (act & (tok == tgt[:, :, None])).any(-1).T.cpu().numpy()
+        if B > 1:
+            sh = (act & (tok == tgt.roll(1, dims=1)[:, :, None])).any(-1).T.cpu().numpy().astype(np.int8)
+        else:
+            sh = np.full((B, M.shape[0]), -1, np.int8)
+        out[f"fig8_shuf_{name}"] = sh
+    return out
+
+
+def hub_tokens(mm, share: float = HUB_SHARE) -> np.ndarray:
+    """Token ids of the hubs: the ⌈share·|V|⌉ largest e_t·ē/‖ē‖ over the unembedding rows e_t."""
+    E = Lens(mm, "naive").E.detach().float()
+    mean = E.mean(0)
+    score = E @ (mean / mean.norm().clamp(min=1e-12))
+    k = max(1, math.ceil(share * E.shape[0]))
+    return np.sort(score.topk(k).indices.cpu().numpy())
 
 
 def _tops_and_final(lens, ryo: torch.Tensor):
@@ -368,7 +427,10 @@ def build_tables(mm, res: dict, prefixes: pa.Table, eps: float, seed: int = 0) -
     is_stop = prefixes.column("target_is_stop").to_numpy(zero_copy_only=False).astype(bool)
     short = prefixes.column("prefix_tokens").to_numpy() < SHORT_PREFIX
     cats = {ln: categorize(res[ln]["top_r"], res[ln]["top_y"], res[ln]["top_o"]) for ln in lenses}  # (N, L)
-    layers_tbl = pa.Table.from_pylist([_layer_row(ln, l, res[ln], com, cats[ln], dm, eps, is_stop, short)
+    hubs = res.get("hubs")
+    if hubs is None:
+        hubs = hub_tokens(mm)
+    layers_tbl = pa.Table.from_pylist([_layer_row(ln, l, res[ln], com, cats[ln], dm, eps, is_stop, short, hubs)
                                        for ln in lenses for l in range(L)])
     layers_tbl = layers_tbl.set_column(1, "layer", layers_tbl.column("layer").cast(pa.int16()))
     tables = {"compose_examples": pa.concat_tables([_examples_table(ln, res[ln], com, cats[ln]) for ln in lenses]),
@@ -406,7 +468,7 @@ def _examples_table(ln: str, r: dict, com: dict, cat: np.ndarray) -> pa.Table:
 
 
 def _layer_row(ln: str, l: int, r: dict, com: dict, cat: np.ndarray, dm: int, eps: float,
-               is_stop: np.ndarray, short: np.ndarray) -> dict:
+               is_stop: np.ndarray, short: np.ndarray, hubs: np.ndarray | None = None) -> dict:
     """The `compose_layers` row of one lens and layer."""
     N = cat.shape[0]
     act = com["n_active"][:, l] / dm
@@ -436,7 +498,33 @@ def _layer_row(ln: str, l: int, r: dict, com: dict, cat: np.ndarray, dm: int, ep
         "p_final_median": _q(p, .5), "p_final_q75": _q(p, .75),
         **{c: float((cat[:, l] == i).mean()) for i, c in enumerate(CATEGORIES)},
         "r_eq_y_ne_o": float(((tr == ty) & (to != tr)).mean()),
+        **_scale_free_and_fig8(l, r, com, hubs),
     }
+
+
+def _scale_free_and_fig8(l: int, r: dict, com: dict, hubs: np.ndarray | None) -> dict:
+    """The issue-14 columns of a `compose_layers` row (module docstring)."""
+    out = {}
+    if "n90" in com:
+        n90 = com["n90"][:, l].astype(np.float64)
+        out.update(n90_mean=float(n90.mean()), n90_median=_q(n90, .5), n90_p25=_q(n90, .25), n90_p75=_q(n90, .75))
+    if "fig8_rel" not in r:
+        return out
+    for v in FIG8_VARIANTS:
+        out[f"fig8_no_match_{v}"] = float((~r[f"fig8_{v}"][:, l]).mean())
+    for v in ("paper",) + FIG8_VARIANTS:
+        sh = r[f"fig8_shuf_{v}"][:, l]
+        ok = sh >= 0
+        out[f"fig8_shuffled_{v}"] = float((sh[ok] == 0).mean()) if ok.any() else float("nan")
+        out["fig8_shuffled_n"] = int(ok.sum())
+    if hubs is not None:
+        is_hub = np.isin(r["top_y"][:, l], hubs)
+        m = r["fig8_rel"][:, l]
+        out["fig8_hub_share"] = float((m & is_hub).sum() / m.sum()) if m.any() else float("nan")
+        out["fig8_no_match_rel_nohub"] = float((~m[~is_hub]).mean()) if (~is_hub).any() else float("nan")
+        out["fig8_n_nohub"] = int((~is_hub).sum())
+        out["n_hubs"] = int(len(hubs))
+    return out
 
 
 def _cases_table(mm, ln: str, r: dict, cat: np.ndarray, prefixes: pa.Table, seed: int) -> pa.Table:
