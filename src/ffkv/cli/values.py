@@ -22,6 +22,8 @@ def values(run_dir: str = typer.Argument(..., metavar="RUN", help="A run directo
            precision_k: int = typer.Option(50, "--precision-k", help="Trigger examples per key for precision@k."),
            table2_kinds: str = typer.Option("auto", "--table2-kinds", help="value (the paper), both (v and −v), "
                                             "or auto: both when the run has negative trigger lists (mine --negative)."),
+           both_lenses: bool = typer.Option(True, "--both-lenses/--one-lens", help="Also read the values through "
+                                             "the other lens (the paper's naive one when the run's is norm)."),
            force: bool = typer.Option(False, "--force", help="Recompute even if done with the same settings."),
            as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON.")):
     """Project every value to the vocabulary; agreement with its key's triggers (Fig 4–6, Table 2)."""
@@ -30,7 +32,8 @@ def values(run_dir: str = typer.Argument(..., metavar="RUN", help="A run directo
 
     run = open_run(run_dir)
     s = ValuesSettings(lens=lens, top_k=top_k, chunk=chunk, permutations=permutations, seed=seed, bins=bins,
-                       table2_n=table2, precision_k=precision_k, table2_kinds=table2_kinds, dtype=dtype)
+                       table2_n=table2, precision_k=precision_k, table2_kinds=table2_kinds, dtype=dtype,
+                       both_lenses=both_lenses)
     out = execute(run, "values", s, model_name=model_name, device=device, dtype=dtype, force=force)
     print_values(out, as_json)
 
