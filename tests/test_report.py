@@ -182,6 +182,22 @@ def test_decoder_keeps_multibyte_characters_whole(tok_dir):
             assert text.startswith(full)
 
 
+def test_show_decodes_prefixes_with_the_run_decoder(tiny_run, tok_dir):
+    """`ffkv show` (query.key_triggers) decodes whole prefixes, not token by token."""
+    from transformers import AutoTokenizer
+
+    from ffkv.store import query
+    from ffkv.store.run import Run
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    run = Run(tiny_run)
+    sents = pq.read_table(tiny_run / "sentences.parquet").to_pandas().set_index("sentence_id")
+    for r in query.key_triggers(run, 1, 3, top=5):
+        ids = list(sents.loc[r["sentence_id"], "token_ids"])[: r["position"] + 1]
+        assert r["prefix"] == tok.decode(ids) == "".join(r["prefix_tokens"])
+        assert len(r["prefix_tokens"]) == len(ids) and r["trigger_token"] == r["prefix_tokens"][-1]
+
+
 def test_report_escapes_control_characters():
     from ffkv.report.html import esc, tok
 
@@ -331,12 +347,12 @@ def test_report_in_headless_chromium(report, tmp_path):
             browser.close()
     assert requests and all(u.startswith(("file:", "data:")) for u in requests), requests
     assert not failed, failed
-    assert sorted(i["section"] for i in imgs) == sorted(FIGURES)
+    assert sorted(i["section"] for i in imgs) == sorted(FIGURES + ["keystats", "keystats"])
     assert all(i["done"] and i["w"] > 0 and i["h"] > 0 for i in imgs), imgs
     assert all(a > 0 for a in svgs)
-    assert [s["id"] for s in sections] == SECTIONS
-    for s in sections:
+    assert [s["id"] for s in sections] == SECTIONS + ["keystats"]  # beyond the paper: no verdict
+    for s in sections[:len(SECTIONS)]:
         assert len(s["verdicts"]) == 1, s
-        assert re.match(r"Verdict: (same trend|differs|not comparable)\.", s["verdicts"][0]), s
+        assert re.match(r"Verdict: (same trend|differs|inconclusive|not comparable)\.", s["verdicts"][0]), s
         assert "Criterion:" in s["verdicts"][0] and "Measured:" in s["verdicts"][0]
     assert (tmp_path / "report.png").stat().st_size > 10_000
