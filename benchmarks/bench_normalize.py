@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_normalize.py                    # the goal: all layers × 2 variants, 10,000 tokens, ≤ 15 min
     .venv/bin/python benchmarks/bench_normalize.py --only reproduce   # the sizing `reproduce` uses: ≤ 2 min
     .venv/bin/python benchmarks/bench_normalize.py --only default     # `ffkv normalize RUN` as is (sweep and variance too)
-    .venv/bin/python benchmarks/bench_normalize.py --tokens 1000      # a quick look
+    .venv/bin/python benchmarks/bench_normalize.py --tokens 2000 --fit-tokens 400   # the goal's ratios, 5x smaller
 
 "goal" substitutes every layer's FFN by each of the two variants (no capacity sweep, no variance
 on the model) and prints the wall time of each part, and the ratio to a plain transformers forward
@@ -21,6 +21,7 @@ import time
 from _common import load_default, out, peak_rss_mb  # noqa: F401  (imports ffkv first)
 
 GOAL_MIN, REPRODUCE_MIN = 15.0, 2.0
+QUIET_TOK_S = 450  # a plain fp32 forward of SmolLM2 on this 2-core CPU with nothing else running
 
 
 def plain_forward(mm, seqs, batch_tokens: int) -> float:
@@ -58,10 +59,16 @@ def measure(mm, name: str, s, goal_min: float | None, baseline: bool) -> None:
         base2 = plain_forward(mm, ev, s.batch_tokens)
         base = (base1 + base2) / 2
         L = mm.n_layers
+        jobs = info["substitutions"]
+        sweep = f" and {info['capacity_substitutions']} capacity ones on the sweep's sentences" \
+            if info["capacity_substitutions"] else ""
         out(f"[{name}] plain forward (after): {base2:.1f} s; mean {base:.1f} s. Substitution pass = "
-            f"{info['seconds_substitute'] / base:.1f} plain passes for {2 * info['layers']} substitutions "
-            f"(one full pass each would be {2 * info['layers']}: {2 * info['layers'] * base / info['seconds_substitute']:.1f}x "
-            f"saved); whole step {wall / base:.1f} plain passes; L = {L}")
+            f"{info['seconds_substitute'] / base:.1f} plain passes for {jobs} substitutions{sweep} (L = {L}); "
+            f"fit {info['seconds_fit'] / base:.1f}; whole step {wall / base:.1f} plain passes"
+            + ("" if sweep else f"; one full pass per substitution would be {jobs}: "
+               f"{jobs * base / info['seconds_substitute']:.1f}x saved"))
+        out(f"[{name}] at the {QUIET_TOK_S} tok/s of a plain pass on a quiet machine (../shared/NOTES.md) the "
+            f"step would take {wall / base * n_tok / QUIET_TOK_S / 60:.2f} min")
     lay = res["tables"]["normalize_layers"].to_pandas()
     for v in ("softmax", "scaled_relu"):
         d = lay[lay["variant"] == v]
@@ -74,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("goal", "reproduce", "default"), default="goal")
     ap.add_argument("--tokens", type=int, default=None, help="Evaluation tokens (default: the mode's own).")
+    ap.add_argument("--fit-tokens", type=int, default=None, help="Fit tokens (default: the mode's own).")
     ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--no-baseline", action="store_true", help="Skip the plain forward passes.")
     args = ap.parse_args()
@@ -101,6 +109,8 @@ def main() -> None:
         s, goal = NormalizeSettings(batch_tokens=args.batch_tokens), None
     if args.tokens:
         s = replace(s, tokens=args.tokens)
+    if args.fit_tokens:
+        s = replace(s, fit_tokens=args.fit_tokens)
     measure(mm, args.only, s, goal, baseline=not args.no_baseline)
     out(f"machine load average at the end {os.getloadavg()[0]:.2f}")
 

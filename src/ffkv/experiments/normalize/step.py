@@ -52,7 +52,7 @@ def reproduce_settings(n_layers: int, corpus: str | None = None, seed: int = 0,
     stride = -(-n_layers // 8)
     layers = tuple(range(0, n_layers, stride))
     cap = tuple(sorted({min(layers, key=lambda l: (abs(l - c), l)) for c in default_capacity_layers(n_layers)}))
-    return NormalizeSettings(corpus=corpus, tokens=2_000, fit_tokens=1_000, sweep_tokens=600, layers=layers,
+    return NormalizeSettings(corpus=corpus, tokens=2_000, fit_tokens=600, sweep_tokens=600, layers=layers,
                              capacity_layers=cap, capacity_n=(16, 128, 1024), variance_repeats=2,
                              synthetic_draws=1_000, seed=seed, dtype=dtype)
 
@@ -173,6 +173,8 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
     t4 = time.perf_counter()
     info = {"eval_tokens": sum(map(len, ev)), "eval_sentences": len(ev), "fit_tokens": sum(map(len, fi)),
             "fit_sentences": len(fi), "sweep_sentences": n_sweep, "layers": len(plan.layers),
+            "substitutions": 2 * len(plan.layers),
+            "capacity_substitutions": sum(len(plan.capacity(mm, l)) for l in plan.capacity_layers),
             "capacity_layers": plan.capacity_layers, "capacity_n": plan.capacity_n + [mm.d_m],
             "seconds_prepare": round(t1 - t0, 2), "seconds_fit": round(t2 - t1, 2),
             "seconds_substitute": round(t3 - t2, 2), "seconds_tables": round(t4 - t3, 2)}

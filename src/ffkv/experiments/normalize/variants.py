@@ -158,8 +158,12 @@ class Sums:
 
 @torch.no_grad()
 def grid_sums(mm, layer: int, m: torch.Tensor, y: torch.Tensor, taus, sums: list[Sums], keep=None) -> None:
-    """Add, for each τ of `taus`, z = softmax(m/τ)·V (as `softmax_weights`) against y to sums[τ]."""
+    """Add, for each τ of `taus`, z = softmax(m/τ)·V (as `softmax_weights`) against y to sums[τ].
+    A fixed slot set (`keep` of shape (d_m,)) is sliced out, so its cost grows with n only."""
     V = mm.values(layer)
+    if keep is not None and keep.dim() == 1:
+        idx = keep.nonzero()[:, 0]
+        m, V, keep = m[:, idx], V[idx], None
     a = m.abs() if mm.gated else m
     if keep is not None:
         a = a.masked_fill(~keep, float("-inf"))
