@@ -105,17 +105,17 @@ class TokenIndex:
     def __init__(self, table: pa.Table, d_m: int, source: str):
         from ffkv.experiments.value_index import index_k
 
-        rk = table.column("rank").to_numpy().astype(np.int64)
+        rk = table.column("rank").to_numpy().astype(np.int16)
         self.k = index_k(table) or (int(rk.max()) + 1 if len(rk) else 0)
         self.source = source
         self.rows = table.num_rows
         self.parts: dict[tuple[str, int], dict] = {}
         lens = table.column("lens").to_numpy(zero_copy_only=False)
         sign = table.column("sign").to_numpy()
-        tok = table.column("token").to_numpy().astype(np.int64)
+        tok = table.column("token").to_numpy().astype(np.int32)
         prob = table.column("prob").to_numpy().astype(np.float32)
-        mem = (table.column("layer").to_numpy().astype(np.int64) * d_m
-               + table.column("dim").to_numpy().astype(np.int64))
+        mem = (table.column("layer").to_numpy().astype(np.int32) * np.int32(d_m)
+               + table.column("dim").to_numpy().astype(np.int32))
         for ln in np.unique(lens).tolist():
             for s in (1, -1):
                 sel = np.nonzero((lens == ln) & (sign == s))[0]
@@ -124,7 +124,7 @@ class TokenIndex:
                 p = {"token": tok[sel], "rank": rk[sel], "prob": prob[sel], "mem": mem[sel]}
                 by_mem = np.lexsort((p["rank"], p["mem"]))
                 p = {c: v[by_mem] for c, v in p.items()}
-                p["by_token"] = np.lexsort((p["mem"], p["rank"], p["token"]))
+                p["by_token"] = np.lexsort((p["mem"], p["rank"], p["token"])).astype(np.int32)
                 p["tok_sorted"] = p["token"][p["by_token"]]
                 self.parts[(str(ln), s)] = p
         self.lenses = sorted({ln for ln, _ in self.parts})
@@ -134,7 +134,8 @@ class TokenIndex:
         p = self.parts.get((lens, sign))
         if p is None:
             return []
-        a, b = np.searchsorted(p["mem"], code, "left"), np.searchsorted(p["mem"], code, "right")
+        c = np.int32(code)
+        a, b = np.searchsorted(p["mem"], c, "left"), np.searchsorted(p["mem"], c, "right")
         out = [(int(t), int(r), float(q)) for t, r, q in zip(p["token"][a:b], p["rank"][a:b], p["prob"][a:b])]
         return [x for x in out if k is None or x[1] < k]
 
@@ -146,6 +147,7 @@ class TokenIndex:
             return empty
         idx = []
         for t in sorted(set(int(x) for x in tokens)):
+            t = np.int32(t)
             a, b = np.searchsorted(p["tok_sorted"], t, "left"), np.searchsorted(p["tok_sorted"], t, "right")
             idx.append(p["by_token"][a:b])
         if not idx:
