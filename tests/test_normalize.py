@@ -104,6 +104,25 @@ def test_softmax_tau_to_zero_writes_the_top_value(tiny_models):
     torch.testing.assert_close(out, want)
 
 
+def test_scaled_relu_of_a_relu_ffn_is_the_ffn(tiny_models):
+    """OPT's FFN is a ReLU: the scaled ReLU variant with scale 1 gives back its coefficients; for the
+    gated Llama FFN it is ReLU(x·g)·(x·u), the model's SiLU gate replaced."""
+    for arch in ("opt", "llama"):
+        mm = tiny_models[arch]
+        ids, mask = _batch(mm, 3, seed=4)
+        caps = {}
+        intact(mm, ids, mask, callback=lambda l, n, t: caps.__setitem__((l, n), t), what=("x", "m"))
+        x, m = caps[(1, "x")], caps[(1, "m")]
+        a = coefficients(mm, Variant("scaled_relu", 1, "all", mm.d_m, scale=1.0), x, m)
+        if arch == "opt":
+            torch.testing.assert_close(a, m, rtol=1e-5, atol=1e-6)
+        else:
+            with torch.no_grad():
+                want = torch.relu(x @ mm.keys(1).T) * (x @ mm.up_keys(1).T)
+            torch.testing.assert_close(a, want)
+            assert not torch.allclose(a, m)
+
+
 def test_sums_fit_algebra():
     g = torch.Generator().manual_seed(2)
     z, y = torch.randn(40, 8, generator=g), torch.randn(40, 8, generator=g)

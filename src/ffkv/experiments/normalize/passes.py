@@ -93,7 +93,8 @@ class _Grid:
         keys = [(Variant("softmax", layer, "all", mm.d_m), None)]  # (variant, kept slots)
         if layer in self.plan.capacity_layers:
             for n in (n for n in self.plan.capacity_n if n < mm.d_m):
-                keys += [(Variant("softmax", layer, "random", n), random_slots(mm.d_m, n, self.plan.seed, layer)),
+                drawn = random_slots(mm.d_m, n, self.plan.seed, layer).to(m.device)
+                keys += [(Variant("softmax", layer, "random", n), drawn),
                          (Variant("softmax", layer, "top", n), top_slots(m, n))]
         for v, keep in keys:
             sums = self.sums.setdefault(v.key, [Sums() for _ in self.taus[layer]])
