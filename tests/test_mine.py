@@ -12,7 +12,6 @@ import torch
 
 from conftest import WT2, run_cli, wikitext_sentences
 from ffkv.mine.runner import MineSettings, mine, mine_batches, new_state, triggers_table
-from ffkv.mine.topk import TopKState
 from ffkv.store.run import Run
 
 
@@ -68,7 +67,7 @@ def test_brute_force(tiny_models, arch, negative):
     st = mine_batches(mm, new_state(mm, s), token_lists, list(range(30)),
                       list(enumerate(pack([len(t) for t in token_lists], 100))))
     mismatches = 0
-    for (sg, l), v in st.lists.items():
+    for (sg, l), v in st.topk.lists.items():
         for i in range(mm.d_m):
             exp = ref[(l, i, sg)]
             got = [(int(v.sid[i, r]), int(v.pos[i, r]), sg * float(v.score[i, r])) for r in range(5)]
@@ -88,9 +87,9 @@ def _mine_api(mm, token_lists, sids, batch_tokens, t=4, negative=True, per_prefi
                         list(enumerate(pack([len(x) for x in token_lists], batch_tokens))))
 
 
-def _same(a: TopKState, b: TopKState, near_ties_ok: bool = False):
-    for k in a.lists:
-        x, y = a.lists[k], b.lists[k]
+def _same(a, b, near_ties_ok: bool = False):
+    for k in a.topk.lists:
+        x, y = a.topk.lists[k], b.topk.lists[k]
         assert torch.allclose(x.score, y.score, atol=1e-5)
         same = (x.sid == y.sid) & (x.pos == y.pos)
         if not near_ties_ok:
@@ -114,13 +113,24 @@ def test_merge_halves_and_batch_independence(tiny_models, per_prefix):
     plan = list(enumerate(pack([len(x) for x in token_lists], 512)))
     a = mine_batches(mm, new_state(mm, s), token_lists, sids, plan[: len(plan) // 2])
     b = mine_batches(mm, new_state(mm, s), token_lists, sids, plan[len(plan) // 2:])
-    _same(whole, b.merge(a))
+    merged = b.merge(a)
+    _same(whole, merged)
+    _same_stats(whole, merged)  # key statistics: identical tables from merged halves
     # another batch size: identical up to float near-ties
     _same(whole, _mine_api(mm, token_lists, sids, 64, per_prefix=per_prefix), near_ties_ok=True)
 
 
-def _table(run_dir):
-    return pq.read_table(os.path.join(run_dir, "triggers.parquet"))
+def _same_stats(a, b):
+    ta, tb = a.stats.finish(), b.stats.finish()
+    for name in ("key_stats", "key_hist", "key_samples"):
+        assert ta[name].equals(tb[name]), name
+
+
+def _table(run_dir, name="triggers"):
+    return pq.read_table(os.path.join(run_dir, f"{name}.parquet"))
+
+
+STATS_TABLES = ("key_stats", "key_hist", "key_samples")
 
 
 def test_cli_mine_and_show(tmp_path, tiny_dirs):
@@ -171,6 +181,8 @@ def test_resume_after_sigkill(tmp_path, tiny_dirs):
     assert res.returncode == 0, res.stderr
     assert "resuming from checkpoint" in res.stdout
     assert _table(out).equals(_table(ref))
+    for name in STATS_TABLES:  # key statistics resume to the same bits
+        assert _table(out, name).equals(_table(ref, name)), name
     assert not ck.exists()
 
 
@@ -185,6 +197,8 @@ def test_ray_two_shards_identical(tmp_path, tiny_dirs):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 shard(s) on Ray" in res.stdout
     assert _table(tmp_path / "ray").equals(_table(tmp_path / "single"))
+    for name in STATS_TABLES:  # key statistics: the same tables from two shards
+        assert _table(tmp_path / "ray", name).equals(_table(tmp_path / "single", name)), name
 
 
 @pytest.mark.slow
@@ -227,3 +241,4 @@ def test_checkpoint_round_trip_at_every_batch(tiny_models, per_prefix):
         arrs = {k: np.array(v) for k, v in st.arrays().items()}
         resumed = mine_batches(mm, new_state(mm, s).load_arrays(arrs), token_lists, sids, batches[cut:])
         _same(ref, resumed)
+        _same_stats(ref, resumed)

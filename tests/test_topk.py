@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ffkv.mine.topk import TopKState, row_best
+from ffkv.mine.trackers import feed
 
 
 def _ref_row_best(m, lengths, sign):
@@ -57,7 +58,7 @@ def test_stream_equals_global_sort_with_ties():
         mask = torch.arange(T) < lengths.unsqueeze(1)
         sids = torch.arange(sid, sid + B)
         sid += B
-        st.update(0, m, mask, sids)
+        feed(st, 0, m, mask, sids)
         rows += [(int(s), m[b, : int(lengths[b])]) for b, s in enumerate(sids)]
     for sign in (1, -1):
         lst = st.lists[(sign, 0)]

@@ -1,4 +1,5 @@
-"""Mining shards as Ray tasks; the driver merges their mergeable states.
+"""Mining shards as Ray tasks; the driver merges their mergeable states (every tracker of
+`ffkv.mine.trackers.MineState`: top-k triggers and key statistics).
 
 Shards are contiguous slices of the single-process batch plan, so every batch has the same
 composition as in a single-process run and the coefficients are bit-identical: float noise

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ffkv.mine.topk import TopKState
+from ffkv.mine.trackers import Batch, MineState
 
 
 @dataclass
@@ -28,25 +28,50 @@ class MineSettings:
     negative: bool = False
     per_prefix: bool = False
     batch_tokens: int = 2048
+    stats: bool = True  # key statistics (`ffkv.mine.stats`): --no-stats turns them off
+    samples_per_bin: int = 5
+
+    # Fields added after runs were first recorded, with their defaults. The record (manifest
+    # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
+    # the field existed has the same record as the same command typed today: it resumes, or is
+    # skipped when done, instead of being refused as "other settings". Whether such a run has
+    # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
+    ADDED = {"stats": True, "samples_per_bin": 5}
+
+    def record(self) -> dict:
+        d = asdict(self)
+        for k, v in self.ADDED.items():
+            if d.get(k) == v:
+                d.pop(k)
+        return d
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def new_state(mm, s: MineSettings) -> TopKState:
+def new_state(mm, s: MineSettings) -> MineState:
+    """The trackers of one mining pass, on the model's device: top-k, and key statistics unless off."""
+    from ffkv.mine.stats import KeyStats
+
     layers = s.layers if s.layers is not None else list(range(mm.n_layers))
-    return TopKState(layers, s.dims, mm.d_m, s.top_k, negative=s.negative, per_prefix=s.per_prefix)
+    dev = getattr(mm, "device", None)
+    trackers = {"topk": TopKState(layers, s.dims, mm.d_m, s.top_k, negative=s.negative,
+                                  per_prefix=s.per_prefix, device=dev)}
+    if s.stats:
+        trackers["stats"] = KeyStats(layers, s.dims, mm.d_m, signs=(1, -1) if s.negative else (1,),
+                                     samples=s.samples_per_bin, device=dev,
+                                     max_position=int(getattr(mm, "max_length", 1 << 15) or 1 << 15))
+    return MineState(trackers, layers, s.dims, device=dev)
 
 
-def mine_batches(mm, state: TopKState, token_lists, sids, batches, on_batch=None) -> TopKState:
+def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None) -> MineState:
     """Feed batches (lists of indices into token_lists) through one captured pass each."""
     for bi, idx in batches:
         seqs = [token_lists[i] for i in idx]
         ids, mask = mm.batch(seqs)
-        bsids = torch.as_tensor([sids[i] for i in idx], dtype=torch.long)
-        mbool = mask.bool()
+        batch = Batch.from_lengths([len(x) for x in seqs], [sids[i] for i in idx], mask)
         mm.capture(ids, mask, layers=state.layers, what=("m",),
-                   callback=lambda l, name, m: state.update(l, m, mbool, bsids))
+                   callback=lambda l, name, m: state.update(l, m, batch))
         if on_batch is not None:
             on_batch(bi, sum(map(len, seqs)))
     return state
@@ -64,17 +89,25 @@ def save_npz(path: Path, arrays: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_checkpoint(path: Path, state: TopKState, cursor: int, key: str) -> None:
+def save_checkpoint(path: Path, state: MineState, cursor: int, key: str) -> None:
     save_npz(path, {"__cursor": np.array([cursor]), "__key": np.frombuffer(key.encode(), np.uint8),
                     **state.arrays()})
 
 
-def load_checkpoint(path: Path, state: TopKState, key: str) -> int:
-    """Restore `state` from a checkpoint of the same settings; returns the next batch index."""
+def load_checkpoint(path: Path, state: MineState, key: str, log=None) -> int:
+    """Restore `state` from a checkpoint of the same settings; returns the next batch index.
+
+    A checkpoint without every tracker's arrays (written by an ffkv before key statistics) cannot
+    continue them: mining starts over."""
     if not path.exists():
         return 0
     with np.load(path, allow_pickle=False) as z:
         if bytes(z["__key"]).decode() != key:
             return 0
-        state.load_arrays(z)
+        try:
+            state.load_arrays(z)
+        except KeyError:
+            if log is not None:
+                log("mine: the checkpoint lacks the key statistics (an older ffkv); starting over")
+            return 0
         return int(z["__cursor"][0])

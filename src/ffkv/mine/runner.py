@@ -1,7 +1,15 @@
-"""The `mine` step: one forward pass per batch, every prefix's coefficients at once, into TopKState."""
+"""The `mine` step: one forward pass per batch, every prefix's coefficients at once, into the trackers.
+
+The trackers (`ffkv.mine.trackers`) are registered here with the step: `TRACKERS` says which
+tables each writes and whether a setting turns it off. The step's `tables` are those always
+written; `done_info` requires the optional ones only when the step's info says they were made,
+so runs mined before key statistics existed, or with --no-stats, stay done.
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -9,29 +17,39 @@ import pyarrow as pa
 from ffkv.corpus.batching import pack, padding_share
 from ffkv.mine.engine import (MineSettings, load_checkpoint, mine_batches, new_state,  # noqa: F401
                               save_checkpoint)
+from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
 from ffkv.store.steps import Step, execute
 
 CKPT = ".mine_checkpoint.npz"
-TABLES = ("sentences", "triggers", "vocab")
 
 
-def triggers_table(state: TopKState, sentences: pa.Table) -> pa.Table:
-    """State -> the `triggers` table, with next_token looked up in the sentences."""
-    sid_col = sentences.column("sentence_id").to_numpy()
-    toks = sentences.column("token_ids").combine_chunks()
-    flat = toks.values.to_numpy(zero_copy_only=False)
-    offs = toks.offsets.to_numpy()
-    row_of = np.full(int(sid_col.max()) + 1, -1, np.int64)
-    row_of[sid_col] = np.arange(len(sid_col))
-    parts = list(state.rows())
-    cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    rows = row_of[cols["sentence_id"]]
-    nxt = offs[rows] + cols["position"].astype(np.int64) + 1
-    has = nxt < offs[rows + 1]
-    next_tok = np.where(has, flat[np.minimum(nxt, len(flat) - 1)], 0).astype(np.int32)
-    cols["next_token"] = pa.array(next_tok, mask=~has)
-    return pa.table(cols)
+@dataclass(frozen=True)
+class TrackerSpec:
+    """A tracker of the mine step: the tables it writes, and whether the settings turn it on."""
+    name: str
+    tables: tuple[str, ...]
+    enabled: Callable[[MineSettings], bool]
+
+
+TRACKERS = (
+    TrackerSpec("topk", ("triggers",), lambda s: True),
+    TrackerSpec("stats", ("key_stats", "key_hist", "key_samples"), lambda s: s.stats),
+)
+TABLES = ("sentences", "triggers", "vocab")  # always written: the topk tracker's and the corpus
+STATS_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "stats")
+
+
+class _FinishContext:
+    """What trackers' `finish` may read: the run's sentences (read once, when asked)."""
+
+    def __init__(self, run):
+        self.run, self._sent = run, None
+
+    def sentences(self):
+        if self._sent is None:
+            self._sent = self.run.read_table("sentences")
+        return self._sent
 
 
 def vocab_table(tok, n: int) -> pa.Table:
@@ -45,7 +63,7 @@ def vocab_table(tok, n: int) -> pa.Table:
 
 def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: str | None = None,
          shards: int = 1, show_progress: bool | None = None, log=print) -> dict:
-    """Mine top-k triggers into `run`; resumes a killed run with the same settings."""
+    """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same settings."""
     out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress,
                   checkpoint_every=checkpoint_every, ray_address=ray_address, shards=shards)
     if out.skipped:
@@ -72,14 +90,16 @@ def _prepare(run, mm, s: MineSettings) -> None:
 
 
 def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, lengths,
-                checkpoint_every: float, show_progress, log) -> int:
-    """Mine the batches not yet in the checkpoint; returns the tokens mined now."""
+                checkpoint_every: float, show_progress, log):
+    """Mine the batches not yet in the checkpoint; returns the state and the tokens mined now."""
     from ffkv.progress import progress
 
     ckpt = run.path / CKPT
-    cursor = load_checkpoint(ckpt, state, s.key())
+    cursor = load_checkpoint(ckpt, state, s.key(), log=log)
     if cursor:
         log(f"mine: resuming from checkpoint at batch {cursor}/{len(batches)}")
+    elif ckpt.exists():
+        state = new_state(mm, s)  # a checkpoint of other settings or trackers: maybe half loaded
     done_tokens = int(sum(lengths[b].sum() for b in batches[:cursor]))
     last = time.time()
     with progress(None if show_progress is None else not show_progress) as bar:
@@ -95,11 +115,15 @@ def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, len
 
         mine_batches(mm, state, token_lists, sids, [(i, batches[i]) for i in range(cursor, len(batches))],
                      on_batch)
-    return int(lengths.sum()) - done_tokens
+    return state, int(lengths.sum()) - done_tokens
 
 
 def compute(ctx) -> dict:
     run, s, mm = ctx.run, ctx.settings, ctx.model()
+    if s.samples_per_bin < 0:
+        from ffkv.errors import FfkvError
+
+        raise FfkvError("--samples-per-bin must be 0 or more")
     checkpoint_every = ctx.extra.get("checkpoint_every", 60.0)
     ray_address, shards = ctx.extra.get("ray_address"), ctx.extra.get("shards", 1)
     _prepare(run, mm, s)
@@ -116,17 +140,33 @@ def compute(ctx) -> dict:
         state = mine_ray(run, mm, s, token_lists, sids, batches, ray_address, shards, log=ctx.log)
         mined_tokens = int(lengths.sum())
     else:
-        mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
-                                   checkpoint_every, ctx.show_progress, ctx.log)
+        state, mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
+                                          checkpoint_every, ctx.show_progress, ctx.log)
     secs = time.time() - t0
-    trig = triggers_table(state, run.read_table("sentences"))
+    tables = state.finish(_FinishContext(run))
+    trig = tables.pop("triggers")
     run.write_table("triggers", trig, row_group_size=100_000)
+    for name, t in tables.items():  # key_stats, key_hist, key_samples: sorted by layer, dim
+        run.write_table(name, t, row_group_size=100_000)
     (run.path / CKPT).unlink(missing_ok=True)
-    return {"rows": trig.num_rows, "padding_share": round(padding_share(lengths, batches), 4),
+    info = {"rows": trig.num_rows, "padding_share": round(padding_share(lengths, batches), 4),
             "tokens": int(lengths.sum()),
             "tokens_per_s": round(mined_tokens / secs, 1) if secs > 0 else None,
             "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1}
+    if state.stats is not None:
+        from ffkv.mine.stats import layout
+
+        info["stats"] = {**layout(), "tables": list(STATS_TABLES), "samples_per_bin": s.samples_per_bin}
+    else:
+        info["stats"] = None
+    return info
+
+
+def done_info(run, st: dict) -> bool:
+    """Done also needs the tables of the optional trackers that the step says it wrote."""
+    stats = st.get("stats")
+    return not stats or all(run.has_table(t) for t in stats.get("tables", STATS_TABLES))
 
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute,
-            refuse_other_settings=True)
+            record=lambda run, s: s.record(), refuse_other_settings=True, done_info=done_info)

@@ -40,12 +40,12 @@ class LayerTopK:
     TIE_LIMIT = 1 << 31
     EMPTY = torch.iinfo(torch.long).max
 
-    def __init__(self, t: int, n: int, per_prefix: bool = False):
+    def __init__(self, t: int, n: int, per_prefix: bool = False, device=None):
         self.t, self.per_prefix = t, per_prefix
-        self._key = torch.full((n, t), self.EMPTY, dtype=torch.long)
-        self._pos = torch.full((n, t), POS_MAX, dtype=torch.int32)
-        self._sid = torch.full((n, t), SID_MAX, dtype=torch.long) if per_prefix else None
-        self._worst = torch.full((n,), self.EMPTY, dtype=torch.long)  # largest key per list
+        self._key = torch.full((n, t), self.EMPTY, dtype=torch.long, device=device)
+        self._pos = torch.full((n, t), POS_MAX, dtype=torch.int32, device=device)
+        self._sid = torch.full((n, t), SID_MAX, dtype=torch.long, device=device) if per_prefix else None
+        self._worst = torch.full((n,), self.EMPTY, dtype=torch.long, device=device)  # largest key per list
         self._dirty = False
 
     def _sort(self) -> None:
@@ -77,6 +77,8 @@ class LayerTopK:
         return s.masked_fill(self.sid == SID_MAX, -float("inf"))
 
     def set_arrays(self, key: torch.Tensor, sid: torch.Tensor, pos: torch.Tensor) -> None:
+        dev = self._key.device
+        key, sid, pos = key.to(dev), sid.to(dev), pos.to(dev)
         self._key, self._pos = key, pos
         if self.per_prefix:
             self._sid = sid
@@ -112,9 +114,8 @@ class LayerTopK:
                 self._sid[cols] = nsid
 
     def update_rows(self, score: torch.Tensor, sids: torch.Tensor, pos: torch.Tensor) -> None:
-        """One candidate per sentence and key: score and pos (B, n), sids (B,)."""
-        if int(sids.max()) >= self.TIE_LIMIT:
-            raise ValueError("sentence ids must be < 2^31")
+        """One candidate per sentence and key: score and pos (B, n), sids (B,), all < 2^31
+        (`ffkv.mine.trackers.Batch` checks them on the host)."""
         key = _desc_key(score.T.contiguous(), sids.unsqueeze(0))  # (n, B): one row per list
         pos = pos.T.contiguous()
         # Only lists where some candidate beats the current t-th can change; when most can,
@@ -147,31 +148,52 @@ class LayerTopK:
         self._merge(None, other._key, other._sid, other._pos)
 
 
-def row_best(m: torch.Tensor, mask: torch.Tensor, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
+RUN_LIMIT = 16  # more runs of equal length than this: one masked pass is cheaper than many views
+
+
+def length_runs(lengths, T: int) -> list[tuple[int, int, int]] | None:
+    """Rows of equal length as (a, b, L) runs, read on the host from the rows' lengths.
+
+    None when views cannot stand for the mask: a row with no token, or more than RUN_LIMIT runs.
+    """
+    ln = [int(x) for x in lengths]
+    if not ln or min(ln) <= 0 or max(ln) > T:
+        return None
+    runs, a = [], 0
+    for b in range(1, len(ln) + 1):
+        if b == len(ln) or ln[b] != ln[a]:
+            runs.append((a, b, ln[a]))
+            a = b
+    return runs if len(runs) <= RUN_LIMIT else None
+
+
+def mask_runs(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """`length_runs` of a (B, T) mask when it is right-padded (reads the mask on the host)."""
+    B, T = mask.shape
+    lengths = mask.sum(1)
+    if not bool((mask == (torch.arange(T, device=mask.device) < lengths.unsqueeze(1))).all()):
+        return None
+    return length_runs(lengths.tolist(), T)
+
+
+def row_best(m: torch.Tensor, mask: torch.Tensor, sign: int, runs=False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row and key, the best (sign · m) over valid positions and its first position.
 
-    (B, T, n) -> (B, n) scores and int32 positions. Right-padded rows of equal length are
-    reduced as views, with no masked copy; max-with-indices along T is slow on CPU, so the
-    first position comes from a weighted amax over `m == best`.
+    (B, T, n) -> (B, n) scores and int32 positions, on m's device. Right-padded rows of equal
+    length (`runs`, from `length_runs` on the host; by default read from the mask) are reduced as
+    views, with no masked copy; max-with-indices along T is slow on CPU, so the first position
+    comes from a weighted amax over `m == best`. With runs=None, one masked pass.
     """
     B, T, n = m.shape
-    lengths = mask.sum(1)
-    prefix = bool((mask == (torch.arange(T) < lengths.unsqueeze(1))).all()) and bool((lengths > 0).all())
-    runs: list[tuple[int, int, int]] = []
-    if prefix:
-        ln = lengths.tolist()
-        a = 0
-        for b in range(1, B + 1):
-            if b == B or ln[b] != ln[a]:
-                runs.append((a, b, ln[a]))
-                a = b
-    if not prefix or len(runs) > 16:
+    if runs is False:
+        runs = mask_runs(mask)
+    if runs is None:
         fill = -float("inf") if sign == 1 else float("inf")
         runs, m = [(0, B, T)], m.masked_fill(~mask.unsqueeze(-1), fill)
-    score = torch.empty((B, n), dtype=m.dtype)
-    pos = torch.empty((B, n), dtype=torch.int32)
+    score = torch.empty((B, n), dtype=m.dtype, device=m.device)
+    pos = torch.empty((B, n), dtype=torch.int32, device=m.device)
     wdtype = torch.uint8 if T < (1 << 8) else torch.int16 if T < (1 << 15) else torch.int32
-    w = torch.arange(T, 0, -1, dtype=wdtype).unsqueeze(1)  # first position weighs most
+    w = torch.arange(T, 0, -1, dtype=wdtype, device=m.device).unsqueeze(1)  # first position weighs most
     for a, b, L in runs:
         v = m[a:b, :L]
         best = v.amax(1) if sign == 1 else v.amin(1)
@@ -183,42 +205,42 @@ def row_best(m: torch.Tensor, mask: torch.Tensor, sign: int) -> tuple[torch.Tens
 
 
 class TopKState:
-    """All layers and signs. Arrays are (t, n_dims) per (sign, layer)."""
+    """Top-t trigger lists of all layers and signs: a tracker (`ffkv.mine.trackers`).
+
+    Lists are (n_dims, t) per (sign, layer), kept on `device`, the captures' device.
+    """
+
+    name = "topk"
 
     def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, t: int,
-                 negative: bool = False, per_prefix: bool = False):
+                 negative: bool = False, per_prefix: bool = False, device=None):
         self.layers, self.t, self.negative, self.per_prefix = list(layers), t, negative, per_prefix
         self.dims = None if dims is None else list(dims)
-        self._dim_idx = None if dims is None else torch.as_tensor(self.dims, dtype=torch.long)
         n = d_m if dims is None else len(self.dims)
         self.signs = (1, -1) if negative else (1,)
-        self.lists = {(s, l): LayerTopK(t, n, per_prefix) for s in self.signs for l in self.layers}
+        self.lists = {(s, l): LayerTopK(t, n, per_prefix, device) for s in self.signs for l in self.layers}
 
     @torch.no_grad()
-    def update(self, layer: int, m: torch.Tensor, mask: torch.Tensor, sids: torch.Tensor) -> None:
-        """m (B, T, d_m) coefficients, mask (B, T) bool, sids (B,) sentence ids."""
-        m = m.float()
-        if self._dim_idx is not None:
-            m = m.index_select(-1, self._dim_idx.to(m.device))
-        m = m.cpu()
-        mask = mask.cpu().bool()
-        sids = sids.cpu()
+    def update(self, batch, cap) -> None:
+        """Fold one layer of one batch in: `cap.m` (B, T, n) on the lists' device, `batch` its rows."""
+        m, mask, sids, layer = cap.m, batch.mask, batch.sids, cap.layer
         B, T, n = m.shape
         if self.per_prefix:
+            dev = m.device
             row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
+            ar = torch.arange(T, device=dev)
+            pos = ar.to(torch.int32).repeat(B).unsqueeze(1).expand(B * T, n).contiguous()
+            sid = sids.repeat_interleave(T).unsqueeze(1).expand(B * T, n).contiguous()
+            local = (row_rank.repeat_interleave(T) * T + ar.repeat(B)).unsqueeze(1).expand(B * T, n).contiguous()
         for s in self.signs:
             if self.per_prefix:
                 sc = m if s == 1 else -m
-                if not bool(mask.all()):
+                if batch.runs is None or batch.padded:
                     sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
-                cand = sc.reshape(B * T, n)
-                pos = torch.arange(T, dtype=torch.int32).repeat(B).unsqueeze(1).expand(B * T, n)
-                sid = sids.repeat_interleave(T).unsqueeze(1).expand(B * T, n)
-                local = (row_rank.repeat_interleave(T) * T + torch.arange(T).repeat(B)).unsqueeze(1).expand(B * T, n)
-                self.lists[(s, layer)].update(cand, sid.contiguous(), pos.contiguous(), local.contiguous())
+                self.lists[(s, layer)].update(sc.reshape(B * T, n), sid, pos, local)
             else:
-                score, pos = row_best(m, mask, s)
-                self.lists[(s, layer)].update_rows(score, sids, pos)
+                score, p = cap.best(s)
+                self.lists[(s, layer)].update_rows(score, sids, p)
 
     def merge(self, other: "TopKState") -> "TopKState":
         if (other.layers, other.dims, other.t, other.signs, other.per_prefix) != (
@@ -233,9 +255,9 @@ class TopKState:
         out = {}
         for (s, l), v in self.lists.items():
             tag = f"{'p' if s == 1 else 'n'}{l}"
-            out[f"key_{tag}"] = v.key.numpy()
-            out[f"sid_{tag}"] = v.sid.numpy()
-            out[f"pos_{tag}"] = v.pos.numpy()
+            out[f"key_{tag}"] = v.key.cpu().numpy()
+            out[f"sid_{tag}"] = v.sid.cpu().numpy()
+            out[f"pos_{tag}"] = v.pos.cpu().numpy()
         return out
 
     def load_arrays(self, arrs) -> "TopKState":
@@ -247,7 +269,7 @@ class TopKState:
     def rows(self):
         """Yield column arrays (layer, dim, sign, rank, coef, sentence_id, position) per list."""
         for (s, l), v in sorted(self.lists.items(), key=lambda kv: (kv[0][1], -kv[0][0])):
-            score, sid, pos = v.score.numpy().T, v.sid.numpy().T, v.pos.numpy().T
+            score, sid, pos = v.score.cpu().numpy().T, v.sid.cpu().numpy().T, v.pos.cpu().numpy().T
             t, n = score.shape
             dims = np.arange(n) if self.dims is None else np.asarray(self.dims)
             ok = np.isfinite(score)
@@ -264,3 +286,30 @@ class TopKState:
                 "sentence_id": sid.T[sel].astype(np.int64),
                 "position": pos.T[sel].astype(np.int32),
             }
+
+    def finish(self, ctx) -> dict:
+        """The `triggers` table."""
+        return {"triggers": triggers_table(self, ctx.sentences())}
+
+
+def triggers_table(state: TopKState, sentences):
+    """State (a TopKState, or a MineState holding one) -> the `triggers` table, with next_token
+    looked up in the sentences."""
+    import pyarrow as pa
+
+    state = getattr(state, "topk", state)
+
+    sid_col = sentences.column("sentence_id").to_numpy()
+    toks = sentences.column("token_ids").combine_chunks()
+    flat = toks.values.to_numpy(zero_copy_only=False)
+    offs = toks.offsets.to_numpy()
+    row_of = np.full(int(sid_col.max()) + 1, -1, np.int64)
+    row_of[sid_col] = np.arange(len(sid_col))
+    parts = list(state.rows())
+    cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    rows = row_of[cols["sentence_id"]]
+    nxt = offs[rows] + cols["position"].astype(np.int64) + 1
+    has = nxt < offs[rows + 1]
+    next_tok = np.where(has, flat[np.minimum(nxt, len(flat) - 1)], 0).astype(np.int32)
+    cols["next_token"] = pa.array(next_tok, mask=~has)
+    return pa.table(cols)

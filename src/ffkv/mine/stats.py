@@ -1,0 +1,496 @@
+"""Every key's activation profile from the mining pass: histogram, summary, quantile samples, positions.
+
+`KeyStats` is a tracker (`ffkv.mine.trackers`) beside the top-k, fed by the same captures on
+their device. Off with `ffkv mine --no-stats`. It writes three tables (a public contract):
+
+``key_hist``: layer int16, dim int32, bin int16, count int64. The signed histogram of m over
+every valid token of the corpus, one row per non-empty bin (absent rows are 0). The bins are the
+same for every key and are recorded in the manifest (`manifest.steps.mine.stats`, `layout()`):
+bin b holds the m with sign(m) = sign[b] and lo[b] <= |m| < hi[b]. They are ordered by value:
+the negative side (|m| from large to small), one zero bin (|m| < 2^-126: zeros and subnormal
+floats), the positive side. Each side has a tiny bin (|m| < 2^-10), 20 octaves
+[2^k, 2^(k+1)) for k = -10..9, and an overflow bin (|m| >= 2^10): 45 bins, log2-spaced, so a
+token's bin is read from its float's sign and exponent bits. Per key, the counts add up to the
+number of valid tokens.
+
+``key_stats``: layer int16, dim int32, sign int8 (+1, and -1 when mined with --negative), then
+  - count int64: valid tokens seen (the same on both sign rows);
+  - mean, std float32: of m over every valid token (population std; the same on both sign rows);
+  - max float32: the extreme coefficient on this side (max m for +1, min m for -1), exact;
+  - frac_active float32: share of tokens with sign·m > 0 (for +1: the density, m > 0);
+  - frac_strong float32: share of tokens with sign·m > 10% of the key's own extreme on that side;
+  - p50, p90, p99 float32: quantiles of m among the tokens on this side (sign·m > 0), signed;
+    null when the side has no token;
+  - sentences int64: sentences seen; pos_hist list<int64>: where each sentence's best
+    coefficient on this side sits (the candidate the top-k uses): bucket 0 is position 0,
+    bucket b >= 1 positions [2^(b-1), 2^b), the last bucket also everything beyond;
+    first_share float32 = pos_hist[0] / sentences (keys that fire on the first token).
+  frac_strong and the quantiles are read from the histogram: interpolated geometrically within
+  an octave, linearly within the tiny bin, with the top occupied bin capped at the exact max.
+  count, mean, std, max and frac_active are exact.
+
+``key_samples``: layer int16, dim int32, sign int8, bin int16, sentence_id int64, position int32,
+coef float32. For each key, sign and histogram bin on that side: up to k sentences (default 5,
+`--samples-per-bin`) drawn from the sentences whose best coefficient on that side (sign·m > 0,
+the top-k's candidate, at its first best position) falls in the bin: those with the k smallest
+`sample_hash(sentence_id, layer, dim)`, a seeded bijection. Deterministic and mergeable: the
+same rows under resume, merge and Ray sharding. Rows are ordered by layer, dim, sign desc, bin,
+then hash.
+
+Exactness: histogram and position counts are integers; the sums behind mean and std are summed
+per batch in float32 (per run of equal-length rows) and carried across batches as exact integer
+limbs (`to_limbs`), so any merge order gives the same bits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+E_LO, E_HI = -10, 10  # octaves [2^k, 2^(k+1)) for E_LO <= k < E_HI
+OCTAVES = E_HI - E_LO
+SIDE = OCTAVES + 2  # per side: tiny, octaves, overflow
+NB = 2 * SIDE + 1  # bins in all
+ZERO = SIDE  # index of the zero bin
+TINY = 2.0 ** -126  # smallest normal float32: below it, "zero"
+NPOS = 16  # position buckets: 0, 1, 2-3, 4-7, ..., >= 2^14
+STRONG = 0.1  # frac_strong: share above this fraction of the key's own extreme
+QUANTILES = (0.5, 0.9, 0.99)
+M31 = (1 << 31) - 1
+EMPTY = M31  # hash of an empty sample slot (real hashes are < 2^31 - 1)
+LIMB_SCALES = (2.0 ** 24, 2.0 ** -16, 2.0 ** -56)  # units of the three integer limbs of a sum
+
+
+# ---- bins -----------------------------------------------------------------------------------------
+def side_edges() -> tuple[np.ndarray, np.ndarray]:
+    """|m| bounds (lo, hi) of one side's bins, |m| ascending: tiny, octaves, overflow (hi = inf)."""
+    lo = np.array([TINY] + [2.0 ** k for k in range(E_LO, E_HI)] + [2.0 ** E_HI])
+    hi = np.array([2.0 ** E_LO] + [2.0 ** (k + 1) for k in range(E_LO, E_HI)] + [math.inf])
+    return lo, hi
+
+
+def bin_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per bin (value order): sign (-1, 0, +1) and the |m| bounds lo <= |m| < hi."""
+    lo, hi = side_edges()
+    sign = np.array([-1] * SIDE + [0] + [1] * SIDE, np.int8)
+    return sign, np.concatenate([lo[::-1], [0.0], lo]), np.concatenate([hi[::-1], [TINY], hi])
+
+
+def side_bin(sign: int, j):
+    """Bin index of side bin j (0 = tiny) on side `sign`."""
+    return ZERO + 1 + j if sign == 1 else ZERO - 1 - j
+
+
+def layout() -> dict:
+    """What the manifest records about the bins (JSON: an unbounded hi is null)."""
+    sign, lo, hi = bin_table()
+    return {"version": 1, "bins": NB, "zero_bin": ZERO,
+            "sign": sign.tolist(), "lo": lo.tolist(), "hi": [None if math.isinf(h) else h for h in hi],
+            "rule": "bin b holds m with sign(m) = sign[b] and lo[b] <= |m| < hi[b]; the zero bin "
+                    "(sign 0) holds |m| < 2^-126 (zeros and subnormals)",
+            "position_buckets": NPOS,
+            "position_rule": "bucket 0: position 0; bucket b >= 1: positions [2^(b-1), 2^b); the last "
+                             "also holds every later position",
+            "strong": STRONG, "quantiles": list(QUANTILES),
+            "interpolation": "quantiles and frac_strong: geometric within an octave, linear within the "
+                             "tiny bin, the top occupied bin capped at the exact max"}
+
+
+def bin_of(m) -> np.ndarray:
+    """The bin of each value (numpy, float32), by the rule of `layout` (for readers)."""
+    a = np.abs(np.asarray(m, np.float32)).astype(np.float64)
+    s = np.sign(np.asarray(m, np.float32))
+    lo, _ = side_edges()
+    j = np.searchsorted(lo, a, side="right") - 1  # -1: below TINY
+    return np.where(j < 0, ZERO, np.where(s > 0, ZERO + 1 + j, ZERO - 1 - j)).astype(np.int16)
+
+
+def _raw_luts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables from r = (float32 bits >> 23) + 256 (sign and exponent) to the bin, and to the
+    positive side's bin j (-1 for zero and negative values)."""
+    full, pos = [], []
+    for r in range(512):
+        neg, e = (r < 256), (r if r < 256 else r - 256)
+        if e == 0:
+            full.append(ZERO)
+            pos.append(-1)
+            continue
+        k = e - 127
+        j = 0 if k < E_LO else SIDE - 1 if k >= E_HI else 1 + k - E_LO
+        full.append(ZERO - 1 - j if neg else ZERO + 1 + j)
+        pos.append(-1 if neg else j)
+    return torch.tensor(full, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+
+
+# ---- sample hash: a seeded bijection of sentence ids per key ---------------------------------------
+_A1, _A2 = 0x2C1B3C6D, 0x297A2D39  # odd multipliers
+_A1I, _A2I = pow(_A1, -1, 1 << 31), pow(_A2, -1, 1 << 31)
+
+
+def _perm(x):
+    """A bijection of [0, 2^31) (multiply-xorshift; works on torch and numpy int64)."""
+    x = (x * _A1) & M31
+    x = x ^ (x >> 16)
+    x = (x * _A2) & M31
+    return x ^ (x >> 16)
+
+
+def _perm_inv(x):
+    x = x ^ (x >> 16)  # x ^= x >> 16 undoes itself on 31 bits
+    x = (x * _A2I) & M31
+    x = x ^ (x >> 16)
+    return (x * _A1I) & M31
+
+
+def key_salt(layer: int, dims):
+    """Per-key salt in [0, 2^31): varies the sample order from key to key."""
+    return _perm((np.asarray(dims, np.int64) + 1 + layer * 65537) & M31)
+
+
+def sample_hash(sid, salt):
+    """h(sentence_id) for a key: a bijection of [0, 2^31 - 1), so EMPTY (2^31 - 1) is never a hash.
+
+    π(sid ^ salt) is a bijection of [0, 2^31); the one valid id mapped to 2^31 - 1 takes the
+    value that no valid id gets, π((2^31 - 1) ^ salt)."""
+    x = _perm(sid ^ salt)
+    hole = _perm(salt ^ M31)
+    return x + (x == M31) * (hole - x)
+
+
+def sample_sid(h, salt):
+    """Inverse of `sample_hash`."""
+    hole = _perm(salt ^ M31)
+    x = h + (h == hole) * (M31 - h)
+    return _perm_inv(x) ^ salt
+
+
+# ---- exact sums -----------------------------------------------------------------------------------
+def to_limbs(x: torch.Tensor) -> torch.Tensor:
+    """float64 (n,) -> exact int64 limbs (3, n): x = Σ limb_i · LIMB_SCALES[i] (to 2^-56).
+
+    Limbs add as integers, so sums carried in them do not depend on the order of additions. Each
+    addition grows a limb by < 2^41: 2^22 batches fit."""
+    q0 = torch.trunc(x / LIMB_SCALES[0])
+    r = x - q0 * LIMB_SCALES[0]  # exact: the bits of x below 2^24
+    q1 = torch.trunc(r / LIMB_SCALES[1])
+    r = r - q1 * LIMB_SCALES[1]  # exact, |r| < 2^-16
+    q2 = torch.round(r / LIMB_SCALES[2])
+    return torch.stack([q0, q1, q2]).to(torch.int64)
+
+
+def from_limbs(limbs: np.ndarray) -> np.ndarray:
+    limbs = np.asarray(limbs)
+    return (limbs[0].astype(np.float64) * LIMB_SCALES[0] + limbs[1].astype(np.float64) * LIMB_SCALES[1]
+            + limbs[2].astype(np.float64) * LIMB_SCALES[2])
+
+
+# ---- reading the histogram ------------------------------------------------------------------------
+def side_counts(hist: np.ndarray, sign: int) -> np.ndarray:
+    """(n, NB) histogram -> (n, SIDE) counts of one side, |m| ascending."""
+    return hist[:, ZERO + 1:] if sign == 1 else hist[:, :ZERO][:, ::-1]
+
+
+def _bounds(maxabs: np.ndarray):
+    lo, hi = side_edges()
+    lo = np.broadcast_to(lo, (len(maxabs), SIDE)).copy()
+    hi = np.minimum(hi[None, :], maxabs[:, None])  # the top occupied bin ends at the max
+    hi = np.maximum(hi, lo)
+    lo[:, 0] = 0.0  # the tiny bin: linear from 0
+    return lo, hi
+
+
+def hist_quantiles(counts: np.ndarray, maxabs: np.ndarray, qs=QUANTILES) -> np.ndarray:
+    """(n, SIDE) side counts -> (n, len(qs)) quantiles of |m| on that side (nan: empty side)."""
+    counts = counts.astype(np.float64)
+    lo, hi = _bounds(maxabs)
+    cum = np.cumsum(counts, 1)
+    total = cum[:, -1]
+    rows = np.arange(len(counts))
+    out = np.full((len(counts), len(qs)), np.nan)
+    for qi, q in enumerate(qs):
+        target = q * total
+        b = np.argmax(cum >= target[:, None] - 1e-9 * total[:, None], axis=1)
+        c = counts[rows, b]
+        f = np.clip(np.divide(target - (cum[rows, b] - c), c, out=np.zeros_like(c), where=c > 0), 0, 1)
+        l, h = lo[rows, b], hi[rows, b]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            geo = l * np.power(np.divide(h, l, out=np.ones_like(h), where=l > 0), f)
+        out[:, qi] = np.where(total > 0, np.where(b == 0, f * h, geo), np.nan)
+    return out
+
+
+def hist_share_above(counts: np.ndarray, maxabs: np.ndarray, frac: float = STRONG) -> np.ndarray:
+    """(n, SIDE) side counts -> tokens with |m| > frac · maxabs (interpolated within its bin)."""
+    lo, hi = _bounds(maxabs)
+    t = (frac * maxabs)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        geo = np.log(hi / t) / np.log(hi / lo)
+        lin = (hi - t) / hi
+    part = np.where(np.arange(SIDE)[None, :] == 0, lin, geo)
+    share = np.where(lo >= t, 1.0, np.where(hi <= t, 0.0, np.nan_to_num(part)))
+    return (counts * np.clip(share, 0, 1)).sum(1)
+
+
+# ---- the tracker ----------------------------------------------------------------------------------
+class KeyStats:
+    """Histogram, summary sums, extremes, positions and quantile samples of every mined key.
+
+    State per layer (on `device`): hist (NB, n) int64 and sum limbs (2, 3, n) int64; per sign
+    and layer: max (n,) float32, positions (n, NPOS) int64 and the sample slots (n, SIDE, k)
+    (hash int32, sorted ascending with EMPTY last; position int16/int32; coef float32): 408 bytes
+    per key plus 1,232 per key and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with
+    --negative), and one 6 MB scratch histogram reused by every layer."""
+
+    name = "stats"
+
+    def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, signs=(1,), samples: int = 5,
+                 device=None, max_position: int = 32767):
+        self.layers, self.signs, self.k = list(layers), tuple(signs), int(samples)
+        self.dims = None if dims is None else list(dims)
+        self.dim_ids = np.arange(d_m) if dims is None else np.asarray(self.dims, np.int64)
+        n = self.n = len(self.dim_ids)
+        dev = self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pos_dtype = torch.int16 if max_position < (1 << 15) else torch.int32
+        self.tokens = 0
+        self.sentences = 0
+        self.hist = {l: torch.zeros((NB, n), dtype=torch.long, device=dev) for l in self.layers}
+        self.limbs = {l: torch.zeros((2, 3, n), dtype=torch.long, device=dev) for l in self.layers}
+        keys = [(s, l) for s in self.signs for l in self.layers]
+        self.max = {sl: torch.full((n,), -math.inf, device=dev) for sl in keys}
+        self.pos = {sl: torch.zeros((n, NPOS), dtype=torch.long, device=dev) for sl in keys}
+        k = max(self.k, 1)
+        self.sh = {sl: torch.full((n, SIDE, k), EMPTY, dtype=torch.int32, device=dev) for sl in keys}
+        self.sp = {sl: torch.zeros((n, SIDE, k), dtype=self.pos_dtype, device=dev) for sl in keys}
+        self.sc = {sl: torch.full((n, SIDE, k), math.nan, device=dev) for sl in keys}
+        lut, side = _raw_luts()
+        self._lut, self._side = lut.to(dev), side.to(dev)
+        self._offs = torch.arange(n, dtype=torch.int32, device=dev) + 256 * n  # raw index (r, key), bin-major
+        self._poffs = torch.arange(n, dtype=torch.int32, device=dev) * NPOS
+        self._goffs = torch.arange(n, dtype=torch.long, device=dev) * SIDE
+        self._salt = {l: torch.as_tensor(key_salt(l, self.dim_ids), device=dev) for l in self.layers}
+        self._raw = torch.zeros(n * 512, dtype=torch.long, device=dev)
+        self._one = torch.ones(1, dtype=torch.long, device=dev)
+
+    # ---- update -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, batch, cap) -> None:
+        l, n = cap.layer, self.n
+        if l == self.layers[0]:
+            self.tokens += batch.tokens
+            self.sentences += len(batch.lengths)
+        raw = self._raw
+        raw.zero_()
+        blocks, pad_zeros = cap.blocks()
+        s1 = s2 = None
+        for v in blocks:
+            # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
+            # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
+            # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
+            idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
+            idx = torch.add(self._offs, idx, alpha=n, out=idx).reshape(-1)
+            raw.index_add_(0, idx, self._one.expand(idx.numel()))
+            a = v.sum((0, 1)).double()
+            b = (v * v).sum((0, 1)).double()
+            s1, s2 = (a, b) if s1 is None else (s1 + a, s2 + b)
+        if pad_zeros:
+            raw.view(512, n)[256] -= pad_zeros
+        self.hist[l].index_add_(0, self._lut, raw.view(512, n))
+        self.limbs[l] += torch.stack([to_limbs(s1), to_limbs(s2)])
+        for s in self.signs:
+            score, pos = cap.best(s)
+            mx = self.max[(s, l)]
+            torch.maximum(mx, score.amax(0), out=mx)
+            pb = torch.bitwise_right_shift(pos.float().view(torch.int32), 23) - 126  # 1 + floor(log2 pos)
+            pb = pb.clamp_(0, NPOS - 1) + self._poffs
+            pb = pb.reshape(-1)
+            self.pos[(s, l)].view(-1).index_add_(0, pb, self._one.expand(pb.numel()))
+            if self.k:
+                self._sample(s, l, score, pos, batch.sids)
+
+    def _sample(self, s: int, l: int, score, pos, sids) -> None:
+        """Offer each row's best (score (B, n) = s·m, pos) to its (key, bin)'s k smallest hashes."""
+        k = self.k
+        j = self._side[torch.bitwise_right_shift(score.view(torch.int32), 23).long() + 256]  # (B, n), -1: none
+        h = sample_hash(sids.unsqueeze(1), self._salt[l].unsqueeze(0))  # (B, n) int64
+        H = self.sh[(s, l)].view(-1, k)
+        g = self._goffs.unsqueeze(0) + j.clamp(min=0)
+        enter = (j >= 0) & (h < H[:, k - 1][g])
+        bi, ki = enter.nonzero(as_tuple=True)
+        if bi.numel() == 0:
+            return
+        self._insert(s, l, g[bi, ki], h[bi, ki], pos[bi, ki], score[bi, ki] * s)
+
+    def _insert(self, s: int, l: int, g, hh, pp, cc) -> None:
+        """Merge N candidates (group g = key·SIDE + bin, hash, position, coef) into the slots.
+
+        Static shapes (no unique): each candidate merges its whole group's k first candidates
+        with the group's slots; candidates of one group compute the same row and write it alike.
+        """
+        k = self.k
+        order = torch.argsort(g * (1 << 31) + hh)
+        g, hh, pp, cc = g[order], hh[order], pp[order], cc[order]
+        N = g.numel()
+        start = torch.searchsorted(g, g)  # first candidate of each one's group
+        win = start.unsqueeze(1) + torch.arange(k, device=g.device).unsqueeze(0)  # (N, k)
+        ok = win < N
+        win = win.clamp(max=N - 1)
+        ok &= g[win] == g.unsqueeze(1)
+        H, P, C = (t.view(-1, k) for t in (self.sh[(s, l)], self.sp[(s, l)], self.sc[(s, l)]))
+        allh = torch.cat([H[g].long(), torch.where(ok, hh[win], EMPTY)], 1)
+        idx = torch.topk(allh, k, 1, largest=False, sorted=True).indices
+        H[g] = allh.gather(1, idx).to(H.dtype)
+        P[g] = torch.cat([P[g], torch.where(ok, pp[win], 0).to(P.dtype)], 1).gather(1, idx)
+        C[g] = torch.cat([C[g], torch.where(ok, cc[win], math.nan)], 1).gather(1, idx)
+
+    # ---- merge and persistence --------------------------------------------------------------------
+    def _check(self, other: "KeyStats") -> None:
+        if (other.layers, other.dims, other.signs, other.k, other.n) != (
+                self.layers, self.dims, self.signs, self.k, self.n):
+            raise ValueError("cannot merge key statistics mined with different settings")
+
+    def merge(self, other: "KeyStats") -> "KeyStats":
+        self._check(other)
+        self.tokens += other.tokens
+        self.sentences += other.sentences
+        dev = self.device
+        for l in self.layers:
+            self.hist[l] += other.hist[l].to(dev)
+            self.limbs[l] += other.limbs[l].to(dev)
+        for sl in self.max:
+            torch.maximum(self.max[sl], other.max[sl].to(dev), out=self.max[sl])
+            self.pos[sl] += other.pos[sl].to(dev)
+            if self.k:
+                allh = torch.cat([self.sh[sl].long(), other.sh[sl].to(dev).long()], 2)
+                idx = torch.topk(allh, self.k, 2, largest=False, sorted=True).indices
+                self.sh[sl] = allh.gather(2, idx).to(torch.int32)
+                self.sp[sl] = torch.cat([self.sp[sl], other.sp[sl].to(dev)], 2).gather(2, idx)
+                self.sc[sl] = torch.cat([self.sc[sl], other.sc[sl].to(dev)], 2).gather(2, idx)
+        return self
+
+    @staticmethod
+    def _tag(s: int, l: int) -> str:
+        return f"{'p' if s == 1 else 'n'}{l}"
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"tokens": np.array([self.tokens], np.int64), "sentences": np.array([self.sentences], np.int64)}
+        for l in self.layers:
+            out[f"hist_{l}"] = self.hist[l].cpu().numpy()
+            out[f"limbs_{l}"] = self.limbs[l].cpu().numpy()
+        for (s, l) in self.max:
+            t = self._tag(s, l)
+            out[f"max_{t}"] = self.max[(s, l)].cpu().numpy()
+            out[f"pos_{t}"] = self.pos[(s, l)].cpu().numpy()
+            if self.k:
+                for a, d in (("sh", self.sh), ("sp", self.sp), ("sc", self.sc)):
+                    out[f"{a}_{t}"] = d[(s, l)].cpu().numpy()
+        return out
+
+    def load_arrays(self, arrs) -> "KeyStats":
+        dev = self.device
+
+        def get(name, like):
+            a = torch.from_numpy(np.array(arrs[name]))
+            if a.shape != like.shape or a.dtype != like.dtype:
+                raise KeyError(f"stats array {name} has shape {tuple(a.shape)}, not {tuple(like.shape)}")
+            return a.to(dev)
+
+        self.tokens = int(np.asarray(arrs["tokens"])[0])
+        self.sentences = int(np.asarray(arrs["sentences"])[0])
+        for l in self.layers:
+            self.hist[l] = get(f"hist_{l}", self.hist[l])
+            self.limbs[l] = get(f"limbs_{l}", self.limbs[l])
+        for (s, l) in self.max:
+            t = self._tag(s, l)
+            self.max[(s, l)] = get(f"max_{t}", self.max[(s, l)])
+            self.pos[(s, l)] = get(f"pos_{t}", self.pos[(s, l)])
+            if self.k:
+                for a, d in (("sh", self.sh), ("sp", self.sp), ("sc", self.sc)):
+                    d[(s, l)] = get(f"{a}_{t}", d[(s, l)])
+        return self
+
+    # ---- tables -----------------------------------------------------------------------------------
+    def finish(self, ctx=None) -> dict:
+        return {"key_stats": self.stats_table(), "key_hist": self.hist_table(),
+                "key_samples": self.samples_table()}
+
+    def hist_table(self):
+        import pyarrow as pa
+
+        cols = {"layer": [], "dim": [], "bin": [], "count": []}
+        for l in sorted(self.layers):
+            h = self.hist[l].cpu().numpy().T
+            d, b = np.nonzero(h)
+            cols["layer"].append(np.full(len(d), l, np.int16))
+            cols["dim"].append(self.dim_ids[d].astype(np.int32))
+            cols["bin"].append(b.astype(np.int16))
+            cols["count"].append(h[d, b].astype(np.int64))
+        return pa.table({k: np.concatenate(v) for k, v in cols.items()})
+
+    def stats_table(self):
+        import pyarrow as pa
+
+        parts = []
+        N = self.tokens
+        for l in sorted(self.layers):
+            hist = self.hist[l].cpu().numpy().T
+            limbs = self.limbs[l].cpu().numpy()
+            s1, s2 = from_limbs(limbs[0]), from_limbs(limbs[1])
+            mean = s1 / N if N else np.full(self.n, np.nan)
+            std = np.sqrt(np.maximum(s2 / N - mean ** 2, 0.0)) if N else np.full(self.n, np.nan)
+            for s in sorted(self.signs, reverse=True):
+                mx = self.max[(s, l)].cpu().numpy().astype(np.float64)
+                maxabs = np.where(np.isfinite(mx) & (mx > 0), mx, 0.0)
+                cnt = side_counts(hist, s)
+                on_side = cnt.sum(1)
+                q = hist_quantiles(cnt, maxabs)
+                strong = hist_share_above(cnt, maxabs)
+                ph = self.pos[(s, l)].cpu().numpy()
+                parts.append({
+                    "layer": np.full(self.n, l, np.int16), "dim": self.dim_ids.astype(np.int32),
+                    "sign": np.full(self.n, s, np.int8), "count": np.full(self.n, N, np.int64),
+                    "mean": mean.astype(np.float32), "std": std.astype(np.float32),
+                    "max": (s * mx).astype(np.float32),
+                    "frac_active": (on_side / N if N else np.zeros(self.n)).astype(np.float32),
+                    "frac_strong": (strong / N if N else np.zeros(self.n)).astype(np.float32),
+                    **{f"p{round(qq * 100)}": (s * q[:, i]).astype(np.float32) for i, qq in enumerate(QUANTILES)},
+                    "sentences": np.full(self.n, self.sentences, np.int64),
+                    "pos_hist": ph,
+                    "first_share": (ph[:, 0] / self.sentences if self.sentences else np.zeros(self.n)).astype(np.float32),
+                })
+        cols = {}
+        for k in parts[0]:
+            if k == "pos_hist":
+                flat = np.concatenate([p[k] for p in parts]).astype(np.int64)
+                cols[k] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), NPOS).cast(
+                    pa.list_(pa.int64()))
+            elif k.startswith("p") and k[1:].isdigit():
+                v = np.concatenate([p[k] for p in parts])
+                cols[k] = pa.array(v, mask=np.isnan(v))
+            else:
+                cols[k] = np.concatenate([p[k] for p in parts])
+        return pa.table(cols)
+
+    def samples_table(self):
+        import pyarrow as pa
+
+        cols = {"layer": [], "dim": [], "sign": [], "bin": [], "sentence_id": [], "position": [], "coef": []}
+        if self.k:
+            for l in sorted(self.layers):
+                salt = key_salt(l, self.dim_ids)
+                for s in sorted(self.signs, reverse=True):
+                    h = self.sh[(s, l)].cpu().numpy().astype(np.int64)  # (n, SIDE, k)
+                    d, j, r = np.nonzero(h != EMPTY)  # row-major: dim, bin, hash order
+                    if s == -1:  # bins ascend by value: the negative side's j runs downwards
+                        o = np.lexsort((r, -j, d))
+                        d, j, r = d[o], j[o], r[o]
+                    cols["layer"].append(np.full(len(d), l, np.int16))
+                    cols["dim"].append(self.dim_ids[d].astype(np.int32))
+                    cols["sign"].append(np.full(len(d), s, np.int8))
+                    cols["bin"].append(side_bin(s, j).astype(np.int16))
+                    cols["sentence_id"].append(sample_sid(h[d, j, r], salt[d]).astype(np.int64))
+                    cols["position"].append(self.sp[(s, l)].cpu().numpy()[d, j, r].astype(np.int32))
+                    cols["coef"].append(self.sc[(s, l)].cpu().numpy()[d, j, r].astype(np.float32))
+        types = {"layer": np.int16, "dim": np.int32, "sign": np.int8, "bin": np.int16, "sentence_id": np.int64,
+                 "position": np.int32, "coef": np.float32}
+        return pa.table({k: (np.concatenate(v) if v else np.zeros(0, types[k])) for k, v in cols.items()})

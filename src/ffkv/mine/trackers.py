@@ -1,0 +1,170 @@
+"""The tracker protocol of the mining pass, and what a tracker sees of one batch.
+
+A tracker is a mergeable state fed by the one captured forward pass of `ffkv mine`
+(`ffkv.mine.topk.TopKState`: top-t triggers; `ffkv.mine.stats.KeyStats`: histograms,
+summaries, quantile samples, positions). Its verbs:
+
+- ``update(batch, cap)``: fold one layer of one batch in. `cap.m` is that layer's (B, T, n)
+  coefficients on the captures' device, and the state lives on the same device: no (B, T, n)
+  tensor leaves it, and nothing reads device data on the host (a test runs `update` on the
+  "meta" device). What the host knows of a batch (lengths, runs of equal length, sentence ids)
+  comes in `Batch`, built once per batch before the forward pass.
+- ``merge(other)``: fold a state of the same settings in (Ray shards, merged halves). Exact:
+  counts are integers, sums are exact integer limbs, selections follow total orders, so
+  merge(mine(A), mine(B)) == mine(A ∪ B) bit for bit, in any order.
+- ``arrays()`` / ``load_arrays(arrays)``: plain numeric arrays (npz checkpoints, Ray results).
+- ``finish(ctx) -> {table name: pyarrow.Table}``: the tables it writes.
+
+`MineState` holds the trackers of one pass and feeds them; the mine step (`ffkv.mine.runner`)
+declares which trackers exist and which tables each writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ffkv.mine.topk import length_runs, mask_runs, row_best
+
+SID_LIMIT = (1 << 31) - 1  # sentence ids must be < 2^31 - 1 (top-k keys and sample hashes pack them)
+
+
+@dataclass
+class Batch:
+    """One batch as the host knows it, built once before its forward pass.
+
+    mask (B, T) bool and sids (B,) int64 live on the captures' device; lengths, runs (`length_runs`:
+    right-padded rows of equal length as (a, b, L), or None when one masked pass is used),
+    tokens (valid tokens) and padded (whether any position is padding) are host values.
+    """
+    mask: torch.Tensor
+    sids: torch.Tensor
+    lengths: list[int]
+    runs: list[tuple[int, int, int]] | None
+    tokens: int
+    padded: bool
+
+    @classmethod
+    def from_lengths(cls, lengths, sids, mask: torch.Tensor) -> "Batch":
+        """The rows of a right-padded batch: token counts and sentence ids known on the host."""
+        lengths = [int(x) for x in lengths]
+        sids = [int(x) for x in sids]
+        if sids and (min(sids) < 0 or max(sids) >= SID_LIMIT):
+            raise ValueError(f"sentence ids must lie in [0, 2^31 - 1), got {min(sids)}..{max(sids)}")
+        B, T = mask.shape
+        return cls(mask=mask.bool(), sids=torch.as_tensor(sids, dtype=torch.long).to(mask.device),
+                   lengths=lengths, runs=length_runs(lengths, T), tokens=sum(lengths),
+                   padded=sum(lengths) < B * T)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, sids) -> "Batch":
+        """Any (B, T) mask (read on the host once); for callers outside the mining loop."""
+        mask = mask.bool()
+        B, T = mask.shape
+        sids_t = torch.as_tensor(sids, dtype=torch.long).to(mask.device)
+        s = sids_t.tolist()
+        if s and (min(s) < 0 or max(s) >= SID_LIMIT):
+            raise ValueError("sentence ids must lie in [0, 2^31 - 1)")
+        lengths = mask.sum(1).tolist()
+        runs = mask_runs(mask)
+        return cls(mask=mask, sids=sids_t, lengths=lengths, runs=runs, tokens=int(sum(lengths)),
+                   padded=int(sum(lengths)) < B * T)
+
+
+class LayerCapture:
+    """One layer's coefficients m (B, T, n) in one batch, with what several trackers share:
+    each row's best coefficient per key and sign (`best`, computed once) and the valid tokens
+    as views (`blocks`)."""
+
+    def __init__(self, layer: int, m: torch.Tensor, batch: Batch):
+        self.layer, self.m, self.batch = layer, m, batch
+        self._best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def best(self, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, n) best sign·m per row and key, and its first position (`ffkv.mine.topk.row_best`)."""
+        if sign not in self._best:
+            self._best[sign] = row_best(self.m, self.batch.mask, sign, self.batch.runs)
+        return self._best[sign]
+
+    def blocks(self) -> tuple[list[torch.Tensor], int]:
+        """The valid tokens as (b, L, n) views, and how many padded zeros they hold.
+
+        Runs of equal length are views with no copy; otherwise one block with padding set to 0.0,
+        whose count (B·T − tokens) a histogram takes off its zero bin.
+        """
+        b = self.batch
+        if b.runs is not None:
+            return [self.m[a:e, :L] for a, e, L in b.runs], 0
+        return [self.m.masked_fill(~b.mask.unsqueeze(-1), 0.0)], b.mask.numel() - b.tokens
+
+
+class MineState:
+    """The trackers of one mining pass, fed from one capture per batch.
+
+    `update(layer, m, batch)` takes the raw capture (B, T, d_m), keeps the mined dims, casts to
+    float32 on its device and hands the same `LayerCapture` to every tracker.
+    """
+
+    def __init__(self, trackers: dict, layers: list[int], dims: list[int] | None, device=None):
+        self.trackers = dict(trackers)
+        self.layers = list(layers)
+        self.dims = None if dims is None else list(dims)
+        self._dim_idx = None if dims is None else torch.as_tensor(self.dims, dtype=torch.long, device=device)
+
+    @property
+    def topk(self):
+        return self.trackers["topk"]
+
+    @property
+    def stats(self):
+        return self.trackers.get("stats")
+
+    @torch.no_grad()
+    def update(self, layer: int, m: torch.Tensor, batch: Batch) -> None:
+        m = m.float()
+        if self._dim_idx is not None:
+            m = m.index_select(-1, self._dim_idx)
+        cap = LayerCapture(layer, m, batch)
+        for t in self.trackers.values():
+            t.update(batch, cap)
+
+    def merge(self, other: "MineState") -> "MineState":
+        if set(other.trackers) != set(self.trackers):
+            raise ValueError("cannot merge mining states with different trackers")
+        for k, t in self.trackers.items():
+            t.merge(other.trackers[k])
+        return self
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Top-k arrays under their own names (as checkpoints always had them), others prefixed."""
+        out = {}
+        for k, t in self.trackers.items():
+            out.update({(a if k == "topk" else f"{k}__{a}"): v for a, v in t.arrays().items()})
+        return out
+
+    def load_arrays(self, arrs) -> "MineState":
+        """Restore every tracker; KeyError when `arrs` lacks one (a checkpoint of other trackers)."""
+        names = set(arrs.files) if hasattr(arrs, "files") else set(arrs.keys())
+        parts = {}
+        for k in self.trackers:  # every tracker's arrays are there before any is loaded
+            pre = f"{k}__"
+            parts[k] = arrs if k == "topk" else {a[len(pre):]: arrs[a] for a in names if a.startswith(pre)}
+            if not parts[k]:
+                raise KeyError(f"no arrays of tracker {k!r}")
+        for k, t in self.trackers.items():
+            t.load_arrays(parts[k])
+        return self
+
+    def finish(self, ctx) -> dict:
+        """Every tracker's tables, {name: pyarrow.Table}."""
+        out = {}
+        for t in self.trackers.values():
+            out.update(t.finish(ctx))
+        return out
+
+
+def feed(tracker, layer: int, m: torch.Tensor, mask: torch.Tensor, sids) -> None:
+    """Update one tracker with one layer of a batch given by any mask (tests, small callers)."""
+    batch = Batch.from_mask(mask, sids)
+    tracker.update(batch, LayerCapture(layer, m.float(), batch))
