@@ -23,6 +23,10 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
          negative: bool = typer.Option(False, "--negative", help="Also keep the most negative coefficients (sign=-1)."),
          per_prefix: bool = typer.Option(False, "--per-prefix", help="Allow several prefixes of one sentence per key."),
          batch_tokens: int = typer.Option(2048, "--batch-tokens", min=16, help="Token budget per batch (length-packed)."),
+         stats: bool = typer.Option(True, "--stats/--no-stats", help="Also keep every key's activation statistics "
+                                    "(histogram, density, quantile samples, positions) from the same pass."),
+         samples_per_bin: int = typer.Option(5, "--samples-per-bin", min=0, max=1000,
+                                             help="Quantile samples kept per key, sign and histogram bin."),
          checkpoint_every: float = typer.Option(60.0, "--checkpoint-every", min=0, help="Seconds between checkpoints."),
          ray: Optional[str] = typer.Option(None, "--ray", help="Mine shards on Ray: auto, local, or a cluster ADDRESS."),
          shards: int = typer.Option(2, "--shards", min=1, help="Number of shards with --ray."),
@@ -30,7 +34,8 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
     """Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
 
     One forward pass per batch yields every prefix's coefficient (causal masking).
-    Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab.
+    Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and
+    (unless --no-stats) key_stats, key_hist, key_samples.
     """
     from ffkv.mine.runner import MineSettings, mine as run_mine
     from ffkv.parse import parse_int_list
@@ -39,7 +44,8 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
     s = MineSettings(corpus=corpus, max_sentences=max_sentences, seed=seed, field=field,
                      layers=parse_int_list(layers, mm.n_layers, "layers"),
                      dims=parse_int_list(dims, mm.d_m, "dims"), top_k=top_k, negative=negative,
-                     per_prefix=per_prefix, batch_tokens=batch_tokens)
+                     per_prefix=per_prefix, batch_tokens=batch_tokens, stats=stats,
+                     samples_per_bin=samples_per_bin)
     if out.exists() and not out.is_dir():
         raise FfkvError(f"--out {out} exists and is not a directory")
     run = open_run(out, create=True)
@@ -60,9 +66,11 @@ def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run di
          sign: str = typer.Option("both", "--sign", help="+1, -1 or both."),
          top: int = typer.Option(10, "--top", "-n", min=1, help="Prefixes to print."),
          context: int = typer.Option(12, "--context", help="Tokens of the prefix shown before the trigger token (0: all)."),
+         samples: int = typer.Option(1, "--samples", min=0, help="Quantile samples shown per histogram bin (0: none)."),
          as_json: bool = JsonOpt):
-    """Print a key's top trigger prefixes, trigger token marked, coefficient beside each."""
-    from ffkv.store.query import key_triggers
+    """Print a key's top trigger prefixes, trigger token marked, coefficient beside each; then its
+    activation statistics and quantile samples (runs mined with statistics)."""
+    from ffkv.store.query import key_hist, key_samples, key_stats, key_triggers
     from ffkv.store.steps import require
 
     if sign not in ("both", "+1", "1", "-1"):
@@ -78,15 +86,61 @@ def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run di
 
     con = Console(highlight=False)
     con.print(f"[bold]key {layer}/{dim}[/bold] ({run_dir})")
+
+    def prefix(toks) -> str:
+        pre = toks[:-1][-context:] if context else toks[:-1]
+        return (f"{'…' if context and len(toks) - 1 > context else ''}"
+                f"{escape(''.join(pre))}[reverse]{escape(toks[-1])}[/reverse]")
+
     for r in rows:
-        pre = r["prefix_tokens"][:-1]
-        if context:
-            pre = pre[-context:]
         nt = repr(r["next_token_text"]) if r["next_token_text"] is not None else "(end)"
-        con.print(f"{'+' if r['sign'] > 0 else '-'}{r['rank']:>3} {r['coef']:+9.3f}  "
-                  f"{'…' if context and len(r['prefix_tokens']) - 1 > context else ''}"
-                  f"{escape(''.join(pre))}[reverse]{escape(r['prefix_tokens'][-1])}[/reverse]"
+        con.print(f"{'+' if r['sign'] > 0 else '-'}{r['rank']:>3} {r['coef']:+9.3f}  {prefix(r['prefix_tokens'])}"
                   f"  → {escape(nt)}")
+    signs = None if sign == "both" else {int(sign)}
+    st = [r for r in key_stats(run, layer, dim) if signs is None or r["sign"] in signs]
+    if not st:
+        con.print("[dim]no activation statistics in this run (mined before they existed, or with --no-stats)[/dim]")
+        return
+    hist = key_hist(run, layer, dim)
+    for r in st:
+        con.print(stats_line(r))
+    if samples:
+        smp = [x for x in key_samples(run, layer, dim) if signs is None or x["sign"] in signs]
+        shown: dict[tuple[int, int], int] = {}
+        for x in smp:
+            k = (x["sign"], x["bin"])
+            if shown.get(k, 0) >= samples:
+                continue
+            if k not in shown:
+                con.print(f"[bold]{bin_label(hist, x['bin'])}[/bold]  {hist['count'][x['bin']]:,} tokens")
+            shown[k] = shown.get(k, 0) + 1
+            con.print(f"      {x['coef']:+9.3f}  {prefix(x['prefix_tokens'])}")
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3g}"
+
+
+def stats_line(r: dict) -> str:
+    """One line of a key's statistics on one side (a `key_stats` row)."""
+    side = "m > 0" if r["sign"] > 0 else "m < 0"
+    ph = r.get("pos_hist") or []
+    return (f"stats {'+' if r['sign'] > 0 else '-'}: density {r['frac_active']:.1%} ({side}), "
+            f"strong {r['frac_strong']:.2%} (|m| > 10% of {_g(r['max'])}), mean {r['mean']:+.3g} ± {r['std']:.3g} "
+            f"over {r['count']:,} tokens; p50/p90/p99 {_g(r['p50'])}/{_g(r['p90'])}/{_g(r['p99'])} (histogram); "
+            f"best on the first token in {r['first_share']:.0%} of {r['sentences']:,} sentences"
+            + (f" (positions 0|1|2-3|4-7|8+: {'|'.join(str(v) for v in ph[:4] + [sum(ph[4:])])})" if ph else ""))
+
+
+def bin_label(hist: dict, b: int) -> str:
+    """'bin 33: m in [0.5, 1)' (negative side: 'm in (-1, -0.5]')."""
+    lo, hi, sg = hist["lo"][b], hist["hi"][b], hist["sign"][b]
+    h = "inf" if hi is None else f"{hi:g}"
+    if sg == 0:
+        return f"bin {b}: |m| < {h}"
+    if sg > 0:
+        return f"bin {b}: m in [{lo:g}, {h})"
+    return f"bin {b}: m in ({'-inf' if hi is None else f'{-hi:g}'}, {-lo:g}]"
 
 
 def register(app: typer.Typer) -> None:

@@ -284,3 +284,86 @@ def prefix_texts(run, tok, sentence_ids, positions) -> list[tuple[str, str]]:
         t = ids[j][: p + 1]
         out.append((tok.decode(t, skip_special_tokens=True), tok.decode(t[-1:], skip_special_tokens=True).strip()))
     return out
+
+
+# ---- key statistics (`ffkv mine` without --no-stats; `ffkv.mine.stats` documents the tables) ----------
+KEY_STATS_TABLES = ("key_stats", "key_hist", "key_samples")
+
+
+def stats_layout(run) -> dict | None:
+    """The histogram bins the run's key statistics use (manifest), or None: a run mined before
+    key statistics existed, or with --no-stats."""
+    info = run.step("mine").get("stats")
+    if not info or not all(run.has_table(t) for t in KEY_STATS_TABLES):
+        return None
+    return info
+
+
+def has_key_stats(run) -> bool:
+    return stats_layout(run) is not None
+
+
+def key_stats(run, layer: int, dim: int) -> list[dict]:
+    """A key's `key_stats` rows (one per mined sign, +1 first); empty when the run has none."""
+    if not has_key_stats(run):
+        return []
+    rows = _key_rows(run, "key_stats", layer, dim)
+    return sorted(rows, key=lambda r: -r["sign"])
+
+
+def key_hist(run, layer: int, dim: int) -> dict | None:
+    """A key's whole histogram: {"bin", "count", "sign", "lo", "hi"} lists over every bin (zeros
+    filled in; hi None = unbounded), or None when the run has no key statistics."""
+    lay = stats_layout(run)
+    if lay is None:
+        return None
+    counts = [0] * int(lay["bins"])
+    for r in _key_rows(run, "key_hist", layer, dim, columns=["layer", "dim", "bin", "count"]):
+        counts[int(r["bin"])] = int(r["count"])
+    return {"bin": list(range(int(lay["bins"]))), "count": counts, "sign": list(lay["sign"]),
+            "lo": list(lay["lo"]), "hi": list(lay["hi"])}
+
+
+def key_samples(run, layer: int, dim: int, sign: int | None = None) -> list[dict]:
+    """A key's quantile samples, with prefix tokens: bins from the strongest down (per sign, +1
+    first), within a bin by coefficient, strongest first. Empty when the run has none."""
+    if not has_key_stats(run):
+        return []
+    rows = _key_rows(run, "key_samples", layer, dim)
+    if sign is not None:
+        rows = [r for r in rows if r["sign"] == sign]
+    rows.sort(key=lambda r: (-r["sign"], -r["sign"] * r["bin"], -r["sign"] * r["coef"], r["sentence_id"]))
+    if not rows:
+        return []
+    sent = sentences(run, [r["sentence_id"] for r in rows], columns=["sentence_id", "text", "token_ids"])
+    by_sid = {r["sentence_id"]: r for r in sent.to_pylist()}
+    vocab = vocab_texts(run)
+    out = []
+    for r in rows:
+        s = by_sid.get(r["sentence_id"])
+        toks = s["token_ids"][: r["position"] + 1] if s else []
+        out.append({**r, "text": s["text"] if s else None, "prefix_tokens": [vocab[t] for t in toks]})
+    return out
+
+
+def key_stats_by_layer(run) -> pa.Table | None:
+    """Per layer and sign over its keys: keys, the mean, quartiles and max of frac_active, the mean
+    frac_strong, and the share of keys whose best sits on the first token in over half of the
+    sentences. None when the run has no key statistics."""
+    if not has_key_stats(run):
+        return None
+    t = table(run, "key_stats", columns=["layer", "sign", "frac_active", "frac_strong", "first_share"])
+    lay, sg = t.column("layer").to_numpy(), t.column("sign").to_numpy()
+    fa, fs, fst = (t.column(c).to_numpy().astype(np.float64) for c in ("frac_active", "frac_strong", "first_share"))
+    rows = []
+    for l in np.unique(lay):
+        for s in (1, -1):
+            m = (lay == l) & (sg == s)
+            if not m.any():
+                continue
+            q25, q50, q75 = np.quantile(fa[m], [0.25, 0.5, 0.75])
+            rows.append({"layer": int(l), "sign": s, "keys": int(m.sum()), "density_mean": float(fa[m].mean()),
+                         "density_q25": float(q25), "density_median": float(q50), "density_q75": float(q75),
+                         "density_max": float(fa[m].max()), "strong_mean": float(fs[m].mean()),
+                         "first_token_keys": float((fst[m] > 0.5).mean())})
+    return pa.Table.from_pylist(rows)
