@@ -4,9 +4,11 @@
     python benchmarks/bench_mine.py --only memory --memory-base 1000   # 1,000 vs 10,000 sentences
 
 Throughput: the same length-packed batches go through (a) a plain transformers forward
-with logits and (b) ffkv's mining pass (captures of all 46,080 coefficients + streaming
-top-50), alternating batch by batch so both see the same machine load. Memory: peak RSS
-of `ffkv mine` in a subprocess on N and 10·N sentences. Scale: wall time per 1,000 sentences.
+with logits, (b) ffkv's mining pass without key statistics (captures of all 46,080
+coefficients + streaming top-50, `--no-stats`) and (c) the default mining pass with key
+statistics (histograms, sums, positions, quantile samples), interleaved batch by batch so all
+see the same machine load. Memory: peak RSS of `ffkv mine` (with statistics) in a subprocess
+on N and 10·N sentences. Scale: wall time per 1,000 sentences.
 """
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ PAPER_SECONDS_PER_1000 = 45 * 60  # the paper's code, RTX 3090 (its README)
 
 
 def throughput(n: int, batch_tokens: int) -> dict:
+    """Plain forward vs mining without and with key statistics, the same batches, interleaved."""
     from ffkv.corpus.batching import pack
     from ffkv.mine.engine import MineSettings, mine_batches, new_state
 
     mm = load_default()
     toks = wikitext_token_lists(mm, n)
     batches = pack([len(t) for t in toks], batch_tokens)
-    state = new_state(mm, MineSettings(top_k=50))
+    bare = new_state(mm, MineSettings(top_k=50, stats=False))
+    full = new_state(mm, MineSettings(top_k=50))
+    stats_mb = sum(t.numel() * t.element_size() for d in (full.stats.hist, full.stats.limbs, full.stats.max,
+                                                          full.stats.pos, full.stats.sh, full.stats.sp,
+                                                          full.stats.sc) for t in d.values()) / 2 ** 20
     sids = list(range(len(toks)))
-    t_plain = t_mine = 0.0
+    t_plain = t_bare = t_full = 0.0
     ntok = sum(map(len, toks))
     # warm-up on the first batch, untimed
     ids, mask = mm.batch([toks[i] for i in batches[0]])
@@ -41,18 +48,30 @@ def throughput(n: int, batch_tokens: int) -> dict:
         mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
     for bi, idx in enumerate(batches):
         ids, mask = mm.batch([toks[i] for i in idx])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
-        t1 = time.perf_counter()
-        mine_batches(mm, state, toks, sids, [(bi, idx)])
-        t2 = time.perf_counter()
-        t_plain += t1 - t0
-        t_mine += t2 - t1
+        arms = [("plain", None), ("bare", bare), ("full", full)]
+        if bi % 2:  # alternate the order, so neither arm always follows the other
+            arms = arms[::-1]
+        for name, state in arms:
+            t0 = time.perf_counter()
+            if state is None:
+                with torch.no_grad():
+                    mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+            else:
+                mine_batches(mm, state, toks, sids, [(bi, idx)])
+            dt = time.perf_counter() - t0
+            if name == "plain":
+                t_plain += dt
+            elif name == "bare":
+                t_bare += dt
+            else:
+                t_full += dt
     res = {"sentences": len(toks), "tokens": ntok, "plain_tok_s": ntok / t_plain,
-           "mine_tok_s": ntok / t_mine, "ratio": t_plain / t_mine}
-    out(f"throughput: plain forward {res['plain_tok_s']:.0f} tok/s, mining {res['mine_tok_s']:.0f} tok/s "
-        f"-> mining/plain = {res['ratio']:.2f}x (goal >= 1.0x) over {ntok} tokens, all 46,080 keys, t=50")
+           "mine_tok_s": ntok / t_bare, "mine_stats_tok_s": ntok / t_full,
+           "ratio": t_plain / t_bare, "ratio_stats": t_plain / t_full, "stats_state_mb": stats_mb}
+    out(f"throughput: plain forward {res['plain_tok_s']:.0f} tok/s; mining {res['mine_tok_s']:.0f} tok/s "
+        f"-> {res['ratio']:.2f}x without statistics (--no-stats; was 1.14x); "
+        f"{res['mine_stats_tok_s']:.0f} tok/s -> {res['ratio_stats']:.2f}x with key statistics (goal >= 1.0x); "
+        f"over {ntok} tokens, all 46,080 keys, t=50; statistics state {stats_mb:.0f} MB (goal <= 150 MB)")
     return res
 
 
