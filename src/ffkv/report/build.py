@@ -470,13 +470,17 @@ class Builder:
         """Sections beyond the paper's figures: key activation profiles (`ffkv mine`'s key
         statistics; absent in runs mined before them) and normalized memories (`ffkv normalize`,
         only when the step ran). Returns ((id, title, html) sections, verdicts.json records)."""
-        from ffkv.report import keystats
-        from ffkv.report import normalize as N
+        import importlib
 
         extra, records = [], []
-        for sid, build in (("keystats", self._keystats), ("normalize", self._normalize)):
+        for sid, build, mod in (("keystats", self._keystats, "ffkv.report.keystats"),
+                                ("normalize", self._normalize, "ffkv.report.normalize")):
             try:
-                got = build(N) if sid == "normalize" else build(keystats)
+                module = importlib.import_module(mod)
+            except ImportError:  # an installation without that section's module: no section
+                continue
+            try:
+                got = build(module)
             except Exception as e:  # noqa: BLE001 - a malformed table must not sink the whole report
                 msg = f"{sid}: {type(e).__name__}: {e}"
                 self.problems.append(msg)
