@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ffkv.cli.options import DeviceOpt, DtypeOpt, ModelOpt, model, open_run
+from ffkv.cli.options import DeviceOpt, DtypeOpt, ModelOpt, open_run_with_model
 
 
 def compose(run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directory (created if it has no manifest)."),
@@ -26,22 +26,13 @@ def compose(run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directo
     from ffkv.defs import check_lens
     from ffkv.errors import FfkvError
     from ffkv.experiments.compose import ComposeSettings
-    from ffkv.store.run import MANIFEST
 
     if prefixes < 1:
         raise FfkvError(f"--prefixes must be at least 1 (got {prefixes})")
     check_lens(lens)
     if max_sentences is not None and max_sentences < 1:
         raise FfkvError(f"--max-sentences must be at least 1 (got {max_sentences})")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise FfkvError(f"{run_dir} is a file, not a run directory")
-    fresh = not (run_dir / MANIFEST).exists()
-    run = open_run(run_dir, create=fresh)
-    mm = None
-    if fresh or not run.manifest.get("model"):
-        mm = model(model_name, device=device, dtype=dtype)
-        run.record_model(mm)
-        run.save()
+    run, mm = open_run_with_model(run_dir, model_name, device, dtype)
     s = ComposeSettings(corpus=corpus, n_prefixes=prefixes, seed=seed, eps=eps, max_sentences=max_sentences,
                         batch_tokens=batch_tokens)
     out = run_compose_step(run, s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force)

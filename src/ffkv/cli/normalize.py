@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, model, open_run
+from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, open_run, open_run_with_model
 
 
 def _layers(text: Optional[str], what: str, none_ok: bool = False):
@@ -63,15 +63,9 @@ def normalize(run_dir: Path = typer.Argument(..., metavar="RUN", help="Run direc
                           seed=seed, batch_tokens=batch_tokens, dtype=dtype)
     from ffkv.experiments.normalize.step import record
 
-    fresh = not (run_dir / MANIFEST).exists()
-    if not fresh:
+    if (run_dir / MANIFEST).exists():
         record(open_run(run_dir), s)  # bad settings fail before a model is loaded
-    run = open_run(run_dir, create=fresh)
-    mm = None
-    if fresh or not run.manifest.get("model"):
-        mm = model(model_name, device=device, dtype=dtype)
-        run.record_model(mm)
-        run.save()
+    run, mm = open_run_with_model(run_dir, model_name, device, dtype)
     out = execute(run, "normalize", s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force,
                   warn=lambda msg: print(f"ffkv: note: {msg}", file=sys.stderr))
     print_normalize(run, out, as_json)

@@ -31,6 +31,23 @@ def open_run(path, create: bool = False):
     return Run(path, create=create)
 
 
+def open_run_with_model(run_dir, model_name: str | None, device: str = "auto", dtype: str = "auto"):
+    """A run for the steps that can start one (compose, normalize): created when new, its model
+    recorded when it has none. Returns (run, the model loaded for that, or None)."""
+    from ffkv.store.run import MANIFEST
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FfkvError(f"{run_dir} is a file, not a run directory")
+    fresh = not (run_dir / MANIFEST).exists()
+    run = open_run(run_dir, create=fresh)
+    mm = None
+    if fresh or not run.manifest.get("model"):
+        mm = model(model_name, device=device, dtype=dtype)
+        run.record_model(mm)
+        run.save()
+    return run, mm
+
+
 def parse_sign(s: str) -> int:
     v = str(s).strip().lower()
     if v in ("+", "+1", "1", "pos", "positive"):
