@@ -10,112 +10,116 @@ from ffkv.cli.options import LensOpt, ModelOpt, model
 from ffkv.errors import FfkvError
 
 
+def info(model_name: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id, folder or .gguf; default: embedded SmolLM2."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Describe a model as key-value memories: layers, d, d_m, activation, gating, vocabulary."""
+    mm = model(model_name)
+    inf = mm.info()
+    if as_json:
+        print(json.dumps(inf, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_header=False, title="ffkv info")
+    for k, v in inf.items():
+        t.add_row(k, str(v))
+    t.add_row("memories (detail)", f"{inf['layers']} layers × {inf['d_m']} = {inf['memories']:,}")
+    Console().print(t)
+
+
+
+def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the next-token prediction."),
+            model_name: Optional[str] = ModelOpt, lens: str = LensOpt,
+            top: int = typer.Option(3, "--top", min=1, help="Memories shown per layer."),
+            suppress: Optional[str] = typer.Option(None, "--suppress", metavar="L:D[,L:D...]", help="Memories to edit: L:D scales memory D of layer L by --scale (default 0: suppress it); L:D*F scales it by F; L:D=V sets its coefficient to V."),
+            scale: float = typer.Option(0.0, "--scale", help="Factor for the L:D items of --suppress (1 leaves them unchanged)."),
+            at: str = typer.Option("last", "--at", help="Edit the coefficients at the last position or at all positions."),
+            contrast: Optional[str] = typer.Option(None, "--contrast", metavar="TOKEN", help="A second token to read beside the prediction (text that is one token, e.g. ' London')."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Explain one prediction layer by layer: residual, FFN and the memories that push it; optionally
+    with chosen memories suppressed, scaled or set."""
+    from ffkv.experiments.explain import explain as run_explain
+    from ffkv.parse import parse_interventions
+
+    if at not in ("last", "all"):
+        raise FfkvError(f"--at {at!r}: choose last or all")
+    mm = model(model_name, lens=lens)
+    edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
+    res = run_explain(mm, text, top, edits, at=at, contrast=contrast)
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    after = res["intervened"]
+    t = Table(title=escape(f"{text!r} → {res['prediction']!r} (p={res['p']:.2f}); lens={lens}"))
+    cols = ["layer", "top(r)", "top(y)", "top(o)", "p(w|r)", "memories pushing w (dim: coef → value top)"]
+    if after:
+        cols += ["top(o) edited", "p(w|o) edited"]
+    for c in cols:
+        t.add_column(escape(c))
+    for i, r in enumerate(res["layers"]):
+        mem = "; ".join(f"{m['dim']}: {m['coef']:+.2f}→{m['value_top']!r}" for m in r["memories"])
+        row = [str(r["layer"]), repr(r["top_r"]), repr(r["top_y"]), repr(r["top_o"]),
+               f"{r['p_final_in_r']:.3f}", mem]
+        if after:
+            e = after["layers"][i]
+            row += [repr(e["top_o"]), f"{e['lenses'][res['lens']]['o']['p']:.3f}"]
+        t.add_row(*map(escape, row))
+    con = Console()
+    con.print(t)
+    w = res["prediction"]
+    lines = []
+    if res["contrast"]:
+        c = res["contrast"]
+        lines.append(f"contrast {c['token']!r}: p={c['p']:.3f}, rank {c['rank'] + 1}"
+                     + (f" → p={after['contrast']['p']:.3f}, rank {after['contrast']['rank'] + 1}" if after else ""))
+    lines.append("strongest memories for " + repr(w) + " (layer:dim contribution): up "
+                 + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}" for m in res["top_memories"]["up"])
+                 + "; down " + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}"
+                                         for m in res["top_memories"]["down"]))
+    for e in res["interventions"]:
+        lines.append(f"edit {e['edit']} at {res['at']}: coefficient {e['coef']:+.3f} → {e['coef_after']:+.3f}"
+                     f" (its contribution to {w!r} was {e['contrib']:+.3f})")
+    if after:
+        lines.append(f"prediction {w!r} (p={res['p']:.3f}) → {after['prediction']!r} (p={after['p']:.3f}); "
+                     f"p({w!r}) {res['p']:.3f} → {after['p_original']:.3f}, logit {res['logit']:+.3f} → "
+                     f"{after['logit_original']:+.3f}" + (" (changed)" if res["changed"] else " (unchanged)"))
+    for line in lines:
+        con.print(escape(line), highlight=False)
+
+
+
+def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]. Default: embedded Wikipedia."),
+           model_name: Optional[str] = ModelOpt,
+           max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
+           field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
+           seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
+           head: int = typer.Option(5, "--head", help="Sentences to print."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+    """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""
+    from ffkv.corpus.sources import open_corpus, tokenize
+    from ffkv.display import printable
+
+    mm = model(model_name)
+    src = open_corpus(source, field=field, seed=seed)
+    sents = src.sentences(max_sentences=max_sentences)
+    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length)
+    counts = {"source": src.spec, "sha256": src.sha256, **src.stats.as_dict(),
+              "tokens": sum(map(len, ids)), "truncated": n_trunc}
+    if as_json:
+        print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
+        return
+    for k, v in counts.items():
+        print(f"{k:>15}: {printable(str(v))}")
+    for s in sents[:head]:
+        print(f"  [{s.sentence_id}] {printable(s.text, newlines=False)}")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def info(model_name: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id, folder or .gguf; default: embedded SmolLM2."),
-             as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
-        """Describe a model as key-value memories: layers, d, d_m, activation, gating, vocabulary."""
-        mm = model(model_name)
-        inf = mm.info()
-        if as_json:
-            print(json.dumps(inf, indent=2))
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(show_header=False, title="ffkv info")
-        for k, v in inf.items():
-            t.add_row(k, str(v))
-        t.add_row("memories (detail)", f"{inf['layers']} layers × {inf['d_m']} = {inf['memories']:,}")
-        Console().print(t)
-
-
-    @app.command()
-    def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the next-token prediction."),
-                model_name: Optional[str] = ModelOpt, lens: str = LensOpt,
-                top: int = typer.Option(3, "--top", min=1, help="Memories shown per layer."),
-                suppress: Optional[str] = typer.Option(None, "--suppress", metavar="L:D[,L:D...]", help="Memories to edit: L:D scales memory D of layer L by --scale (default 0: suppress it); L:D*F scales it by F; L:D=V sets its coefficient to V."),
-                scale: float = typer.Option(0.0, "--scale", help="Factor for the L:D items of --suppress (1 leaves them unchanged)."),
-                at: str = typer.Option("last", "--at", help="Edit the coefficients at the last position or at all positions."),
-                contrast: Optional[str] = typer.Option(None, "--contrast", metavar="TOKEN", help="A second token to read beside the prediction (text that is one token, e.g. ' London')."),
-                as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
-        """Explain one prediction layer by layer: residual, FFN and the memories that push it; optionally
-        with chosen memories suppressed, scaled or set."""
-        from ffkv.experiments.explain import explain as run_explain
-        from ffkv.parse import parse_interventions
-
-        if at not in ("last", "all"):
-            raise FfkvError(f"--at {at!r}: choose last or all")
-        mm = model(model_name, lens=lens)
-        edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
-        res = run_explain(mm, text, top, edits, at=at, contrast=contrast)
-        if as_json:
-            print(json.dumps(res, indent=2))
-            return
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        after = res["intervened"]
-        t = Table(title=escape(f"{text!r} → {res['prediction']!r} (p={res['p']:.2f}); lens={lens}"))
-        cols = ["layer", "top(r)", "top(y)", "top(o)", "p(w|r)", "memories pushing w (dim: coef → value top)"]
-        if after:
-            cols += ["top(o) edited", "p(w|o) edited"]
-        for c in cols:
-            t.add_column(escape(c))
-        for i, r in enumerate(res["layers"]):
-            mem = "; ".join(f"{m['dim']}: {m['coef']:+.2f}→{m['value_top']!r}" for m in r["memories"])
-            row = [str(r["layer"]), repr(r["top_r"]), repr(r["top_y"]), repr(r["top_o"]),
-                   f"{r['p_final_in_r']:.3f}", mem]
-            if after:
-                e = after["layers"][i]
-                row += [repr(e["top_o"]), f"{e['lenses'][res['lens']]['o']['p']:.3f}"]
-            t.add_row(*map(escape, row))
-        con = Console()
-        con.print(t)
-        w = res["prediction"]
-        lines = []
-        if res["contrast"]:
-            c = res["contrast"]
-            lines.append(f"contrast {c['token']!r}: p={c['p']:.3f}, rank {c['rank'] + 1}"
-                         + (f" → p={after['contrast']['p']:.3f}, rank {after['contrast']['rank'] + 1}" if after else ""))
-        lines.append("strongest memories for " + repr(w) + " (layer:dim contribution): up "
-                     + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}" for m in res["top_memories"]["up"])
-                     + "; down " + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}"
-                                             for m in res["top_memories"]["down"]))
-        for e in res["interventions"]:
-            lines.append(f"edit {e['edit']} at {res['at']}: coefficient {e['coef']:+.3f} → {e['coef_after']:+.3f}"
-                         f" (its contribution to {w!r} was {e['contrib']:+.3f})")
-        if after:
-            lines.append(f"prediction {w!r} (p={res['p']:.3f}) → {after['prediction']!r} (p={after['p']:.3f}); "
-                         f"p({w!r}) {res['p']:.3f} → {after['p_original']:.3f}, logit {res['logit']:+.3f} → "
-                         f"{after['logit_original']:+.3f}" + (" (changed)" if res["changed"] else " (unchanged)"))
-        for line in lines:
-            con.print(escape(line), highlight=False)
-
-
-    @app.command()
-    def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]. Default: embedded Wikipedia."),
-               model_name: Optional[str] = ModelOpt,
-               max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
-               field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
-               seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
-               head: int = typer.Option(5, "--head", help="Sentences to print."),
-               as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
-        """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""
-        from ffkv.corpus.sources import open_corpus, tokenize
-        from ffkv.display import printable
-
-        mm = model(model_name)
-        src = open_corpus(source, field=field, seed=seed)
-        sents = src.sentences(max_sentences=max_sentences)
-        ids, n_trunc = tokenize(mm.tok, sents, mm.max_length)
-        counts = {"source": src.spec, "sha256": src.sha256, **src.stats.as_dict(),
-                  "tokens": sum(map(len, ids)), "truncated": n_trunc}
-        if as_json:
-            print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
-            return
-        for k, v in counts.items():
-            print(f"{k:>15}: {printable(str(v))}")
-        for s in sents[:head]:
-            print(f"  [{s.sentence_id}] {printable(s.text, newlines=False)}")
+    app.command()(info)
+    app.command()(explain)
+    app.command()(corpus)
