@@ -101,6 +101,26 @@ def index(web_app):
 
 
 @pytest.fixture(scope="session")
+def memory_client(web_run, tmp_path_factory):
+    """The server on a copy of the run without `value_index` (a run made before the values step
+    wrote it): it builds the index in memory, and never writes it."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    run = tmp_path_factory.mktemp("web-old") / "run"
+    shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("value_index.parquet", "annotations.sqlite*"))
+    app = create_app(run, log_fn=lambda m: None)
+    assert app.state.browser.index_status()["status"] == "absent"
+    app.state.browser.wait_index(timeout=300)
+    assert app.state.browser.index_status()["source"] == "built in memory"
+    assert not (run / "value_index.parquet").exists()
+    return TestClient(app, base_url="http://127.0.0.1:8000")
+
+
+@pytest.fixture(scope="session")
 def mm(llama):
     from ffkv.model.memories import open_model
 
@@ -186,9 +206,14 @@ def test_value_index_is_exact_including_ties(llama):
     assert keys == sorted(keys, key=lambda x: (x[0], -x[1], x[2], x[3], x[4], x[5]))
 
 
-@pytest.mark.parametrize("query", ["the", " of", "#70"])
-def test_token_search_matches_direct_projection(client, index, mm, tok_dir, query):
+@pytest.mark.parametrize("query, source", [("the", "run"), (" of", "run"), ("#70", "run"), ("the", "memory")])
+def test_token_search_matches_direct_projection(client, memory_client, index, mm, tok_dir, query, source):
+    """Against every value projected here: the run's `value_index` (when the values step wrote
+    it) and the index the server builds in memory for a run without it."""
     from transformers import AutoTokenizer
+
+    if source == "memory":
+        client = memory_client
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     vocab = [tok.decode([i]) for i in range(len(tok))]
@@ -761,8 +786,7 @@ def test_serve_cli(web_run, tmp_path, capsys):
 
 
 def test_the_server_never_writes_the_runs_tables(web_run, client):
-    """Run last: every test above used the server; the Parquet tables are as `ffkv` wrote them,
-    and the token index lives in memory only."""
+    """Run last: every test above used the server; the Parquet tables are as `ffkv` wrote them
+    (an index the server builds lives in memory only: `memory_client`)."""
     client.get("/search", params={"token": "the"})
-    assert parquet_digest(web_run) == _BUILT["digest"]
-    assert not (web_run / "value_index.parquet").exists()
+    assert parquet_digest(web_run) == _BUILT["digest"]  # the same files, byte for byte
