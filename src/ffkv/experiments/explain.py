@@ -99,6 +99,33 @@ def _value_tops(mm, lens: Lens, keys: list[tuple[int, int, int]]) -> dict:
 
 
 @torch.no_grad()
+def _lens_readings(cap, layers, lenses: dict, targets) -> dict:
+    """r, y, o of every layer at the last position, read through each lens as one (3L, d) block:
+    mode -> (top token ids, logits of the targets, probabilities of the targets)."""
+    states = torch.stack([cap[l][q][0, -1] for l in layers for q in QUANTS])
+    readings = {}
+    for mode, ln in lenses.items():
+        lg = ln.logits(states).float()  # (3L, V)
+        at_t = lg[:, targets]
+        readings[mode] = (lg.topk(TOP_TOKENS, -1).indices.tolist(), at_t.tolist(),
+                          torch.exp(at_t - torch.logsumexp(lg, -1, keepdim=True)).tolist())
+    return readings
+
+
+def _layer_row(l: int, readings: dict, k0: int, lens_mode: str, has_contrast: bool, dec, up, down) -> dict:
+    """One layer's row: r, y, o under every lens (rows k0..k0+2 of the readings), its memories."""
+    lens_rows = {}
+    for mode, (tops, lg, pr) in readings.items():
+        lens_rows[mode] = {q: {"top": [dec(t) for t in tops[k0 + k]],
+                               "p": pr[k0 + k][0], "logit": lg[k0 + k][0],
+                               "p_contrast": pr[k0 + k][1] if has_contrast else None,
+                               "logit_contrast": lg[k0 + k][1] if has_contrast else None}
+                           for k, q in enumerate(QUANTS)}
+    ch = lens_rows[lens_mode]
+    return {"layer": l, "top_r": ch["r"]["top"][0], "top_y": ch["y"]["top"][0], "top_o": ch["o"]["top"][0],
+            "p_final_in_r": ch["r"]["p"], "memories": up, "memories_down": down, "lenses": lens_rows}
+
+
 def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: str, top: int,
           edits=(), at: str = "last", base: dict | None = None) -> dict:
     """One forward pass (with `edits` applied) read at the last position for tokens w and contrast.
@@ -124,14 +151,7 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
     def token_row(i):
         return {"token": dec(i), "id": int(i), "p": float(torch.exp(logits[i] - lse)), "logit": float(logits[i])}
 
-    # r, y, o of every (new) layer at the last position: one (3L, d) block per lens
-    states = torch.stack([cap[l][q][0, -1] for l in new for q in QUANTS])
-    readings = {}
-    for mode, ln in lenses.items():
-        lg = ln.logits(states).float()  # (3L, V)
-        at_t = lg[:, targets]
-        readings[mode] = (lg.topk(TOP_TOKENS, -1).indices.tolist(), at_t.tolist(),
-                          torch.exp(at_t - torch.logsumexp(lg, -1, keepdim=True)).tolist())
+    readings = _lens_readings(cap, new, lenses, targets)
     # the signed contribution of every memory to w (and the contrast): m_i·(v_i·e_t), (L, d_m, n)
     m = torch.stack([cap[l]["m"][0, -1] for l in new])  # (L, d_m)
     dirs = torch.stack([lens.direction_logits(mm.values(l), targets) for l in new])
@@ -147,24 +167,10 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
             return [(layer, i) for i in c[layer].topk(min(k, mm.d_m)).indices.tolist()]
         return [divmod(j, mm.d_m) for j in c.flatten().topk(min(k, c.numel())).indices.tolist()]
 
-    layers = []
-    for l in range(L):
-        if l < first:  # unchanged: the original pass's row (its memories are already read)
-            layers.append(base["layers"][l])
-            continue
-        k0 = 3 * (l - first)
-        lens_rows = {}
-        for mode, (tops, lg, pr) in readings.items():
-            lens_rows[mode] = {q: {"top": [dec(t) for t in tops[k0 + k]],
-                                   "p": pr[k0 + k][0], "logit": lg[k0 + k][0],
-                                   "p_contrast": pr[k0 + k][1] if contrast is not None else None,
-                                   "logit_contrast": lg[k0 + k][1] if contrast is not None else None}
-                               for k, q in enumerate(QUANTS)}
-        ch = lens_rows[lens_mode]
-        layers.append({"layer": l, "top_r": ch["r"]["top"][0], "top_y": ch["y"]["top"][0],
-                       "top_o": ch["o"]["top"][0], "p_final_in_r": ch["r"]["p"],
-                       "memories": ranked(0, 1, top, l), "memories_down": ranked(0, -1, top, l),
-                       "lenses": lens_rows})
+    layers = [base["layers"][l] if l < first else  # unchanged: the original pass's row
+              _layer_row(l, readings, 3 * (l - first), lens_mode, contrast is not None, dec,
+                         ranked(0, 1, top, l), ranked(0, -1, top, l))
+              for l in range(L)]
     tops = {"up": ranked(0, 1, top * 3), "down": ranked(0, -1, top * 3)}
     ctops = None if contrast is None else {"up": ranked(1, 1, top * 3), "down": ranked(1, -1, top * 3)}
     keys = sorted({k for r in layers[first:] for k in r["memories"] + r["memories_down"]}
