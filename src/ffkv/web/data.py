@@ -172,10 +172,9 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if x >= 1e-3 or x == 0 else f"2^{math.log2(x):.0f}"
 
 
-def hist_layout(manifest: dict) -> dict | None:
-    """The bins of `key_hist` from the manifest (`steps.mine.stats`: per bin its sign and the
-    |m| bounds lo <= |m| < hi, in value order; see `ffkv.mine.stats`), with a label per bin."""
-    st = ((manifest.get("steps") or {}).get("mine") or {}).get("stats")
+def hist_layout(st: dict | None) -> dict | None:
+    """The bins of `key_hist` (`query.stats_layout`: per bin its sign and the |m| bounds
+    lo <= |m| < hi, in value order; see `ffkv.mine.stats`), with a label per bin."""
     if not isinstance(st, dict) or not all(isinstance(st.get(k), list) for k in ("sign", "lo", "hi")):
         return None
     labels = []
@@ -284,7 +283,7 @@ class Browser:
         self.key_stats = opt("key_stats")
         self.key_hist = opt("key_hist")
         self.key_samples = opt("key_samples")
-        self.hist_layout = hist_layout(man)
+        self.hist_layout = hist_layout(query.stats_layout(self.run))
         self.values_layers = opt("values_layers", False)
         self.compose_layers = opt("compose_layers", False)
         self.patterns_fig2 = opt("patterns_fig2", False)
