@@ -67,7 +67,7 @@ def sql(run, query: str, params=None) -> pa.Table:
     """Run SQL over the run's tables (each a view of its name) and return Arrow."""
     con = connect(run)
     try:
-        return con.execute(query, params or []).fetch_arrow_table()
+        return con.sql(query, params=params or None).to_arrow_table()
     finally:
         con.close()
 
