@@ -229,6 +229,29 @@ class Browser:
         self.index_k = index_k
         self.has_report = (self.path / "report" / "index.html").exists()
 
+        self._load_sentences()
+        self._load_triggers(trig)
+        self._load_step_tables(vs)
+
+        # built on first use (or by `warm()` in the background): searches need them, the overview not
+        self._lazy_lock = threading.RLock()
+        self._con_lock = threading.Lock()
+
+        # lazily: token index, model, annotation store
+        self._index: TokenIndex | None = None
+        self.index_state = IndexState()
+        if self.run.has_table("value_index"):
+            self._index = TokenIndex(query.table(self.run, "value_index"), self.d_m, "run")
+            self.index_state.status = "ready"
+        self._mm = None
+        self._mm_lock = threading.Lock()
+        self.model_lock = threading.Lock()  # one forward pass at a time
+        self._store = None
+        self._store_lock = threading.Lock()
+        self.load_seconds = round(time.time() - t0, 2)
+
+    def _load_sentences(self) -> None:
+        """Sentences sorted by id, their token ids flat with offsets."""
         # sentences: ids sorted, token ids flat with offsets
         cols = [c for c in ("sentence_id", "doc_id", "title", "text", "token_ids")
                 if c in query.schema_names(self.run, "sentences")]
@@ -245,11 +268,12 @@ class Browser:
         self._docs = sent.column("doc_id").to_numpy() if "doc_id" in cols else None
         self._titles = sent.column("title") if "title" in cols else None
 
+    def _load_triggers(self, trig) -> None:
+        """Triggers grouped by memory, each with its sentence's row."""
         # triggers, grouped by memory; the token at each trigger's position
         self.trig = ByKey(trig, self.d_m)
         t = self.trig.table
         tsid = t.column("sentence_id").to_numpy().astype(np.int64)
-        tpos = t.column("position").to_numpy().astype(np.int64)
         n_sent = len(self.sent_ids)
         if n_sent and self.sent_ids[0] == 0 and self.sent_ids[-1] == n_sent - 1:  # ids 0..N-1: the row is the id
             row = tsid
@@ -262,12 +286,13 @@ class Browser:
             raise FfkvError(f"{int((~ok).sum())} trigger rows point to sentences missing from the "
                             f"`sentences` table of {self.path}; the run is inconsistent (re-run `ffkv mine`)")
         self.trig_row = row.astype(np.int32)
-        del tsid, tpos, row, ok
         self.trig_sign = t.column("sign").to_numpy().astype(np.int8)
         self.trig_rank = t.column("rank").to_numpy().astype(np.int16)
         self.keys = np.nonzero(np.bincount(self.trig.code, minlength=self.L * self.d_m))[0].astype(np.int64)
         self.negative = bool((self.trig_sign == -1).any())
 
+    def _load_step_tables(self, vs: dict) -> None:
+        """The other steps' tables, when the run has them."""
         # the other steps' tables, when present
         def opt(name, by_key=True):
             if not self.run.has_table(name):
@@ -288,23 +313,6 @@ class Browser:
         self.compose_layers = opt("compose_layers", False)
         self.patterns_fig2 = opt("patterns_fig2", False)
         self.values_top_k = int(vs.get("top_k") or 10)
-
-        # built on first use (or by `warm()` in the background): searches need them, the overview not
-        self._lazy_lock = threading.RLock()
-        self._con_lock = threading.Lock()
-
-        # lazily: token index, model, annotation store
-        self._index: TokenIndex | None = None
-        self.index_state = IndexState()
-        if self.run.has_table("value_index"):
-            self._index = TokenIndex(query.table(self.run, "value_index"), self.d_m, "run")
-            self.index_state.status = "ready"
-        self._mm = None
-        self._mm_lock = threading.Lock()
-        self.model_lock = threading.Lock()  # one forward pass at a time
-        self._store = None
-        self._store_lock = threading.Lock()
-        self.load_seconds = round(time.time() - t0, 2)
 
     # ---- what is built on first use -----------------------------------------------------------
     def _lazy(self, name: str, make):
@@ -446,18 +454,7 @@ class Browser:
             cols["entropy" + suffix] = en
             cols["top_token" + suffix] = top_tok[kind].astype(np.int32)
             masks["top_token" + suffix] = top_tok[kind] < 0
-        # precision@50: share of a key's rank ≤ 50 triggers (sign +1 for v, −1 for −v) whose
-        # next token is the direction's top token (the values step's Table 2 definition)
-        nxt = self.trig.table.column("next_token").fill_null(-1).to_numpy().astype(np.int64)
-        for s, kind, name in ((1, "value", "precision"), (-1, "neg_value", "precision_neg")):
-            sel = (self.trig_sign == s) & (self.trig_rank <= PRECISION_K)
-            c = self.trig.code[sel]
-            hit = (nxt[sel] == top_tok[kind][c]) & (top_tok[kind][c] >= 0)
-            n = np.bincount(c, minlength=N)[:N]
-            h = np.bincount(c, weights=hit, minlength=N)[:N]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                pr = np.where((n > 0) & (top_tok[kind] >= 0), h / np.maximum(n, 1), np.nan)
-            cols[name] = pr.astype(np.float32)
+        cols.update(self._precision_at_k(top_tok, N))
         agree = np.zeros(N, bool)
         agree_null = np.ones(N, bool)
         rank = np.full(N, -1, np.int64)
@@ -494,6 +491,22 @@ class Browser:
         for k in ("max_prob", "max_prob_neg", "entropy", "entropy_neg", "precision", "precision_neg", "top_coef"):
             arrays[k] = pa.array(cols[k], mask=np.isnan(cols[k]))
         return pa.table(arrays)
+
+    def _precision_at_k(self, top_tok: dict, N: int) -> dict:
+        """precision@50: share of a key's rank ≤ 50 triggers (sign +1 for v, −1 for −v) whose
+        next token is the direction's top token (the values step's Table 2 definition)."""
+        out = {}
+        nxt = self.trig.table.column("next_token").fill_null(-1).to_numpy().astype(np.int64)
+        for s, kind, name in ((1, "value", "precision"), (-1, "neg_value", "precision_neg")):
+            sel = (self.trig_sign == s) & (self.trig_rank <= PRECISION_K)
+            c = self.trig.code[sel]
+            hit = (nxt[sel] == top_tok[kind][c]) & (top_tok[kind][c] >= 0)
+            n = np.bincount(c, minlength=N)[:N]
+            h = np.bincount(c, weights=hit, minlength=N)[:N]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                pr = np.where((n > 0) & (top_tok[kind] >= 0), h / np.maximum(n, 1), np.nan)
+            out[name] = pr.astype(np.float32)
+        return out
 
     def measures(self, layer: int, dim: int) -> dict:
         return self.memories.slice(self.code(layer, dim), 1).to_pylist()[0]
