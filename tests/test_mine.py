@@ -160,7 +160,7 @@ def test_cli_mine_and_show(tmp_path, tiny_dirs):
 
 
 def test_resume_after_sigkill(tmp_path, tiny_dirs):
-    args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 1500,
+    args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 800,
             "--top-k", 5, "--batch-tokens", 64, "--checkpoint-every", 0]
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0

@@ -282,7 +282,6 @@ class KeyStats:
         raw = self._raw
         raw.zero_()
         blocks, pad_zeros = cap.blocks()
-        s1 = s2 = None
         for v in blocks:
             # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
             # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
@@ -290,9 +289,13 @@ class KeyStats:
             idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
             idx = torch.add(self._offs, idx, alpha=n, out=idx).reshape(-1)
             raw.index_add_(0, idx, self._one.expand(idx.numel()))
-            a = v.sum((0, 1)).double()
-            b = (v * v).sum((0, 1)).double()
-            s1, s2 = (a, b) if s1 is None else (s1 + a, s2 + b)
+        # Sums over valid tokens as a masked matrix product: BLAS under MKL_CBWR=STRICT gives the
+        # same bits for any thread count (Ray shards run 1 thread), which torch's own reductions
+        # do not (their vector/scalar split moves with the per-thread chunk).
+        m2 = cap.m.reshape(-1, n)
+        w = batch.weights(m2.dtype)
+        s1 = (w @ m2).squeeze(0).double()
+        s2 = (w @ (m2 * m2)).squeeze(0).double()
         if pad_zeros:
             raw.view(512, n)[256] -= pad_zeros
         self.hist[l].index_add_(0, self._lut, raw.view(512, n))

@@ -45,6 +45,13 @@ class Batch:
     tokens: int
     padded: bool
 
+    def weights(self, dtype=torch.float32) -> torch.Tensor:
+        """(1, B·T) the mask as numbers (1 valid, 0 padding), on the device; made once per batch."""
+        w = self.__dict__.get("_w")
+        if w is None or w.dtype != dtype:
+            w = self.__dict__["_w"] = self.mask.reshape(1, -1).to(dtype)
+        return w
+
     @classmethod
     def from_lengths(cls, lengths, sids, mask: torch.Tensor) -> "Batch":
         """The rows of a right-padded batch: token counts and sentence ids known on the host."""
