@@ -210,7 +210,7 @@ def test_read_only_run_directory(mined, tmp_path):
     try:
         run = copy_run(mined, mnt / "run")
         assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)]).returncode == 0
-        one_line_error(run_cli("values", run), needle="read-only")
+        one_line_error(run_cli("values", run), needle="Read-only")
         one_line_error(run_cli("annotate", "add", run, "-a", "x", "-l", "0", "-d", "0"), needle="")
         one_line_error(run_cli("annotate", "list", run), needle="")
     finally:
