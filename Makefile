@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(if $(RUN),--run=$(abspath $(RUN)))
 
 # The newest versions pyproject.toml allows, installed in a scratch venv and frozen into the lock.
 lock:
