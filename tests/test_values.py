@@ -459,6 +459,13 @@ def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
     b = direct.sort_values(key).reset_index(drop=True)
     assert a[key].equals(b[key])
     np.testing.assert_allclose(a["prob"], b["prob"], rtol=1e-5)
+    # the value_tops cache compose reads: the values step's argmax/argmin equal a fresh projection
+    from ffkv.experiments.value_tops import value_tops
+
+    stored, fresh = value_tops(both, mm), value_tops(None, mm)
+    assert both.manifest["tables"]["value_tops"]["lenses"] == ["norm", "naive"]
+    for ln in ("naive", "norm"):
+        assert torch.equal(stored[ln][0], fresh[ln][0]) and torch.equal(stored[ln][1], fresh[ln][1])
     # the rank < 100 share, next to rank < 10
     ag = both.read_table("values_agreement").to_pandas()
     for r in both.read_table("values_layers").to_pylist():

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import WT2, build_tiny, wikitext_sentences
 
@@ -790,3 +792,25 @@ def test_the_server_never_writes_the_runs_tables(web_run, client):
     (an index the server builds lives in memory only: `memory_client`)."""
     client.get("/search", params={"token": "the"})
     assert parquet_digest(web_run) == _BUILT["digest"]  # the same files, byte for byte
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.sampled_from([1, -1]), st.integers(0, 2**31 - 1))
+def test_top_rows_brute_force_with_ties(C, k, sign, seed):
+    """_top_rows on sign·z, for small integer logits (ties everywhere), equals counting."""
+    import torch
+
+    from ffkv.experiments.value_index import _top_rows
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-3, 4, (C, 13), generator=g).float()
+    row, tok, rank, logit = _top_rows(z, k, sign=sign)
+    zz = sign * z
+    want = set()
+    for r in range(C):
+        for w in range(zz.shape[1]):
+            rk = int((zz[r] > zz[r, w]).sum())
+            if rk < k:
+                want.add((r, w, rk, float(zz[r, w])))
+    got = set(zip(row.tolist(), tok.tolist(), rank.tolist(), logit.tolist()))
+    assert got == want and len(got) == len(row)

@@ -57,9 +57,8 @@ Tables written to the run (public contract):
   (decoded prefix), token_ids list<int32> (the prefix = sentence token_ids[:position + 1]),
   position int32, prefix_tokens int32, target int32 (token after the prefix), target_token string,
   target_is_stop bool.
-- `value_tops`: layer int16, dim int32, lens string, top_token int32 (top(v_i)),
-  top_token_neg int32 (top(-v_i)). Sorted by lens, layer, dim. Reused only while the manifest's
-  tables.value_tops.unembed_sha256 matches the model.
+- `value_tops`: the cache of `ffkv.experiments.value_tops` (columns there); written here when the
+  values step has not filled it already.
 - `compose_examples`: one row per lens × layer × example, sorted so: lens string, layer int16,
   example_id int32, n_active int32 (m > 0), n_active_eps int32 (|m| > eps), mass_top1, mass_top10,
   mass_top50 float32, top_r, top_y, top_o, top_final int32, p_final_in_r float32,
@@ -102,6 +101,7 @@ from ffkv.defs import LENSES, check_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
 from ffkv.store.steps import Step, execute
+from ffkv.experiments.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
 
 CATEGORIES = ("residual", "ffn", "agreement", "composition")
 FIG8_VARIANTS = ("signed", "code", "rel")
@@ -178,74 +178,6 @@ def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
     })
     run.write_table("compose_prefixes", tbl)
     return tbl
-
-
-# ---- value tops --------------------------------------------------------------------------
-@torch.no_grad()
-def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{lens: (top(v_i), top(-v_i))}, each (L, d_m) int64; read from the run's `value_tops`
-    table when it holds these lenses for this model's shape, else computed and cached."""
-    from ffkv.store.run import unembed_digest
-
-    digest = unembed_digest(mm) if run is not None else None
-    cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
-    if cached is not None:
-        return cached
-    L, dm = mm.n_layers, mm.d_m
-    out = {}
-    task = bar.add_task("value tops", total=len(lenses) * L) if bar is not None else None
-    for ln in lenses:
-        lens = Lens(mm, ln)
-        pos = torch.empty(L, dm, dtype=torch.long)
-        neg = torch.empty(L, dm, dtype=torch.long)
-        for l in range(L):
-            V = mm.values(l).detach()
-            for s in range(0, dm, chunk):
-                z = lens.direction_logits(V[s:s + chunk])
-                pos[l, s:s + chunk] = z.argmax(-1).cpu()
-                neg[l, s:s + chunk] = z.argmin(-1).cpu()
-            if task is not None:
-                bar.advance(task)
-        out[ln] = (pos, neg)
-    if run is not None:
-        _write_value_tops(run, out, L, dm, digest)
-    return out
-
-
-def _cached_value_tops(run, mm, lenses, digest: str) -> dict | None:
-    """The run's `value_tops` for these lenses, if made for this unembedding and shape."""
-    L, dm = mm.n_layers, mm.d_m
-    cached = (run.manifest.get("tables") or {}).get("value_tops") or {}
-    if not (run.has_table("value_tops") and cached.get("unembed_sha256") == digest):
-        return None
-    t = run.read_table("value_tops")
-    have = set(t.column("lens").to_pylist())
-    if not (set(lenses) <= have and t.num_rows == L * dm * len(have)):
-        return None
-    out = {}
-    lens_col = np.asarray(t.column("lens").to_pylist())
-    for ln in lenses:
-        sel = lens_col == ln
-        layer = t.column("layer").to_numpy()[sel].astype(np.int64)
-        dim = t.column("dim").to_numpy()[sel].astype(np.int64)
-        pos = torch.empty(L, dm, dtype=torch.long)
-        neg = torch.empty(L, dm, dtype=torch.long)
-        pos[layer, dim] = torch.from_numpy(t.column("top_token").to_numpy()[sel].astype(np.int64))
-        neg[layer, dim] = torch.from_numpy(t.column("top_token_neg").to_numpy()[sel].astype(np.int64))
-        out[ln] = (pos, neg)
-    return out
-
-
-def _write_value_tops(run, tops: dict, L: int, dm: int, digest: str) -> None:
-    layer = np.repeat(np.arange(L), dm)
-    dim = np.tile(np.arange(dm), L)
-    run.write_table("value_tops", pa.concat_tables([pa.table({
-        "layer": pa.array(layer, pa.int16()), "dim": pa.array(dim, pa.int32()),
-        "lens": pa.array([ln] * (L * dm), pa.string()),
-        "top_token": pa.array(pos.reshape(-1).numpy(), pa.int32()),
-        "top_token_neg": pa.array(neg.reshape(-1).numpy(), pa.int32())}) for ln, (pos, neg) in tops.items()]))
-    run.manifest.setdefault("tables", {})["value_tops"] = {"unembed_sha256": digest, "lenses": list(tops)}
-    run.save()
 
 
 # ---- the pass ------------------------------------------------------------------------------

@@ -42,30 +42,35 @@ SCHEMA = pa.schema([("lens", pa.string()), ("sign", pa.int8()), ("token", pa.int
                     ("prob", pa.float32()), ("layer", pa.int16()), ("dim", pa.int32())])
 
 
-def _top_rows(z, k: int):
-    """Tokens of rank < k in each row of z (C, V), with their ranks and logits.
+def _top_rows(z, k: int, sign: int = 1):
+    """Tokens of rank < k in each row of sign·z (C, V), with their ranks and logits (of sign·z).
 
     Returns (row, token, rank, logit) as 1-d tensors. Ranks count strictly larger logits.
+    sign = −1 reads −z without materializing it (the smallest logits of z).
     """
     import torch
 
     C, V = z.shape
     k = min(k, V)
-    vals, idx = z.topk(k, dim=-1)  # descending
+    extra = int(k < V)  # one more than k: a tie beyond the k-th shows as an equal (k+1)-th
+    vals, idx = z.topk(k + extra, dim=-1, largest=sign > 0)
+    if sign < 0:
+        vals = vals.neg_()  # descending in −z
+    beyond = vals[:, k] == vals[:, k - 1] if extra else torch.zeros(C, dtype=torch.bool, device=z.device)
+    vals, idx = vals[:, :k], idx[:, :k]
     # rank of each kept logit = index of the first equal value in the descending list
     pos = torch.arange(k, device=z.device).expand(C, k)
     new = torch.ones_like(vals, dtype=torch.bool)
     new[:, 1:] = vals[:, 1:] != vals[:, :-1]
     rank = torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
     thr = vals[:, -1:]
-    n_ge = (z >= thr).sum(-1)
-    tied = torch.nonzero(n_ge > k).flatten()  # rows where tokens beyond the k-th tie with it
+    tied = torch.nonzero(beyond).flatten()  # rows where tokens beyond the k-th tie with it
     keep = torch.ones(C, dtype=torch.bool, device=z.device)
     keep[tied] = False
     rows = torch.arange(C, device=z.device)[:, None].expand(C, k)[keep]
     out = [(rows.flatten(), idx[keep].flatten(), rank[keep].flatten(), vals[keep].flatten())]
     for r in tied.tolist():  # rare: every token ≥ the k-th logit, ranked by counting
-        row = z[r]
+        row = z[r] if sign > 0 else -z[r]
         toks = torch.nonzero(row >= thr[r, 0]).flatten()
         lv = row[toks]
         rk = (row[None, :] > lv[:, None]).sum(-1)
@@ -91,26 +96,25 @@ class IndexBuilder:
         self.parts: dict[tuple[str, int], list] = {}
         self.lenses: list[str] = []
 
-    def add(self, lens: str, layer: int, start: int, z) -> None:
+    def add(self, lens: str, layer: int, start: int, z, lse=None) -> None:
         """Index the rows of z (C, V), the logits of values start..start+C-1 of `layer` under
-        `lens`, for +v and −v. z is not modified (−z is a temporary copy)."""
+        `lens`, for +v and −v. z is not modified. `lse`: the log-sum-exp of z and of −z per row,
+        when the caller has them already (the values step does)."""
         import torch
 
         if lens not in self.lenses:
             self.lenses.append(lens)
         z = z.float()
-        for s in (1, -1):
-            zz = z if s == 1 else torch.neg(z)
-            lse = torch.logsumexp(zz, dim=-1)
-            row, tok, rk, lv = _top_rows(zz, self.k)
-            prob = torch.exp(lv - lse[row])
+        for j, s in enumerate((1, -1)):
+            ls = lse[j] if lse is not None else torch.logsumexp(z if s == 1 else -z, dim=-1)
+            row, tok, rk, lv = _top_rows(z, self.k, sign=s)
+            prob = torch.exp(lv - ls[row])
             self.parts.setdefault((lens, s), []).append((
                 np.full(len(row), layer, np.int16),
                 (row + start).cpu().numpy().astype(np.int32),
                 tok.cpu().numpy().astype(np.int32),
                 rk.cpu().numpy().astype(np.int16),
                 prob.cpu().numpy().astype(np.float32)))
-            del zz
 
     def table(self) -> pa.Table:
         cols = {c: [] for c in COLUMNS}

@@ -337,6 +337,7 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
 
     index = IndexBuilder(rec.get("value_index_k", INDEX_K))
     proj = _project(mm, rec["lens"], rec["top_k"], trig, perms, chunk, show_progress, index=index)
+    projections = {rec["lens"]: proj}
     ag = _agreement(trig, proj)
     layer_rows, hist_rows = _layer_tables(trig, proj, ag, perms, mm.vocab_size)
     fig6_rows = _fig6_rows(ag["used_maxp"][ag["valid"]], ag["agree"][ag["valid"]], rec["fig6_bins"])
@@ -348,7 +349,8 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     per_lens = {rec["lens"]: (layer_rows, fig6_rows, table2)}
     other = {}
     for ln in rec.get("lenses", [rec["lens"]])[1:]:
-        p2 = _project(mm, ln, rec["top_k"], trig, perms, chunk, show_progress, index=index, keys=False)
+        p2 = projections[ln] = _project(mm, ln, rec["top_k"], trig, perms, chunk, show_progress, index=index,
+                                        keys=False)
         ag2 = _agreement(trig, p2)
         rows2, _ = _layer_tables(trig, p2, ag2, perms, mm.vocab_size)
         for r in rows2:
@@ -359,6 +361,9 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
         other[ln] = _other_summary(rows2, f6)
     _write_lens_tables(run, per_lens)
     write_index(run, index.table())
+    from ffkv.experiments import value_tops
+
+    value_tops.store(run, mm, {ln: (p.vtop[..., 0], p.vtop[..., 1]) for ln, p in projections.items()})
     summary = _summary(rec, mm, trig, ag, layer_rows, fig6_rows, table2, kinds2)
     summary["other_lenses"] = other
     summary["seconds"] = round(time.time() - t0, 2)
@@ -376,13 +381,14 @@ class Projections:
     rank: np.ndarray  # (L, d_m) rank of the top-1 trigger's next token in s_i·v_i; −1 if excluded
     tprob: np.ndarray  # (L, d_m) its probability; NaN if excluded
     sh_rank: np.ndarray  # (L, d_m) rank under shuffled pairing (permutation 0)
+    vtop: np.ndarray  # (L, d_m, 2) argmax and argmin of the value's logits (the `value_tops` cache)
 
     @classmethod
     def empty(cls, L: int, d_m: int, k: int) -> "Projections":
         return cls(np.zeros((L, d_m, 3, k), np.int32), np.zeros((L, d_m, 3, k), np.float32),
                    np.zeros((L, d_m, 3), np.float32), np.zeros((L, d_m, 3), np.float32),
                    np.full((L, d_m), -1, np.int64), np.full((L, d_m), np.nan, np.float32),
-                   np.full((L, d_m), -1, np.int64))
+                   np.full((L, d_m), -1, np.int64), np.zeros((L, d_m, 2), np.int64))
 
     def put(self, l: int, a: int, b: int, kind: int, summary) -> None:
         """Store one `summarize_logits` result for rows a:b of layer l."""
@@ -426,9 +432,11 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
     for a in range(0, mm.d_m, chunk):
         b = min(a + chunk, mm.d_m)
         z = proj.logits(Vw[a:b])
-        if index is not None:
-            index.add(lens, l, a, z)
         s = summarize_logits(z, top_k, work=proj.work)
+        if index is not None:
+            index.add(lens, l, a, z, lse=(s["pos"][4], s["neg"][4]))
+        out.vtop[l, a:b, 0] = z.argmax(-1).cpu().numpy()
+        out.vtop[l, a:b, 1] = z.argmin(-1).cpu().numpy()
         out.put(l, a, b, 0, s["pos"])
         out.put(l, a, b, 1, s["neg"])
         _target_ranks(z, s, direction[a:b], target[a:b], valid[a:b], out.rank[l], out.tprob[l], a)
