@@ -309,7 +309,7 @@ class Builder:
         (pk, pt), miss = self.need("table1", "pattern_keys", "patterns")
         s = Section("table1", V.table1(pk), missing=miss)
         if miss or self.decoder is None or not self.run.has_table("triggers"):
-            s.missing = s.missing or f"Needs the `triggers` and `vocab` tables of `ffkv mine`."
+            s.missing = s.missing or "Needs the `triggers` and `vocab` tables of `ffkv mine`."
             return s
         cand = pk[pk["n_patterns"] > 0].copy()
         if cand.empty:

@@ -71,7 +71,7 @@ def _finish(fig, ax, layers, ylabel: str, title: str, ylim=None, legend_below: b
     return fig
 
 
-def _styled(fn):
+def styled(fn):
     def wrapper(*a, **kw):
         with matplotlib.rc_context(RC):
             return fn(*a, **kw)
@@ -93,7 +93,7 @@ def _lines_by_lens(df: pd.DataFrame, primary: str | None):
 
 
 # ---- Fig 2 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig2(df: pd.DataFrame, title: str = "Pattern kinds of the top-25 trigger prefixes") -> Figure:
     if "scope" in df.columns:
         scope = "semantic_sample" if (df["scope"] == "semantic_sample").any() else "all"
@@ -110,7 +110,7 @@ def fig2(df: pd.DataFrame, title: str = "Pattern kinds of the top-25 trigger pre
 
 
 # ---- Fig 3 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig3(df: pd.DataFrame) -> Figure:
     fig, ax = new_figure()
     offsets = {"first": -0.22, "random": 0.0, "last": 0.22}
@@ -128,7 +128,7 @@ def fig3(df: pd.DataFrame) -> Figure:
 
 
 # ---- Fig 4 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig4(df: pd.DataFrame) -> Figure:
     df = df.sort_values("layer")
     fig, ax = new_figure()
@@ -141,7 +141,7 @@ def fig4(df: pd.DataFrame) -> Figure:
 
 
 # ---- Fig 5 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig5(df: pd.DataFrame) -> Figure:
     df = df.sort_values("layer")
     fig, ax = new_figure()
@@ -157,7 +157,7 @@ def fig5(df: pd.DataFrame) -> Figure:
 
 
 # ---- Fig 6 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig6(df: pd.DataFrame) -> Figure:
     df = df[df["n"] > 0].sort_values("bin")
     fig, ax = new_figure()
@@ -174,7 +174,7 @@ def fig6(df: pd.DataFrame) -> Figure:
 
 
 # ---- Fig 7 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig7(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
     lens, d, _ = next(_lines_by_lens(df, primary))  # the fraction does not depend on the lens
@@ -191,7 +191,7 @@ def fig7(df: pd.DataFrame, primary: str | None = None) -> Figure:
 
 
 # ---- Fig 8 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig8(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
     for lens, d, first in _lines_by_lens(df, primary):
@@ -215,7 +215,7 @@ def fig8(df: pd.DataFrame, primary: str | None = None) -> Figure:
 
 
 # ---- Fig 9 ---------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig9(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
     for lens, d, first in _lines_by_lens(df, primary):
@@ -229,7 +229,7 @@ def fig9(df: pd.DataFrame, primary: str | None = None) -> Figure:
 
 
 # ---- Fig 10 --------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig10(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
     for lens, d, first in _lines_by_lens(df, primary):
@@ -244,7 +244,7 @@ def fig10(df: pd.DataFrame, primary: str | None = None) -> Figure:
 
 
 # ---- Fig 11 --------------------------------------------------------------------------------------------
-@_styled
+@styled
 def fig11(df: pd.DataFrame, primary: str | None = None) -> Figure:
     lens, d, _ = next(_lines_by_lens(df, primary))
     fig, ax = new_figure()

@@ -213,13 +213,11 @@ def _layer_ticks(ax, label: str = "layer (0-based)") -> None:
 
 
 def _styled(fn):
+    """figures' style, imported when a plot is drawn (verdicts alone need no matplotlib)."""
     def wrapper(*a, **kw):
-        import matplotlib
+        from ffkv.report.figures import styled
 
-        from ffkv.report.figures import RC
-
-        with matplotlib.rc_context(RC):
-            return fn(*a, **kw)
+        return styled(fn)(*a, **kw)
     wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
     return wrapper
 

@@ -17,25 +17,36 @@ BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def screenshot(html: Path, png: Path, width: int = 1280, height: int = 1600, full_page: bool = False) -> Path:
-    """Open `html` from file:// and save a PNG of its top `height` pixels (or the whole page)."""
+def browser_check():
+    """sync_playwright, after checking that Debian's chromium and the playwright package are here."""
     if not Path(CHROMIUM).exists():
         raise FfkvError(f"{CHROMIUM} is missing; install Debian's chromium (`apt-get install -y chromium`)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         raise FfkvError("the `playwright` package is needed (pip install playwright; no browser download)") from None
+    return sync_playwright
+
+
+def capture(url: str, png: Path, width: int, height: int, full_page: bool = False) -> Path:
+    """Load `url` in headless chromium and save a PNG of its top `height` pixels (or the whole page)."""
+    sync_playwright = browser_check()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
-            page.goto(Path(html).resolve().as_uri(), wait_until="load")
+            page.goto(url, wait_until="load")
             page.screenshot(path=str(png), full_page=full_page)
         finally:
             browser.close()
     return png
+
+
+def screenshot(html: Path, png: Path, width: int = 1280, height: int = 1600, full_page: bool = False) -> Path:
+    """Open `html` from file:// and save a PNG of its top `height` pixels (or the whole page)."""
+    return capture(Path(html).resolve().as_uri(), png, width, height, full_page)
 
 
 def main(argv=None) -> None:

@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-from ffkv.errors import FfkvError
-
 
 def pick_memory(browser) -> str:
     res = browser.search_measure(sort="max_prob", agree=True, per_page=1)
@@ -31,15 +29,10 @@ def screenshot(run, png: Path, page: str | None = None, width: int = 1400, heigh
                full_page: bool = False, build_index: bool = True) -> tuple[Path, str]:
     import uvicorn
 
-    from ffkv.report.screenshot import BROWSER_ARGS, CHROMIUM
+    from ffkv.report.screenshot import browser_check, capture
     from ffkv.web.app import create_app
 
-    if not Path(CHROMIUM).exists():
-        raise FfkvError(f"{CHROMIUM} is missing; install Debian's chromium (`apt-get install -y chromium`)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        raise FfkvError("the `playwright` package is needed (pip install playwright; no browser download)") from None
+    browser_check()
     app = create_app(run, log_fn=lambda msg: None)
     b = app.state.browser
     if build_index:  # both lenses in the vocabulary views: the token index (built in memory if absent)
@@ -54,16 +47,7 @@ def screenshot(run, png: Path, page: str | None = None, width: int = 1400, heigh
     try:
         while not server.started:
             time.sleep(0.05)
-        png = Path(png)
-        png.parent.mkdir(parents=True, exist_ok=True)
-        with sync_playwright() as p:
-            br = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-            try:
-                pg = br.new_page(viewport={"width": width, "height": height})
-                pg.goto(f"http://127.0.0.1:{port}{page}", wait_until="load")
-                pg.screenshot(path=str(png), full_page=full_page)
-            finally:
-                br.close()
+        png = capture(f"http://127.0.0.1:{port}{page}", png, width, height, full_page)
     finally:
         server.should_exit = True
         th.join(10)
