@@ -27,7 +27,7 @@ def _side_name(sign: int) -> str:
     return "m > 0" if sign == 1 else "m < 0"
 
 
-@F._styled
+@F.styled
 def density_figure(by_layer: pd.DataFrame):
     """Per layer: the mean share of tokens on which a key is active (median and quartiles shaded), per sign."""
     fig, ax = F.new_figure()
@@ -55,7 +55,7 @@ def bin_labels(layout: dict) -> list[str]:
     return out
 
 
-@F._styled
+@F.styled
 def histograms_figure(keys: list[dict], layout: dict):
     """One panel per key: its signed log2-binned histogram (counts on a log scale), bins in value order.
 
