@@ -814,3 +814,22 @@ def test_top_rows_brute_force_with_ties(C, k, sign, seed):
                 want.add((r, w, rk, float(zz[r, w])))
     got = set(zip(row.tolist(), tok.tolist(), rank.tolist(), logit.tolist()))
     assert got == want and len(got) == len(row)
+
+
+def test_token_index_same_from_a_shuffled_table(llama):
+    """The stored order lets TokenIndex skip a sort; any other row order gives the same lookups."""
+    from ffkv.experiments.value_index import build_index
+    from ffkv.model.memories import open_model
+    from ffkv.web.data import TokenIndex
+
+    mm = open_model(str(llama), device="cpu")
+    t = build_index(mm, k=5)
+    perm = np.random.default_rng(0).permutation(t.num_rows)
+    a, b = TokenIndex(t, mm.d_m, "run"), TokenIndex(t.take(perm), mm.d_m, "run")
+    assert a.parts.keys() == b.parts.keys()
+    for key in a.parts:
+        for c in ("token", "rank", "mem", "tok_sorted"):
+            assert np.array_equal(a.parts[key][c], b.parts[key][c]), (key, c)
+        pa_, pb = a.parts[key], b.parts[key]
+        assert np.array_equal(pa_["mem"][pa_["by_token"]], pb["mem"][pb["by_token"]])
+        assert np.array_equal(pa_["rank"][pa_["by_token"]], pb["rank"][pb["by_token"]])

@@ -99,6 +99,17 @@ class ByKey:
         return self.slice(layer, dim).to_pylist()
 
 
+def _order_by_token(p: dict, by_mem: np.ndarray) -> np.ndarray:
+    """Positions (in memory order) sorted by token, rank, memory. The stored table is already in
+    that order, so inverting by_mem gives it without a second lexsort; otherwise sort."""
+    inv = np.empty_like(by_mem)
+    inv[by_mem] = np.arange(len(by_mem))
+    t, r, m = p["token"][inv], p["rank"][inv], p["mem"][inv]
+    ok = len(t) < 2 or bool(np.all((t[1:] > t[:-1]) | ((t[1:] == t[:-1]) & (
+        (r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (m[1:] >= m[:-1]))))))
+    return (inv if ok else np.lexsort((p["mem"], p["rank"], p["token"]))).astype(np.int32)
+
+
 class TokenIndex:
     """The `value_index` table in memory: per (lens, sign), rows sorted by memory and by token."""
 
@@ -110,21 +121,22 @@ class TokenIndex:
         self.source = source
         self.rows = table.num_rows
         self.parts: dict[tuple[str, int], dict] = {}
-        lens = table.column("lens").to_numpy(zero_copy_only=False)
+        lens_names = sorted(pc.unique(table.column("lens")).to_pylist())  # np.unique on strings: 1.4 s
+        lens = pc.index_in(table.column("lens"), pa.array(lens_names)).to_numpy(zero_copy_only=False)
         sign = table.column("sign").to_numpy()
         tok = table.column("token").to_numpy().astype(np.int32)
         prob = table.column("prob").to_numpy().astype(np.float32)
         mem = (table.column("layer").to_numpy().astype(np.int32) * np.int32(d_m)
                + table.column("dim").to_numpy().astype(np.int32))
-        for ln in np.unique(lens).tolist():
+        for li, ln in enumerate(lens_names):
             for s in (1, -1):
-                sel = np.nonzero((lens == ln) & (sign == s))[0]
+                sel = np.nonzero((lens == li) & (sign == s))[0]
                 if not len(sel):
                     continue
                 p = {"token": tok[sel], "rank": rk[sel], "prob": prob[sel], "mem": mem[sel]}
                 by_mem = np.lexsort((p["rank"], p["mem"]))
                 p = {c: v[by_mem] for c, v in p.items()}
-                p["by_token"] = np.lexsort((p["mem"], p["rank"], p["token"])).astype(np.int32)
+                p["by_token"] = _order_by_token(p, by_mem)
                 p["tok_sorted"] = p["token"][p["by_token"]]
                 self.parts[(str(ln), s)] = p
         self.lenses = sorted({ln for ln, _ in self.parts})
