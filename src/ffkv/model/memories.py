@@ -45,8 +45,9 @@ def is_active(m: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
 def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """0-based rank of `target` in each row: the number of logits strictly above it."""
     t = logits.gather(-1, target.unsqueeze(-1))
-    # summing the bool mask as uint8 with an int64 accumulator avoids an int64 copy of the mask
-    return (logits > t).view(torch.uint8).sum(-1, dtype=torch.int64)
+    # the bool mask summed as uint8 into int32 (exact: V < 2^31) is 4x faster on CPU than an int64
+    # accumulator, which casts element by element; values' ranks spent 27 s of 100 s there
+    return (logits > t).view(torch.uint8).sum(-1, dtype=torch.int32).to(torch.int64)
 
 
 class Lens:
