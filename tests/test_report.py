@@ -131,6 +131,28 @@ def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
     assert f"{n_cases} last-layer cases" in page
 
 
+def test_verdicts_json_has_each_lens_verdict(report, tiny_run):
+    """`lenses` in verdicts.json is the verdict function under each lens the tables hold, and
+    `ffkv verdicts` reads it back; a run compared with itself changes nothing."""
+    from ffkv.report import verdicts as V
+
+    L = json.loads((tiny_run / "manifest.json").read_text())["model"]["layers"]
+    vl = pq.read_table(tiny_run / "values_lenses.parquet").to_pandas()
+    cl = pq.read_table(tiny_run / "compose_layers.parquet").to_pandas()
+    vj = {r["id"]: r for r in json.loads((report.parent / "verdicts.json").read_text())}
+    for ln in ("norm", "naive"):
+        assert vj["fig4"]["lenses"][ln] == V.fig4(vl, L, lens=ln).verdict
+        assert vj["fig5"]["lenses"][ln] == V.fig5(vl, L, lens=ln).verdict
+        assert vj["fig9"]["lenses"][ln] == V.fig9(cl, L, lens=ln).verdict
+        assert vj["fig11"]["lenses"][ln] == V.fig11(cl, lens=ln).verdict
+    assert vj["fig4"]["lenses"]["norm"] == vj["fig4"]["verdict"] and vj["fig3"]["lenses"] is None
+    r = run_cli("verdicts", tiny_run, tiny_run, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [v["id"] for v in out["verdicts"]] == list(vj) and not any(v["changed"] for v in out["verdicts"])
+    assert out["verdicts"][list(vj).index("fig9")]["runs"][0]["lenses"] == vj["fig9"]["lenses"]
+
+
 def test_report_model_differences(report):
     page = report.read_text()
     i = page.index('id="model"')

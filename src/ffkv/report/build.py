@@ -46,6 +46,7 @@ class Section:
     missing: str | None = None
     error: str | None = None
     extra: str = ""  # appended to the measured text (e.g. the other lens)
+    lenses: dict[str, str] = field(default_factory=dict)  # lens -> verdict, when read under several
 
 
 # ---- token decoding: `ffkv.store.decode` (one decoder for the report, `ffkv show` and the web) ----------
@@ -250,15 +251,25 @@ class Builder:
         fig = fn(*args, **kw)
         return F.save(fig, self.fig_dir, name)
 
-    def other_lens(self, fn, df, *args, **kw) -> str:
-        """' (naive lens: same verdict)' for the compose verdicts, read under the other lens too."""
+    def read_lenses(self, s: Section, fn, df, *args, main: str | None = None, detail: bool = False, **kw) -> Section:
+        """Judge `df` under every lens it holds besides `main` (the run's): each lens's verdict goes to
+        `s.lenses` (verdicts.json) and to the measured line, with its numbers when `detail`. The paper
+        projected with the naive lens, which is named as such."""
         lenses = list(dict.fromkeys(df["lens"])) if df is not None and "lens" in df.columns else []
-        others = [l for l in lenses if l != self.lens]
-        if not others:
-            return ""
-        main = fn(df, *args, lens=self.lens, **kw).verdict
-        alt = fn(df, *args, lens=others[0], **kw).verdict
-        return f" ({others[0]} lens: {'same verdict' if alt == main else alt})"
+        main = main or self.lens
+        if len(lenses) < 2:
+            return s
+        s.lenses[main] = s.verdict.verdict
+        for ln in lenses:
+            if ln == main:
+                continue
+            v = fn(df, *args, lens=ln, **kw)
+            s.lenses[ln] = v.verdict
+            tag = f"{ln} lens" + (", the paper's" if ln == "naive" else "")
+            said = f"{v.verdict} — {v.measured}" if detail else ("same verdict" if v.verdict == s.verdict.verdict
+                                                                  else v.verdict)
+            s.extra += f" ({tag}: {said})"
+        return s
 
     # each returns a Section -----------------------------------------------------------------------------
     def fig2(self) -> Section:
@@ -366,21 +377,14 @@ class Builder:
         return self._plain("fig3", "mutations_layers", V.fig3, self.L)
 
     def _values_lenses(self, s: Section, name: str, fn, *args) -> Section:
-        """The values sections read under each lens (`values_lenses`, `values_fig6_lenses`,
-        `values_table2_lenses`, from issue 14 on): the other lens's verdict and numbers beside the
-        run's, the paper's naive lens named as such."""
+        """The values sections under each lens (`values_lenses`, `values_fig6_lenses`,
+        `values_table2_lenses`, from issue 14 on)."""
         df = self.t.get(name)
         if df is None or "lens" not in df.columns:
             return s
-        main = self.run.settings("values") or {}
-        main_lens = main.get("lens") or self.lens
-        for ln in dict.fromkeys(df["lens"]):
-            if ln == main_lens:
-                continue
-            v = fn(df, *args, lens=ln)
-            tag = f"{ln} lens" + (", the paper's" if ln == "naive" else "")
-            s.extra += f" ({tag}: {v.verdict} — {v.measured})"
-        s.notes.append(f"Verdict under the {main_lens} lens; the paper projected with the naive lens v·E, whose "
+        main = (self.run.settings("values") or {}).get("lens") or self.lens
+        self.read_lenses(s, fn, df, *args, main=main, detail=True)
+        s.notes.append(f"Verdict under the {main} lens; the paper projected with the naive lens v·E, whose "
                        "verdict and numbers follow the measured line.")
         return s
 
@@ -425,7 +429,7 @@ class Builder:
         v = vfn(df, *vargs, *args, lens=self.lens, **vkw)
         s = Section(sid, v, missing=miss)
         if df is not None:
-            s.extra = self.other_lens(vfn, df, *vargs, *args, **vkw)
+            self.read_lenses(s, vfn, df, *vargs, *args, **vkw)
             s.figure = self.draw(sid, ffn, df, primary=self.lens)
         return s
 
@@ -540,7 +544,7 @@ def section_html(s: Section, notes: list[str], fig_rel: str) -> str:
                f'{f"<p class=error>{esc(s.error)}</p>" if s.error else ""}</div>')
     else:
         fig = '<div class="tables">' + s.html + "</div>"
-        s = Section(s.id, s.verdict, s.figure, "", s.notes, s.missing, s.error, s.extra)
+        s = Section(s.id, s.verdict, s.figure, "", s.notes, s.missing, s.error, s.extra, s.lenses)
     parts.append(f'<div class="cols">{fig}{paper}</div>')
     parts.append(verdict_line(s.verdict, s.extra))
     if notes:
@@ -636,7 +640,7 @@ def verdicts_json(sections: list[Section]) -> list[dict]:
     """The verdicts as data (verdicts.json beside the HTML): one record per section, in report order."""
     return [{"id": s.id, "title": PAPER[s.id]["title"], "verdict": s.verdict.verdict,
              "criterion": s.verdict.criterion, "measured": s.verdict.measured,
-             "other_lens": s.extra.strip(" ()") or None, "figure": s.figure["png"].name if s.figure else None,
+             "other_lens": s.extra.strip(" ()") or None, "lenses": s.lenses or None, "figure": s.figure["png"].name if s.figure else None,
              "missing": s.missing, "error": s.error} for s in sections]
 
 
@@ -668,7 +672,8 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
 def build_report(run_path, out: str | Path | None = None, log=None) -> Path:
     """Build RUN/report/index.html (or `out`: a .html file, or a folder to hold index.html), the
     figures as PNG and SVG beside it in `figures/`, and `verdicts.json` (one record per section: id,
-    title, verdict, criterion, measured, other_lens, figure, missing, error). Returns the HTML path. Raises FfkvError for a
+    title, verdict, criterion, measured, other_lens, lenses (lens -> verdict), figure, missing, error).
+    Returns the HTML path. Raises FfkvError for a
     missing or unmined run. A section whose table is malformed is reported through `log` and shown
     as "not comparable" with the error, rather than failing the whole report."""
     return build(run_path, out, log)[0]

@@ -1,0 +1,97 @@
+"""`ffkv verdicts`: runs' verdicts side by side (ffkv.report.compare), on hand-made records."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ffkv.errors import FfkvError
+from ffkv.report import compare as C
+
+
+def rec(vid, verdict, lenses=None, title=None):
+    return {"id": vid, "title": title or vid.upper(), "verdict": verdict, "lenses": lenses}
+
+
+def write(run, recs):
+    (run / "report").mkdir(parents=True, exist_ok=True)
+    (run / "report" / "verdicts.json").write_text(json.dumps(recs))
+    return run
+
+
+def test_side_by_side_marks_verdict_and_lens_changes():
+    a = [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
+         rec("fig5", "inconclusive", {"norm": "inconclusive", "naive": "same trend"}),
+         rec("fig8", "inconclusive"), rec("only_a", "differs")]
+    b = [rec("fig4", "same trend", {"norm": "same trend", "naive": "differs"}),
+         rec("fig5", "inconclusive", {"norm": "inconclusive", "naive": "same trend"}),
+         rec("fig8", "same trend"), rec("only_b", "same trend")]
+    rows = {r["id"]: r for r in C.side_by_side([a, b])}
+    assert [r["id"] for r in C.side_by_side([a, b])] == ["fig4", "fig5", "fig8", "only_a", "only_b"]
+    assert rows["fig4"]["changed"]  # same main verdict, the naive lens changed
+    assert not rows["fig5"]["changed"]
+    assert rows["fig8"]["changed"]
+    # a verdict only one run has is not a change
+    assert not rows["only_a"]["changed"] and rows["only_a"]["readings"][1] is None
+    assert C.cell(rows["fig5"]["readings"][0]) == "inconclusive (naive: same trend)"
+    assert C.cell(rows["fig4"]["readings"][0]) == "same trend"
+    assert C.cell(None) == "—"
+
+
+def test_a_lens_only_one_run_read_is_not_a_change():
+    a = [rec("fig9", "same trend", {"norm": "same trend", "naive": "differs"})]
+    b = [rec("fig9", "same trend")]
+    assert not C.side_by_side([a, b])[0]["changed"]
+
+
+@given(st.lists(st.sampled_from(["same trend", "differs", "inconclusive", "not comparable"]), min_size=1, max_size=5))
+def test_changed_iff_the_runs_disagree(verdicts):
+    runs = [[rec("fig3", v)] for v in verdicts]
+    assert C.side_by_side(runs)[0]["changed"] == (len(set(verdicts)) > 1)
+
+
+def test_load_errors_are_one_line(tmp_path):
+    with pytest.raises(FfkvError, match="not a run directory"):
+        C.load(tmp_path / "nope")
+    (tmp_path / "r").mkdir()
+    with pytest.raises(FfkvError, match="no report yet.*ffkv report"):
+        C.load(tmp_path / "r")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.binary(max_size=200),
+                 st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                              lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+                              max_leaves=12).map(lambda x: json.dumps(x).encode())))
+def test_load_on_any_file_returns_records_or_one_line(tmp_path, data):
+    run = tmp_path / "run"
+    (run / "report").mkdir(parents=True, exist_ok=True)
+    (run / "report" / "verdicts.json").write_bytes(data)
+    try:
+        recs = C.load(run)
+    except FfkvError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    rows = C.side_by_side([recs, recs])
+    assert not any(r["changed"] for r in rows)
+
+
+def test_verdicts_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from ffkv.cli import app
+
+    a = write(tmp_path / "default", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
+                                     rec("fig8", "inconclusive")])
+    b = write(tmp_path / "full", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
+                                  rec("fig8", "differs")])
+    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert [(v["id"], v["changed"]) for v in out["verdicts"]] == [("fig4", False), ("fig8", True)]
+    assert out["verdicts"][1]["runs"] == [{"verdict": "inconclusive", "lenses": {}}, {"verdict": "differs", "lenses": {}}]
+    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--changed"])
+    assert res.exit_code == 0 and "fig8" in res.output and "fig4" not in res.output
+    assert "1 of 2 verdicts differ" in res.output
