@@ -85,7 +85,7 @@ def test_presets_and_step_settings():
 
     assert STEPS[-1] == "normalize"
     d, f = preset("default"), preset("full")
-    assert (d.sentences, d.prefixes, d.keys_per_layer, d.semantic_keys_per_layer) == (1500, 1000, 4, 10)
+    assert (d.sentences, d.prefixes, d.keys_per_layer, d.semantic_keys_per_layer) == (1500, 1000, 3, 10)
     assert (f.sentences, f.prefixes, f.keys_per_layer, f.semantic_keys_per_layer) == (None, 4000, 100, 10)
     assert step_settings("mine", f, True).max_sentences is None
     assert step_settings("compose", f, True).n_prefixes == 4000
@@ -101,3 +101,24 @@ def test_presets_and_step_settings():
 def test_reproduce_bad_preset_is_one_line(tmp_path):
     res = run_cli("reproduce", tmp_path / "r", "--preset", "huge", "--model", "x")
     assert res.returncode == 2 and "Traceback" not in res.stderr and "preset" in res.stderr
+
+
+def test_summary_names_every_verdict_in_ten_lines(tmp_path):
+    from ffkv.reproduce import summary_lines
+
+    run = tmp_path / "r"
+    (run / "report").mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"model": {"model_id": "m", "layers": 2, "d_m": 8},
+                                                   "corpus": {"counts": {"sentences": 5, "tokens": 50}}}))
+    kinds = ["same trend", "differs", "inconclusive", "not comparable", "does not hold"]
+    recs = [{"id": f"fig{i}", "verdict": kinds[i % len(kinds)]} for i in range(19)]
+    (run / "report" / "verdicts.json").write_text(json.dumps(recs))
+    lines = summary_lines(run, {"mine": 60.0, "values": 30.0})
+    assert len(lines) <= 10 and "total 1.5 min" in lines[1]
+    assert "4 same trend" in lines[2] and "ffkv verdicts" in lines[2]
+    named = {}
+    for line in lines[3:]:
+        kind = next(k for k in kinds if line.strip().startswith(k))
+        for vid in line.strip()[len(kind):].split():
+            named[vid] = kind
+    assert named == {r["id"]: r["verdict"] for r in recs}
