@@ -384,6 +384,8 @@ class Builder:
             return s
         main = (self.run.settings("values") or {}).get("lens") or self.lens
         self.read_lenses(s, fn, df, *args, main=main, detail=True)
+        if s.figure is not None and hasattr(F, s.id):  # redrawn with every lens
+            s.figure = self.draw(s.id, getattr(F, s.id), df, primary=main)
         s.notes.append(f"Verdict under the {main} lens; the paper projected with the naive lens v·E, whose "
                        "verdict and numbers follow the measured line.")
         return s

@@ -79,17 +79,17 @@ def styled(fn):
     return wrapper
 
 
-def _lines_by_lens(df: pd.DataFrame, primary: str | None):
-    """(lens, frame, is_primary), the primary lens first."""
+def _lines_by_lens(df: pd.DataFrame, primary: str | None, by: str = "layer"):
+    """(lens, frame sorted by `by`, is_primary), the primary lens first."""
     if "lens" not in df.columns:
-        yield None, df.sort_values("layer"), True
+        yield None, df.sort_values(by), True
         return
     lenses = list(dict.fromkeys(df["lens"]))
     if primary in lenses:
         lenses.remove(primary)
         lenses.insert(0, primary)
     for i, lens in enumerate(lenses):
-        yield lens, df[df["lens"] == lens].sort_values("layer"), i == 0
+        yield lens, df[df["lens"] == lens].sort_values(by), i == 0
 
 
 # ---- Fig 2 ---------------------------------------------------------------------------------------------
@@ -128,48 +128,64 @@ def fig3(df: pd.DataFrame) -> Figure:
 
 
 # ---- Fig 4 ---------------------------------------------------------------------------------------------
+def _lens_tag(lens: str | None) -> str:
+    if not lens:
+        return ""
+    return f" ({lens} lens, the paper's)" if lens == "naive" else f" ({lens} lens)"
+
+
 @styled
-def fig4(df: pd.DataFrame) -> Figure:
-    df = df.sort_values("layer")
+def fig4(df: pd.DataFrame, primary: str | None = None) -> Figure:
+    """Agreement per layer; a table with a lens column (`values_lenses`) draws each lens, the
+    run's solid with its interval and baselines, the other dotted."""
     fig, ax = new_figure()
-    ax.plot(df["layer"], df["agreement"] * 100, "o-", ms=3.5, label="agreement")
-    ax.fill_between(df["layer"], df["ci_low"] * 100, df["ci_high"] * 100, alpha=0.2, label="95% CI (Wilson)")
-    ax.plot(df["layer"], df["shuffled"] * 100, "--", color="gray", label="shuffled pairing")
-    ax.plot(df["layer"], df["random_baseline"] * 100, ":", color="black", label="random (1/|V|)")
+    for lens, d, first in _lines_by_lens(df, primary):
+        ax.plot(d["layer"], d["agreement"] * 100, "o-" if first else "o:", ms=3.5, color="C0" if first else "C3",
+                alpha=1 if first else 0.7, label=f"agreement{_lens_tag(lens)}")
+        if first:
+            ax.fill_between(d["layer"], d["ci_low"] * 100, d["ci_high"] * 100, alpha=0.2, label="95% CI (Wilson)")
+            ax.plot(d["layer"], d["shuffled"] * 100, "--", color="gray", label="shuffled pairing")
+            ax.plot(d["layer"], d["random_baseline"] * 100, ":", color="black", label="random (1/|V|)")
     return _finish(fig, ax, df["layer"], "agreement rate (%)",
                    "Value's top token = next token of the key's top trigger")
 
 
 # ---- Fig 5 ---------------------------------------------------------------------------------------------
 @styled
-def fig5(df: pd.DataFrame) -> Figure:
-    df = df.sort_values("layer")
+def fig5(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
-    x = df["layer"]
-    ax.fill_between(x, df["rank_q10"] + 1, df["rank_q90"] + 1, alpha=0.12, color="C0", label="10–90%")
-    ax.fill_between(x, df["rank_q25"] + 1, df["rank_q75"] + 1, alpha=0.25, color="C0", label="25–75%")
-    ax.plot(x, df["rank_median"] + 1, "o-", ms=3.5, color="C0", label="median")
-    if "shuffled_rank_median" in df.columns:
-        ax.plot(x, df["shuffled_rank_median"] + 1, "--", color="gray", label="median, shuffled pairing")
+    for lens, d, first in _lines_by_lens(df, primary):
+        x, tag = d["layer"], _lens_tag(lens)
+        if first:
+            ax.fill_between(x, d["rank_q10"] + 1, d["rank_q90"] + 1, alpha=0.12, color="C0", label=f"10–90%{tag}")
+            ax.fill_between(x, d["rank_q25"] + 1, d["rank_q75"] + 1, alpha=0.25, color="C0", label=f"25–75%{tag}")
+        ax.plot(x, d["rank_median"] + 1, "o-" if first else "o:", ms=3.5, color="C0" if first else "C3",
+                alpha=1 if first else 0.7, label=f"median{tag}")
+        if "shuffled_rank_median" in d.columns:
+            ax.plot(x, d["shuffled_rank_median"] + 1, "--" if first else ":", color="gray",
+                    alpha=1 if first else 0.6, label=f"median, shuffled pairing{tag}")
     ax.set_yscale("log")
-    return _finish(fig, ax, x, "rank of the next token + 1 (log)",
+    return _finish(fig, ax, df["layer"], "rank of the next token + 1 (log)",
                    "Rank of the trigger's next token in the value's distribution")
 
 
 # ---- Fig 6 ---------------------------------------------------------------------------------------------
 @styled
-def fig6(df: pd.DataFrame) -> Figure:
-    df = df[df["n"] > 0].sort_values("bin")
+def fig6(df: pd.DataFrame, primary: str | None = None) -> Figure:
     fig, ax = new_figure()
-    x = df["mean_max_prob"]
-    ax.errorbar(x, df["agreement"] * 100, yerr=[(df["agreement"] - df["ci_low"]).clip(lower=0) * 100,
-                                                (df["ci_high"] - df["agreement"]).clip(lower=0) * 100],
-                fmt="o-", ms=3.5, capsize=2)
+    for lens, d, first in _lines_by_lens(df[df["n"] > 0], primary, by="bin"):
+        ax.errorbar(d["mean_max_prob"], d["agreement"] * 100,
+                    yerr=[(d["agreement"] - d["ci_low"]).clip(lower=0) * 100,
+                          (d["ci_high"] - d["agreement"]).clip(lower=0) * 100],
+                    fmt="o-" if first else "o:", ms=3.5, capsize=2, color="C0" if first else "C3",
+                    alpha=1 if first else 0.6, label=f"agreement{_lens_tag(lens)}")
     ax.set_xscale("log")
     ax.set_xlabel("value's max probability (bin mean, quantile bins, log)")
     ax.set_ylabel("agreement rate (%)")
     ax.set_title("Agreement by the value's max probability")
     ax.grid(alpha=0.3)
+    if "lens" in df.columns:
+        ax.legend(fontsize=8)
     return fig
 
 
