@@ -6,6 +6,8 @@ everything after it. They are shown as visible escapes instead; the stored text 
 """
 from __future__ import annotations
 
+import math
+import numbers
 import re
 
 # C0 and C1 controls except tab and newline, DEL, and the bidi embedding/override/isolate marks.
@@ -18,3 +20,23 @@ def printable(text: str | None, newlines: bool = True) -> str | None:
         return None
     out = _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
     return out if newlines else out.replace("\n", "\\n").replace("\t", " ")
+
+
+def number(x, digits: int = 3, missing: str = "", yes_no: bool = False, whole_from: float = 100) -> str:
+    """A table cell: integers with thousands separators, reals from `whole_from` up as whole
+    numbers, smaller ones to `digits` significant digits; `missing` for None and NaN. The report
+    and the browser differ only in those options."""
+    if x is None:
+        return missing
+    if isinstance(x, bool):
+        return ("yes" if x else "no") if yes_no else str(x)
+    if isinstance(x, numbers.Integral):
+        return f"{int(x):,}"
+    if isinstance(x, numbers.Real):
+        x = float(x)
+        if math.isnan(x):
+            return missing
+        if x == 0:
+            return "0"
+        return f"{x:,.0f}" if abs(x) >= whole_from else f"{x:.{digits}g}"
+    return str(x)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import base64
 import html
-import math
-import numbers
 import re
 from importlib import resources
 from pathlib import Path
 from string import Template
 
+from ffkv.display import number
 from ffkv.report.verdicts import DIFFERS, INCONCLUSIVE, NA, SAME, Verdict
 
 VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", INCONCLUSIVE: "v-inconclusive", NA: "v-na"}
@@ -54,19 +53,8 @@ def verdict_line(v: Verdict, extra: str = "") -> str:
 
 
 def fmt(x, digits: int = 3) -> str:
-    """A cell value: thousands separators for big numbers, `digits` significant digits for small ones."""
-    if x is None:
-        return ""
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, numbers.Integral):
-        return f"{int(x):,}"
-    if isinstance(x, numbers.Real):
-        x = float(x)
-        if math.isnan(x):
-            return ""
-        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.{digits}g}"
-    return str(x)
+    """A report cell (`ffkv.display.number`): empty when missing."""
+    return number(x, digits)
 
 
 def table(headers: list[str], rows: list[list], num: set[int] | None = None, raw: set[int] | None = None,

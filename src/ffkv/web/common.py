@@ -21,7 +21,6 @@ build on this module:
 from __future__ import annotations
 
 import math
-import numbers
 import re
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from fastapi import HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
+
+from ffkv.display import number
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -57,23 +58,8 @@ def esc(x) -> Markup:
 
 
 def fmt(x, digits: int = 3) -> str:
-    """A number for a cell: thousands separators for integers, `digits` significant digits else."""
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, numbers.Integral):
-        return f"{int(x):,}"
-    if isinstance(x, numbers.Real):
-        x = float(x)
-        if math.isnan(x):
-            return "–"
-        if x == 0:
-            return "0"
-        if abs(x) >= 1000:
-            return f"{x:,.0f}"
-        return f"{x:.{digits}g}"
-    return str(x)
+    """A browser cell (`ffkv.display.number`): a dash when missing, yes/no, whole from 1,000."""
+    return number(x, digits, missing="–", yes_no=True, whole_from=1000)
 
 
 def pct(x, digits: int = 1) -> str:
