@@ -95,3 +95,16 @@ def test_verdicts_cli(tmp_path):
     res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--changed"])
     assert res.exit_code == 0 and "fig8" in res.output and "fig4" not in res.output
     assert "1 of 2 verdicts differ" in res.output
+
+
+def test_verdicts_cli_errors_are_one_line(tmp_path, capsys):
+    from ffkv.cli import main
+
+    (tmp_path / "mined").mkdir()
+    for argv, want in ((["verdicts", str(tmp_path / "nope")], "not a run directory"),
+                       (["verdicts", str(tmp_path / "mined")], "no report yet"),
+                       (["verdicts"], "Missing argument")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, err
