@@ -55,7 +55,8 @@ def verdicts(runs: List[Path] = typer.Argument(..., metavar="RUN...", help="One 
     by_id = [{r["id"]: r for r in rs} for rs in recs]
     table = []
     for r in rows:
-        row = {"figure": r["id"], "title": r["title"], **{n: C.cell(x) for n, x in zip(names, r["readings"])}}
+        row = {"figure": r["id"], **{("verdict" if len(runs) == 1 else n): C.cell(x)
+                                     for n, x in zip(names, r["readings"])}}
         if len(runs) > 1:
             row["changed"] = "yes" if r["changed"] else ""
         if measured:
