@@ -146,6 +146,10 @@ def test_verdicts_json_has_each_lens_verdict(report, tiny_run):
         assert vj["fig9"]["lenses"][ln] == V.fig9(cl, L, lens=ln).verdict
         assert vj["fig11"]["lenses"][ln] == V.fig11(cl, lens=ln).verdict
     assert vj["fig4"]["lenses"]["norm"] == vj["fig4"]["verdict"] and vj["fig3"]["lenses"] is None
+    overview = report.read_text().split('<section id="overview">')[1].split("</section>")[0]
+    assert "<th>verdict (norm lens)</th><th>naive lens (the paper&#x27;s)</th>" in overview
+    row = overview.split('href="#fig9"')[1].split("</tr>")[0]
+    assert row.count('class="chip') == 2 and f'>{vj["fig9"]["lenses"]["naive"]}</span>' in row.split("</td>")[2]
     r = run_cli("verdicts", tiny_run, tiny_run, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

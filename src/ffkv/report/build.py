@@ -137,10 +137,11 @@ def _ffn_row(m: dict, notes: dict) -> list[str]:
     if m.get("gated"):
         ffn_run = f"gated {act}: m = {act}(x·g)·(x·u), signed"
         why = ("A negative coefficient writes −v: directions are compared as sign·v (Figs 4–6, Table 2, Fig 8's "
-               "signed form); m > 0 holds for about half the memories by symmetry, so Fig 7 is not comparable.")
+               "signed form); m > 0 holds for about half the memories by symmetry, so Fig 7 is judged by n90, "
+               "the fewest memories carrying 90% of Σ|m|·‖v‖.")
         notes["fig7"].append("Gated FFN: m = f(x·g)·(x·u) is signed through x·u, whose sign is symmetric, so "
-                             "about 50% of memories have m > 0 for any input. The |m| > ε curve is shown "
-                             "for reference; neither is the paper's 'key fired' count.")
+                             "about 50% of memories have m > 0 for any input, which is not the paper's 'key fired' "
+                             "count; the verdict uses the scale-free n90 instead.")
         notes["fig8"].append("Gated FFN: the verdict uses the signed form (a memory with m < 0 writes −v, "
                              "so its prediction is top(−v)); the paper's form (m > 0 only) is also drawn.")
         for s in ("fig4", "fig5", "fig6", "table2"):
@@ -606,14 +607,18 @@ def manifest_html(run: Run) -> str:
             + esc(json.dumps(man, indent=2, default=str)) + "</pre></details>")
 
 
-def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, extra: list[tuple[str, str, str]] = ()) -> str:
+def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, extra: list[tuple[str, str, str]] = (),
+           lens: str | None = None) -> str:
     """The page. `extra`: (id, title, html) sections beyond the paper's (key statistics, normalize),
-    placed after the paper's figures."""
+    placed after the paper's figures. `lens`: the run's; the overview gives each other lens a column."""
     m = run.manifest.get("model") or {}
     counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
-    overview = table(["section", "verdict", "measured"],
+    others = [ln for ln in dict.fromkeys(k for s in sections for k in s.lenses) if ln != lens]
+    overview = table(["section", f"verdict ({lens} lens)" if others else "verdict"] + [f"{ln} lens" + (" (the paper's)" if ln == "naive" else "")
+                                               for ln in others] + ["measured"],
                      [[f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>', chip(s.verdict.verdict),
-                       s.verdict.measured] for s in sections], raw={0, 1})
+                       *[chip(s.lenses[ln]) if ln in s.lenses else "" for ln in others], s.verdict.measured]
+                      for s in sections], raw=set(range(2 + len(others))))
     toc = " ".join(f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>' for s in sections)
     toc += "".join(f' <a href="#{xid}">{esc(xtitle)}</a>' for xid, xtitle, _ in extra)
     body = [
@@ -664,7 +669,7 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
     sections = b.sections()
     extra, records = b.beyond_the_paper()
     diff_rows, notes = model_differences(run.manifest)
-    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra)
+    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra, lens=b.lens)
     atomic_write_bytes(html_path, page.encode("utf-8"))
     atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections) + records, indent=2,
                                                                       ensure_ascii=False).encode("utf-8"))
