@@ -40,9 +40,8 @@ def verdicts(runs: List[Path] = typer.Argument(..., metavar="RUN...", help="One 
     from ffkv.report import compare as C
 
     recs = [C.load(r) for r in runs]
-    rows = C.side_by_side(recs)
-    if changed:
-        rows = [r for r in rows if r["changed"]]
+    every = C.side_by_side(recs)
+    rows = [r for r in every if r["changed"]] if changed else every
     if as_json:
         out = [{"id": r["id"], "title": r["title"], "changed": r["changed"],
                 "runs": [None if x is None else {"verdict": x[0], "lenses": x[1]} for x in r["readings"]]} for r in rows]
@@ -63,11 +62,10 @@ def verdicts(runs: List[Path] = typer.Argument(..., metavar="RUN...", help="One 
             for n, d in zip(names, by_id):
                 row[f"measured ({n})" if len(runs) > 1 else "measured"] = (d.get(r["id"]) or {}).get("measured") or ""
         table.append(row)
-    cols = list(table[0]) if table else ["figure", "title", *names]
+    cols = list(table[0]) if table else ["figure", *(names if len(runs) > 1 else ["verdict"])]
     print_table("verdicts vs the paper" + (" (changed only)" if changed else ""), table, cols)
     if len(runs) > 1:
-        n = sum(r["changed"] for r in C.side_by_side(recs))
-        print(f"{n} of {len(C.side_by_side(recs))} verdicts differ between the runs")
+        print(f"{sum(r['changed'] for r in every)} of {len(every)} verdicts differ between the runs")
 
 
 def register(app: typer.Typer) -> None:

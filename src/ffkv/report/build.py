@@ -377,28 +377,39 @@ class Builder:
     def fig3(self) -> Section:
         return self._plain("fig3", "mutations_layers", V.fig3, self.L)
 
-    def _values_lenses(self, s: Section, name: str, fn, *args) -> Section:
-        """The values sections under each lens (`values_lenses`, `values_fig6_lenses`,
-        `values_table2_lenses`, from issue 14 on)."""
+    def _values_lenses(self, s: Section, name: str, fn, *args) -> pd.DataFrame | None:
+        """Read a values section under each lens (`values_lenses`, `values_fig6_lenses`,
+        `values_table2_lenses`, from issue 14 on); returns that table, or None for older runs."""
         df = self.t.get(name)
         if df is None or "lens" not in df.columns:
-            return s
-        main = (self.run.settings("values") or {}).get("lens") or self.lens
+            return None
+        main = self.values_lens
         self.read_lenses(s, fn, df, *args, main=main, detail=True)
-        if s.figure is not None and hasattr(F, s.id):  # redrawn with every lens
-            s.figure = self.draw(s.id, getattr(F, s.id), df, primary=main)
         s.notes.append(f"Verdict under the {main} lens; the paper projected with the naive lens v·E, whose "
                        "verdict and numbers follow the measured line.")
+        return df
+
+    @property
+    def values_lens(self) -> str:
+        return (self.run.settings("values") or {}).get("lens") or self.lens
+
+    def _values_figure(self, sid: str, name: str, lens_name: str, fn, *args) -> Section:
+        """Figs 4-6: the run's lens's verdict, every lens's verdict, and one figure drawn with every lens."""
+        (df,), miss = self.need(sid, name)
+        s = Section(sid, fn(df, *args), missing=miss)
+        both = self._values_lenses(s, lens_name, fn, *args)
+        if df is not None:
+            s.figure = self.draw(sid, getattr(F, sid), df if both is None else both, primary=self.values_lens)
         return s
 
     def fig4(self) -> Section:
-        return self._values_lenses(self._plain("fig4", "values_layers", V.fig4, self.L), "values_lenses", V.fig4, self.L)
+        return self._values_figure("fig4", "values_layers", "values_lenses", V.fig4, self.L)
 
     def fig5(self) -> Section:
-        return self._values_lenses(self._plain("fig5", "values_layers", V.fig5, self.L), "values_lenses", V.fig5, self.L)
+        return self._values_figure("fig5", "values_layers", "values_lenses", V.fig5, self.L)
 
     def fig6(self) -> Section:
-        return self._values_lenses(self._plain("fig6", "values_fig6", V.fig6), "values_fig6_lenses", V.fig6)
+        return self._values_figure("fig6", "values_fig6", "values_fig6_lenses", V.fig6)
 
     def table2(self) -> Section:
         (df,), miss = self.need("table2", "values_table2")

@@ -64,11 +64,10 @@ def side_by_side(runs: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def cell(reading, lens_order: tuple[str, ...] = ("norm", "naive")) -> str:
-    """'same trend' or 'same trend (naive: differs)': the verdict, then each other lens that disagrees."""
+def cell(reading) -> str:
+    """'same trend' or 'same trend (naive: differs)': the verdict, then each lens that disagrees."""
     if reading is None:
         return "—"
     verdict, lenses = reading
-    others = [f"{ln}: {v}" for ln, v in sorted(lenses.items(), key=lambda kv: (kv[0] not in lens_order, kv[0]))
-              if v != verdict]
+    others = [f"{ln}: {v}" for ln, v in lenses.items() if v != verdict]
     return verdict + (f" ({'; '.join(others)})" if others else "")
