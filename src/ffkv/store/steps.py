@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ffkv.errors import FfkvError
+from ffkv.store.run import sweep_temps
 
 # name -> module defining `STEP`; imported lazily so `ffkv --help` stays fast.
 REGISTRY: dict[str, str] = {
@@ -159,6 +160,7 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
         run.check_model(mm)
     with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
         run.reload()  # what another process recorded while we waited
+        sweep_temps(run.path)  # a killed run's half-written files
         refuse_other(run, step, record)
         if not force and is_done(run, step, record):
             return Outcome(name, "skipped", dict(run.step(name)))
