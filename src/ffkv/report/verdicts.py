@@ -20,6 +20,7 @@ covers only some layers (e.g. `mine --layers`) is judged on the layers it has.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -195,7 +196,43 @@ def _no_thirds(what: str) -> Verdict:
                    f"{what} has no layer in the bottom or in the top third")
 
 
+class _Early(Exception):
+    """A verdict reached before the figure's own test: its table is missing, or it lacks a third."""
+
+    def __init__(self, verdict: Verdict):
+        super().__init__(verdict.measured)
+        self.verdict = verdict
+
+
+def _judged(f):
+    """Let a verdict function stop at `_frame` or `_layer_thirds` with their verdict."""
+    @functools.wraps(f)
+    def judged(*args, **kwargs) -> Verdict:
+        try:
+            return f(*args, **kwargs)
+        except _Early as e:
+            return e.verdict
+    return judged
+
+
+def _frame(table, name: str, step: str, lens: str | None = None) -> pd.DataFrame:
+    """The table as a frame, on one lens when it has several; NA when its step was not run."""
+    df = as_frame(table)
+    if df is None:
+        raise _Early(missing(name, step))
+    return _lens(df, lens)[0]
+
+
+def _layer_thirds(df: pd.DataFrame, n_layers: int | None, what: str):
+    """(n_layers, bottom, middle, top); NA when `what` has no layer in the bottom or the top third."""
+    t = _thirds_or_none(df, n_layers)
+    if t is None:
+        raise _Early(_no_thirds(what))
+    return t
+
+
 # ---- Fig 2 ---------------------------------------------------------------------------------------------
+@_judged
 def fig2(table, n_layers: int | None = None, semantic_ran: bool = True, source: str = "automatic") -> Verdict:
     """`patterns_fig2` (scope semantic_sample preferred, else all) or the human `fig2` rows of
     `AnnotationStore.stats()`: columns layer, shallow, semantic, both, not_covered, prefixes."""
@@ -220,9 +257,7 @@ def fig2(table, n_layers: int | None = None, semantic_ran: bool = True, source: 
                                  "shallow/semantic split cannot be read")
     n_layers = n_layers or _n_layers(df, None)
     df = df[df["prefixes"] > 0]
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds(f"the {source} Fig 2 table")
+    t = _layer_thirds(df, n_layers, f"the {source} Fig 2 table")
     _, bottom, _, top = t
     sh_b, sh_t = _weighted(df, bottom, "shallow", "prefixes"), _weighted(df, top, "shallow", "prefixes")
     se_b, se_t = _weighted(df, bottom, "semantic", "prefixes"), _weighted(df, top, "semantic", "prefixes")
@@ -248,11 +283,10 @@ def fig2(table, n_layers: int | None = None, semantic_ran: bool = True, source: 
 
 
 # ---- Fig 3 ---------------------------------------------------------------------------------------------
+@_judged
 def fig3(mutations_layers, n_layers: int | None = None) -> Verdict:
     """`mutations_layers`: layer, mutation (first | last | random), median of the relative change."""
-    df = as_frame(mutations_layers)
-    if df is None:
-        return missing("mutations_layers", "mutate")
+    df = _frame(mutations_layers, "mutations_layers", "mutate")
     crit = ("same trend when removing the last token lowers the coefficient more than removing the first "
             "one: the median relative change, averaged over layers, is lower for `last` than for `first`, "
             "with a sign test over layers (last < first in significantly more than half of them, binomial "
@@ -287,12 +321,10 @@ def fig3(mutations_layers, n_layers: int | None = None) -> Verdict:
 
 
 # ---- Fig 4 ---------------------------------------------------------------------------------------------
+@_judged
 def fig4(values_layers, n_layers: int | None = None, lens: str | None = None) -> Verdict:
     """`values_layers`: layer, n, n_agree, shuffled (and lens, when the run has both)."""
-    df = as_frame(values_layers)
-    if df is None:
-        return missing("values_layers", "values")
-    df, _ = _lens(df, lens)
+    df = _frame(values_layers, "values_layers", "values", lens)
     crit = ("same trend when the agreement rate pooled over the top third of the layers is higher than over "
             f"the bottom third ({THIRDS}; the difference's 95% interval above 0) and the top third's agreement "
             "is above its shuffled-pairing baseline (Wilson interval above the baseline's mean); differs when "
@@ -300,9 +332,7 @@ def fig4(values_layers, n_layers: int | None = None, lens: str | None = None) ->
             "or the top third cannot be told apart from chance")
     n_layers = n_layers or _n_layers(df, None)
     df = df[df["n"] > 0]
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("values_layers")
+    t = _layer_thirds(df, n_layers, "values_layers")
     _, bottom, _, top = t
     b, tp = (df[df["layer"].isin(ls)] for ls in (bottom, top))
     a_b = b["n_agree"].sum() / b["n"].sum()
@@ -325,13 +355,11 @@ def fig4(values_layers, n_layers: int | None = None, lens: str | None = None) ->
 
 
 # ---- Fig 5 ---------------------------------------------------------------------------------------------
+@_judged
 def fig5(values_layers, n_layers: int | None = None, lens: str | None = None) -> Verdict:
     """`values_layers`: layer, rank_median (rank 0 = the value's top token), n, shuffled_rank_median,
     frac_rank_lt10, frac_rank_lt100 (when present), and lens (when the run has both)."""
-    df = as_frame(values_layers)
-    if df is None:
-        return missing("values_layers", "values")
-    df, _ = _lens(df, lens)
+    df = _frame(values_layers, "values_layers", "values", lens)
     crit = ("same trend when the median rank of the trigger's next token in the value's distribution, "
             f"averaged over the layers of the top third, is lower (better) than over the bottom third ({THIRDS}), "
             "layers as units (Mann–Whitney p < 0.05), and the top third beats its shuffled-pairing baseline "
@@ -339,9 +367,7 @@ def fig5(values_layers, n_layers: int | None = None, lens: str | None = None) ->
             "significantly higher (differs)")
     n_layers = n_layers or _n_layers(df, None)
     df = df[(df["n"] > 0) & df["rank_median"].notna()]
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("values_layers")
+    t = _layer_thirds(df, n_layers, "values_layers")
     _, bottom, _, top = t
     r_b, r_t = _weighted(df, bottom, "rank_median"), _weighted(df, top, "rank_median")
     d, p = layers_test(df[df["layer"].isin(bottom)]["rank_median"], df[df["layer"].isin(top)]["rank_median"])
@@ -361,12 +387,10 @@ def fig5(values_layers, n_layers: int | None = None, lens: str | None = None) ->
 
 
 # ---- Fig 6 ---------------------------------------------------------------------------------------------
+@_judged
 def fig6(values_fig6, lens: str | None = None) -> Verdict:
     """`values_fig6`: bin (ascending max probability), n, n_agree, agreement (and lens)."""
-    df = as_frame(values_fig6)
-    if df is None:
-        return missing("values_fig6", "values")
-    df, _ = _lens(df, lens)
+    df = _frame(values_fig6, "values_fig6", "values", lens)
     crit = ("same trend when agreement rises with the value's max probability: the highest bin's agreement "
             "exceeds the lowest bin's (the difference's 95% interval above 0; the lowest bin is the "
             "baseline) and Spearman's ρ between bin order and agreement is positive; differs when the "
@@ -393,13 +417,11 @@ def fig6(values_fig6, lens: str | None = None) -> Verdict:
 PAPER_UPPER = 10 / 16  # the paper's layers 11–16 of 16 (0-based 10..15) start at depth 10/16
 
 
+@_judged
 def table2(values_table2, n_layers: int, lens: str | None = None) -> Verdict:
     """`values_table2`: layer, n_agree (per row; and lens). Upper part = relative depth ≥ 10/16, the
     paper's layers 11–16."""
-    df = as_frame(values_table2)
-    if df is None:
-        return missing("values_table2", "values")
-    df, _ = _lens(df, lens)
+    df = _frame(values_table2, "values_table2", "values", lens)
     upper = [l for l in range(n_layers) if l >= PAPER_UPPER * n_layers]
     crit = (f"same trend when most (> 50%) of the highest-max-probability values lie in the upper part of "
             f"the network, layers ≥ {PAPER_UPPER:.3f}·L (layers {_span(upper) if upper else '—'}; the paper's "
@@ -420,13 +442,11 @@ def table2(values_table2, n_layers: int, lens: str | None = None) -> Verdict:
 
 
 # ---- Fig 7 ---------------------------------------------------------------------------------------------
+@_judged
 def fig7(compose_layers, activation: str | None, gated: bool, n_layers: int | None = None,
          lens: str | None = None) -> Verdict:
     """`compose_layers`: layer, active_mean (share of d_m with m > 0), active_eps_mean."""
-    df = as_frame(compose_layers)
-    if df is None:
-        return missing("compose_layers", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_layers, "compose_layers", "compose", lens)
     if "n90_median" in df.columns and df["n90_median"].notna().any():
         return _fig7_scale_free(df, activation, gated, n_layers)
     act = (activation or "?").lower()
@@ -442,9 +462,7 @@ def fig7(compose_layers, activation: str | None, gated: bool, n_layers: int | No
                f"activation {act}: the coefficient is rarely exactly 0, so m > 0 does not mean 'fired'")
         return Verdict(NA, crit + f". Not comparable here — {why}",
                        f"typical share with m > 0: {_pct(typical)}{eps}")
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("compose_layers")
+    t = _layer_thirds(df, n_layers, "compose_layers")
     _, bottom, middle, _ = t
     a_b = _weighted(df, bottom, "active_mean")
     a_m = _weighted(df, middle, "active_mean") if middle else float("nan")
@@ -465,9 +483,7 @@ def _fig7_scale_free(df: pd.DataFrame, activation: str | None, gated: bool, n_la
             f"at mid-depth: the middle third's per-layer mean n90 below the bottom third's ({THIRDS}; layers as "
             "units, Mann–Whitney p < 0.05). Differs when fewer than hundreds or the middle third is "
             "significantly higher; inconclusive otherwise")
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("compose_layers")
+    t = _layer_thirds(df, n_layers, "compose_layers")
     _, bottom, middle, _ = t
     typical = float(df["n90_median"].median())
     d, p = layers_test(df[df["layer"].isin(bottom)]["n90_mean"], df[df["layer"].isin(middle)]["n90_mean"])
@@ -486,13 +502,11 @@ def _fig7_scale_free(df: pd.DataFrame, activation: str | None, gated: bool, n_la
 PAPER_FIG8 = 0.68
 
 
+@_judged
 def fig8(compose_layers, gated: bool = False, lens: str | None = None) -> Verdict:
     """`compose_layers`: layer, n_examples, fig8_no_single_memory (paper's form, m > 0),
     fig8_no_single_memory_eps (signed form, used for gated FFNs)."""
-    df = as_frame(compose_layers)
-    if df is None:
-        return missing("compose_layers", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_layers, "compose_layers", "compose", lens)
     if "fig8_shuffled_rel" in df.columns:
         return _fig8_variants(df, gated)
     col = "fig8_no_single_memory_eps" if gated else "fig8_no_single_memory"
@@ -564,21 +578,17 @@ def _fig8_variants(df: pd.DataFrame, gated: bool) -> Verdict:
 FIG9_LEVEL = (0.25, 0.42)  # "about a third"
 
 
+@_judged
 def fig9(compose_layers, n_layers: int | None = None, lens: str | None = None) -> Verdict:
     """`compose_layers`: layer, r_matches_final, o_matches_final."""
-    df = as_frame(compose_layers)
-    if df is None:
-        return missing("compose_layers", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_layers, "compose_layers", "compose", lens)
     crit = ("same trend when the share of examples whose residual already has the final prediction "
             "(top(r_ℓ) = top(o_L)) is higher in the top third of the layers than in the bottom third "
             f"(difference's 95% interval above 0; the bottom third is the baseline; {THIRDS}), the curve ends "
             f"at 1 (top(o) of the last layer), and the bottom third's level is about a third (its Wilson "
             f"interval meets {_pct(FIG9_LEVEL[0], 0)}–{_pct(FIG9_LEVEL[1], 0)}); differs when the trend is "
             "reversed, the end point is not 1 or the level is clearly outside; inconclusive otherwise")
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("compose_layers")
+    t = _layer_thirds(df, n_layers, "compose_layers")
     _, bottom, _, top = t
     m_b, m_t = _weighted(df, bottom, "r_matches_final"), _weighted(df, top, "r_matches_final")
     end = float(df.sort_values("layer")["o_matches_final"].iloc[-1])
@@ -601,19 +611,15 @@ def fig9(compose_layers, n_layers: int | None = None, lens: str | None = None) -
 
 
 # ---- Fig 10 --------------------------------------------------------------------------------------------
+@_judged
 def fig10(compose_layers, n_layers: int | None = None, lens: str | None = None) -> Verdict:
     """`compose_layers`: layer, p_final_mean."""
-    df = as_frame(compose_layers)
-    if df is None:
-        return missing("compose_layers", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_layers, "compose_layers", "compose", lens)
     crit = ("same trend when the mean probability of the final prediction under the residual's distribution "
             f"is higher in the top third of the layers than in the bottom third ({THIRDS}), layers as units "
             "(Mann–Whitney p < 0.05; the bottom third is the baseline); differs when significantly lower; "
             "inconclusive otherwise")
-    t = _thirds_or_none(df, n_layers)
-    if t is None:
-        return _no_thirds("compose_layers")
+    t = _layer_thirds(df, n_layers, "compose_layers")
     _, bottom, _, top = t
     p_b, p_t = _weighted(df, bottom, "p_final_mean"), _weighted(df, top, "p_final_mean")
     rho = spearman(df["layer"], df["p_final_mean"])
@@ -624,12 +630,10 @@ def fig10(compose_layers, n_layers: int | None = None, lens: str | None = None) 
 
 
 # ---- Fig 11 --------------------------------------------------------------------------------------------
+@_judged
 def fig11(compose_layers, lens: str | None = None) -> Verdict:
     """`compose_layers`: layer, residual, ffn, agreement, composition (shares per layer)."""
-    df = as_frame(compose_layers)
-    if df is None:
-        return missing("compose_layers", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_layers, "compose_layers", "compose", lens)
     crit = ("same trend when, averaged over layers, residual + agreement make up the majority (> 50%) of "
             "the examples, and among the examples whose prediction changes, composition is more common "
             "than ffn; each with its 95% interval over the pooled example-layers (baselines: 50%, and ffn): "
@@ -651,12 +655,10 @@ def fig11(compose_layers, lens: str | None = None) -> Verdict:
 
 
 # ---- §5.2 cases and Table 1 (qualitative) --------------------------------------------------------------
+@_judged
 def cases(compose_cases, lens: str | None = None) -> Verdict:
     """`compose_cases`: the last-layer cases (category ffn | composition)."""
-    df = as_frame(compose_cases)
-    if df is None:
-        return missing("compose_cases", "compose")
-    df, _ = _lens(df, lens)
+    df = _frame(compose_cases, "compose_cases", "compose", lens)
     crit = ("not judged automatically: the paper's split (66 semantically distant vs 34 related changes) "
             "is a human reading of each case; read the sample below")
     n = len(df)
@@ -664,10 +666,9 @@ def cases(compose_cases, lens: str | None = None) -> Verdict:
     return Verdict(NA, crit, f"{n} last-layer cases; {_pct(comp)} of them composition, {_pct(1 - comp) if n else 'n/a'} ffn")
 
 
+@_judged
 def table1(pattern_keys) -> Verdict:
-    df = as_frame(pattern_keys)
-    if df is None:
-        return missing("pattern_keys", "patterns")
+    df = _frame(pattern_keys, "pattern_keys", "patterns")
     crit = "not judged: Table 1 is a set of examples; compare by reading"
     if df.empty:
         return Verdict(NA, crit, "no keys analysed")
