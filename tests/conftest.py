@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real models built from configs, a real tokenizer, the real SmolLM2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -126,3 +127,36 @@ def wikitext_sentences(n: int, split: str = "valid", seed: int = 0) -> list[str]
     from ffkv.corpus.sources import open_corpus
 
     return [s.text for s in open_corpus(str(WT2 / f"wiki.{split}.tokens"), seed=seed).sentences(n)]
+
+
+def free_port() -> int:
+    """A loopback port free now (another process may still take it before we bind)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, **config):
+    """A real uvicorn server for `app` on a free loopback port, in a thread; yields its URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        th.join(10)

@@ -8,13 +8,11 @@ the mine step: the explorer needs nothing more than the model.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 import urllib.request
 
 import pytest
 
+from conftest import serving
 from test_explain import TEXT, build_explore_run
 
 CHROMIUM = "/usr/bin/chromium"
@@ -24,26 +22,11 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_dirs):
-    import uvicorn
-
     from ffkv.web.app import create_app
 
     run = build_explore_run(tmp_path_factory.mktemp("explore-browser"), tiny_dirs["llama"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(run, log_fn=lambda m: None), host="127.0.0.1",
-                                        port=port, log_level="warning", access_log=False))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    th.join(10)
+    with serving(create_app(run, log_fn=lambda m: None), access_log=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import WT2, build_tiny, wikitext_sentences
+from conftest import WT2, build_tiny, free_port, serving, wikitext_sentences
 
 PAYLOADS = [
     'The <script>window.__xss = "s1"</script> river flows into the sea.',
@@ -682,28 +681,10 @@ def test_payloads_are_escaped(client, web_run):
 
 
 # ---- a real server: concurrency ---------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(web_app):
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(web_app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    th.join(10)
+    with serving(web_app) as url:
+        yield url
 
 
 def test_200_concurrent_annotation_posts_all_persist(live, web_run):

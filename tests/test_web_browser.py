@@ -11,7 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from test_web import PAYLOADS, free_port, llama, payload_keys, triggers, web_run  # noqa: F401  (fixtures)
+from conftest import free_port
+from test_web import PAYLOADS, llama, payload_keys, triggers, web_run  # noqa: F401  (fixtures)
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = [pytest.mark.browser,
