@@ -410,10 +410,16 @@ def test_fig10_inconclusive_when_flat():
     assert V.fig10(df).verdict == INCONCLUSIVE
 
 
-def test_fig11_inconclusive_at_half():
-    df = compose_layers(16, residual=lambda t: 0.3 + 0 * t, agreement=lambda t: 0.2 + 0 * t,
-                        composition=lambda t: 0.3 + 0 * t, ffn=lambda t: 0.2 + 0 * t)
-    assert V.fig11(df).verdict == INCONCLUSIVE
+@pytest.mark.parametrize("residual, agreement, composition, ffn, verdict", [
+    (0.5, 0.3, 0.15, 0.05, SAME),
+    (0.3, 0.2, 0.3, 0.2, INCONCLUSIVE),  # residual share at one half: no majority either way
+    (0.5, 0.3, 0.05, 0.15, DIFFERS),  # the FFN alone beats composition
+    (0.2, 0.1, 0.6, 0.1, DIFFERS),  # no residual majority
+])
+def test_fig11(residual, agreement, composition, ffn, verdict):
+    shares = dict(residual=residual, agreement=agreement, composition=composition, ffn=ffn)
+    df = compose_layers(16, **{k: (lambda t, v=v: v + 0 * t) for k, v in shares.items()})
+    assert V.fig11(df).verdict == verdict
 
 
 def test_interval_helpers_against_closed_forms():
@@ -426,22 +432,6 @@ def test_interval_helpers_against_closed_forms():
     assert V.by_test(*V.layers_test([1], [6])) == INCONCLUSIVE
 
 
-def test_fig11_same_trend():
-    df = compose_layers(16, residual=lambda t: 0.5 + 0 * t, agreement=lambda t: 0.3 + 0 * t,
-                        composition=lambda t: 0.15 + 0 * t, ffn=lambda t: 0.05 + 0 * t)
-    assert V.fig11(df).verdict == SAME
-
-
-def test_fig11_differs_when_ffn_beats_composition():
-    df = compose_layers(16, residual=lambda t: 0.5 + 0 * t, agreement=lambda t: 0.3 + 0 * t,
-                        composition=lambda t: 0.05 + 0 * t, ffn=lambda t: 0.15 + 0 * t)
-    assert V.fig11(df).verdict == DIFFERS
-
-
-def test_fig11_differs_without_a_residual_majority():
-    df = compose_layers(16, residual=lambda t: 0.2 + 0 * t, agreement=lambda t: 0.1 + 0 * t,
-                        composition=lambda t: 0.6 + 0 * t, ffn=lambda t: 0.1 + 0 * t)
-    assert V.fig11(df).verdict == DIFFERS
 
 
 # ---- qualitative sections -----------------------------------------------------------------------------
