@@ -356,23 +356,20 @@ class Browser:
             return con
         return self._lazy("_con_", make)
 
+    def _vocab_index(self, key) -> dict[str, list[int]]:
+        """key(token string) -> the token ids with that key (several tokens can share one)."""
+        d: dict[str, list[int]] = {}
+        for i, s in enumerate(self.vocab):
+            d.setdefault(key(s), []).append(i)
+        return d
+
     @property
     def _norm(self) -> dict[str, list[int]]:
-        def make():
-            d: dict[str, list[int]] = {}
-            for i, s in enumerate(self.vocab):
-                d.setdefault(s.strip().casefold(), []).append(i)
-            return d
-        return self._lazy("_norm_", make)
+        return self._lazy("_norm_", lambda: self._vocab_index(lambda s: s.strip().casefold()))
 
     @property
     def _exact(self) -> dict[str, list[int]]:
-        def make():
-            d: dict[str, list[int]] = {}
-            for i, s in enumerate(self.vocab):
-                d.setdefault(s, []).append(i)
-            return d
-        return self._lazy("_exact_", make)
+        return self._lazy("_exact_", lambda: self._vocab_index(lambda s: s))
 
     @property
     def trig_token(self) -> np.ndarray:
