@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import ARCHS, WT2, run_cli
 
@@ -418,6 +420,52 @@ def test_cli_fewer_sentences_than_asked(tiny_dirs, tmp_path):
     assert "only 3 usable sentences" in res.stderr and "using all 3" in res.stderr
     assert Run(rd).read_table("compose_prefixes").num_rows == 3
     assert Run(rd).step("compose")["prefixes"] == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(rooms=st.lists(st.integers(0, 6), min_size=1, max_size=30), n=st.integers(1, 120),
+       k=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
+def test_spread_positions(rooms, n, k, seed):
+    """Distinct in-range pairs, as many as asked or as there is room for, spread evenly: no
+    sentence gives a j-th prefix while one with room has given fewer than j - 1."""
+    from ffkv.experiments.compose import spread_positions
+
+    rng = np.random.default_rng(seed)
+    lo = rng.integers(0, 4, size=len(rooms))
+    hi = lo + np.array(rooms)
+    sent, pos = spread_positions(lo, hi, n, k, np.random.default_rng(seed))
+    cap = np.minimum(rooms, k)
+    assert len(sent) == min(n, int(cap.sum()))
+    assert len(set(zip(sent.tolist(), pos.tolist()))) == len(sent)
+    assert ((pos >= lo[sent]) & (pos < hi[sent])).all()
+    assert list(zip(sent, pos)) == sorted(zip(sent, pos))
+    took = np.bincount(sent, minlength=len(rooms))
+    assert (took <= cap).all()
+    short = took < cap  # sentences that could have given more
+    if short.any():
+        assert took.max() <= took[short].min() + 1
+    again = spread_positions(lo, hi, n, k, np.random.default_rng(seed))
+    assert np.array_equal(again[0], sent) and np.array_equal(again[1], pos)
+
+
+def test_cli_several_prefixes_per_sentence(tiny_dirs, tmp_path):
+    corpus = tmp_path / "few.txt"
+    corpus.write_text("The cat sat on the mat. It was warm.\n\nA dog barked at the moon.\n")
+    rd = tmp_path / "run"
+    res = run_cli("compose", rd, "--model", tiny_dirs["gpt2"], "--corpus", corpus, "--prefixes", "7",
+                  "--per-sentence", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "3 usable sentences" in res.stderr and "7 prefixes in all" in res.stderr
+    run = Run(rd)
+    pre = run.read_table("compose_prefixes").to_pydict()
+    sents = dict(zip(*run.read_table("compose_sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
+    assert len(pre["example_id"]) == 7 and sorted(np.bincount(pre["sentence_id"]).tolist())[-3:] == [2, 2, 3]
+    for sid, p, ids, tgt in zip(pre["sentence_id"], pre["position"], pre["token_ids"], pre["target"]):
+        assert ids == sents[sid][:p + 1] and tgt == sents[sid][p + 1]
+    assert len(set(zip(pre["sentence_id"], pre["position"]))) == 7
+    assert run.settings("compose")["per_sentence"] == 3 and run.step("compose")["prefix_sentences"] == 3
+    res = run_cli("compose", tmp_path / "bad", "--model", tiny_dirs["gpt2"], "--per-sentence", "0")
+    assert res.returncode == 2 and "--per-sentence must be at least 1" in res.stderr
 
 
 def test_cli_bad_prefixes(tiny_dirs, tmp_path):

@@ -89,6 +89,7 @@ def test_presets_and_step_settings():
     assert (f.sentences, f.prefixes, f.keys_per_layer, f.semantic_keys_per_layer) == (None, 4000, 100, 10)
     assert step_settings("mine", f, True).max_sentences is None
     assert step_settings("compose", f, True).n_prefixes == 4000
+    assert (step_settings("compose", f, True).per_sentence, step_settings("compose", d, True).per_sentence) == (2, 1)
     assert step_settings("mutate", f, True).keys_per_layer == 100
     assert step_settings("patterns", d, True).semantic_keys_per_layer == 10
     assert step_settings("normalize", d, True, 30) == reproduce_settings(30)

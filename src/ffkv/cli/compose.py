@@ -17,6 +17,7 @@ def compose(run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directo
             eps: float = typer.Option(0.1, "--eps", help="Also count a memory active when |m_i| > eps (SiLU/GELU are rarely exactly 0)."),
             max_sentences: Optional[int] = typer.Option(None, "--max-sentences", help="Read at most this many sentences of the corpus."),
             batch_tokens: int = typer.Option(2048, "--batch-tokens", help="Token budget of one forward batch."),
+            per_sentence: int = typer.Option(1, "--per-sentence", help="When the corpus has fewer usable sentences than --prefixes, take up to this many distinct positions of a sentence (a second one only after every sentence gave one). 1 (default): one per sentence, fewer prefixes."),
             lens: str = typer.Option("norm", "--lens", help="Lens shown first in the summary (both are always computed): naive or norm."),
             cases: int = typer.Option(5, "--cases", help="Last-layer cases to print (all are in compose_cases)."),
             force: bool = typer.Option(False, "--force", help="Redo the step even if it is done with the same settings."),
@@ -32,9 +33,11 @@ def compose(run_dir: Path = typer.Argument(..., metavar="RUN", help="Run directo
     check_lens(lens)
     if max_sentences is not None and max_sentences < 1:
         raise FfkvError(f"--max-sentences must be at least 1 (got {max_sentences})")
+    if per_sentence < 1:
+        raise FfkvError(f"--per-sentence must be at least 1 (got {per_sentence})")
     run, mm = open_run_with_model(run_dir, model_name, device, dtype)
     s = ComposeSettings(corpus=corpus, n_prefixes=prefixes, seed=seed, eps=eps, max_sentences=max_sentences,
-                        batch_tokens=batch_tokens)
+                        batch_tokens=batch_tokens, per_sentence=per_sentence)
     out = run_compose_step(run, s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force)
     print_compose(run, out, lens, cases)
 

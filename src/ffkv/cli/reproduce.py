@@ -13,10 +13,11 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
               model_name: Optional[str] = typer.Option(None, "--model", "-m", help="HF id, folder or .gguf (default: embedded SmolLM2), e.g. gpt2."),
               corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Mining corpus (default wikipedia:train), e.g. wikitext-103:train or a file."),
               compose_corpus: Optional[str] = typer.Option(None, "--compose-corpus", help="Held-out corpus for compose (default wikipedia:valid)."),
-              preset: str = typer.Option("default", "--preset", help="default (about 9 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 prefixes and 100 keys per layer, every layer for normalize; about 90 minutes on a 2-core CPU); flags below override it."),
+              preset: str = typer.Option("default", "--preset", help="default (about 9 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 prefixes (2 from some sentences) and 100 keys per layer, every layer for normalize; about 90 minutes on a 2-core CPU); flags below override it."),
               sentences: Optional[int] = typer.Option(None, "--sentences", min=1, help="Sentences to mine (default 1,500; the paper: all of WikiText-103 train)."),
               top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Trigger examples per key (default 50)."),
               prefixes: Optional[int] = typer.Option(None, "--prefixes", min=1, help="Held-out prefixes for compose (default 1,000; the paper: 4,000)."),
+              prefixes_per_sentence: Optional[int] = typer.Option(None, "--prefixes-per-sentence", min=1, help="Compose's --per-sentence: up to this many prefixes of one held-out sentence when sentences run short (default 1; full preset 2)."),
               keys_per_layer: Optional[int] = typer.Option(None, "--keys-per-layer", min=1, help="Keys per layer for mutate (default 3; the paper: 100)."),
               semantic_keys_per_layer: Optional[int] = typer.Option(None, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns (default 10, as the paper)."),
               negative: Optional[bool] = typer.Option(None, "--negative/--no-negative", help="Mine most-negative triggers too (default: when the FFN is gated)."),
@@ -31,7 +32,8 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
     """
     from ffkv.reproduce import preset as make_preset, reproduce as run_reproduce, summary_lines
 
-    typed = {"sentences": sentences, "top_k": top_k, "prefixes": prefixes, "keys_per_layer": keys_per_layer,
+    typed = {"sentences": sentences, "top_k": top_k, "prefixes": prefixes,
+             "prefixes_per_sentence": prefixes_per_sentence, "keys_per_layer": keys_per_layer,
              "semantic_keys_per_layer": semantic_keys_per_layer}
     s = make_preset(preset, model=model_name, corpus=corpus, compose_corpus=compose_corpus, negative=negative,
                     device=device, dtype=dtype, seed=seed, **{k: v for k, v in typed.items() if v is not None})

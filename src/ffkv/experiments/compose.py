@@ -1,7 +1,8 @@
 """`ffkv compose`: how memories compose into a layer's prediction, and layers into the model's.
 
 The paper's §5 (Figs 7-11 and the last-layer cases), on N prefixes sampled from a held-out
-corpus split: one sentence per prefix, one seeded random position per sentence. One forward
+corpus split: one sentence per prefix, one seeded random position per sentence (up to
+`--per-sentence` K distinct positions of a sentence when the split has fewer sentences). One forward
 pass per batch of prefixes captures r, m, y, o at every layer (only at each prefix's last
 position); the vocabulary projections are batched per layer and reduced at once to argmaxes
 and the probability of the final prediction, so nothing of size N × L × V is ever held.
@@ -134,11 +135,37 @@ def categorize(top_r, top_y, top_o) -> np.ndarray:
 
 
 # ---- prefixes ----------------------------------------------------------------------------
+def spread_positions(lo: np.ndarray, hi: np.ndarray, n: int, per_sentence: int,
+                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """n distinct (sentence, position) pairs with lo[s] <= position < hi[s], when the sentences are
+    too few for one each: a sentence gives a k-th prefix only once every sentence with room has
+    given k - 1, and none gives more than `per_sentence`; fewer pairs when those run out.
+
+    Returns (sentence index, position) sorted by sentence then position."""
+    room = np.minimum(np.maximum(hi - lo, 0), per_sentence)
+    take = np.zeros_like(room)
+    for k in range(1, per_sentence + 1):  # round k: one more from each sentence with room for it
+        can = np.flatnonzero(room >= k)
+        left = n - int(take.sum())
+        if left <= 0 or len(can) == 0:
+            break
+        take[can if len(can) <= left else rng.choice(can, size=left, replace=False)] += 1
+    sent, pos = [], []
+    for i in np.flatnonzero(take):
+        sent.append(np.full(take[i], i))
+        pos.append(np.sort(lo[i] + rng.choice(int(hi[i] - lo[i]), size=int(take[i]), replace=False)))
+    if not sent:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(sent).astype(np.int64), np.concatenate(pos).astype(np.int64)
+
+
 def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
-                    max_sentences: int | None = None, warn=print) -> pa.Table:
+                    max_sentences: int | None = None, warn=print, per_sentence: int = 1) -> pa.Table:
     """Sentences of the held-out split → `compose_sentences`; one seeded position per sampled
     sentence → `compose_prefixes`. A sentence is usable when it has a token after at least one
-    real (non-special) token."""
+    real (non-special) token. With fewer usable sentences than `n`, up to `per_sentence`
+    positions of a sentence (`spread_positions`); prefixes of one sentence are not independent,
+    so that is a choice the user makes (`--per-sentence`)."""
     from ffkv.corpus.prepare import prepare_sentences
 
     if n < 1:
@@ -153,14 +180,23 @@ def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
     if len(usable) == 0:
         raise FfkvError(f"corpus {spec!r} has no sentence of 2 or more tokens to make a prefix from")
     rng = np.random.default_rng(seed)
-    if len(usable) < n:
-        warn(f"corpus {spec!r} has only {len(usable)} usable sentences (2+ tokens) for "
-             f"{n} requested prefixes; using all {len(usable)}")
-        chosen = usable
-    else:
+    if len(usable) >= n:
         chosen = np.sort(rng.choice(usable, size=n, replace=False))
-    # one position per sentence: the prefix ends at `position`, the target follows it
-    pos = rng.integers(first[chosen], n_tok[chosen] - 1)  # high exclusive: position ≤ n - 2
+        # one position per sentence: the prefix ends at `position`, the target follows it
+        pos = rng.integers(first[chosen], n_tok[chosen] - 1)  # high exclusive: position ≤ n - 2
+    elif per_sentence <= 1:
+        warn(f"corpus {spec!r} has only {len(usable)} usable sentences (2+ tokens) for "
+             f"{n} requested prefixes; using all {len(usable)} (--per-sentence K takes up to K from each)")
+        chosen = usable
+        pos = rng.integers(first[chosen], n_tok[chosen] - 1)
+    else:
+        at, pos = spread_positions(first[usable], n_tok[usable] - 1, n, per_sentence, rng)
+        chosen = usable[at]
+        several = int((np.bincount(at) > 1).sum())
+        most = int(np.bincount(at).max())
+        warn(f"corpus {spec!r} has {len(usable)} usable sentences (2+ tokens) for {n} requested prefixes; "
+             f"{several} of them give {'2' if most == 2 else f'2 to {most}'} prefixes each, "
+             f"{len(chosen)} prefixes in all")
     prefixes = [token_ids[s][: p + 1] for s, p in zip(chosen, pos)]
     targets = np.array([token_ids[s][p + 1] for s, p in zip(chosen, pos)], dtype=np.int64)
     texts = sents.column("text").to_pylist()
@@ -518,6 +554,7 @@ class ComposeSettings:
     eps: float = DEFAULT_EPS
     max_sentences: int | None = None
     batch_tokens: int = 2048
+    per_sentence: int = 1  # at most this many prefixes of one sentence, used only when sentences run short
 
 
 def record(run, s: ComposeSettings) -> dict:
@@ -529,9 +566,14 @@ def record(run, s: ComposeSettings) -> dict:
         raise FfkvError(f"--eps must be ≥ 0 (got {s.eps})")
     if s.batch_tokens < 1:
         raise FfkvError(f"--batch-tokens must be at least 1 (got {s.batch_tokens})")
-    return {"corpus": s.corpus or DEFAULT_CORPUS, "prefixes": int(s.n_prefixes), "seed": int(s.seed),
-            "eps": float(s.eps), "max_sentences": s.max_sentences, "lenses": list(LENSES),
-            "model_unembed_sha256": (run.manifest.get("model") or {}).get("unembed_sha256")}
+    if s.per_sentence < 1:
+        raise FfkvError(f"--per-sentence must be at least 1 (got {s.per_sentence})")
+    rec = {"corpus": s.corpus or DEFAULT_CORPUS, "prefixes": int(s.n_prefixes), "seed": int(s.seed),
+           "eps": float(s.eps), "max_sentences": s.max_sentences, "lenses": list(LENSES),
+           "model_unembed_sha256": (run.manifest.get("model") or {}).get("unembed_sha256")}
+    if s.per_sentence != 1:  # left out at its default, so runs recorded before it still match
+        rec["per_sentence"] = int(s.per_sentence)
+    return rec
 
 
 def compute(ctx) -> dict:
@@ -546,7 +588,7 @@ def compute(ctx) -> dict:
         run.save()
     t0 = time.time()
     prefixes = sample_prefixes(run, mm, s.corpus, s.n_prefixes, s.seed, s.max_sentences,
-                               warn=ctx.extra.get("warn", ctx.log))
+                               warn=ctx.extra.get("warn", ctx.log), per_sentence=s.per_sentence)
     ids = prefixes.column("token_ids").to_pylist()
     with progress(None if ctx.show_progress is None else not ctx.show_progress) as bar:
         t1 = time.time()
@@ -557,7 +599,8 @@ def compute(ctx) -> dict:
     tables = build_tables(mm, res, prefixes, s.eps, s.seed)
     for name, t in tables.items():
         run.write_table(name, t)
-    return {"prefixes": len(ids), "prefixes_requested": s.n_prefixes, "tokens": res["tokens"],
+    return {"prefixes": len(ids), "prefixes_requested": s.n_prefixes,
+            "prefix_sentences": len(set(prefixes.column("sentence_id").to_pylist())), "tokens": res["tokens"],
             "seconds_prepare": round(t1 - t0, 2), "seconds_value_tops": round(t2 - t1, 2),
             "seconds_pass": round(t3 - t2, 2),
             "tokens_per_second": round(res["tokens"] / max(t3 - t2, 1e-9), 1),
