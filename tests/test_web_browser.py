@@ -84,6 +84,7 @@ def test_overview_and_memory_page(server, browser, web_run):  # noqa: F811
     assert page.locator("#vocabulary table.vocab").count() >= 1
     page.click("#next")
     assert page.url.endswith("/memory/1/6")
+    page.wait_for_load_state("load")  # app.js listens for keys once loaded; a busy CI machine lags
     page.keyboard.press("k")  # app.js: k = previous memory
     page.wait_for_url("**/memory/1/5")
     assert all(u.startswith(server) for u in w.requests), w.requests
