@@ -192,7 +192,12 @@ class Run:
         return self.step(name).get("status") == "done"
 
     def start_step(self, name: str, settings: dict | None = None) -> None:
-        st = self.manifest.setdefault("steps", {}).setdefault(name, {})
+        """A killed step resumes its record (its time counts from the first start); a step done
+        or failed before starts a new one, so no figure of the old pass outlives it."""
+        steps = self.manifest.setdefault("steps", {})
+        if steps.get(name, {}).get("status") != "running":
+            steps[name] = {}
+        st = steps[name]
         st.update(status="running", started=st.get("started") or time.time())
         if settings is not None:
             self.manifest.setdefault("settings", {})[name] = settings
