@@ -79,18 +79,12 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
 
 def save_npz(path: Path, arrays: dict) -> None:
     """np.savez to a temp file, fsync, rename: a reader never sees half a checkpoint."""
-    from ffkv.store.run import tmp_path, writing
+    from ffkv.store.run import staged
 
-    tmp = tmp_path(path)
-    with writing(path):
-        try:
-            with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    with staged(path) as tmp, open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(path: Path, state: MineState, cursor: int, key: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +73,7 @@ def _load_gguf(path: Path, torch_dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ffkv.store.run import sweep_temps, tmp_path
+    from ffkv.store.run import staged, sweep_temps
 
     sha = file_sha256(path)
     cached = cache_dir() / "gguf" / sha[:16]
@@ -99,16 +98,11 @@ def _load_gguf(path: Path, torch_dtype):
             del cfg.quantization_config
         clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         clean.load_state_dict(model.state_dict(), strict=False)
-        tmp = tmp_path(cached)
         cached.parent.mkdir(parents=True, exist_ok=True)
         sweep_temps(cached.parent)  # a killed process's half-saved copy (~0.5 GB)
-        try:
+        with staged(cached) as tmp:  # fails harmlessly when another process cached it meanwhile
             clean.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            if not cached.exists():  # another process may have cached it meanwhile
-                os.replace(tmp, cached)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         model = clean
     except Exception:  # noqa: BLE001
         pass

@@ -70,32 +70,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
 def sweep_temps(folder: Path) -> list[Path]:
     """Delete the staged writes of processes that no longer run (a SIGKILL skips every `finally`)."""
     gone = []
     for p in Path(folder).glob(".*.tmp*"):
         m = TMP_RE.match(p.name)
         if m and not p.is_symlink() and not _alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            _remove(p)
             gone.append(p)
     return gone
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file + fsync + rename; the temp file never outlives a failure."""
+@contextlib.contextmanager
+def staged(path: Path):
+    """The one way ffkv writes a result: into the yielded temp path (a file or a folder), which
+    then replaces `path` in one rename; on any failure it is removed, and a disk the user made
+    full or read-only is one line (`writing`)."""
     path = Path(path)
-    if path.is_dir():
-        raise FfkvError(f"{path} is a directory; give a file name")
     tmp = tmp_path(path)
     with writing(path):
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            yield tmp
             os.replace(tmp, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Temp file + fsync + rename: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    if path.is_dir():
+        raise FfkvError(f"{path} is a directory; give a file name")
+    with staged(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -234,13 +250,8 @@ class Run:
         if isinstance(table, dict):
             table = pa.table(table)
         p = self.table_path(name)
-        tmp = tmp_path(p)
-        with writing(p):
-            try:
-                pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
-                os.replace(tmp, p)
-            finally:
-                tmp.unlink(missing_ok=True)
+        with staged(p) as tmp:
+            pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
         return p
 
     def read_table(self, name: str, columns=None, filters=None) -> pa.Table:
