@@ -6,6 +6,16 @@ from ffkv.errors import FfkvError
 # The lens: "naive" projects with the unembedding alone (the paper); "norm" applies the
 # model's final norm first (and reproduces the logits at the last layer).
 LENSES = ("naive", "norm")
+PAPER_LENS = "naive"
+
+
+def other_lens(lens: str) -> str:
+    return LENSES[1 - LENSES.index(check_lens(lens))]
+
+
+def lens_name(lens: str) -> str:
+    """'norm lens', or "naive lens (the paper's)": every label of a lens says which one the paper used."""
+    return f"{lens} lens" + (" (the paper's)" if lens == PAPER_LENS else "")
 
 # dtype spellings a user may type -> the canonical torch name.
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",

@@ -98,7 +98,7 @@ import pyarrow as pa
 import torch
 
 from ffkv.corpus.stopwords import stopwords
-from ffkv.defs import LENSES, check_lens, pct
+from ffkv.defs import LENSES, check_lens, other_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
 from ffkv.store.steps import Step, execute
@@ -652,7 +652,7 @@ def print_summary(run, lens: str = "norm", cases: int = 5, console=None) -> None
 
     check_lens(lens)
     con = console or Console(width=None if sys.stdout.isatty() else 200)
-    other = "naive" if lens == "norm" else "norm"
+    other = other_lens(lens)
     lay = run.read_table("compose_layers").to_pylist()
     by = {(r["lens"], r["layer"]): r for r in lay}
     L = max(r["layer"] for r in lay) + 1

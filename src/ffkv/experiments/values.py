@@ -80,7 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from ffkv.defs import canonical_dtype, check_lens, pct
+from ffkv.defs import canonical_dtype, check_lens, lens_name, other_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.store import query
 from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
@@ -303,10 +303,6 @@ def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
 
 
 INDEX_K = 20
-
-
-def other_lens(lens: str) -> str:
-    return "naive" if lens == "norm" else "norm"
 
 
 def _has_summary(run, info: dict) -> bool:
@@ -830,7 +826,7 @@ def format_summary(s: dict) -> str:
         f"  tables: {', '.join(TABLES)}  ({s['seconds']:.1f} s)",
     ]
     for ln, o in (s.get("other_lenses") or {}).items():
-        lines.insert(-1, f"  {ln} lens{' (the paper’s)' if ln == 'naive' else ''}: agreement by thirds "
+        lines.insert(-1, f"  {lens_name(ln)}: agreement by thirds "
                      + ", ".join(_pct(mean_of(o["layer_agreement"][a:b])) for a, b in thirds if b > a)
                      + "; median rank by thirds " + ", ".join(
                          f"{mean_of(o['layer_rank_median'][a:b]):,.0f}" if mean_of(o['layer_rank_median'][a:b]) is not None

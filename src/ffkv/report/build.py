@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ffkv import __version__
+from ffkv.defs import lens_name
 from ffkv.errors import FfkvError
 from ffkv.report import figures as F
 from ffkv.report import verdicts as V
@@ -266,7 +267,7 @@ class Builder:
                 continue
             v = fn(df, *args, lens=ln, **kw)
             s.lenses[ln] = v.verdict
-            tag = f"{ln} lens" + (", the paper's" if ln == "naive" else "")
+            tag = lens_name(ln)
             said = f"{v.verdict} — {v.measured}" if detail else ("same verdict" if v.verdict == s.verdict.verdict
                                                                   else v.verdict)
             s.extra += f" ({tag}: {said})"
@@ -625,8 +626,7 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
     m = run.manifest.get("model") or {}
     counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
     others = [ln for ln in dict.fromkeys(k for s in sections for k in s.lenses) if ln != lens]
-    overview = table(["section", f"verdict ({lens} lens)" if others else "verdict"] + [f"{ln} lens" + (" (the paper's)" if ln == "naive" else "")
-                                               for ln in others] + ["measured"],
+    overview = table(["section", f"verdict ({lens} lens)" if others else "verdict"] + [lens_name(ln) for ln in others] + ["measured"],
                      [[f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>', chip(s.verdict.verdict),
                        *[chip(s.lenses[ln]) if ln in s.lenses else "" for ln in others], s.verdict.measured]
                       for s in sections], raw=set(range(2 + len(others))))

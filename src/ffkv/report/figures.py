@@ -16,6 +16,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ffkv.defs import lens_name
+
 DPI = 90
 SIZE = (6.4, 3.5)
 COLORS = {"shallow": "#4C72B0", "both": "#8172B2", "semantic": "#DD8452", "not_covered": "#CCCCCC",
@@ -131,7 +133,7 @@ def fig3(df: pd.DataFrame) -> Figure:
 def _lens_tag(lens: str | None) -> str:
     if not lens:
         return ""
-    return f" ({lens} lens, the paper's)" if lens == "naive" else f" ({lens} lens)"
+    return f", {lens_name(lens)}"
 
 
 @styled
