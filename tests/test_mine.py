@@ -234,6 +234,24 @@ def test_stale_temps_of_dead_writers_are_swept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in made.items() if keep)
 
 
+def test_step_record_resumes_a_killed_step_and_renews_a_redone_one(tmp_path):
+    """A killed step keeps its start (its time counts from the first try); a step done before and
+    run again (new settings, --force) gets a new record: its own start, none of the old figures."""
+    run = Run(tmp_path / "r", create=True)
+    run.start_step("compose", {"prefixes": 10})
+    first = run.step("compose")["started"]
+    run.start_step("compose", {"prefixes": 10})  # the same step after a kill
+    assert run.step("compose")["started"] == first
+    run.finish_step("compose", prefixes=10, old_figure=1)
+    run.manifest["steps"]["compose"]["started"] -= 1000  # as if done long ago
+    run.start_step("compose", {"prefixes": 20})
+    time.sleep(0.01)
+    run.finish_step("compose", prefixes=20)
+    st = Run(tmp_path / "r").step("compose")
+    assert "old_figure" not in st and st["prefixes"] == 20
+    assert 0 <= st["seconds"] < 100 and st["seconds"] == pytest.approx(st["finished"] - st["started"], abs=0.01)
+
+
 @pytest.mark.slow
 def test_ray_two_shards_identical(tmp_path, tiny_dirs):
     args = ["--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 300,

@@ -192,8 +192,8 @@ def sample_prefixes(run, mm, corpus: str | None, n: int, seed: int = 0,
     else:
         at, pos = spread_positions(first[usable], n_tok[usable] - 1, n, per_sentence, rng)
         chosen = usable[at]
-        several = int((np.bincount(at) > 1).sum())
-        most = int(np.bincount(at).max())
+        per = np.bincount(at)
+        several, most = int((per > 1).sum()), int(per.max())
         warn(f"corpus {spec!r} has {len(usable)} usable sentences (2+ tokens) for {n} requested prefixes; "
              f"{several} of them give {'2' if most == 2 else f'2 to {most}'} prefixes each, "
              f"{len(chosen)} prefixes in all")
