@@ -7,6 +7,7 @@ import time
 import warnings
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -132,33 +133,121 @@ def _table(run_dir, name="triggers"):
     return pq.read_table(os.path.join(run_dir, f"{name}.parquet"))
 
 
-STATS_TABLES = ("key_stats", "key_hist", "key_samples")
+WOBBLE = 1e-5  # relative: the same work rounded differently, far below any real change of a coefficient
 
 
-def _assert_same_table(got_dir, want_dir, name):
-    """Ids, counts and positions to the bit; floats to the bit or, failing that, within 1e-5 with a
-    warning that says where and how far.
+def _few(n_units: int) -> int:
+    """How many units a float rounding may move: a handful, or 0.1% of a large table."""
+    return 3 + n_units // 1000
 
-    Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`); one CI machine once gave a
-    `key_stats` that differed while every count matched, and it never recurred here (56 kills).
-    Work lost or counted twice changes counts, which stay exact."""
-    got, want = _table(got_dir, name), _table(want_dir, name)
-    assert got.schema == want.schema and got.num_rows == want.num_rows, name
-    inexact = []
-    for c in want.column_names:
-        a, b = got.column(c), want.column(c)
-        if a.equals(b):
-            continue
-        assert pa.types.is_floating(b.type), f"{name}.{c} differs"
-        x = a.to_numpy(zero_copy_only=False).astype(np.float64)
-        y = b.to_numpy(zero_copy_only=False).astype(np.float64)
-        bad = ~((x == y) | (np.isnan(x) & np.isnan(y)))
-        rel = np.abs(x - y)[bad] / np.maximum(np.abs(y[bad]), 1e-30)
-        assert np.allclose(x, y, rtol=1e-5, atol=1e-7, equal_nan=True), \
-            f"{name}.{c}: {int(bad.sum())} of {len(y)} values differ, up to {rel.max():.2g} relative"
-        inexact.append(f"{c} ({int(bad.sum())} values, up to {rel.max():.2g} relative)")
-    if inexact:
-        warnings.warn(f"{name}: not bit-identical in {', '.join(inexact)}")
+
+def _assert_same_mine(got_dir, want_dir):
+    """The same mining, checked to the bit or, failing that, up to a different float rounding.
+
+    Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`); the CI machine has twice
+    rounded a resumed pass's coefficients differently by ~2e-6 (never seen here in 56 kills), so a
+    value near an octave edge changed histogram bin. Lost or repeated work cannot hide in that
+    allowance: token and sentence totals, per key and in all, stay exact, no list holds a prefix
+    twice, and only a handful of near-tied or near-edge values may move."""
+    notes, moved = [], {"keys": set()}  # keys whose histogram differs
+    for name, check in (("triggers", _triggers_wobble), ("key_hist", _hist_wobble),
+                        ("key_stats", _stats_wobble), ("key_samples", _samples_wobble)):
+        got, want = _table(got_dir, name), _table(want_dir, name)
+        assert got.schema == want.schema, name
+        if not got.equals(want):
+            notes.append(check(got.to_pandas(), want.to_pandas(), moved))
+    if notes:
+        warnings.warn("not bit-identical, within a float rounding: " + "; ".join(notes))
+
+
+def _close(x, y):
+    """Within a rounding: WOBBLE of the value or of the column's largest (near-zero values come from
+    cancellation, so their error follows the scale of the inputs, not their own)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    scale = np.nanmax(np.abs(y), initial=0.0)
+    return (np.abs(x - y) <= WOBBLE * (np.abs(y) + scale)) | (np.isnan(x) & np.isnan(y))
+
+
+def _allclose(name, g, w):
+    close = _close(g, w)
+    assert close.all(), f"{name}: {int((~close).sum())} of {len(close)} values differ beyond a rounding"
+    return int((np.asarray(g) != np.asarray(w)).sum() - (np.isnan(g) & np.isnan(w)).sum())
+
+
+def _triggers_wobble(g, w, _):
+    lst, ids = ["layer", "sign", "dim"], ["sentence_id", "position", "next_token"]
+    assert len(g) == len(w) and (g[[*lst, "rank"]].values == w[[*lst, "rank"]].values).all(), \
+        "triggers: other lists or ranks"
+    assert not g.duplicated([*lst, "sentence_id", "position"]).any(), "triggers: a prefix twice in a list"
+    n = _allclose("triggers.coef", g.coef, w.coef)
+    moved = (g[ids].fillna(-1).values != w[ids].fillna(-1).values).any(1)
+    # a prefix may trade places only with a near-tie: a neighbour in its list, or the first one
+    # left out (past the last rank)
+    c, keys = w.coef.to_numpy(np.float64), w[lst].values
+    tie = np.zeros(len(w), bool)
+    near = (np.abs(c[1:] - c[:-1]) <= 2 * WOBBLE * (np.abs(c[1:]) + np.abs(c).max())) \
+        & (keys[1:] == keys[:-1]).all(1)
+    tie[1:] |= near
+    tie[:-1] |= near
+    tie |= w["rank"].to_numpy() == w["rank"].max()
+    assert not (moved & ~tie).any(), "triggers: a prefix changed where no near-tie explains it"
+    assert moved.sum() <= _few(len(w)), f"triggers: {int(moved.sum())} prefixes changed"
+    return f"triggers: {n} coef rounded, {int(moved.sum())} near-tied prefixes swapped"
+
+
+def _dense_hist(t, keys):
+    """(key, bin) counts, zeros included, so a move between bins is measured in bins."""
+    from ffkv.mine.stats import NB
+
+    h = np.zeros((len(keys), NB), np.int64)
+    row = keys.get_indexer(pd.MultiIndex.from_frame(t[["layer", "dim"]]))
+    np.add.at(h, (row, t["bin"].to_numpy()), t["count"].to_numpy())
+    return h
+
+
+def _hist_wobble(g, w, moved):
+    keys = pd.MultiIndex.from_frame(pd.concat([g, w])[["layer", "dim"]].drop_duplicates())
+    hg, hw = _dense_hist(g, keys), _dense_hist(w, keys)
+    assert (hg.sum(1) == hw.sum(1)).all(), "key_hist: a key's token total differs (work lost or counted twice)"
+    # earth mover's distance: a value rounded across a bin edge moves one count by one bin
+    moves = int(np.abs(np.cumsum(hg - hw, axis=1)).sum())
+    assert moves <= _few(int(hw.sum()) // 100), f"key_hist: {moves} bin moves"
+    moved["keys"] = set(keys[(hg != hw).any(1)])
+    return f"key_hist: {moves} value(s) moved to a neighbouring bin"
+
+
+def _stats_wobble(g, w, moved):
+    for c in ("layer", "dim", "sign", "count", "sentences"):
+        assert (g[c].values == w[c].values).all(), f"key_stats.{c} differs (work lost or counted twice)"
+    pg, pw = np.stack(g.pos_hist.to_numpy()), np.stack(w.pos_hist.to_numpy())
+    assert (pg.sum(1) == pw.sum(1)).all(), "key_stats.pos_hist: a key's sentence total differs"
+    shifted = int(np.abs(pg - pw).sum() // 2)  # a sentence's best position, near-tied with another
+    assert shifted <= _few(int(pw.sum())), f"key_stats.pos_hist: {shifted} sentences moved"
+    n = sum(_allclose(f"key_stats.{c}", g[c], w[c]) for c in ("mean", "std", "max"))
+    tok, sen = w["count"].to_numpy(), w["sentences"].to_numpy()
+    for c, per in (("frac_active", tok), ("first_share", sen)):  # shares: a few units may move
+        x, y = g[c].to_numpy(np.float64), w[c].to_numpy(np.float64)
+        assert (np.abs(x - y) * per <= 3.5).all(), f"key_stats.{c} moved by more than a rounding"
+    # read from the histogram (interpolated within a bin): other only where the histogram is
+    hist_same = ~pd.MultiIndex.from_frame(w[["layer", "dim"]]).isin(list(moved["keys"]))
+    for c in ("frac_strong", "p50", "p90", "p99"):
+        off = ~_close(g[c], w[c]) & hist_same
+        assert not off.any(), f"key_stats.{c}: {int(off.sum())} keys differ though their histogram does not"
+    return f"key_stats: {n} mean/std/max rounded, {shifted} best positions moved"
+
+
+def _samples_wobble(g, w, _):
+    grp = ["layer", "dim", "sign", "bin"]
+    assert not g.duplicated([*grp, "sentence_id"]).any(), "key_samples: a sentence twice in a bin"
+    both = g.merge(w, on=[*grp, "sentence_id"], how="outer", suffixes=("_g", "_w"), indicator=True)
+    swapped = int((both._merge != "both").sum())
+    # a sentence whose best coefficient rounds across a bin edge leaves one bin's sample for another's
+    assert swapped <= _few(len(w)), f"key_samples: {swapped} rows differ"
+    kept = both[both._merge == "both"]
+    n = _allclose("key_samples.coef", kept.coef_g, kept.coef_w)
+    repos = int((kept.position_g != kept.position_w).sum())
+    assert repos <= _few(len(w)), f"key_samples: {repos} positions differ"
+    return f"key_samples: {n} coef rounded, {swapped} rows swapped between bins, {repos} near-tied positions"
 
 
 def test_cli_mine_and_show(tmp_path, tiny_dirs):
@@ -209,10 +298,73 @@ def test_resume_after_sigkill(tmp_path, tiny_dirs):
     res = run_cli("mine", "--out", out, *args)
     assert res.returncode == 0, res.stderr
     assert "resuming from checkpoint" in res.stdout
-    for name in ("triggers", *STATS_TABLES):  # the top-k and the key statistics resume to the same rows
-        _assert_same_table(out, ref, name)
+    _assert_same_mine(out, ref)  # the top-k and the key statistics resume to the same rows
     assert not ck.exists()
     assert not list(out.glob(".*.tmp*")), "a killed run's half-written checkpoint was left behind"
+
+
+def test_same_mine_check_allows_a_rounding_not_lost_work(tmp_path, tiny_dirs):
+    """The resume and Ray tests' check: another rounding of the same work passes (with a warning);
+    a sentence lost, a prefix changed, a count dropped or a coefficient off by 0.1% fails."""
+    import shutil
+
+    args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--top-k", 5,
+            "--batch-tokens", 64]
+    ref = tmp_path / "ref"
+    assert run_cli("mine", "--out", ref, *args, "--max-sentences", 120).returncode == 0
+    # the same work in other kernels (no AVX): every float may round differently
+    other_isa = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+    assert run_cli("mine", "--out", tmp_path / "isa", *args, "--max-sentences", 120, env=other_isa).returncode == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its warning is expected here
+        _assert_same_mine(tmp_path / "isa", ref)
+    assert run_cli("mine", "--out", tmp_path / "short", *args, "--max-sentences", 119).returncode == 0
+    with pytest.raises(AssertionError, match="work lost|differ"):
+        _assert_same_mine(tmp_path / "short", ref)
+
+    def altered(tag, name, change):
+        d = tmp_path / tag
+        shutil.copytree(ref, d)
+        t = _table(ref, name)
+        df = change(t.to_pandas())
+        pq.write_table(pa.Table.from_pandas(df, schema=t.schema, preserve_index=False), d / f"{name}.parquet")
+        return d
+
+    def ulps(df, col="coef"):
+        df[col] = (df[col] * np.float32(1 + 3e-7)).astype(np.float32)
+        return df
+
+    def to_next_bin(df):  # one value rounded across an octave edge
+        i = df.index[(df["count"] > 1)][0]
+        df.loc[i, "count"] -= 1
+        return pd.concat([df, df.loc[[i]].assign(bin=df.loc[i, "bin"] + 1, count=1)]) \
+            .groupby(["layer", "dim", "bin"], as_index=False)["count"].sum()
+
+    rounded = [altered("r1", "triggers", ulps), altered("r2", "key_hist", to_next_bin),
+               altered("r3", "key_samples", ulps), altered("r4", "key_stats", lambda df: ulps(df, "mean"))]
+    for d in rounded:
+        with pytest.warns(UserWarning, match="within a float rounding"):
+            _assert_same_mine(d, ref)
+
+    def other_prefix(df):
+        df.loc[0, "sentence_id"] = (df.loc[0, "sentence_id"] + 1) % 120
+        return df
+
+    def drop_count(df):
+        df.loc[0, "count"] -= 1
+        return df
+
+    def twice(df):
+        return pd.concat([df.iloc[:1], df]).sort_values(["layer", "dim", "sign", "bin"], kind="stable")
+
+    broken = {"no near-tie explains": altered("b1", "triggers", other_prefix),
+              "token total differs": altered("b2", "key_hist", drop_count),
+              "beyond a rounding": altered("b3", "triggers",
+                                           lambda df: df.assign(coef=(df.coef * 1.001).astype(np.float32))),
+              "a sentence twice": altered("b4", "key_samples", twice)}
+    for why, d in broken.items():
+        with pytest.raises(AssertionError, match=why):
+            _assert_same_mine(d, ref)
 
 
 def test_stale_temps_of_dead_writers_are_swept(tmp_path):
@@ -262,8 +414,7 @@ def test_ray_two_shards_identical(tmp_path, tiny_dirs):
     res = run_cli("mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 2, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 shard(s) on Ray" in res.stdout
-    for name in ("triggers", *STATS_TABLES):  # the same tables from two shards
-        _assert_same_table(tmp_path / "ray", tmp_path / "single", name)
+    _assert_same_mine(tmp_path / "ray", tmp_path / "single")  # the same tables from two shards
 
 
 @pytest.mark.slow
