@@ -34,8 +34,9 @@ coef float32. For each key, sign and histogram bin on that side: up to k sentenc
 `--samples-per-bin`) drawn from the sentences whose best coefficient on that side (sign·m > 0,
 the top-k's candidate, at its first best position) falls in the bin: those with the k smallest
 `sample_hash(sentence_id, layer, dim)`, a seeded bijection. Deterministic and mergeable: the
-same rows under resume, merge and Ray sharding. Rows are ordered by layer, dim, sign desc, bin,
-then hash.
+same rows under resume, merge and Ray sharding, given the same floats from the forward (a machine
+that rounds a value differently can move it across a bin edge; DEVELOPING.md). Rows are ordered
+by layer, dim, sign desc, bin, then hash.
 
 Exactness: histogram and position counts are integers; the sums behind mean and std are summed
 per batch in float32 (per run of equal-length rows) and carried across batches as exact integer
