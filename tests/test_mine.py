@@ -144,9 +144,9 @@ def _few(n_units: int) -> int:
 def _assert_same_mine(got_dir, want_dir):
     """The same mining, checked to the bit or, failing that, up to a different float rounding.
 
-    Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`); the CI machine has twice
-    rounded a resumed pass's coefficients differently by ~2e-6 (never seen here in 56 kills), so a
-    value near an octave edge changed histogram bin. Lost or repeated work cannot hide in that
+    Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`), but a fresh process's first
+    forward sometimes rounds differently (~2e-6; DEVELOPING.md), so a value near an octave edge can
+    change histogram bin. Lost or repeated work cannot hide in that
     allowance: token and sentence totals, per key and in all, stay exact, no list holds a prefix
     twice, and only a handful of near-tied or near-edge values may move."""
     notes, moved = [], set()  # (layer, dim) of the keys whose histogram differs
