@@ -1,15 +1,49 @@
-"""Where each architecture keeps its FFN, norms and unembedding.
+"""Each architecture's FFN as memories: where it lives, how m and v are read, where hooks sit.
 
-Adding an architecture is one entry in ARCHITECTURES: attribute paths and how the
-weights are laid out. Nothing else in ffkv branches on the model type.
+One entry per model type in ARCHITECTURES. An entry carries everything that differs between
+families, in one place:
+- its checks (`check`: variants of a family that the memory view cannot read exactly);
+- how coefficients m and values v are read from the weights (`keys`, `up_keys`, `values`,
+  `coefficients`) and how the FFN's output is rebuilt from them (`rebuild`);
+- where capture and intervention hooks sit (`hook_x`, `hook_m`, `hook_y`, `replace_y`);
+- how the final norm's gain and the model's own head read a residual state (`norm_gain`, `head`).
+
+A simple family is one line of data (attribute paths, weight layout). A family with real
+differences is a small subclass: `OPT` (checks), `FusedGateUp` (Phi-3's fused gate_up_proj),
+`PostNorm` (Gemma 2/3, OLMo 2: an RMSNorm after the FFN), `ScaledResidual` (Granite's residual
+multiplier and logit divisor). Nothing else in ffkv branches on the model type.
+
+Hooks: every `hook_*` returns a list of torch hook handles. `shape` is a (B, T) list the caller
+keeps up to date (families with `flat=True` run their FFN on (B·T, d) rows); `state` is a dict
+per layer that the caller owns, shared by all hooks on that layer (a post-norm family keeps the
+token's m there, so that an intervention and a capture on the same layer see the same m).
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ffkv.errors import FfkvError
+
+
+def get_path(obj, path: str):
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def text_config(cfg):
+    """The language model's config (a multimodal config keeps it as its text config)."""
+    get = getattr(cfg, "get_text_config", None)
+    return get() if get is not None else cfg
 
 
 @dataclass(frozen=True)
 class Architecture:
+    """A plain FFN y = Σ_i m_i·v_i + b, added to the residual stream as it is (ReLU/GELU or gated)."""
     name: str
     layers: str  # path from the CausalLM to the list of decoder blocks
     final_norm: str  # path from the CausalLM to the final norm
@@ -22,7 +56,270 @@ class Architecture:
     # "linear": weight stored out x in (nn.Linear). "conv1d": in x out (GPT-2's Conv1D).
     layout: str = "linear"
     act_config: str = "hidden_act"  # config attribute naming the activation
+    gain_offset: float = 0.0  # an RMSNorm's gain is offset + weight (Gemma: 1 + w)
+    softcap: str | None = None  # config attribute of the final logits' tanh soft-cap (Gemma 2)
+    parallel: bool = False  # attention and FFN read the same input and add to the residual together
+    flat: bool = False  # the FFN runs on (B·T, d) rows (OPT)
 
+    # ---- checks ------------------------------------------------------------------------------
+    def check(self, cfg) -> None:
+        """Raise FfkvError for a variant of this family the memory view cannot read exactly."""
+
+    # ---- weights, all as (d_m, d) rows -------------------------------------------------------
+    def module(self, blk, path: str):
+        return get_path(blk, path)
+
+    def _rows(self, w: torch.Tensor) -> torch.Tensor:
+        """An input projection's weight as (d_m, d) rows."""
+        return w.T if self.layout == "conv1d" else w
+
+    def keys(self, blk) -> torch.Tensor:
+        """K (d_m, d): the gate keys for a gated FFN."""
+        return self._rows(self.module(blk, self.key).weight)
+
+    def up_keys(self, blk) -> torch.Tensor | None:
+        return self._rows(self.module(blk, self.up).weight) if self.up else None
+
+    def key_bias(self, blk):
+        return getattr(self.module(blk, self.key), "bias", None)
+
+    def up_bias(self, blk):
+        return getattr(self.module(blk, self.up), "bias", None) if self.up else None
+
+    def value_weight(self, blk) -> torch.Tensor:
+        """The value projection's weight as (d_m, d) rows: what memory i writes before any
+        scale or norm that follows the FFN."""
+        w = self.module(blk, self.value).weight
+        return w if self.layout == "conv1d" else w.T
+
+    def values(self, blk) -> torch.Tensor:
+        """V (d_m, d): row i is the value v_i, written to the residual stream with weight m_i."""
+        return self.value_weight(blk)
+
+    def value_bias(self, blk):
+        """b (d,) added to the residual stream whatever the coefficients, or None."""
+        return getattr(self.module(blk, self.value), "bias", None)
+
+    def act_fn(self, blk):
+        return self.module(blk, self.act)
+
+    # ---- the definitions ---------------------------------------------------------------------
+    def activations(self, blk, x: torch.Tensor) -> torch.Tensor:
+        """The value projection's input (..., d_m) from the FFN input x (..., d):
+        f(x·k_i + b_i), or f(x·g_i)·(x·u_i) for a gated FFN."""
+        pre = x @ self.keys(blk).T
+        if self.key_bias(blk) is not None:
+            pre = pre + self.key_bias(blk)
+        a = self.act_fn(blk)(pre)
+        if self.up:
+            up = x @ self.up_keys(blk).T
+            if self.up_bias(blk) is not None:
+                up = up + self.up_bias(blk)
+            a = a * up
+        return a
+
+    def coefficients(self, blk, x: torch.Tensor) -> torch.Tensor:
+        """m (..., d_m) from the FFN input x (..., d)."""
+        return self.activations(blk, x)
+
+    def rebuild(self, blk, m: torch.Tensor) -> torch.Tensor:
+        """y = Σ_i m_i·v_i + b: what the FFN adds to the residual stream."""
+        y = m @ self.values(blk)
+        b = self.value_bias(blk)
+        return y + b if b is not None else y
+
+    # ---- the lens ----------------------------------------------------------------------------
+    def norm_gain(self, norm) -> torch.Tensor | None:
+        """The gain a norm multiplies its normalised input by, or None for none."""
+        w = getattr(norm, "weight", None)
+        return None if w is None else w + self.gain_offset if self.gain_offset else w
+
+    def head(self, cfg, z: torch.Tensor) -> torch.Tensor:
+        """What the CausalLM does to the unembedded final state, here a soft-cap if any."""
+        cap = getattr(text_config(cfg), self.softcap, None) if self.softcap else None
+        return torch.tanh(z / cap) * cap if cap else z
+
+    # ---- hook sites --------------------------------------------------------------------------
+    def _tokens(self, t: torch.Tensor, shape) -> torch.Tensor:
+        return t.view(*shape, t.shape[-1]) if self.flat else t
+
+    def y_site(self, blk):
+        """The module whose output is (up to `read_y`) what the FFN adds to the residual stream."""
+        return self.module(blk, self.value)
+
+    def read_y(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def write_y(self, y: torch.Tensor) -> torch.Tensor:
+        """The y-site output that makes the FFN add y (the inverse of `read_y`)."""
+        return y
+
+    def hook_x(self, blk, fn: Callable, shape) -> list:
+        """fn(x) on the FFN input x (B, T, d)."""
+        return [self.module(blk, self.key).register_forward_pre_hook(
+            lambda mod, args: fn(self._tokens(args[0], shape)))]
+
+    def hook_m(self, blk, fn: Callable, shape, state: dict) -> list:
+        """fn(m) on the coefficients m (B, T, d_m) as the model computes them; when fn returns a
+        tensor, the model goes on with it in place of m. Here: the value projection's input."""
+        def pre(mod, args):
+            m = args[0]
+            new = fn(self._tokens(m, shape))
+            return None if new is None else (new.reshape(m.shape), *args[1:])
+        return [self.module(blk, self.value).register_forward_pre_hook(pre)]
+
+    def hook_y(self, blk, fn: Callable, shape) -> list:
+        """fn(y) on what the FFN adds to the residual stream, y (B, T, d)."""
+        return [self.y_site(blk).register_forward_hook(
+            lambda mod, args, out: fn(self._tokens(self.read_y(out), shape)))]
+
+    def replace_y(self, blk, replace: Callable, shape, state: dict) -> list:
+        """The FFN adds replace(x, m) (B, T, d) instead of its own y (None keeps y)."""
+        seen: dict = {}
+
+        def keep_m(m):
+            seen["m"] = m
+
+        def swap(mod, args, out):
+            y = replace(seen.pop("x"), seen.pop("m"))
+            return None if y is None else self.write_y(y).reshape(out.shape).to(out.dtype)
+
+        return (self.hook_x(blk, lambda x: seen.__setitem__("x", x), shape)
+                + self.hook_m(blk, keep_m, shape, state)
+                + [self.y_site(blk).register_forward_hook(swap)])
+
+
+@dataclass(frozen=True)
+class OPT(Architecture):
+    """OPT runs its FFN on (B·T, d) rows; two variants do not fit the memory view."""
+    flat: bool = True
+
+    def check(self, cfg) -> None:
+        if not getattr(cfg, "do_layer_norm_before", True):
+            raise FfkvError("post-norm OPT (e.g. opt-350m) is not supported: its FFN output is "
+                            "normalised after the residual add, so o = y + r does not hold")
+        if getattr(cfg, "word_embed_proj_dim", cfg.hidden_size) != cfg.hidden_size:
+            raise FfkvError("OPT with project_out (word_embed_proj_dim != hidden_size) is not supported")
+
+
+@dataclass(frozen=True)
+class FusedGateUp(Architecture):
+    """Gate and up projections fused into one matrix (`key` = `up`): rows [0, d_m) are the gate
+    keys, rows [d_m, 2·d_m) the up keys (Phi-3: gate, up = gate_up_proj(x).chunk(2))."""
+
+    def _half(self, t, i: int):
+        if t is None:
+            return None
+        n = t.shape[0] // 2
+        return t[i * n:(i + 1) * n]
+
+    def keys(self, blk):
+        return self._half(self.module(blk, self.key).weight, 0)
+
+    def up_keys(self, blk):
+        return self._half(self.module(blk, self.key).weight, 1)
+
+    def key_bias(self, blk):
+        return self._half(getattr(self.module(blk, self.key), "bias", None), 0)
+
+    def up_bias(self, blk):
+        return self._half(getattr(self.module(blk, self.key), "bias", None), 1)
+
+
+@dataclass(frozen=True)
+class PostNorm(Architecture):
+    """The FFN's output u = Σ_i a_i·w_i (a the value projection's input, w_i its columns) passes
+    an RMSNorm before the residual add: y = g ⊙ u / s, s = sqrt(mean(u²) + ε) the token's scale,
+    g the norm's gain. Once s is fixed the norm is linear, so
+
+        y = Σ_i m_i·v_i,   v_i = g ⊙ w_i (the direction memory i writes, after the gain),
+                           m_i = a_i / s (the token's scale belongs to the coefficient).
+
+    Captures and interventions work on this m: an intervention changes what the FFN adds by
+    Σ_i (m'_i − m_i)·v_i, the token's scale s staying as the model computed it."""
+    post_norm: str = "post_feedforward_layernorm"  # path inside the block
+
+    def check(self, cfg) -> None:
+        super().check(cfg)
+        if getattr(text_config(cfg), "mlp_bias", False):
+            raise FfkvError(f"{self.name} with mlp_bias is not supported: a bias before the "
+                            "post-FFN norm is not a memory")
+
+    def value_bias(self, blk):
+        return None
+
+    def values(self, blk):
+        g = self.norm_gain(self.module(blk, self.post_norm))
+        w = self.value_weight(blk)
+        return w if g is None else w * g.to(w.dtype)
+
+    def inv_scale(self, blk, u: torch.Tensor) -> torch.Tensor:
+        """1/s (..., 1) for the FFN's raw output u (..., d), as the post-FFN RMSNorm computes it."""
+        norm = self.module(blk, self.post_norm)
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        uf = u.float()
+        return torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps).to(u.dtype)
+
+    def coefficients(self, blk, x):
+        a = self.activations(blk, x)
+        return a * self.inv_scale(blk, a @ self.value_weight(blk))
+
+    def y_site(self, blk):
+        return self.module(blk, self.post_norm)
+
+    def hook_m(self, blk, fn, shape, state):
+        """m = a/s is whole only once the value projection has run (s needs its output), so m
+        is read there and kept in `state`; fn runs at the post-FFN norm's output, where an edit
+        adds Σ_i (m'_i − m_i)·v_i. Hooks on one module run in the order registered, so a later
+        fn (a capture) sees an earlier one's edit (an intervention)."""
+        def on_value(mod, args, out):
+            state["m"] = args[0] * self.inv_scale(blk, out)
+
+        def on_norm(mod, args, out):
+            m = state["m"]
+            new = fn(m)
+            if new is None:
+                return None
+            state["m"] = new
+            return out + ((new - m) @ self.values(blk)).to(out.dtype)
+
+        return [self.module(blk, self.value).register_forward_hook(on_value),
+                self.module(blk, self.post_norm).register_forward_hook(on_norm)]
+
+
+@dataclass(frozen=True)
+class ScaledResidual(Architecture):
+    """The block adds the FFN's output times a constant (Granite: residual_multiplier), and the
+    head divides the logits by another (logits_scaling). v_i = c·w_i, so Σ m_i·v_i is what the
+    FFN adds; the value projection's output is y / c."""
+    multiplier: str = "residual_multiplier"
+    divisor: str = "logits_scaling"
+
+    def _c(self, blk) -> float:
+        return float(getattr(blk, self.multiplier))
+
+    def values(self, blk):
+        return self.value_weight(blk) * self._c(blk)
+
+    def value_bias(self, blk):
+        b = super().value_bias(blk)
+        return None if b is None else b * self._c(blk)
+
+    def hook_y(self, blk, fn, shape):
+        c = self._c(blk)
+        return [self.y_site(blk).register_forward_hook(lambda mod, args, out: fn(out * c))]
+
+    def replace_y(self, blk, replace, shape, state):
+        c = self._c(blk)
+        return super().replace_y(blk, lambda x, m: (lambda y: None if y is None else y / c)(replace(x, m)),
+                                 shape, state)
+
+    def head(self, cfg, z):
+        return z / float(getattr(text_config(cfg), self.divisor, 1.0) or 1.0)
+
+
+_LLAMA = dict(layers="model.layers", final_norm="model.norm", unembed="lm_head",
+              key="mlp.gate_proj", up="mlp.up_proj", value="mlp.down_proj", act="mlp.act_fn")
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture(
@@ -32,20 +329,35 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt_neox": Architecture(
         "gpt_neox", layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
         unembed="lm_head", key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act"),
-    "opt": Architecture(
+    "opt": OPT(
         "opt", layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm",
         unembed="lm_head", key="fc1", value="fc2", act="activation_fn",
         act_config="activation_function"),
-    "llama": Architecture(
-        "llama", layers="model.layers", final_norm="model.norm", unembed="lm_head",
-        key="mlp.gate_proj", up="mlp.up_proj", value="mlp.down_proj", act="mlp.act_fn"),
+    "llama": Architecture("llama", **_LLAMA),
+    # Gemma: (1 + w) RMSNorm gains; Gemma 2 and 3 add a post-FFN norm and Gemma 2 soft-caps.
+    "gemma": Architecture("gemma", **_LLAMA, gain_offset=1.0),
+    "gemma2": PostNorm("gemma2", **_LLAMA, gain_offset=1.0, softcap="final_logit_softcapping",
+                       act_config="hidden_activation"),
+    "gemma3_text": PostNorm("gemma3_text", **_LLAMA, gain_offset=1.0, softcap="final_logit_softcapping",
+                            act_config="hidden_activation"),
+    # Gemma 3 with its vision tower: the language model inside; its head applies no soft-cap
+    "gemma3": PostNorm("gemma3", **{**_LLAMA, "layers": "model.language_model.layers",
+                                    "final_norm": "model.language_model.norm"},
+                       gain_offset=1.0, act_config="hidden_activation"),
 }
 # Llama-shaped gated FFNs under other names share the same layout.
 for _alias in ("mistral", "qwen2", "qwen3"):
     ARCHITECTURES[_alias] = Architecture(**{**ARCHITECTURES["llama"].__dict__, "name": _alias})
 
 
-def get_path(obj, path: str):
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
+def find(cfg) -> Architecture:
+    """The entry for a model's config, checked; a one-line error for anything else."""
+    mt = getattr(cfg, "model_type", None) or "?"
+    if mt not in ARCHITECTURES:
+        close = difflib.get_close_matches(mt, list(ARCHITECTURES), n=1, cutoff=0.6)
+        hint = f" (closest: {close[0]!r})" if close else ""
+        raise FfkvError(f"unsupported architecture {mt!r}{hint}; supported: "
+                        f"{', '.join(sorted(ARCHITECTURES))}")
+    arch = ARCHITECTURES[mt]
+    arch.check(cfg)
+    return arch

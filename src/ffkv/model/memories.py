@@ -18,7 +18,7 @@ import torch
 
 from ffkv.defs import LENSES, check_lens
 from ffkv.errors import FfkvError
-from ffkv.model.arch import ARCHITECTURES, Architecture, get_path
+from ffkv.model.arch import Architecture, find, get_path, text_config
 
 QUANTITIES = ("r", "x", "m", "y", "o")
 
@@ -53,9 +53,11 @@ def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Lens:
     """Read a d-vector as a distribution over the vocabulary.
 
-    mode "naive": h·E, the paper's projection. mode "norm": through the model's final norm,
-    so the last layer's output gives exactly the model's logits. For weight vectors
-    (values, keys) "norm" applies only the norm's gain, since a direction has no scale.
+    mode "naive": h·E (+ the unembedding's bias), the paper's projection. mode "norm": the model's
+    own head (`model_logits`: final norm, unembedding, and what the family does to the logits,
+    e.g. Gemma 2's soft-cap), so the last layer's output gives exactly the model's logits. For
+    weight vectors (values, keys) "norm" applies only the final norm's gain (`gain`, e.g. Gemma's
+    1 + w), since a direction has no scale, and no soft-cap (monotone: ranks do not move).
     """
 
     MODES = LENSES
@@ -67,17 +69,24 @@ class Lens:
         self.final_norm = get_path(mm.hf, mm.arch.final_norm)
         self.E = self.unembed.weight  # (V, d)
         self.bias = getattr(self.unembed, "bias", None)
-        gain = getattr(self.final_norm, "weight", None)
+        gain = mm.arch.norm_gain(self.final_norm)
         self.gain = gain if gain is not None else torch.ones(self.E.shape[1], device=self.E.device)
+
+    def _unembed(self, h: torch.Tensor) -> torch.Tensor:
+        out = h @ self.E.T
+        return out + self.bias if self.bias is not None else out
+
+    @torch.no_grad()
+    def model_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) final residual states -> (..., V) logits as the model's own head computes them."""
+        return self.mm.arch.head(self.mm.hf.config, self._unembed(self.final_norm(h.to(self.E.dtype))))
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d) residual-stream states -> (..., V) logits."""
-        h = h.to(self.E.dtype)
         if self.mode == "norm":
-            h = self.final_norm(h)
-        out = h @ self.E.T
-        return out + self.bias if self.bias is not None else out
+            return self.model_logits(h)
+        return self._unembed(h.to(self.E.dtype))
 
     @torch.no_grad()
     def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None,
@@ -102,26 +111,17 @@ class MemoryModel:
 
     def __init__(self, hf, tokenizer, spec=None, lens: str = "norm"):
         self.hf, self.tok, self.spec = hf, tokenizer, spec
-        cfg = hf.config
-        mt = getattr(cfg, "model_type", "?")
-        if mt not in ARCHITECTURES:
-            raise FfkvError(f"unsupported architecture {mt!r}; supported: "
-                            f"{', '.join(sorted(ARCHITECTURES))}")
-        self.arch: Architecture = ARCHITECTURES[mt]
-        if mt == "opt" and not getattr(cfg, "do_layer_norm_before", True):
-            raise FfkvError("post-norm OPT (e.g. opt-350m) is not supported: its FFN output is "
-                            "normalised after the residual add, so o = y + r does not hold")
-        if mt == "opt" and getattr(cfg, "word_embed_proj_dim", cfg.hidden_size) != cfg.hidden_size:
-            raise FfkvError("OPT with project_out (word_embed_proj_dim != hidden_size) is not supported")
+        self.arch: Architecture = find(hf.config)
         self.blocks = get_path(hf, self.arch.layers)
         self.n_layers = len(self.blocks)
+        self._state = [{} for _ in range(self.n_layers)]  # per layer, shared by its hooks (arch.hook_m)
         self.gated = self.arch.up is not None
-        k = self._w(0, self.arch.key)
+        k = self.keys(0)
         self.d_m, self.d = k.shape
         self.lens = Lens(self, lens)
         self.vocab_size = self.lens.E.shape[0]
-        act = get_path(self.blocks[0], self.arch.act) if self.arch.act else None
-        self.act_name = str(getattr(cfg, self.arch.act_config, None) or type(act).__name__)
+        act = self.act(0) if self.arch.act else None
+        self.act_name = str(getattr(text_config(hf.config), self.arch.act_config, None) or type(act).__name__)
 
     @property
     def device(self):
@@ -131,64 +131,55 @@ class MemoryModel:
     def dtype(self):
         return self.lens.E.dtype
 
-    # ---- weights, all as (d_m, d) rows ---------------------------------------------------
+    # ---- weights, all as (d_m, d) rows (the family's entry in ffkv.model.arch reads them) ------
     def _mod(self, layer: int, path: str):
         return get_path(self.blocks[layer], path)
 
-    def _w(self, layer: int, path: str) -> torch.Tensor:
-        w = self._mod(layer, path).weight
-        return w.T if self.arch.layout == "conv1d" else w
-
     def keys(self, layer: int) -> torch.Tensor:
         """K (d_m, d): the gate keys for a gated FFN."""
-        return self._w(layer, self.arch.key)
+        return self.arch.keys(self.blocks[layer])
 
     def up_keys(self, layer: int) -> torch.Tensor | None:
-        return self._w(layer, self.arch.up) if self.gated else None
+        return self.arch.up_keys(self.blocks[layer])
 
     def values(self, layer: int) -> torch.Tensor:
-        """V (d_m, d): row i is the value v_i written with weight m_i."""
-        w = self._mod(layer, self.arch.value).weight
-        return w if self.arch.layout == "conv1d" else w.T
+        """V (d_m, d): row i is the value v_i written to the residual stream with weight m_i
+        (after a post-FFN norm's gain, where the family has one)."""
+        return self.arch.values(self.blocks[layer])
 
     def key_bias(self, layer: int):
-        return getattr(self._mod(layer, self.arch.key), "bias", None)
+        return self.arch.key_bias(self.blocks[layer])
 
     def up_bias(self, layer: int):
-        return getattr(self._mod(layer, self.arch.up), "bias", None) if self.gated else None
+        return self.arch.up_bias(self.blocks[layer])
 
     def value_bias(self, layer: int):
-        return getattr(self._mod(layer, self.arch.value), "bias", None)
+        return self.arch.value_bias(self.blocks[layer])
 
     def act(self, layer: int):
-        return self._mod(layer, self.arch.act)
+        return self.arch.act_fn(self.blocks[layer])
 
     # ---- the definitions -------------------------------------------------------------------
     @torch.no_grad()
     def coefficients(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """m (..., d_m) from the FFN input x (..., d).
 
-        Gated: m_i = f(x·g_i)·(x·u_i), signed. Otherwise m_i = f(x·k_i + b_i).
-        The capture reads m at the value projection's input, which is this same quantity as
-        the model computes it; tests hold the two equal.
+        Gated: m_i = f(x·g_i)·(x·u_i), signed. Otherwise m_i = f(x·k_i + b_i). With a post-FFN
+        norm, divided by the token's norm scale s (`ffkv.model.arch.PostNorm`), so that
+        Σ_i m_i·v_i is what the FFN adds to the residual stream.
+        The capture reads m where the model computes it, and tests hold the two equal.
         """
-        pre = x @ self.keys(layer).T
-        if self.key_bias(layer) is not None:
-            pre = pre + self.key_bias(layer)
-        m = self.act(layer)(pre)
-        if self.gated:
-            up = x @ self.up_keys(layer).T
-            if self.up_bias(layer) is not None:
-                up = up + self.up_bias(layer)
-            m = m * up
-        return m
+        return self.arch.coefficients(self.blocks[layer], x)
 
     @torch.no_grad()
     def ffn_from_memories(self, layer: int, m: torch.Tensor) -> torch.Tensor:
-        """y = Σ_i m_i·v_i + b: the FFN output rebuilt from its memories."""
-        y = m @ self.values(layer)
-        b = self.value_bias(layer)
-        return y + b if b is not None else y
+        """y = Σ_i m_i·v_i + b: what the FFN adds to the residual stream, rebuilt from its memories."""
+        return self.arch.rebuild(self.blocks[layer], m)
+
+    def replace_ffn(self, layer: int, replace, shape) -> list:
+        """Hooks (handles) under which layer `layer`'s FFN adds replace(x, m) (B, T, d) instead of
+        its own output; `shape` a [B, T] list of the running batch. Returning None keeps it."""
+        return self.arch.replace_y(self.blocks[layer], replace, shape, {})
 
     # ---- tokenization ------------------------------------------------------------------------
     @property
@@ -239,12 +230,10 @@ class MemoryModel:
         need_o = any(q in what for q in ("o", "r"))
         hooks = []
         store: dict[int, dict[str, torch.Tensor]] = {}
-
-        B, T = input_ids.shape
+        shape = list(input_ids.shape[:2])  # (B, T), for families that run their FFN on B·T rows
+        arch = self.arch
 
         def emit(layer, name, t):
-            if t.dim() == 2:  # OPT runs its FFN on (B*T, d)
-                t = t.view(B, T, -1)
             if name in what:
                 if callback is not None:
                     callback(layer, name, t)
@@ -253,18 +242,17 @@ class MemoryModel:
 
         for l in layers:
             store[l] = {}
+            blk = self.blocks[l]
             if "x" in what:
-                hooks.append(self._mod(l, self.arch.key).register_forward_pre_hook(
-                    lambda mod, args, l=l: emit(l, "x", args[0].detach())))
+                hooks += arch.hook_x(blk, lambda x, l=l: emit(l, "x", x.detach()), shape)
             if "m" in what:
-                hooks.append(self._mod(l, self.arch.value).register_forward_pre_hook(
-                    lambda mod, args, l=l: emit(l, "m", args[0].detach())))
+                hooks += arch.hook_m(blk, lambda m, l=l: emit(l, "m", m.detach()), shape, self._state[l])
             if need_y:
-                def on_y(mod, args, res, l=l):
-                    y = res.detach()
-                    store[l]["y"] = y.view(B, T, -1) if y.dim() == 2 else y
+                def on_y(y, l=l):
+                    y = y.detach()
+                    store[l]["y"] = y
                     emit(l, "y", y)
-                hooks.append(self._mod(l, self.arch.value).register_forward_hook(on_y))
+                hooks += arch.hook_y(blk, on_y, shape)
             if need_o:
                 def on_o(mod, args, res, l=l):
                     o = (res[0] if isinstance(res, tuple) else res).detach()
@@ -272,7 +260,7 @@ class MemoryModel:
                         emit(l, "r", o - store[l]["y"])
                     emit(l, "o", o)
                     store[l].clear()
-                hooks.append(self.blocks[l].register_forward_hook(on_o))
+                hooks.append(blk.register_forward_hook(on_o))
         last = layers[-1]
         if not logits:
             def stop(mod, args, res):
@@ -290,6 +278,7 @@ class MemoryModel:
         finally:
             for h in hooks:
                 h.remove()
+            self._clear_state()
         return out
 
     # ---- interventions -----------------------------------------------------------------------
@@ -317,7 +306,7 @@ class MemoryModel:
             e = per_layer.setdefault(int(layer), {"scale": ([], []), "set": ([], [])})
             e[op][0].append(int(dim))
             e[op][1].append(float(value))
-        shape: list[int] = []  # (B, T) of the running forward pass; OPT flattens m to (B*T, d_m)
+        shape: list[int] = [0, 0]  # (B, T) of the running forward pass
 
         def on_model(mod, args, kwargs):
             x = kwargs.get("input_ids", args[0] if args else None)
@@ -331,10 +320,9 @@ class MemoryModel:
             td, tv = (torch.tensor(spec["set"][0], device=self.device, dtype=torch.long),
                       torch.tensor(spec["set"][1], device=self.device))
 
-            def hook(mod, args):
-                m = args[0]
+            def edit(m):  # m (B, T, d_m)
                 B, T = shape
-                m3 = m.reshape(B, T, m.shape[-1]).clone()
+                m3 = m.clone()
                 if at == "all":
                     pos = (slice(None), slice(None))
                 else:
@@ -344,17 +332,22 @@ class MemoryModel:
                     m3[(*pos, sd)] = m3[(*pos, sd)] * sv.to(m.dtype)
                 if len(td):
                     m3[(*pos, td)] = tv.to(m.dtype)
-                return (m3.view(m.shape), *args[1:])
-            return hook
+                return m3
+            return edit
 
         hooks = [self.hf.register_forward_pre_hook(on_model, with_kwargs=True)]
         try:
             for l, spec in per_layer.items():
-                hooks.append(self._mod(l, self.arch.value).register_forward_pre_hook(make(spec)))
+                hooks += self.arch.hook_m(self.blocks[l], make(spec), shape, self._state[l])
             yield self
         finally:
             for h in hooks:
                 h.remove()
+            self._clear_state()
+
+    def _clear_state(self) -> None:
+        for st in self._state:
+            st.clear()
 
     def info(self) -> dict:
         return {
