@@ -13,6 +13,9 @@ from ffkv.errors import FfkvError
 def info(model_name: Optional[str] = typer.Argument(None, metavar="[MODEL]", help="HF id, folder or .gguf; default: embedded SmolLM2."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
     """Describe a model as key-value memories: layers, d, d_m, activation, gating, vocabulary."""
+    from ffkv.model.load import model_shape
+
+    model_shape(model_name)  # an unsupported or broken model is refused before its weights load
     mm = model(model_name)
     inf = mm.info()
     if as_json:
@@ -36,17 +39,29 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
             scale: float = typer.Option(0.0, "--scale", help="Factor for the L:D items of --suppress (1 leaves them unchanged)."),
             at: str = typer.Option("last", "--at", help="Edit the coefficients at the last position or at all positions."),
             contrast: Optional[str] = typer.Option(None, "--contrast", metavar="TOKEN", help="A second token to read beside the prediction (text that is one token, e.g. ' London')."),
+            truncate: Optional[str] = typer.Option(None, "--truncate", metavar="left|right", help="A text longer than the model's context is refused; left: keep its end, right: keep its start (said on stderr and in the JSON)."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
     """Explain one prediction layer by layer: residual, FFN and the memories that push it; optionally
     with chosen memories suppressed, scaled or set."""
+    import sys
+
     from ffkv.experiments.explain import explain as run_explain
+    from ffkv.model.context import check_truncate, truncation_note
+    from ffkv.model.load import model_shape
     from ffkv.parse import parse_interventions
 
     if at not in ("last", "all"):
         raise FfkvError(f"--at {at!r}: choose last or all")
+    truncate = check_truncate(truncate)
+    parse_interventions(suppress, scale=scale)  # the spec's form, before anything is read
+    shape = model_shape(model_name) or {}  # its shape from the config: no weight loaded yet
+    parse_interventions(suppress, shape.get("layers"), shape.get("d_m"), scale=scale)
     mm = model(model_name, lens=lens)
     edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
-    res = run_explain(mm, text, top, edits, at=at, contrast=contrast)
+    res = run_explain(mm, text, top, edits, at=at, contrast=contrast, truncate=truncate)
+    note = truncation_note(res["truncated"])
+    if note:
+        print(note, file=sys.stderr)
     if as_json:
         print(json.dumps(res, indent=2))
         return

@@ -14,7 +14,8 @@ Its result (`intervened`) has the same shape as the original's and is read with 
 contrast, so the two compare number by number; its own prediction is in `intervened.prediction`.
 
 The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web return it):
-  text, tokens (each token as text), n_tokens, lens (of the contributions), at,
+  text, tokens (each token as text), n_tokens (those explained), truncated (None, or with
+    `truncate`: side, dropped_tokens, text_tokens: the text's own length), lens (of the contributions), at,
   prediction, prediction_id, p, top (the model's top next tokens: token, id, p, logit),
   contrast (token, id, p, logit, rank: 0-based, the tokens with a higher logit; or None),
   layers: per layer {layer, top_r, top_y, top_o, p_final_in_r (chosen lens), memories (the
@@ -44,16 +45,34 @@ TOP_TOKENS = 3  # top tokens shown per lens reading and per value
 TOP_NEXT = 10  # the model's next-token distribution shown
 
 
-def tokenize(mm, text: str, max_tokens: int | None = None) -> list[int]:
-    """The text's token ids as `explain` reads them. Over `max_tokens`: FfkvError; else cut at the
-    model's context."""
+def fit_text(mm, text: str, max_tokens: int | None = None,
+             truncate: str | None = None) -> tuple[list[int], dict | None]:
+    """The text's token ids as `explain` reads them, and what was cut (None, or {side,
+    dropped_tokens, text_tokens}). The limits are `max_tokens` (the web explorer's cap, which
+    offers no --truncate), then the model's context; a longer text is refused unless `truncate`
+    is "left" or "right" (`ffkv.model.context.fit_context`, the one rule)."""
+    from ffkv.model.context import TRUNCATE_HINT, check_truncate, fit_context
+
+    truncate = check_truncate(truncate)
     ids = mm.tok(text, add_special_tokens=True)["input_ids"]
-    if max_tokens is not None and len(ids) > max_tokens:
-        raise FfkvError(f"the text is {len(ids):,} tokens long; at most {max_tokens:,} are explained")
-    ids = ids[: mm.max_length]
+    n = len(ids)
+    hint = TRUNCATE_HINT if max_tokens is None else ""
+    dropped = 0
+    if max_tokens is not None:
+        ids, dropped = fit_context(ids, max_tokens, truncate, limit="explain", hint=hint)
+    ids, more = fit_context(ids, mm.max_length, truncate,
+                            limit=f"the model's context ({mm.max_length:,} tokens)", hint=hint)
+    dropped += more
     if not ids:
         raise FfkvError("the text is empty after tokenization")
-    return ids
+    cut = {"side": truncate, "dropped_tokens": dropped, "text_tokens": n} if dropped else None
+    return ids, cut
+
+
+def tokenize(mm, text: str, max_tokens: int | None = None) -> list[int]:
+    """The text's token ids as `explain` reads them; longer than the model's context (or
+    `max_tokens`): FfkvError (`fit_text` without truncation)."""
+    return fit_text(mm, text, max_tokens)[0]
 
 
 def resolve_token(mm, token: int | str) -> int:
@@ -220,12 +239,14 @@ def _public(r: dict) -> dict:
 @torch.no_grad()
 def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "last",
             contrast: int | str | None = None, lens: str | None = None,
-            max_tokens: int | None = None) -> dict:
+            max_tokens: int | None = None, truncate: str | None = None) -> dict:
     """Explain the next-token prediction of `text`, optionally under `interventions`.
 
     `lens`: the lens of the contributions and of top_r/top_y/top_o (default: the model's).
     `interventions`: `Intervention`s (or (layer, dim, op, value) tuples), applied `at` the last
     position or at all positions. `contrast`: a token id, or text that is one token.
+    A text longer than the model's context (or `max_tokens`) is refused, or with `truncate`
+    ("left": keep its end, "right": keep its start) cut, and the cut recorded in `truncated`.
     """
     lens = lens or mm.lens.mode
     if lens not in Lens.MODES:
@@ -239,12 +260,12 @@ def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "l
         if not (0 <= iv.layer < mm.n_layers and 0 <= iv.dim < mm.d_m):
             raise FfkvError(f"memory {iv.layer}:{iv.dim} out of range: layers 0..{mm.n_layers - 1}, "
                             f"dims 0..{mm.d_m - 1}")
-    ids = tokenize(mm, text, max_tokens)
+    ids, cut = fit_text(mm, text, max_tokens, truncate)
     c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
     base = _read(mm, ids, None, c, lens, top_memories)
     w = base["prediction_id"]
     after = _read(mm, ids, w, c, lens, top_memories, edits, at, base=base) if edits else None
-    res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids),
+    res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids), "truncated": cut,
            "lens": lens, "at": at, **_public(base),
            "interventions": _edit_rows(base, after, edits),
            "intervened": None if after is None else _public(after),

