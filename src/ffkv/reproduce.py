@@ -87,6 +87,25 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
     raise ValueError(step)
 
 
+def plan_steps(s: ReproduceSettings, mm) -> list[tuple[str, object]]:
+    """(step, settings) for every registered step that `reproduce` runs, in dependency order: the
+    built-in ones as their own commands would run them, then each plugin step whose `reproduce`
+    gives settings for this run (None: it sits this one out)."""
+    from ffkv.steps.registry import ordered
+
+    plan = []
+    for step in ordered():
+        if step.reproduce is not None:
+            settings = step.reproduce(s, mm)
+        elif step.name in STEPS:
+            settings = step_settings(step.name, s, mm.gated, mm.n_layers)
+        else:
+            settings = None
+        if settings is not None:
+            plan.append((step.name, settings))
+    return plan
+
+
 def _open(run: Path, s: ReproduceSettings):
     """The run (created when new) and the model, loaded once for every step."""
     from ffkv.cli.options import model
@@ -113,15 +132,15 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
     run = Path(run)
     r, mm = _open(run, s)
     times = {}
-    for i, step in enumerate(STEPS, 1):
+    plan = plan_steps(s, mm)
+    for i, (step, settings) in enumerate(plan, 1):
         done = r.step_done(step)
-        log(f"\n[{i}/{len(STEPS)}] {step}" + (" (done earlier; checking settings)" if done else ""))
+        log(f"\n[{i}/{len(plan)}] {step}" + (" (done earlier; checking settings)" if done else ""))
         t0 = time.time()
         kw = {"checkpoint_every": 60.0} if step == "mine" else {}
         if step in ("compose", "normalize"):
             kw["warn"] = lambda msg: log(f"ffkv: note: {msg}")
-        out = execute(r, step, step_settings(step, s, mm.gated, mm.n_layers), mm=mm, device=s.device, dtype=s.dtype,
-                      log=log, **kw)
+        out = execute(r, step, settings, mm=mm, device=s.device, dtype=s.dtype, log=log, **kw)
         if show is not None:
             show(step, r, out)
         times[step] = round(time.time() - t0, 1)

@@ -23,8 +23,20 @@ from ffkv.model.load import quiet_hf  # noqa: E402,F401
 
 # One module per command group; each adds its commands to `app`.
 for _mod in ("info", "mine", "values", "compose", "keys", "annotate", "report", "reproduce", "serve",
-             "normalize"):
+             "normalize", "repair"):
     importlib.import_module(f"ffkv.cli.{_mod}").register(app)
+
+
+def _add_step_commands() -> None:
+    """A command for each registered step beyond the built-in ones (`ffkv.steps.cli`); a plugin
+    that fails to load is named on stderr and leaves the other commands working."""
+    from ffkv.steps.cli import register_all
+
+    taken = {c.name or c.callback.__name__ for c in app.registered_commands}
+    try:
+        register_all(app, taken)
+    except FfkvError as e:
+        print(f"ffkv: warning: {_one_line(e)}", file=sys.stderr)
 
 
 def _click_errors() -> tuple[type, ...]:
@@ -49,6 +61,7 @@ def _interrupted() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The entry point: every error a user can cause ends as one line on stderr and exit code 2."""
+    _add_step_commands()
     try:
         rv = app(args=argv, standalone_mode=False)
     except FfkvError as e:

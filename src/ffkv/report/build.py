@@ -20,6 +20,7 @@ import pandas as pd
 
 from ffkv import __version__
 from ffkv.defs import lens_name
+from ffkv.display import show_token
 from ffkv.errors import FfkvError
 from ffkv.report import figures as F
 from ffkv.report import verdicts as V
@@ -57,7 +58,7 @@ Decoder = decode.Decoder  # kept importable from here
 def prefix_html(head: str, last: str, chars: int = PREFIX_CHARS) -> str:
     if len(head) > chars:
         head = "…" + head[-chars:]
-    return f'<span class="prefix">{esc(head)}<mark>{esc(last)}</mark></span>'
+    return f'<span class="prefix">{esc(head)}<mark>{esc(show_token(last, inline=True))}</mark></span>'
 
 
 # ---- the run --------------------------------------------------------------------------------------------
@@ -508,7 +509,32 @@ class Builder:
             if got is not None:
                 extra.append(got[0])
                 records += got[1]
+        for got in self._step_sections():
+            extra.append(got[0])
+            records += got[1]
         return extra, records
+
+    def _step_sections(self):
+        """The sections of registered steps beyond the built-in ones (`Step.sections`), for the
+        steps this run has done; one that fails is shown as its error, like any other section."""
+        from ffkv.steps.registry import extensions
+
+        for step in extensions():
+            if step.sections is None or not self.run.step_done(step.name):
+                continue
+            try:
+                secs = step.sections(self.run, self.fig_dir)
+            except Exception as e:  # noqa: BLE001 - a plugin's bug must not sink the report
+                msg = f"{step.name}: {type(e).__name__}: {e}"
+                self.problems.append(msg)
+                self.log(f"report: warning: {msg}")
+                yield ((step.name, step.name, f'<section id="{esc(step.name)}"><h2>{esc(step.name)}</h2>'
+                        f'<p class="error">{esc(msg)}</p></section>'), [])
+                continue
+            for sec in secs:
+                html = (f'<section id="{esc(sec.id)}" class="figure-section beyond" data-section="{esc(sec.id)}">'
+                        f"<h2>{esc(sec.title)}</h2>{sec.html}</section>")
+                yield (sec.id, sec.title, html), [dict(v) for v in sec.verdicts]
 
     def _keystats(self, keystats):
         sec = keystats.section(self.run, self.fig_dir)

@@ -5,8 +5,8 @@ the steps it requires, the tables it writes and a `compute` function. Skipping a
 refusing other settings, starting and finishing live here, beside `Run`, and nowhere else, so
 the CLI, `reproduce` and library callers behave alike.
 
-Adding a step: write one module that defines `STEP = Step(...)`, and add one line to
-`REGISTRY` below (name -> module). Give it a CLI command in `ffkv/cli/` if users call it.
+Adding a step: see `ffkv.steps` (one package, registered once by an entry point or
+`ffkv.steps.register`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any, Callable
 from ffkv.errors import FfkvError
 from ffkv.store.run import sweep_temps
 
-# name -> module defining `STEP`; imported lazily so `ffkv --help` stays fast.
+# Kept for callers that read them: the built-in steps' modules and commands. Where steps come
+# from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
 REGISTRY: dict[str, str] = {
     "mine": "ffkv.mine.runner",
     "values": "ffkv.experiments.values",
@@ -26,16 +27,7 @@ REGISTRY: dict[str, str] = {
     "patterns": "ffkv.experiments.patterns",
     "normalize": "ffkv.experiments.normalize",
 }
-
-# The user-facing command that makes each step, for "run `...` first" messages.
-COMMANDS: dict[str, str] = {
-    "mine": "ffkv mine --out {run}",
-    "values": "ffkv values {run}",
-    "compose": "ffkv compose {run}",
-    "mutate": "ffkv mutate {run}",
-    "patterns": "ffkv patterns {run}",
-    "normalize": "ffkv normalize {run}",
-}
+COMMANDS: dict[str, str] = {n: ("ffkv mine --out {run}" if n == "mine" else f"ffkv {n} {{run}}") for n in REGISTRY}
 
 
 @dataclass(frozen=True)
@@ -54,13 +46,23 @@ class Step:
     record: Callable[[Any, Any], dict] = None  # default: dataclasses.asdict(settings)
     refuse_other_settings: bool = False  # mine: a run keeps one corpus and one top-k
     done_info: Callable[[Any, dict], bool] | None = None  # extra check that the stored info is whole
+    # What the rest of ffkv reads from a step, so that nothing else names it (all optional):
+    help: str = ""  # one paragraph: the generated command's --help, `reproduce`'s listing
+    command: str | None = None  # "ffkv NAME {run}" by default; the "run `...` first" hint
+    cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli); built-ins have their own
+    summary: Callable[[Any, "Outcome", bool], None] | None = None  # print(run, outcome, as_json) after the CLI runs it
+    reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
+    sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
+    panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
 
     def recorded(self, run, settings) -> dict:
+        """The manifest's record of `settings`, after every field's own check (`ffkv.steps.setting`)."""
+        from ffkv.steps.settings import check, record
+
+        check(settings)
         if self.record is not None:
             return self.record(run, settings)
-        from dataclasses import asdict
-
-        return asdict(settings)
+        return record(settings)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Context:
     show_progress: bool | None = None
     extra: dict = field(default_factory=dict)
     _mm: Any = None
+    force: bool = False  # redo from scratch (mine: no resume from its checkpoint or its sentences)
 
     def model(self):
         if self._mm is None:
@@ -99,30 +102,94 @@ class Outcome:
 
 
 def get(name: str) -> Step:
-    if name not in REGISTRY:
-        raise FfkvError(f"unknown step {name!r}; steps: {', '.join(REGISTRY)}")
-    return importlib.import_module(REGISTRY[name]).STEP
+    from ffkv.steps.registry import get as _get
+
+    return _get(name)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
+    from ffkv.steps.registry import known
+
+    return known()
 
 
 def command(name: str, run) -> str:
-    return COMMANDS.get(name, f"ffkv {name} {{run}}").format(run=getattr(run, "path", run))
+    from ffkv.steps.registry import command as _command
+
+    return _command(name, run)
 
 
-def require(run, name: str) -> None:
+def require(run, name: str, step: Step | None = None) -> None:
+    """Step `name` is done and every table it wrote is whole (`check_tables`)."""
     if not run.step_done(name):
         raise FfkvError(f"run {run.path} has no finished `{name}` step; run `{command(name, run)}` first")
+    check_tables(run, name, step)
+
+
+def step_tables(run, name: str, step: Step | None = None) -> list[str]:
+    """The tables step `name` wrote in its last pass: those it always writes (when `step` is
+    given) and those the manifest records as written by it since it started."""
+    started = run.step(name).get("started") or 0
+    recs = run.manifest.get("tables") or {}
+    extra = [t for t, r in recs.items() if isinstance(r, dict) and r.get("step") == name
+             and ((r.get("written") or 0) >= started or run.has_table(t))]
+    return list(dict.fromkeys([*(step.tables if step is not None else ()), *extra]))
+
+
+def table_problems(run, name: str, step: Step | None = None) -> list[tuple[str, str]]:
+    """(table, what is wrong) for each table of step `name` that is missing, cut short or foreign."""
+    return [(t, pr) for t in step_tables(run, name, step) if (pr := run.table_problem(t)) is not None]
+
+
+def check_tables(run, name: str, step: Step | None = None) -> None:
+    """One line naming the first damaged table of step `name` and the command that rebuilds it."""
+    bad = table_problems(run, name, step)
+    if bad:
+        t, pr = bad[0]
+        more = f" (and {len(bad) - 1} more of its tables)" if len(bad) > 1 else ""
+        raise FfkvError(f"the `{t}` table of {run.path} {pr}{more}; rebuild it with "
+                        f"`{rebuild_command(run, name)}`")
+
+
+def rebuild_command(run, name: str) -> str:
+    """The command that redoes step `name` from scratch with the run's own settings (mine: its
+    model, corpus and every flag that differs from the default; other steps: `--force`)."""
+    if name != "mine":
+        return f"{command(name, run)} --force"
+    import shlex
+
+    s = dict(run.settings("mine") or {})
+    flags = ["--out", str(run.path)]
+    model = run.model_arg()
+    if model:
+        flags += ["--model", str(model)]
+    if run.manifest.get("lens") not in (None, "norm"):
+        flags += ["--lens", str(run.manifest["lens"])]
+    opts = {"corpus": ("--corpus", "wikipedia:train"), "max_sentences": ("--max-sentences", None),
+            "seed": ("--seed", 0), "field": ("--field", "text"), "top_k": ("--top-k", 50),
+            "batch_tokens": ("--batch-tokens", 2048), "samples_per_bin": ("--samples-per-bin", 5)}
+    for k, (flag, default) in opts.items():
+        if s.get(k, default) != default:
+            flags += [flag, str(s[k])]
+    for k in ("layers", "dims"):
+        if s.get(k):
+            flags += [f"--{k}", ",".join(str(v) for v in s[k])]
+    for k, flag in (("negative", "--negative"), ("per_prefix", "--per-prefix")):
+        if s.get(k):
+            flags.append(flag)
+    if s.get("stats") is False:
+        flags.append("--no-stats")
+    return "ffkv mine " + " ".join(shlex.quote(f) for f in flags) + " --force"
 
 
 def is_done(run, step: Step, record: dict) -> bool:
-    """Done with these settings, every table present, and newer than the steps it reads."""
+    """Done with these settings, every table it wrote whole (present, and the size and footer
+    recorded when written; an older run's tables: a readable footer), and newer than the steps
+    it reads."""
     st = run.step(step.name)
     if not (run.step_done(step.name) and run.settings(step.name) == record):
         return False
-    if not all(run.has_table(t) for t in step.tables):
+    if table_problems(run, step.name, step):
         return False
     if any(st.get("finished", 0) < run.step(r).get("finished", 0) for r in step.requires):
         return False
@@ -149,15 +216,16 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
     """
     step = get(name)
     for r in step.requires:
-        require(run, r)
+        require(run, r, get(r))  # done, and its tables whole: one line naming what rebuilds them
+    if mm is not None:
+        run.check_model(mm)  # a run is one model's: before any skip or resume
     record = step.recorded(run, settings)
     refuse_other(run, step, record)
     if not force and is_done(run, step, record):
         return Outcome(name, "skipped", dict(run.step(name)))
     ctx = Context(run=run, settings=settings, record=record, device=device, dtype=dtype,
-                  model_name=model_name, log=log, show_progress=show_progress, extra=extra, _mm=mm)
-    if mm is not None:
-        run.check_model(mm)
+                  model_name=model_name, log=log, show_progress=show_progress, extra=extra, _mm=mm,
+                  force=force)
     with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
         run.reload()  # what another process recorded while we waited
         sweep_temps(run.path)  # a killed run's half-written files

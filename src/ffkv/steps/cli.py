@@ -1,0 +1,129 @@
+"""`ffkv NAME`, generated from a step's settings dataclass: one option per field (its flag, help
+and default from the field), plus --force, --json, --model, --device and --dtype. Nothing is
+written twice, so a command cannot drift from its step."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ffkv.steps.settings import flag, spec
+
+
+def _annotation(tp):
+    """typer's view of a field type: `X | None` becomes Optional[X]."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return Optional[_annotation(args[0])]
+    return tp
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return ...
+
+
+def _options(step) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(step.settings)
+    out = []
+    for f in dataclasses.fields(step.settings):
+        s = spec(f)
+        default = _default(f)
+        if s.parse is not None:  # typed as text on the command line, parsed by the field's own parser
+            ann, default = Optional[str], None if default in (None, ...) else str(default)
+        else:
+            ann = _annotation(hints[f.name])
+        decls = [flag(f)] + ([s.short] if s.short else [])
+        if ann is bool:
+            decls = [f"{flag(f)}/--no-{flag(f)[2:]}"] + ([s.short] if s.short else [])
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
+                                     default=typer.Option(default, *decls, help=s.help or None)))
+    return out
+
+
+def _common() -> list[inspect.Parameter]:
+    from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
+
+    K = inspect.Parameter.KEYWORD_ONLY
+    return [inspect.Parameter("force", K, annotation=bool, default=typer.Option(
+                False, "--force", help="Redo the step even if it is done with the same settings.")),
+            inspect.Parameter("as_json", K, annotation=bool, default=JsonOpt),
+            inspect.Parameter("model_name", K, annotation=Optional[str], default=ModelOpt),
+            inspect.Parameter("device", K, annotation=str, default=DeviceOpt),
+            inspect.Parameter("dtype", K, annotation=str, default=DtypeOpt)]
+
+
+def build_settings(step, values: dict):
+    """The settings from CLI values (each `parse`d field parsed), checked before any model loads."""
+    from ffkv.steps.settings import check
+
+    kw = {}
+    for f in dataclasses.fields(step.settings):
+        v = values.get(f.name, _default(f))
+        p = spec(f).parse
+        kw[f.name] = p(v) if p is not None and isinstance(v, str) else v
+    s = step.settings(**kw)
+    check(s)
+    return s
+
+
+def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=False, model_name=None,
+                  device="auto", dtype="auto") -> None:
+    from ffkv.cli.options import open_run, open_run_with_model
+    from ffkv.store.steps import execute
+
+    s = build_settings(step, values)
+    mm = None
+    if step.requires:
+        run = open_run(run_dir)
+    else:
+        run, mm = open_run_with_model(run_dir, model_name, device, dtype)
+    out = execute(run, step.name, s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force)
+    if step.summary is not None:
+        step.summary(run, out, as_json)
+    elif as_json:
+        print(json.dumps({"status": out.status, "info": out.info}, indent=2, default=str))
+    else:
+        verb = "already done with these settings (--force to redo)" if out.skipped else "done"
+        print(f"{step.name}: {verb}; " + ", ".join(f"{k} {v}" for k, v in out.info.items()
+                                                  if k not in ("status", "started", "finished")),
+              file=sys.stderr if out.skipped else sys.stdout)
+
+
+def command(step):
+    """A typer command function for `step`, its signature made from the settings' fields."""
+    params = [inspect.Parameter("run_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
+                                default=typer.Argument(..., metavar="RUN", help="A run directory."))]
+    params += _options(step) + _common()
+    names = {f.name for f in dataclasses.fields(step.settings)}
+
+    def cmd(run_dir: Path, **kw):
+        common = {k: kw.pop(k) for k in ("force", "as_json", "model_name", "device", "dtype")}
+        run_generated(step, run_dir, {k: v for k, v in kw.items() if k in names}, **common)
+
+    cmd.__signature__ = inspect.Signature(params)
+    cmd.__name__ = step.name
+    cmd.__doc__ = step.help or f"The `{step.name}` step."
+    return cmd
+
+
+def register_all(app: typer.Typer, taken: set[str]) -> None:
+    """Add a generated command for every registered step that asks for one (`Step.cli`)."""
+    from ffkv.steps.registry import extensions
+
+    for step in extensions():
+        name = step.name.replace("_", "-")
+        if step.cli and name not in taken:
+            app.command(name=name, help=step.help or None)(command(step))

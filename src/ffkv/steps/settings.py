@@ -1,0 +1,73 @@
+"""A step's settings, written once: one frozen dataclass whose fields carry their help, their
+check and whether the manifest records them. The CLI (`ffkv.steps.cli`), the library and
+`reproduce` all read the same fields, so a default or a check cannot drift between them.
+
+    @dataclass(frozen=True)
+    class CountSettings:
+        top: int = setting(10, "Trigger ranks to read per key.", check=at_least(1))
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from ffkv.errors import FfkvError
+
+META = "ffkv"  # the key of a field's metadata that holds its Setting
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    help: str = ""
+    check: Callable[[Any], str | None] | None = None  # value -> error text (None: fine)
+    recorded: bool = True  # part of the manifest's record (False: speed or display only)
+    flag: str | None = None  # the CLI flag, when not --field-name
+    short: str | None = None  # e.g. "-n"
+    parse: Callable[[str], Any] | None = None  # CLI text -> value (ranges, lists); the option is then a string
+
+
+def setting(default, help: str = "", *, check=None, recorded: bool = True, flag: str | None = None,
+            short: str | None = None, parse=None):
+    """A dataclass field with its help, its check and whether it is recorded."""
+    return dataclasses.field(default=default, metadata={META: Setting(help, check, recorded, flag, short, parse)})
+
+
+def spec(f: dataclasses.Field) -> Setting:
+    return f.metadata.get(META) or Setting()
+
+
+def flag(f: dataclasses.Field) -> str:
+    return spec(f).flag or "--" + f.name.replace("_", "-")
+
+
+def at_least(lo):
+    def check(v):
+        return None if v is None or v >= lo else f"must be at least {lo} (got {v})"
+    return check
+
+
+def between(lo, hi):
+    def check(v):
+        return None if v is None or lo <= v <= hi else f"must be between {lo} and {hi} (got {v})"
+    return check
+
+
+def check(settings) -> None:
+    """Every field's own check, before any model loads: the first failure as one line."""
+    if not dataclasses.is_dataclass(settings):
+        return
+    for f in dataclasses.fields(settings):
+        s = spec(f)
+        if s.check is not None:
+            err = s.check(getattr(settings, f.name))
+            if err:
+                raise FfkvError(f"{flag(f)} {err}")
+
+
+def record(settings) -> dict:
+    """What the manifest keeps: the recorded fields (all of a plain dataclass's)."""
+    return {f.name: _plain(getattr(settings, f.name)) for f in dataclasses.fields(settings) if spec(f).recorded}
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
