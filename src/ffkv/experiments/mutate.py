@@ -247,12 +247,22 @@ def _attach_leaves(run_seqs: list[tuple], rid: np.ndarray, positions: np.ndarray
     return parent, share
 
 
+def _context(mm) -> int:
+    """Positions the model has (`MemoryModel.max_length`); a model object without one: no limit."""
+    return int(getattr(mm, "max_length", None) or np.iinfo(np.int64).max)
+
+
 def _check_requests(mm, seqs: list[tuple], layers, positions, dims):
-    """The requests as int64 arrays; a position outside its sequence or a bad layer raises."""
+    """The requests as int64 arrays; a position outside its sequence or a bad layer raises, and a
+    sequence longer than the model's context is refused (FfkvError) before any pass."""
     layers = np.asarray(layers, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.int64)
     dims = np.asarray(dims, dtype=np.int64)
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    ctx = _context(mm)
+    if len(lens) and int(lens.max()) > ctx:
+        raise FfkvError(f"a prefix of {int(lens.max()):,} tokens does not fit the model's context of "
+                        f"{ctx:,} positions; the run's sentences were cut for another model")
     if (positions < 0).any() or (positions >= lens).any():
         raise ValueError("a requested position lies outside its sequence")
     if (layers < 0).any() or (layers >= mm.n_layers).any():
@@ -297,6 +307,7 @@ class _Passes:
                  out: np.ndarray, st: RescoreStats, bar, batch_tokens: int):
         self.mm, self.layers, self.positions, self.dims = mm, layers, positions, dims
         self.out, self.st, self.bar, self.batch_tokens = out, st, bar, batch_tokens
+        self.max_pos = _context(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
         self.run_len = np.array([len(s) for s in self.run_seqs], dtype=np.int64)
@@ -351,7 +362,10 @@ class _Passes:
                 for l in range(ldeep + 1)]
         am = torch.cat([(torch.arange(P, device=device)[None] < kk[:, None]).to(mask_new.dtype),
                         mask_new], 1)
-        pos_ids = kk[:, None] + torch.arange(T, device=device)[None]
+        # a leaf's real tokens sit at positions share..len-1 < the model's context (`_check_requests`);
+        # its padding, after them, would run past it when a longer leaf shares the batch (GPT-2's
+        # position table has no row there): padding takes the last position, masked and never read
+        pos_ids = (kk[:, None] + torch.arange(T, device=device)[None]).clamp_(max=self.max_pos - 1)
         self.forward(lb, ids_new, am, self.share, ldeep, past_key_values=DynamicCache(ddp_cache_data=past),
                      use_cache=True, position_ids=pos_ids)
 

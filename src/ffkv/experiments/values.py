@@ -293,6 +293,7 @@ def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
                         "--permutations and --table2 ≥ 0")
     if s.table2_kinds not in ("auto", "value", "both"):
         raise FfkvError(f"unknown --table2-kinds {s.table2_kinds!r}; choose auto, value or both")
+    _check_fits(s)
     both = s.table2_kinds == "both" or (s.table2_kinds == "auto" and has_negative_lists(run))
     kinds2 = ("value", "neg_value") if both else ("value",)
     return {"lens": lens, "top_k": min(s.top_k, vocab_size) if vocab_size else s.top_k,
@@ -300,6 +301,17 @@ def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
             "precision_k": s.precision_k, "table2_kinds": "+".join(kinds2),
             "dtype": canonical_dtype(s.dtype), "mine_finished": run.step("mine").get("finished"),
             "lenses": [lens] + ([other_lens(lens)] if s.both_lenses else []), "value_index_k": INDEX_K}
+
+
+def _check_fits(s: ValuesSettings) -> None:
+    """--bins and --table2 against the integer columns that hold them (Fig 6's `bin` 0..bins-1,
+    Table 2's `position` 1..n): a bigger value is refused here, before any work, not by Arrow."""
+    for opt, n, top, schema, col in (("--bins", s.bins, s.bins - 1, FIG6_SCHEMA, "bin"),
+                                     ("--table2", s.table2_n, s.table2_n, TABLE2_SCHEMA, "position")):
+        most = int(np.iinfo(schema.field(col).type.to_pandas_dtype()).max)
+        if top > most:
+            raise FfkvError(f"{opt} {n:,} is too large: at most {most + (n - top):,} "
+                            f"(the {col} column is {schema.field(col).type})")
 
 
 INDEX_K = 20
