@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, LensOpt, ModelOpt, model, open_run
+from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, LensOpt, ModelOpt, json_text, model, open_run
 from ffkv.errors import FfkvError
 
 
@@ -30,12 +30,19 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
          checkpoint_every: float = typer.Option(60.0, "--checkpoint-every", min=0, help="Seconds between checkpoints."),
          ray: Optional[str] = typer.Option(None, "--ray", help="Mine shards on Ray: auto, local, or a cluster ADDRESS."),
          shards: int = typer.Option(2, "--shards", min=1, help="Number of shards with --ray."),
+         force: bool = typer.Option(False, "--force", help="Mine again from scratch into the same run, with its "
+                                    "own model and settings, replacing the step's tables (e.g. one that was "
+                                    "damaged); without it a killed run resumes and a finished one is skipped."),
+         overwrite: bool = typer.Option(False, "--overwrite", help="Start afresh in --out although it holds a run "
+                                        "(or a damaged one): its manifest, checkpoint and tables are deleted first; "
+                                        "annotations and files that are not ffkv's are kept."),
          device: str = DeviceOpt, dtype: str = DtypeOpt, lens: str = LensOpt):
     """Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
 
     One forward pass per batch yields every prefix's coefficient (causal masking).
     Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and
-    (unless --no-stats) key_stats, key_hist, key_samples.
+    (unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder,
+    or a run of this model.
     """
     from ffkv.mine.runner import MineSettings, mine as run_mine
     from ffkv.parse import parse_int_list
@@ -48,8 +55,8 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
                      samples_per_bin=samples_per_bin)
     if out.exists() and not out.is_dir():
         raise FfkvError(f"--out {out} exists and is not a directory")
-    run = open_run(out, create=True)
-    info = run_mine(run, mm, s, checkpoint_every=checkpoint_every, ray_address=ray, shards=shards)
+    run = open_run(out, create=True, overwrite=overwrite)
+    info = run_mine(run, mm, s, checkpoint_every=checkpoint_every, ray_address=ray, shards=shards, force=force)
     print_mined(run, info)
 
 
@@ -79,21 +86,26 @@ def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run di
     require(run, "mine")
     rows = key_triggers(run, layer, dim, None if sign == "both" else int(sign), top)
     if as_json:
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        print(json_text(rows))
         return
     from rich.console import Console
     from rich.markup import escape
 
+    from ffkv.display import printable
+
     con = Console(highlight=False)
-    con.print(f"[bold]key {layer}/{dim}[/bold] ({run_dir})")
+    con.print(f"[bold]key {layer}/{dim}[/bold] ({escape(printable(str(run_dir)))})")
+
+    def safe(text: str) -> str:  # corpus and vocabulary text: escapes shown, never sent to the terminal
+        return escape(printable(text, newlines=False))
 
     def prefix(toks) -> str:
         pre = toks[:-1][-context:] if context else toks[:-1]
         return (f"{'…' if context and len(toks) - 1 > context else ''}"
-                f"{escape(''.join(pre))}[reverse]{escape(toks[-1])}[/reverse]")
+                f"{safe(''.join(pre))}[reverse]{safe(toks[-1])}[/reverse]")
 
     for r in rows:
-        nt = repr(r["next_token_text"]) if r["next_token_text"] is not None else "(end)"
+        nt = repr(printable(r["next_token_text"])) if r["next_token_text"] is not None else "(end)"
         con.print(f"{'+' if r['sign'] > 0 else '-'}{r['rank']:>3} {r['coef']:+9.3f}  {prefix(r['prefix_tokens'])}"
                   f"  → {escape(nt)}")
     signs = None if sign == "both" else {int(sign)}

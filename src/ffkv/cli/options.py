@@ -25,10 +25,22 @@ def model(model: str | None, device: str = "auto", dtype: str = "auto", lens: st
     return open_model(model, device=device, dtype=dtype, lens=lens)
 
 
-def open_run(path, create: bool = False):
+def open_run(path, create: bool = False, overwrite: bool = False):
+    """A run; `create` makes it in a new or empty folder (`ffkv.store.run.claim` is the rule)."""
     from ffkv.store.run import Run
 
-    return Run(path, create=create)
+    return Run(path, create=create, overwrite=overwrite)
+
+
+def json_text(obj, **kw) -> str:
+    """JSON for a terminal or a script: corpus text keeps every character, but controls and bidi
+    overrides are JSON escapes (\\u001b, \\u202e), never raw (the same set `printable` escapes)."""
+    import json
+
+    from ffkv.display import _UNSAFE
+
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}",
+                       json.dumps(obj, indent=2, ensure_ascii=False, **kw))
 
 
 def open_run_with_model(run_dir, model_name: str | None, device: str = "auto", dtype: str = "auto"):
@@ -62,10 +74,13 @@ def print_table(title: str, rows: list[dict], cols: list[str], fmt: dict | None 
     from rich.markup import escape
     from rich.table import Table
 
+    from ffkv.display import printable
+
     fmt = fmt or {}
-    t = Table(title=escape(title))
+    t = Table(title=escape(printable(title)))
     for c in cols:
         t.add_column(escape(c))
     for r in rows:
-        t.add_row(*[escape(fmt[c](r[c]) if c in fmt and r[c] is not None else str(r[c])) for c in cols])
+        t.add_row(*[escape(printable(fmt[c](r[c]) if c in fmt and r[c] is not None else str(r[c]), newlines=False))
+                    for c in cols])
     Console().print(t)

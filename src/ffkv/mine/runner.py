@@ -62,30 +62,33 @@ def vocab_table(tok, n: int) -> pa.Table:
 
 
 def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: str | None = None,
-         shards: int = 1, show_progress: bool | None = None, log=print) -> dict:
-    """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same settings."""
-    out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress,
+         shards: int = 1, show_progress: bool | None = None, log=print, force: bool = False) -> dict:
+    """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same
+    settings. `force`: mine again from scratch (the corpus split and the whole pass), replacing
+    every table of the step."""
+    out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress, force=force,
                   checkpoint_every=checkpoint_every, ray_address=ray_address, shards=shards)
     if out.skipped:
         log(f"mine: {run.path} is already mined with these settings; nothing to do")
     return out.info
 
 
-def _prepare(run, mm, s: MineSettings) -> None:
-    """Record the model, split and tokenize the corpus (unless done for these settings), vocab."""
+def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
+    """Record the model, split and tokenize the corpus (unless done for these settings and the
+    table is whole), vocab (unless whole)."""
     from ffkv.corpus.prepare import prepare_sentences
 
     run.record_model(mm)
     run.manifest["lens"] = mm.lens.mode
     run.save()
-    if not run.has_table("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
+    if force or run.table_problem("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
             "settings_key") != s.key():
         prepare_sentences(run, mm, s.corpus, s.max_sentences, seed=s.seed, field=s.field)
         run.manifest["corpora"]["sentences"]["settings_key"] = s.key()
         run.manifest["corpus"] = run.manifest["corpora"]["sentences"]
         run.manifest["counts"] = run.manifest["corpus"]["counts"]
         run.save()
-    if not run.has_table("vocab"):
+    if force or run.table_problem("vocab"):
         run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))
 
 
@@ -126,7 +129,9 @@ def compute(ctx) -> dict:
         raise FfkvError("--samples-per-bin must be 0 or more")
     checkpoint_every = ctx.extra.get("checkpoint_every", 60.0)
     ray_address, shards = ctx.extra.get("ray_address"), ctx.extra.get("shards", 1)
-    _prepare(run, mm, s)
+    if ctx.force:
+        (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
+    _prepare(run, mm, s, force=ctx.force)
     sent = run.read_table("sentences", columns=["sentence_id", "token_ids", "n_tokens"])
     token_lists = sent.column("token_ids").to_pylist()
     sids = sent.column("sentence_id").to_pylist()
@@ -165,7 +170,7 @@ def compute(ctx) -> dict:
 def done_info(run, st: dict) -> bool:
     """Done also needs the tables of the optional trackers that the step says it wrote."""
     stats = st.get("stats")
-    return not stats or all(run.has_table(t) for t in stats.get("tables", STATS_TABLES))
+    return not stats or all(run.table_problem(t) is None for t in stats.get("tables", STATS_TABLES))
 
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute,

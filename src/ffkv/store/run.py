@@ -5,6 +5,7 @@ import contextlib
 import copy
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -135,20 +136,121 @@ def merge_changes(disk: dict, ours: dict, base: dict) -> dict:
     return out
 
 
+# ---- what a run holds: table records, and whose a folder is --------------------------------------
+TABLE_META = b"ffkv"  # key of the Parquet schema metadata that says which run, step and model wrote a table
+CHECKPOINT = ".mine_checkpoint.npz"
+_OURS = (MANIFEST, CHECKPOINT, "report", ".DS_Store")
+
+
+def table_digest(path: Path) -> dict:
+    """Size and the sha256 of the Parquet footer (schema, row groups, row count, column chunk
+    offsets and statistics): cheap to read, and it changes when the file is cut short or
+    replaced by another table. Raises ValueError when there is no whole Parquet file."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size < 12:
+            raise ValueError("too short for a Parquet file")
+        f.seek(0)
+        head = f.read(4)
+        f.seek(size - 8)
+        tail = f.read(8)
+        n = int.from_bytes(tail[:4], "little")
+        if head != b"PAR1" or tail[4:] != b"PAR1" or n + 12 > size:
+            raise ValueError("no Parquet footer")
+        f.seek(size - 8 - n)
+        footer = f.read(n)
+    return {"bytes": size, "footer_sha256": hashlib.sha256(footer).hexdigest()}
+
+
+def table_origin(path: Path) -> dict | None:
+    """What ffkv embedded in a table when it wrote it (step, settings, model), or None (an older
+    table, or not ffkv's). Raises ValueError when the footer is unreadable."""
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(str(e)) from None
+    try:
+        return json.loads(meta[TABLE_META]) if TABLE_META in meta else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _ours(p: Path) -> bool:
+    """ffkv's own bookkeeping in a run folder (not tables): manifest, locks, staged writes,
+    the mining checkpoint, annotations, the report."""
+    n = p.name
+    return (n in _OURS or n.startswith(".lock-") or bool(TMP_RE.match(n))
+            or n.startswith("annotations.sqlite"))
+
+
+def _readable_parquet(p: Path) -> bool:
+    if p.suffix != ".parquet" or not p.is_file():
+        return False
+    try:
+        table_origin(p)
+    except ValueError:
+        return False
+    return True
+
+
+def _names(paths) -> str:
+    paths = sorted(p.name for p in paths)
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def claim(path: Path, overwrite: bool = False) -> None:
+    """The one rule for a folder a step may create a run in: a new or empty folder, or an ffkv
+    run. A folder holding anything else is refused (nothing of a user's is ever replaced); one
+    with ffkv tables but no manifest is refused with its two ways out (`ffkv repair`, or
+    `--overwrite`, which starts afresh: it deletes the manifest, the checkpoint and the tables,
+    and keeps annotations and anything not ffkv's)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FfkvError(f"{path} exists and is not a directory")
+    if not path.exists():
+        with writing(path):
+            path.mkdir(parents=True, exist_ok=True)
+        return
+    try:
+        entries = list(path.iterdir())
+    except OSError as e:
+        raise FfkvError(f"cannot read {path}: {os.strerror(e.errno) if e.errno else e}") from None
+    has_manifest = (path / MANIFEST).exists()
+    tables = [p for p in entries if _readable_parquet(p)]
+    others = [p for p in entries if not _ours(p) and p not in tables]
+    if not has_manifest and others:
+        raise FfkvError(f"{path} is not an ffkv run and is not empty (it holds {_names(others)}); "
+                        f"give a new or empty folder (if it is a run that lost its manifest, "
+                        f"`ffkv repair {path}` rebuilds it from its tables)")
+    if not has_manifest and tables and not overwrite:
+        raise FfkvError(f"{path} holds ffkv tables ({_names(tables)}) but no {MANIFEST}: a damaged run; "
+                        f"`ffkv repair {path}` rebuilds the manifest from the tables it can verify, or "
+                        f"`ffkv mine --out {path} --overwrite` starts afresh there (deleting its tables)")
+    if overwrite and (has_manifest or tables):
+        with writing(path):
+            for p in [path / MANIFEST, path / CHECKPOINT, *tables]:
+                if p.is_file():
+                    p.unlink()
+
+
 class Run:
     """A run directory. Readers never see a half-written file: every write is temp + rename, and
     manifest.json is updated read-modify-write under an exclusive lock."""
 
-    def __init__(self, path: str | Path, create: bool = False):
+    def __init__(self, path: str | Path, create: bool = False, overwrite: bool = False):
+        """`create`: make the run when the folder is new or empty (`claim` says which folders a
+        run may be made in); `overwrite`: start afresh in a run or a damaged one."""
         self.path = Path(path)
+        self._writer: str | None = None  # the step running in this process: its tables say so
         if create:
-            if self.path.exists() and not self.path.is_dir():
-                raise FfkvError(f"{self.path} exists and is not a directory")
-            with writing(self.path):
-                self.path.mkdir(parents=True, exist_ok=True)
+            claim(self.path, overwrite)
         elif not (self.path / MANIFEST).exists():
             if not self.path.exists():
                 raise FfkvError(f"run directory {self.path} does not exist; run `ffkv mine --out {self.path}` first")
+            if self.path.is_dir() and any(_readable_parquet(p) for p in self.path.iterdir()):
+                raise FfkvError(f"{self.path} holds ffkv tables but no {MANIFEST}: a damaged run; "
+                                f"`ffkv repair {self.path}` rebuilds the manifest from the tables it can verify")
             raise FfkvError(f"{self.path} is not an ffkv run (no {MANIFEST}); run `ffkv mine --out {self.path}` first")
         self.manifest = self._load()
         self._base = copy.deepcopy(self.manifest)
@@ -161,7 +263,8 @@ class Run:
         try:
             m = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise FfkvError(f"{p} is not valid JSON; the run directory is damaged") from None
+            raise FfkvError(f"{p} is not valid JSON; the run directory is damaged: `ffkv repair {self.path}` "
+                            f"rebuilds the manifest from the tables it can verify") from None
         except OSError as e:
             raise FfkvError(f"cannot read {p}: {os.strerror(e.errno) if e.errno else e}") from None
         bad = not isinstance(m, dict) or any(not isinstance(m.get(k, {}), dict)
@@ -169,7 +272,8 @@ class Run:
         if not bad:
             bad = any(not isinstance(v, dict) for v in m.get("steps", {}).values())
         if bad:
-            raise FfkvError(f"{p} does not have the shape of an ffkv manifest; the run directory is damaged")
+            raise FfkvError(f"{p} does not have the shape of an ffkv manifest; the run directory is damaged: "
+                            f"`ffkv repair {self.path}` rebuilds the manifest from the tables it can verify")
         return m
 
     @contextlib.contextmanager
@@ -217,12 +321,14 @@ class Run:
         st.update(status="running", started=st.get("started") or time.time())
         if settings is not None:
             self.manifest.setdefault("settings", {})[name] = settings
+        self._writer = name
         self.save()
 
     def finish_step(self, name: str, **info) -> None:
         st = self.manifest["steps"][name]
         st.update(status="done", finished=time.time(), **info)
         st["seconds"] = round(st["finished"] - st["started"], 2)
+        self._writer = None
         self.save()
 
     def fail_step(self, name: str, error: str) -> None:
@@ -230,6 +336,7 @@ class Run:
         refused as 'other settings' (a killed step keeps them and resumes)."""
         self.manifest.setdefault("steps", {}).setdefault(name, {}).update(status="failed", error=error[:300])
         self.manifest.setdefault("settings", {}).pop(name, None)
+        self._writer = None
         self.save()
 
     def require(self, step: str, command: str) -> None:
@@ -247,12 +354,45 @@ class Run:
         return self.table_path(name).exists()
 
     def write_table(self, name: str, table: pa.Table | dict, row_group_size: int | None = None) -> Path:
+        """Write table `name` atomically and record what was written (rows, bytes, the footer's
+        digest) in the manifest, saved with the step. The table itself carries which step,
+        settings and model wrote it (`table_origin`), for `ffkv repair`."""
         if isinstance(table, dict):
             table = pa.table(table)
+        origin = {"table": name, "step": self._writer, "ffkv_version": __version__,
+                  "settings": self.settings(self._writer) if self._writer else None,
+                  "model": self.manifest.get("model"), "lens": self.manifest.get("lens")}
+        meta = dict(table.schema.metadata or {})
+        meta[TABLE_META] = json.dumps(origin, default=str).encode()
+        table = table.replace_schema_metadata(meta)
         p = self.table_path(name)
         with staged(p) as tmp:
             pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+            digest = table_digest(tmp)
+        self.manifest.setdefault("tables", {})[name] = {"rows": table.num_rows, **digest, "step": self._writer,
+                                                       "written": time.time()}
         return p
+
+    def table_problem(self, name: str) -> str | None:
+        """None when table `name` is what this run wrote; else what is wrong with it, as the end of
+        "the `name` table of RUN ...". Cheap: a stat and the footer. Tables of runs made before
+        records existed are verified by their footer alone."""
+        p = self.table_path(name)
+        if not p.is_file():
+            return "is missing" if not p.exists() else "is not a file"
+        rec = (self.manifest.get("tables") or {}).get(name)
+        try:
+            digest = table_digest(p)
+            if rec is None:
+                table_origin(p)  # the footer parses
+        except (OSError, ValueError):
+            return "is unreadable (not a whole Parquet file: cut short, or another file)"
+        if rec is not None and (digest["bytes"] != rec.get("bytes") or
+                                digest["footer_sha256"] != rec.get("footer_sha256")):
+            return (f"is not the table this run wrote ({digest['bytes']:,} bytes, "
+                    f"{rec.get('rows', '?'):,} rows and {rec.get('bytes', 0):,} bytes written): "
+                    f"cut short, or replaced by another file")
+        return None
 
     def read_table(self, name: str, columns=None, filters=None) -> pa.Table:
         from ffkv.store import query
@@ -285,18 +425,25 @@ class Run:
         return rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
 
     def check_model(self, mm) -> None:
-        """Refuse a model whose vocabulary or unembedding differs from the run's."""
+        """Refuse a model that is not the run's: another shape, vocabulary or unembedding, or
+        another revision of the same model (one line naming both)."""
         rec = self.manifest.get("model")
         if not rec:
             return
         info = mm.info()
+        ours, theirs = rec.get("model_id") or rec.get("model"), info["model"]
+        if ours == theirs and mm.spec is not None and rec.get("revision") and mm.spec.revision \
+                and rec["revision"] != mm.spec.revision:
+            raise FfkvError(f"model mismatch: {self.path} was made with {ours} at revision "
+                            f"{str(rec['revision'])[:12]}, this is revision {str(mm.spec.revision)[:12]}; "
+                            f"use a new run folder, or the run's own model")
         for k in ("vocab_size", "layers", "d", "d_m"):
             if rec.get(k) is not None and rec[k] != info[k]:
-                raise FfkvError(f"model mismatch: the run was made with {k}={rec[k]}, this model has "
-                                f"{info[k]} ({rec.get('model_id')} vs {info['model']})")
+                raise FfkvError(f"model mismatch: {self.path} was made with {ours} ({k}={rec[k]}), "
+                                f"not {theirs} ({k}={info[k]}); use a new run folder, or the run's own model")
         if rec.get("unembed_sha256") and rec["unembed_sha256"] != unembed_digest(mm):
-            raise FfkvError(f"model mismatch: the unembedding differs from the run's "
-                            f"({rec.get('model_id')}); pass the run's own --model")
+            raise FfkvError(f"model mismatch: {self.path} was made with {ours}, not {theirs} (their "
+                            f"unembeddings differ); use a new run folder, or the run's own model")
 
 
 def unembed_digest(mm) -> str:

@@ -1,0 +1,187 @@
+"""`ffkv repair`: rebuild a run's manifest from the tables it can verify.
+
+A run whose manifest.json was deleted or damaged is refused by every step (nothing is written
+into it). Each table ffkv writes carries, in its Parquet footer, which step wrote it, with which
+settings and which model (`ffkv.store.run.table_origin`); a table that reads whole restores its
+record, and a step whose every table is whole is marked done again with the settings its tables
+name. A damaged manifest is kept beside the new one (manifest.json.damaged); a table that cannot
+be verified is named and left as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ffkv.cli.options import DeviceOpt, ModelOpt, RunArg
+from ffkv.errors import FfkvError
+
+
+def _verify(p: Path) -> tuple[dict | None, dict | None, str | None]:
+    """(origin, record, problem) of a table file: read whole, or why not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ffkv.store.run import table_digest, table_origin
+
+    try:
+        digest = table_digest(p)
+        origin = table_origin(p)
+        n = pq.read_table(p).num_rows  # every page, not only the footer
+    except (ValueError, OSError, pa.ArrowException) as e:
+        return None, None, f"unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
+    rec = {"rows": n, **digest, "step": (origin or {}).get("step"), "written": p.stat().st_mtime}
+    return origin, rec, None
+
+
+def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log=print) -> dict:
+    """Write a manifest for the run at `path` from its verified tables; returns it."""
+    from ffkv.store.run import MANIFEST, Run, atomic_write_json
+    from ffkv.store.steps import get, names
+
+    found, problems = {}, {}
+    for p in sorted(path.glob("*.parquet")):
+        origin, rec, why = _verify(p)
+        if why:
+            problems[p.stem] = why
+        else:
+            found[p.stem] = (origin, rec)
+    if not found:
+        raise FfkvError(f"{path} holds no table that ffkv can verify; nothing to repair (start afresh with "
+                        f"`ffkv mine --out {path} --overwrite`)")
+    origins = [o for o, _ in found.values() if o]
+    model = next((o["model"] for o in origins if o.get("step") == "mine" and o.get("model")), None) \
+        or next((o["model"] for o in origins if o.get("model")), None)
+    models = {json.dumps({k: (o.get("model") or {}).get(k) for k in ("model_id", "unembed_sha256")})
+              for o in origins if o.get("model")}
+    if len(models) > 1:
+        raise FfkvError(f"the tables of {path} were written with {len(models)} different models; "
+                        f"repair cannot tell which is the run's (start afresh with --overwrite)")
+    man = {"ffkv_version": None, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": {}, "settings": {},
+           "counts": {}, "tables": {n: rec for n, (_, rec) in found.items()}, "repaired": time.time()}
+    if model_name is not None or model is None:
+        if model_name is None:
+            raise FfkvError(f"the tables of {path} do not say which model made them (written before ffkv "
+                            f"recorded it); pass the run's model: `ffkv repair {path} --model MODEL`")
+        from ffkv.cli.options import model as load_model
+
+        mm = load_model(model_name, device=device)
+        probe = Run.__new__(Run)  # a run object over the recovered record, to reuse its model check
+        probe.path, probe.manifest = path, {"model": model}
+        probe.check_model(mm)
+        if "vocab" in found and found["vocab"][1]["rows"] != mm.vocab_size:
+            raise FfkvError(f"{model_name} has {mm.vocab_size} tokens; the run's vocab table has "
+                            f"{found['vocab'][1]['rows']}: not the run's model")
+        from ffkv.store.run import unembed_digest
+
+        model = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(), "unembed_sha256": unembed_digest(mm)}
+    man["model"] = model
+    lens = next((o.get("lens") for o in origins if o.get("lens")), None)
+    if lens:
+        man["lens"] = lens
+    restored, missing = [], {}
+    for name in names():
+        step = get(name)
+        own = [found[t][0] for t in found if found[t][0] and found[t][0].get("step") == name]
+        if not all(t in found for t in step.tables):
+            lost = [t for t in step.tables if t not in found]
+            if own or any(t in found for t in step.tables):
+                missing[name] = lost
+            continue
+        times = [found[t][1]["written"] for t in step.tables]
+        settings = next((o.get("settings") for o in own if o.get("settings") is not None), None)
+        info = {"status": "done", "started": min(times), "finished": max(times), "repaired": True}
+        if name == "mine":
+            info.update(_mine_info(path, found, settings, man))
+        man["steps"][name] = info
+        if settings is not None:
+            man["settings"][name] = settings
+        restored.append(name)
+    mp = path / MANIFEST
+    if mp.exists():
+        os.replace(mp, path / f"{MANIFEST}.damaged")  # kept, never deleted
+        log(f"repair: kept the damaged manifest as {MANIFEST}.damaged")
+    atomic_write_json(mp, {**man, "ffkv_version": __import__("ffkv").__version__})
+    Run(path)  # it loads
+    for t, why in sorted(problems.items()):
+        log(f"repair: left {t}.parquet as it is: {why}")
+    for name, lost in missing.items():
+        log(f"repair: step {name} not restored (missing or unreadable: {', '.join(lost)}); redo it with "
+            f"its command and --force")
+    log(f"repaired {path}: {len(found)} table(s) verified; steps done again: {', '.join(restored) or 'none'}; "
+        f"model {model.get('model_id') or model.get('model')}")
+    return man
+
+
+def _mine_info(path: Path, found: dict, settings: dict | None, man: dict) -> dict:
+    """What the manifest keeps of a mine step that the tables can tell: rows, key statistics,
+    the corpus counts (sentences and tokens), and the settings key that lets a rerun resume."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from ffkv.mine.runner import STATS_TABLES
+
+    info = {"rows": found["triggers"][1]["rows"], "stats": None}
+    if all(t in found for t in STATS_TABLES):
+        from ffkv.mine.stats import layout
+
+        info["stats"] = {**layout(), "tables": list(STATS_TABLES),
+                         "samples_per_bin": (settings or {}).get("samples_per_bin", 5)}
+    tokens = int(pc.sum(pq.read_table(path / "sentences.parquet", columns=["n_tokens"])["n_tokens"]).as_py() or 0)
+    counts = {"sentences": found["sentences"][1]["rows"], "tokens": tokens}
+    corpus = {"source": (settings or {}).get("corpus"), "counts": counts, "repaired": True}
+    if settings is not None:
+        from ffkv.mine.engine import MineSettings
+
+        try:
+            corpus.update(seed=settings.get("seed", 0), field=settings.get("field", "text"),
+                          max_sentences=settings.get("max_sentences"),
+                          settings_key=MineSettings(**settings).key())
+        except TypeError:
+            pass
+    man["corpora"] = {"sentences": corpus}
+    man["corpus"], man["counts"] = corpus, counts
+    return info
+
+
+def repair(run_dir: Path = RunArg,
+           model_name: Optional[str] = typer.Option(None, "--model", "-m", help="The run's model, for tables written "
+                                                    "before ffkv recorded it in them (checked against the tables). "
+                                                    + ModelOpt.help.split(".")[0] + "."),
+           device: str = DeviceOpt):
+    """Rebuild a run's manifest from the tables it can verify (after manifest.json was deleted or
+    damaged). A step whose tables are all whole is done again, with the settings and model its
+    tables record; a table that cannot be verified is named and left as it is. A run whose
+    manifest is whole is only checked."""
+    from ffkv.store.run import MANIFEST, Run
+    from ffkv.store.steps import check_tables, get, names
+
+    if not run_dir.is_dir():
+        raise FfkvError(f"{run_dir} is not a directory")
+    try:
+        run = Run(run_dir) if (run_dir / MANIFEST).exists() else None
+    except FfkvError:
+        run = None  # damaged: rebuilt below
+    if run is not None:
+        for name, st in run.manifest.get("steps", {}).items():
+            if st.get("status") == "done" and name in names():
+                check_tables(run, name, get(name))
+        print(f"{run_dir}: the manifest is whole and every recorded table verifies; nothing to repair")
+        return
+    with Run.lock(_Lockable(run_dir), "manifest"):  # no step saves the manifest meanwhile
+        rebuild(run_dir, model_name, device)
+
+
+class _Lockable:
+    """Enough of a Run for `Run.lock` (a folder without a loadable manifest)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(repair)
