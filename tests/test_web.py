@@ -237,8 +237,8 @@ def test_token_search_matches_direct_projection(client, memory_client, index, mm
                 got = {(r["layer"], r["dim"], r["token"]): r["rank"] for r in res["results"]}
                 assert got == want, (lens, direction, k)
                 assert res["total"] == len(want)
-                ranks = [r["rank"] for r in res["results"]]
-                assert ranks == sorted(ranks)  # default order: rank ascending
+                probs = [r["prob"] for r in res["results"]]
+                assert probs == sorted(probs, reverse=True)  # default order: the value's p of the token (issue 26)
 
 
 def test_token_search_paging_and_sorting(client, index):

@@ -21,7 +21,6 @@ build on this module:
 from __future__ import annotations
 
 import math
-import re
 import time
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
@@ -31,7 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
-from ffkv.display import number
+from ffkv.display import number, show_token
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -68,21 +67,10 @@ def pct(x, digits: int = 1) -> str:
     return f"{100 * float(x):.{digits}f}%"
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def show_token(text) -> str:
-    """A vocabulary token made visible: spaces at its ends as ␣, newlines as ⏎, tabs as ⇥,
-    other control characters as \\xNN. (Escaping is the template's job.)"""
-    if text is None:
-        return "∅"
-    s = str(text)
-    if s == "":
-        return "∅"
-    s = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", s).replace("\n", "⏎").replace("\t", "⇥")
-    if s.strip(" ") != s or not s.strip():
-        s = s.replace(" ", "␣")
-    return s
+def show_trigger(text) -> str:
+    """A trigger token inside its prefix: `show_token(text, inline=True)` (marks only when the
+    token is nothing but whitespace, which would otherwise be an empty highlight)."""
+    return show_token(text, inline=True)
 
 
 def urlencode_clean(params: dict) -> str:
@@ -100,7 +88,8 @@ def show_time(ts) -> str:
 templates = Environment(loader=FileSystemLoader(str(TEMPLATES_DIR)),
                         autoescape=select_autoescape(enabled_extensions=("html", "svg"), default=True),
                         undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-templates.filters.update(fmt=fmt, pct=pct, tok=show_token, urlencode_clean=urlencode_clean, datetime=show_time)
+templates.filters.update(fmt=fmt, pct=pct, tok=show_token, trig=show_trigger, urlencode_clean=urlencode_clean,
+                         datetime=show_time)
 templates.globals.update(fmt=fmt, pct=pct, tok=show_token)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.display import read_token
 from ffkv.errors import FfkvError
 from ffkv.store import query
 
@@ -45,11 +46,13 @@ MEASURE_SORTS = {
     "patterns": ("n_patterns", "desc"), "coef": ("top_coef", "desc"),
     "layer": ("layer", "asc"),
 }
-TOKEN_SORTS = {"rank": ("rank", "asc"), "prob": ("prob", "desc"), "max_prob": ("max_prob", "desc"),
+TOKEN_SORTS = {"prob": ("prob", "desc"), "rank": ("rank", "asc"), "max_prob": ("max_prob", "desc"),
                "precision": ("precision", "desc"), "layer": ("layer", "asc")}
 TEXT_SORTS = {"count": ("n", "desc"), "rank": ("best_rank", "asc"), "coef": ("best_coef", "desc"),
               "layer": ("layer", "asc")}
 LABELS = ("shallow", "semantic", "both", "none")
+TOKEN_MATCHES = ("merged", "exact")  # how a typed token finds vocabulary tokens (`Browser.resolve_token`)
+MAX_TOKEN_QUERY = 200  # characters of a typed token
 
 
 class NotFound(FfkvError):
@@ -58,6 +61,35 @@ class NotFound(FfkvError):
 
 class BadQuery(FfkvError):
     """A malformed query: a 422."""
+
+
+@dataclass(frozen=True)
+class TokenQuery:
+    """A token as a user typed it, read: a token id (`#123`, `id:123`) or a token's text."""
+    typed: str
+    token_id: int | None = None
+    text: str | None = None
+
+
+def parse_token(typed: str | None, what: str = "token") -> TokenQuery:
+    """THE parser of a typed token (token search, trigger-token search; the explorer's contrast
+    reads its text with the same `ffkv.display.read_token`): `#123` or `id:123` is a token id;
+    anything else is a token's text in the notation the pages show tokens in (␣ a space, ↵ a
+    newline, → a tab, escapes such as \\n or \\u00e9; see `ffkv.display`). A real space typed
+    is a space. Empty, over-long or malformed input is a BadQuery with one line."""
+    typed = "" if typed is None else str(typed)
+    if len(typed) > MAX_TOKEN_QUERY:
+        raise BadQuery(f"{what}: at most {MAX_TOKEN_QUERY} characters")
+    m = re.fullmatch(r"\s*(?:#|id:)([0-9]{1,12})\s*", typed, re.ASCII)
+    if m:
+        return TokenQuery(typed, token_id=int(m.group(1)))
+    try:
+        text = read_token(typed)
+    except ValueError as e:
+        raise BadQuery(f"{what}: {e}") from None
+    if text == "":
+        raise BadQuery(f"{what}: type a token, e.g. Paris or ␣Paris (␣ is a space), or #123 for a token id")
+    return TokenQuery(typed, text=text)
 
 
 # ---- per-memory lookups ----------------------------------------------------------------------------
@@ -819,21 +851,25 @@ class Browser:
                 "triggers": t[:top], "n_triggers": len(t)}
 
     # ---- search ------------------------------------------------------------------------------
-    def resolve_token(self, q: str) -> list[int]:
-        """Token ids a query names: `#123` or `id:123`, the exact decoded text, or the text with
-        surrounding spaces ignored and case folded."""
-        q = q or ""
-        m = re.fullmatch(r"\s*(?:#|id:)(\d+)\s*", q)
-        if m:
-            t = int(m.group(1))
-            if not 0 <= t < self.V:
-                raise NotFound(f"token id {t} is outside the vocabulary (0–{self.V - 1})")
-            return [t]
-        ids = set(self._exact.get(q, [])) | set(self._norm.get(q.strip().casefold(), []))
+    def resolve_token(self, q: str | TokenQuery, match: str = "merged") -> list[int]:
+        """Token ids a typed token names (`parse_token`): a token id; or, match `exact`, the
+        tokens whose decoded text is exactly the text read; match `merged`, those and the ones
+        equal to it with surrounding whitespace ignored and case folded (␣which finds ␣which,
+        which, ␣Which, Which)."""
+        if match not in TOKEN_MATCHES:
+            raise BadQuery(f"match must be {' or '.join(TOKEN_MATCHES)} (got {match!r})")
+        tq = q if isinstance(q, TokenQuery) else parse_token(q)
+        if tq.token_id is not None:
+            if not 0 <= tq.token_id < self.V:
+                raise NotFound(f"token id {tq.token_id} is outside the vocabulary (0–{self.V - 1})")
+            return [tq.token_id]
+        ids = set(self._exact.get(tq.text, []))
+        if match == "merged":
+            ids |= set(self._norm.get(tq.text.strip().casefold(), []))
         return sorted(ids)
 
     def suggest(self, q: str, n: int = 12) -> list[int]:
-        k = q.strip().casefold()
+        k = q.strip().casefold()  # q: the text read from the typed token
         if not k:
             return []
         out = [i for i, s in enumerate(self.vocab) if s.strip().casefold().startswith(k)]
@@ -861,28 +897,27 @@ class Browser:
 
     def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
                      layer: int | None = None, sort: str | None = None, order: str | None = None,
-                     page: int = 1, per_page: int = 50) -> dict:
-        """Memories whose value ranks a token within k (promote: +v; suppress: −v)."""
+                     page: int = 1, per_page: int = 50, match: str = "merged") -> dict:
+        """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
+        the value's probability of the token first."""
         lens = lens or self.lens
         if lens not in ("naive", "norm"):
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
         if direction not in ("promote", "suppress"):
             raise BadQuery(f"dir must be promote or suppress (got {direction!r})")
-        sort, col, how = self._order(TOKEN_SORTS, sort, order, "rank")
+        sort, col, how = self._order(TOKEN_SORTS, sort, order, "prob")
         page, per_page = self._page(page, per_page)
-        if not (q or "").strip() and not re.fullmatch(r"\s*#\d+\s*", q or ""):
-            raise BadQuery("token: type a token, e.g. Paris, or #123 for a token id")
-        if len(q) > 200:
-            raise BadQuery("token: at most 200 characters")
+        tq = parse_token(q)
         if layer is not None and not 0 <= layer < self.L:
             raise BadQuery(f"layer must be in 0..{self.L - 1}")
-        ids = self.resolve_token(q)
-        base = {"mode": "token", "query": q, "tokens": [{"token": t, "text": self.tok(t)} for t in ids],
+        ids = self.resolve_token(tq, match)
+        base = {"mode": "token", "query": q, "read": tq.text, "match": match,
+                "tokens": [{"token": t, "text": self.tok(t)} for t in ids],
                 "k": k, "lens": lens, "dir": direction, "sort": sort, "order": how, "page": page,
                 "per_page": per_page, "layer": layer}
         if not ids:
             return {**base, "status": "no_token", "total": 0, "results": [],
-                    "suggestions": [{"token": t, "text": self.tok(t)} for t in self.suggest(q)]}
+                    "suggestions": [{"token": t, "text": self.tok(t)} for t in self.suggest(tq.text or "")]}
         idx = self.token_index()
         if idx is None:
             st = self.index_state
@@ -913,7 +948,8 @@ class Browser:
                     "token_text": self.tok(cols["token"][i]), "rank": int(cols["rank"][i]),
                     "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
                     "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]])} for i in sel]
-        return {**base, "status": "ready", "total": total, "results": results, "index_k": idx.k,
+        return {**base, "status": "ready", "total": total, "memories": int(len(np.unique(mem))),
+                "results": results, "index_k": idx.k,
                 "index_source": idx.source}
 
     def index_status(self) -> dict:
@@ -939,14 +975,14 @@ class Browser:
         if layer is not None and not 0 <= layer < self.L:
             raise BadQuery(f"layer must be in 0..{self.L - 1}")
         q = q or ""
-        if not q.strip():
+        if mode == "word" and not q.strip():
             raise BadQuery("text: type a word, e.g. city")
         if len(q) > 200:
             raise BadQuery("text: at most 200 characters")
         sort, col, how = self._order(TEXT_SORTS, sort, order, "count")
         page, per_page = self._page(page, per_page)
-        if mode == "token":
-            ids = sorted(set(self._norm.get(q.strip().casefold(), [])) | set(self._exact.get(q, [])))
+        if mode == "token":  # the trigger token, typed as in token search (merged)
+            ids = self.resolve_token(parse_token(q, "text"), "merged")
             sel = np.nonzero(np.isin(self.trig_token, np.asarray(ids, np.int64)))[0] if ids else np.zeros(0, np.int64)
         else:
             sel = self._word_hits(q)
@@ -959,7 +995,7 @@ class Browser:
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
-            return {**base, "total": 0, "results": []}
+            return {**base, "total": 0, "memories": 0, "results": []}
         with self._con_lock:
             self._con.register("hits", hits)
             try:
@@ -971,13 +1007,14 @@ class Browser:
                         ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
             finally:
                 self._con.unregister("hits")
-        total = g.num_rows
+        total = g.num_rows  # rows: (memory, list) pairs, a memory's two lists apart
+        codes = g.column("layer").to_numpy().astype(np.int64) * self.d_m + g.column("dim").to_numpy()
         rows = g.slice((page - 1) * per_page, per_page).to_pylist()
         for r in rows:
             srow = self.sentence_row(r["sentence_id"])
             r["prefix"] = self.prefix(srow, r["position"])
             r["permalink"] = self.permalink(r["sentence_id"], r["position"])
-        return {**base, "total": total, "results": rows}
+        return {**base, "total": total, "memories": int(len(np.unique(codes))), "results": rows}
 
     def _word_hits(self, q: str) -> np.ndarray:
         """Trigger rows whose prefix text contains `q` as a whole word (case-insensitive).

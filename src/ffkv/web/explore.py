@@ -4,8 +4,9 @@ Public URLs (links get shared; keep them):
 - `/explore?text=…`: the page. Optional: `suppress=L:D,…` (`L:D` scales memory D of layer L by
   `scale`, default 0 = suppress; `L:D*F` scales it by F; `L:D=V` sets its coefficient to V),
   `scale=F`, `at=last|all` (edit the last position or every position), `contrast=TOKEN` (text
-  that is one token; it wins over `contrast_id=N`, a token id), `lens=naive|norm` (of the
-  contributions; both lenses are always read), `top=K` (memories per layer).
+  that is one token, typed as the pages show tokens: ␣ for a space, see `ffkv.display.read_token`;
+  it wins over `contrast_id=N`, a token id), `lens=naive|norm` (of the contributions; both
+  lenses are always read), `top=K` (memories per layer).
 - `/api/explore?…`: what the page shows, as JSON: `ffkv.experiments.explain`'s result (its
   docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
@@ -16,6 +17,12 @@ with re-verification); at most `QUEUE` more wait for it, and a request beyond th
 once instead of a place in an unbounded queue. Identical requests are answered from a small
 cache. Texts are capped at `MAX_TOKENS` tokens, interventions are checked against the model's
 layers and dims: both give 422 with the reason, never a traceback.
+
+Edit sizes: a scale factor F (`scale=` or `L:D*F`) and a set value V (`L:D=V`) must be finite
+and at most `MAX_EDIT` (1e6) in magnitude, a thousand times beyond any coefficient a model
+computes; a larger one would only overflow (1e308 gave m = inf and p = nan everywhere). Should
+an allowed edit still overflow (a half-precision model), a result holding a non-finite number
+is refused the same way: 422, one line.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from markupsafe import Markup
 
+from ffkv.display import read_token
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_interventions
 from ffkv.web import plots
@@ -43,6 +51,7 @@ MAX_CHARS = 8_000  # characters, checked before tokenizing
 QUEUE = 4  # requests that may wait while one runs; beyond that: 503
 CACHE = 64  # results kept for identical requests
 MAX_TOP = 20  # memories per layer
+MAX_EDIT = 1e6  # largest |F| of a scale and |V| of a set (see the module docstring)
 LENSES = ("naive", "norm")
 EXAMPLES = ("The Eiffel Tower is in the city of", "The capital of Japan is the city of",
             "She poured herself a cup of hot")
@@ -63,7 +72,7 @@ table.xp-layers td.mems { white-space: normal; font-size: 0.92em; }
 table.xp-layers th.group { text-align: center; border-left: 2px solid #ddd; }
 table.xp-layers td.first, table.xp-layers th.first { border-left: 2px solid #ddd; }
 .xp-changed { background: #fde9e2; }
-.xp-p { color: #777; font-size: 0.85em; margin-left: 0.2em; }
+.xp-p { color: #5c5c5c; font-size: 0.85em; margin-left: 0.2em; }
 .xp-after { display: block; color: #a0401f; font-size: 0.9em; }
 .xp-mem { white-space: nowrap; margin-right: 0.4em; display: inline-block; }
 table.xp-layers td.mems { min-width: 12em; }
@@ -192,10 +201,13 @@ def parse_query(request: Request) -> Query:
             raise FfkvError(f"scale {q.scale_raw!r} is not a number") from None
         if not math.isfinite(q.scale):
             raise FfkvError(f"scale {q.scale_raw!r} is not a finite number")
+        if abs(q.scale) > MAX_EDIT:
+            raise FfkvError(f"scale {q.scale_raw!r} is too large: the explorer takes |scale| ≤ {MAX_EDIT:g}")
     q.at = (g.get("at") or "last").strip()
     if q.at not in ("last", "all"):
         raise FfkvError(f"at {q.at!r}: choose last (the last position) or all (every position)")
     q.contrast = g.get("contrast") or ""
+    contrast_text(q)  # a malformed escape: 422 now, before the model is asked
     cid = (g.get("contrast_id") or "").strip()
     if cid and not q.contrast:  # a typed contrast wins over an id carried from a link
         if not cid.isdigit() or not cid.isascii():
@@ -212,7 +224,33 @@ def parse_query(request: Request) -> Query:
     if q.suppress:
         L, d_m = _shape(request)
         q.edits = parse_interventions(q.suppress, L, d_m, scale=q.scale, what="suppress")
+        for e in q.edits:
+            if abs(e.value) > MAX_EDIT:
+                raise FfkvError(f"suppress: {e.layer}:{e.dim} {'scales by' if e.op == 'scale' else 'sets m to'} "
+                                f"{e.value:g}, too large: the explorer takes factors and values up to "
+                                f"{MAX_EDIT:g} in magnitude")
     return q
+
+
+def contrast_text(q: Query) -> str | None:
+    """The contrast token's text as typed (␣ = space, escapes: `ffkv.display.read_token`)."""
+    if not q.contrast:
+        return None
+    try:
+        return read_token(q.contrast)
+    except ValueError as e:
+        raise FfkvError(f"contrast: {e}") from None
+
+
+def _finite(x) -> bool:
+    """Whether every number in a result is finite."""
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, dict):
+        return all(_finite(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return all(_finite(v) for v in x)
+    return True
 
 
 # ---- running the engine ---------------------------------------------------------------------------
@@ -225,8 +263,11 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
         # the browser's lock too: its re-verification runs the same model
         with getattr(b, "model_lock", None) or nullcontext():
             res = explain(mm, q.text, q.top, q.edits, at=q.at,
-                          contrast=q.contrast_id if q.contrast_id is not None else (q.contrast or None),
+                          contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
                           lens=q.lens or None, max_tokens=MAX_TOKENS)
+    if not _finite(res):
+        raise FfkvError("these edits overflow the model's numbers (the result holds inf or nan); "
+                        "use a smaller scale or value")
     res["query"] = {"text": q.text, "suppress": q.suppress, "scale": q.scale, "at": q.at,
                     "contrast": q.contrast or None, "contrast_id": q.contrast_id, "lens": res["lens"],
                     "top": q.top, "interventions": [str(e) for e in q.edits]}

@@ -27,7 +27,7 @@ from markupsafe import Markup
 
 from ffkv.errors import FfkvError
 from ffkv.web import plots
-from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, state
+from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, show_trigger, state
 from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
                            NotFound)
 
@@ -204,7 +204,7 @@ def prefix_html(p: dict) -> Markup:
     """A prefix as HTML: its text escaped, the trigger token marked (built once per row here
     rather than in the template, which is the hot loop of a memory page)."""
     return Markup('<span class="prefix">{}{}<mark>{}</mark></span>').format(
-        Markup('<span class="muted">…</span>') if p["cut"] else "", p["head"], p["trigger"])
+        Markup('<span class="muted">…</span>') if p["cut"] else "", p["head"], show_trigger(p["trigger"]))
 
 
 def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
@@ -447,18 +447,33 @@ def do_search(request: Request, p: dict) -> dict:
     sort, order = opt_str(p.get("sort")), opt_str(p.get("order"))
     token, text = p.get("token"), p.get("text")
     if token is not None and token != "":
-        return b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
-                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
-                              order=order, page=page, per_page=per_page)
-    if text is not None and text != "":
-        return b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
-                             layer=layer, sort=sort, order=order, page=page, per_page=per_page)
-    return b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
-                            agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
+        res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
+                             direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
+                             order=order, page=page, per_page=per_page,
+                             match=opt_str(p.get("match")) or "merged")
+    elif text is not None and text != "":
+        res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
+                            layer=layer, sort=sort, order=order, page=page, per_page=per_page)
+    else:
+        res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
+                               agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
+    check_page(res)
+    return res
+
+
+def check_page(res: dict) -> None:
+    """A page past the last one is a 404 (page 1 of no results is a page saying so). Not
+    checked while the token index is still being built: its total is not known yet."""
+    if res.get("status") in ("building", "absent", "failed"):
+        return
+    last = max(1, -(-int(res.get("total") or 0) // res["per_page"]))
+    if res["page"] > last:
+        raise NotFound(f"page {res['page']} does not exist: these results have {last} page{'s' if last > 1 else ''} "
+                       f"of {res['per_page']}")
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree")
+                 "sign", "label", "agree", "match")
 
 
 def search_params(request: Request) -> dict:
