@@ -386,3 +386,64 @@ def test_explorer_numbers_give_a_finite_page_or_one_line(client, scale, how):  #
         assert page.status_code == 200
         shown = text_of(page.text)
         assert not re.search(r"(?<![\w.])(nan|inf|-inf)(?![\w.])", shown), shown[:500]
+
+
+# ---- 7b. contrast as chromium renders the pages ----------------------------------------------------
+CONTRAST_JS = """() => {
+  const parse = c => { const m = c.match(/rgba?\\(([^)]+)\\)/); if (!m) return null;
+    const p = m[1].split(/[ ,\\/]+/).filter(Boolean).map(Number); return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
+  // WCAG 2.x relative luminance and contrast ratio, as in `luminance` and `contrast` above
+  const lum = ([r, g, b]) => { const f = c => { c /= 255; return c <= 0.04045 ? c / 12.92 : Math.pow((c + 0.055) / 1.055, 2.4); };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b); };
+  const mix = (top, under) => [0, 1, 2].map(k => top[k] * top[3] + under[k] * (1 - top[3]));
+  const background = el => { const layers = [];
+    for (let e = el; e; e = e.parentElement) { const c = parse(getComputedStyle(e).backgroundColor);
+      if (c && c[3] > 0) { layers.push(c); if (c[3] >= 1) break; } }
+    let base = [255, 255, 255]; for (let i = layers.length - 1; i >= 0; i--) base = mix(layers[i], base); return base; };
+  const low = [];
+  for (const el of document.querySelectorAll('body *')) {
+    if (el.closest('svg') || el.closest('select')) continue;
+    const text = [...el.childNodes].filter(n => n.nodeType === 3).map(n => n.textContent).join('').trim();
+    if (!text) continue;
+    const cs = getComputedStyle(el); const box = el.getBoundingClientRect();
+    if (cs.visibility === 'hidden' || cs.display === 'none' || (!box.width && !box.height)) continue;
+    const bg = background(el); const fg = mix(parse(cs.color), bg);
+    const a = lum(fg), b = lum(bg); const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < 4.5) low.push([el.tagName.toLowerCase() + (el.className ? '.' + el.className : ''), text.slice(0, 30),
+                              cs.color, 'rgb(' + bg.map(Math.round).join(',') + ')', Math.round(ratio * 100) / 100]);
+  }
+  return low;
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium (apt-get install chromium)")
+def test_every_text_on_the_pages_reaches_wcag_aa(web_app, web_run, index):  # noqa: F811
+    """Every element with text, on every kind of page, in chromium: its colour against the
+    background it is drawn on (ancestors' backgrounds composed) is at least 4.5:1."""
+    import pyarrow.parquet as pq
+    from playwright.sync_api import sync_playwright
+
+    from conftest import serving
+    from ffkv.report.screenshot import BROWSER_ARGS
+
+    pk = pq.read_table(web_run / "patterns.parquet", columns=["layer", "dim"]).to_pandas()
+    t = triggers(web_run)
+    urls = ["/", f"/memory/{int(pk.iloc[0].layer)}/{int(pk.iloc[0].dim)}", "/memory/1/5?top=50", "/search?token=the",
+            "/search?token=the&match=exact", "/search?token=zzqq", "/search?text=the", "/search?sort=max_prob",
+            f"/sentence/{int(t.iloc[0].sentence_id)}?pos={int(t.iloc[0].position)}", "/annotations",
+            "/explore", "/explore?text=The+river+flows+into&suppress=1:1&contrast=%E2%90%A3the",
+            "/explore?text=hi&suppress=1:1&scale=1e308", "/memory/9/9", "/memory/0/0/reverify"]
+    with serving(web_app) as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            low = {}
+            for u in urls:
+                page.goto(base + u)
+                got = page.evaluate(CONTRAST_JS)
+                if got:
+                    low[u] = got[:5]
+        finally:
+            browser.close()
+    assert not low, low

@@ -4,9 +4,10 @@ Public URLs (links get shared; keep them):
 - `/`: the overview, one row per layer.
 - `/memory/{layer}/{dim}`: a memory page (`?top=N` trigger rows per sign, `?annotate_sign=-1`
   to annotate the negative list, `?slots=N` pattern slots in the form).
-- `/search?token=…` (with k, lens, dir=promote|suppress, layer), `/search?text=…` (mode=word|
+- `/search?token=…` (with k, lens, dir=promote|suppress, layer, match=merged|exact; the token
+  typed as pages show it, ␣ for a space: `data.parse_token`), `/search?text=…` (mode=word|
   token, sign, layer), `/search?sort=…` (by measure: layer, label, agree); all with sort, order,
-  page, per_page.
+  page, per_page (a page past the last is a 404).
 - `/api/memory/{layer}/{dim}`, `/api/search?…`: the same data as JSON.
 More: `/sentence/{id}` (a trigger's provenance; permalink), `/annotations` (who annotated what;
 the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
@@ -190,7 +191,8 @@ def api_index(request: Request):
         "/api/memory/{layer}/{dim}/reverify?sign=1&rank=1": "recompute a stored trigger's coefficient",
         "POST /api/memory/{layer}/{dim}/annotations": "save an annotation: {annotator, sign, note, patterns: "
                                                       "[{description, kind, prefixes}]}",
-        "/api/search?token=…&k=10&lens=norm&dir=promote": "memories whose value ranks a token < k",
+        "/api/search?token=…&k=10&lens=norm&dir=promote&match=merged|exact": "memories whose value ranks a "
+                                                                             "token < k (␣ = a space)",
         "/api/search?text=…&mode=word|token": "memories whose trigger prefixes contain a word / end in a token",
         "/api/search?sort=max_prob|precision|agreement|…&layer=&label=&agree=": "memories by a measure",
         "/api/sentence/{id}": "a sentence, its tokens, its triggers",
