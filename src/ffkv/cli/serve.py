@@ -1,8 +1,9 @@
 """`ffkv serve RUN`: the memory browser (FastAPI under uvicorn), reading the run directory only."""
 from __future__ import annotations
 
+import errno
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -11,10 +12,35 @@ from ffkv.errors import FfkvError
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def bind_error(host: str, port: int, e: OSError) -> FfkvError:
+    """One line for a failed bind that names what to change: the port when it is taken (or
+    privileged), the host otherwise (not an address of this machine, or no such name)."""
+    import socket
+
+    why = e.strerror or str(e)
+    if isinstance(e, socket.gaierror):
+        return FfkvError(f"cannot listen on {host}:{port}: --host {host} is not a known name or address ({why})")
+    if e.errno == errno.EADDRINUSE:
+        return FfkvError(f"cannot listen on {host}:{port} ({why}); pick another --port")
+    if e.errno == errno.EACCES and 0 < port < 1024:
+        return FfkvError(f"cannot listen on {host}:{port} ({why}): ports below 1024 need privileges; "
+                         "pick another --port")
+    return FfkvError(f"cannot listen on {host}:{port} ({why}): --host {host} is not an address of this "
+                     "machine; pick another --host (the default 127.0.0.1 serves this machine only)")
+
+
 def serve(run: str = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN` "
                                                              "(other steps add to the pages)."),
           host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind. Anything but loopback "
-                                   "exposes the pages and the annotation form to the network."),
+                                   "exposes the pages and the annotation form to the network, and needs "
+                                   "--allow-remote."),
+          allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a --host other than loopback: "
+                                            "every request then needs an access token, printed once in the "
+                                            "URL (as Jupyter does)."),
+          allowed_host: Optional[List[str]] = typer.Option(None, "--allowed-host", help="With --allow-remote: a "
+                                                           "Host name clients use to reach the server (repeatable; "
+                                                           "default: the --host value). Other names are refused "
+                                                           "(DNS rebinding)."),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0: any free port)."),
           open_: bool = typer.Option(False, "--open", help="Open the overview in a web browser."),
           build_index: bool = typer.Option(False, "--build-index", help="Build the token index now (in memory; "
@@ -25,27 +51,52 @@ def serve(run: str = typer.Argument(..., metavar="RUN", help="A run directory ma
     """Browse every memory as a page: triggers, value distributions, agreement, patterns,
     mutations, annotations; search by token, trigger text or measure. Writes only the run's
     annotations.sqlite (the annotation form)."""
+    import secrets
     import socket
 
-    import uvicorn
+    from ffkv.web.app import LOOPBACK_NAMES, WILDCARD_HOSTS, is_loopback
 
-    from ffkv.web.app import create_app
-
-    if host not in LOOPBACK:
-        print(f"ffkv serve: warning: binding {host} exposes the browser, and its annotation form, to "
-              f"every machine that can reach this one; use the default 127.0.0.1 unless you mean it",
-              file=sys.stderr)
-    try:  # fail early and in one line when the port is taken
+    host = host.strip()
+    remote = not is_loopback(host)
+    if remote and not allow_remote:
+        raise FfkvError(f"--host {host} would serve this run to other machines; add --allow-remote (every "
+                        "request then needs a printed access token) or keep the default 127.0.0.1")
+    if allowed_host and not remote:
+        raise FfkvError("--allowed-host is for --host beyond loopback (with --allow-remote)")
+    hosts = None
+    if remote:
+        hosts = [h.strip() for h in allowed_host or [] if h.strip()]
+        if not hosts:  # the --host value; for a wildcard bind, this machine's names
+            hosts = [host] if host not in WILDCARD_HOSTS else list(dict.fromkeys(
+                h for h in (socket.gethostname(), socket.getfqdn()) if h and not is_loopback(h)))
+        bad = [h for h in hosts if "*" in h or "/" in h or " " in h]
+        if bad:
+            raise FfkvError(f"--allowed-host {bad[0]!r}: give a name or address clients use, not a pattern")
+        if not hosts:
+            raise FfkvError(f"--host {host} listens on every interface: name the host clients use with "
+                            "--allowed-host NAME (repeatable)")
+        hosts += [h for h in LOOPBACK_NAMES if h not in hosts]
+    try:  # fail early and in one line when the address cannot be bound
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
             port = s.getsockname()[1]
     except OSError as e:
-        raise FfkvError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port") from None
-    app = create_app(run, host=host, index_k=index_k, build_index=build_index)
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{port}/"
+        raise bind_error(host, port, e) from None
+
+    import uvicorn
+
+    from ffkv.web.app import create_app
+
+    token = secrets.token_urlsafe(32) if remote else None
+    app = create_app(run, host=host, allowed_hosts=hosts, token=token, index_k=index_k, build_index=build_index)
+    name = hosts[0] if remote else ("127.0.0.1" if host in WILDCARD_HOSTS else host)
+    shown = f"[{name}]" if ":" in name else name
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    if remote:
+        print(f"ffkv serve: serving {host} to other machines; every request needs the access token in this "
+              f"URL (printed once); Host names accepted: {', '.join(hosts)}", file=sys.stderr)
     b = app.state.browser
     print(f"ffkv serve: {run} ({b.L} layers × {b.d_m} memories, {b.trig.table.num_rows:,} trigger rows, "
           f"loaded in {b.load_seconds} s) at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)

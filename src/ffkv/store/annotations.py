@@ -51,6 +51,18 @@ from ffkv.store.labels import (CATEGORIES, KINDS, LABELS, TOP, category_counts, 
 FILENAME = "annotations.sqlite"
 SCHEMA_VERSION = "1"
 
+# The limits of one annotation, defined here once: `validate` applies them to every save (the
+# browser's form, the JSON API, `ffkv annotate add` and `ffkv annotate import` alike), the form's
+# maxlength attributes show them, and the web routes refuse a body over MAX_RECORD_BYTES (413).
+MAX_NAME = 200  # characters of an annotator's name
+MAX_NOTE = 5000  # characters of a note
+MAX_DESCRIPTION = 2000  # characters of a pattern's description
+MAX_PATTERNS = 20  # patterns in one annotation (the form's slots)
+MAX_RECORD_BYTES = 256 * 1024  # bytes of one annotation as sent: a form or JSON body, or a line of an import
+MAX_JSON_DEPTH = 16  # nesting of a JSON annotation (one needs 3: record, patterns, prefixes)
+LIMITS = {"name": MAX_NAME, "note": MAX_NOTE, "description": MAX_DESCRIPTION, "patterns": MAX_PATTERNS,
+          "record_bytes": MAX_RECORD_BYTES}
+
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS annotations(
@@ -99,6 +111,7 @@ class AnnotationStore:
         self.path = Path(self.run.path) / FILENAME
         self.timeout = timeout
         self._counts: dict | None = None
+        self._cache: dict[str, tuple] = {}  # table name -> (stat signature, what was read)
         self._init()
 
     # ---- connections -------------------------------------------------------------------------
@@ -148,20 +161,40 @@ class AnnotationStore:
             con.execute("INSERT OR IGNORE INTO meta VALUES ('top', ?)", (str(TOP),))
 
     # ---- the run's keys ----------------------------------------------------------------------
+    def _cached(self, name: str, read):
+        """`read()` of the run's table `name`, kept while the table's file is unchanged (its mtime,
+        size and inode): the browser asks for the statistics on every page of annotations, and
+        reading the pattern tables each time took seconds on a real run. None when the table is
+        absent."""
+        try:
+            st = self.run.table_path(name).stat()
+        except OSError:
+            self._cache.pop(name, None)
+            return None
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        hit = self._cache.get(name)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        value = read()
+        self._cache[name] = (sig, value)
+        return value
+
     def trigger_counts(self) -> dict[tuple[int, int, int], int]:
         """(layer, dim, sign) -> number of triggers with rank ≤ 25 (prefixes an annotator sees)."""
-        if self._counts is None:
+        def read():
             import pyarrow.compute as pc
 
-            if not self.run.has_table("triggers"):
-                raise FfkvError(f"run {self.run.path} has no `triggers` table; run `ffkv mine` first")
             t = self.run.read_table("triggers", columns=["layer", "dim", "sign", "rank"])
             t = t.filter(pc.less_equal(t.column("rank"), TOP))
             g = t.group_by(["layer", "dim", "sign"]).aggregate([("rank", "count")])
-            self._counts = {(int(l), int(d), int(s)): int(c) for l, d, s, c in zip(
+            return {(int(l), int(d), int(s)): int(c) for l, d, s, c in zip(
                 g.column("layer").to_pylist(), g.column("dim").to_pylist(), g.column("sign").to_pylist(),
                 g.column("rank_count").to_pylist())}
-        return self._counts
+
+        counts = self._cached("triggers", read)
+        if counts is None:
+            raise FfkvError(f"run {self.run.path} has no `triggers` table; run `ffkv mine` first")
+        return counts
 
     def n_prefixes(self, layer: int, dim: int, sign: int = 1) -> int:
         return self.trigger_counts().get((int(layer), int(dim), int(sign)), 0)
@@ -171,8 +204,8 @@ class AnnotationStore:
         """Checked and normalised (annotator, layer, dim, sign, note, patterns); raises FfkvError."""
         if not isinstance(annotator, str) or not annotator.strip():
             raise FfkvError("annotator: a non-empty name is required")
-        if len(annotator) > 200:
-            raise FfkvError("annotator: name longer than 200 characters")
+        if len(annotator.strip()) > MAX_NAME:
+            raise FfkvError(f"annotator: the name is longer than {MAX_NAME} characters ({len(annotator.strip()):,})")
         if not _is_int(layer) or not _is_int(dim):
             raise FfkvError(f"key: layer and dim must be integers (got {layer!r}, {dim!r})")
         if sign not in (1, -1) or isinstance(sign, bool):
@@ -183,8 +216,12 @@ class AnnotationStore:
                             f"{sign:+d} in run {self.run.path}")
         if not isinstance(note, str):
             raise FfkvError("note: must be text")
+        if len(note) > MAX_NOTE:
+            raise FfkvError(f"note: at most {MAX_NOTE:,} characters (got {len(note):,})")
         if not isinstance(patterns, (list, tuple)):
             raise FfkvError("patterns: must be a list of {description, kind, prefixes}")
+        if len(patterns) > MAX_PATTERNS:
+            raise FfkvError(f"patterns: at most {MAX_PATTERNS} in one annotation (got {len(patterns)})")
         out = []
         for j, p in enumerate(patterns):
             where = f"pattern {j + 1}"
@@ -196,11 +233,13 @@ class AnnotationStore:
             desc = p.get("description")
             if not isinstance(desc, str) or not desc.strip():
                 raise FfkvError(f"{where}: the description is empty")
-            if len(desc) > 2000:
-                raise FfkvError(f"{where}: the description is longer than 2000 characters")
+            if len(desc) > MAX_DESCRIPTION:
+                raise FfkvError(f"{where}: the description is longer than {MAX_DESCRIPTION:,} characters "
+                                f"({len(desc):,})")
             kind = p.get("kind")
             if kind not in KINDS:
-                raise FfkvError(f"{where}: kind must be shallow or semantic (got {kind!r})")
+                got = "none given" if kind in (None, "") else f"got {str(kind)[:40]!r}"
+                raise FfkvError(f"{where}: kind must be shallow or semantic ({got})")
             pre = p.get("prefixes")
             if not isinstance(pre, (list, tuple)) or not pre:
                 raise FfkvError(f"{where}: list at least one covered prefix (indices 0..{min(n, TOP) - 1})")
@@ -317,6 +356,11 @@ class AnnotationStore:
         seen = set()
         from ffkv.store.jsonl import json_objects
 
+        for n, line in enumerate(source.splitlines(), 1):
+            size = len(line.encode("utf-8", "surrogatepass"))
+            if size > MAX_RECORD_BYTES:
+                raise FfkvError(f"import line {n}: {size:,} bytes, over the limit of {MAX_RECORD_BYTES:,} "
+                                "for one annotation")
         for n, r in json_objects(source, "import"):
             missing = {"annotator", "layer", "dim", "patterns"} - set(r)
             if missing:
@@ -428,15 +472,29 @@ class AnnotationStore:
         out["inter_annotator"] = inter_annotator(recs, cats)
         return out
 
-    def _auto_vs_human(self, recs, cats) -> dict | None:
-        if not (self.run.has_table("pattern_keys") and self.run.has_table("patterns")):
+    def _auto_labels(self) -> tuple[dict, dict] | None:
+        """The automatic labels (`ffkv patterns`): ({key: pattern_keys row}, {key: [patterns]}),
+        read once per version of the tables (`_cached`); None without them."""
+        def keys():
+            return {(k["layer"], k["dim"], k["sign"]): k for k in self.run.read_table("pattern_keys").to_pylist()}
+
+        def pats():
+            out: dict = {}
+            for p in self.run.read_table("patterns", columns=["layer", "dim", "sign", "kind", "covered"]).to_pylist():
+                out.setdefault((p["layer"], p["dim"], p["sign"]), []).append(
+                    {"kind": p["kind"], "prefixes": p["covered"]})
+            return out
+
+        auto_keys, auto_pats = self._cached("pattern_keys", keys), self._cached("patterns", pats)
+        if auto_keys is None or auto_pats is None:
             return None
-        kt = self.run.read_table("pattern_keys").to_pylist()
-        auto_keys = {(k["layer"], k["dim"], k["sign"]): k for k in kt}
-        auto_pats: dict = {}
-        for p in self.run.read_table("patterns", columns=["layer", "dim", "sign", "kind", "covered"]).to_pylist():
-            auto_pats.setdefault((p["layer"], p["dim"], p["sign"]), []).append(
-                {"kind": p["kind"], "prefixes": p["covered"]})
+        return auto_keys, auto_pats
+
+    def _auto_vs_human(self, recs, cats) -> dict | None:
+        auto = self._auto_labels()
+        if auto is None:
+            return None
+        auto_keys, auto_pats = auto
         key_h, key_a, pre_h, pre_a, cov_h, cov_a = [], [], [], [], [], []
         skipped = 0
         for r in recs:

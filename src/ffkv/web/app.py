@@ -1,16 +1,22 @@
 """The app factory: `create_app(run)` -> a FastAPI app serving one run directory.
 
 Layers, outermost first: security headers on every response (`common.SECURITY_HEADERS`), a
-Host check against DNS rebinding (only the names the server is reached by), a cap on request
-bodies, then the routes of `routes` and, when present, the prediction explorer's router
+Host check against DNS rebinding (only the names the server is reached by), the access token
+when the server is reachable from other machines (`TokenAuth`: `ffkv serve --allow-remote`), a
+cap on request bodies, then the routes of `routes` and, when present, the prediction explorer's router
 (`ffkv.web.explore.router`). Errors never show a traceback: 404 and 422 pages (JSON under
 /api/), and a plain 500 page whose details go to the server's log only.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
 import sys
 import time
+from http.cookies import SimpleCookie
+from urllib.parse import parse_qsl, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -88,27 +94,107 @@ class _TooBig(Exception):
     pass
 
 
-async def _plain(send, status: int, body: bytes):
+async def _plain(send, status: int, body: bytes, headers: list | None = None):
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode())] + list(headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
+def is_loopback(host: str) -> bool:
+    """True for a name or address that only this machine reaches (localhost, 127.0.0.0/8, ::1)."""
+    h = str(host).strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
 def allowed_hosts_for(host: str) -> list[str]:
-    """Host header values accepted when bound to `host`: loopback names, or anything for a
-    wildcard bind (the user chose to expose the server)."""
-    if host in WILDCARD_HOSTS:
-        return ["*"]
+    """Host header values accepted when bound to `host`: the loopback names, and `host` itself
+    unless it is a wildcard (0.0.0.0 or ::, which no client names). Never "*": a wildcard
+    would let a DNS-rebinding page reach the server."""
     out = list(LOOPBACK_NAMES)
-    if host not in out:
+    if host not in out and host not in WILDCARD_HOSTS:
         out.append(host)
     return out
 
 
+TOKEN_COOKIE = "ffkv_token"
+
+
+def token_cookie_name(token: str) -> str:
+    """The token's cookie, named after the token: two servers on one machine (other ports) keep
+    their own."""
+    return f"{TOKEN_COOKIE}_{hashlib.sha256(token.encode()).hexdigest()[:8]}"
+
+
+class TokenAuth:
+    """Pure ASGI middleware: every request (pages, API, static files, reads and writes) must
+    carry the server's access token, as Jupyter does: `?token=…` once (a GET is then redirected
+    to the same URL without it, setting an HttpOnly SameSite=Strict cookie), the cookie, or
+    `Authorization: Bearer …`. Anything else is 401 in one line."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token.encode()
+        self.cookie = token_cookie_name(token)
+
+    def _ok(self, value) -> bool:
+        if not value:
+            return False
+        v = value.encode() if isinstance(value, str) else value
+        return hmac.compare_digest(v, self.token)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict((k.lower(), v) for k, v in scope.get("headers", []))
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer " and self._ok(auth[7:].strip()):
+            return await self.app(scope, receive, send)
+        cookies = SimpleCookie()
+        try:
+            cookies.load(headers.get(b"cookie", b"").decode("latin-1"))
+        except Exception:  # noqa: BLE001 - a malformed Cookie header is no token
+            cookies = SimpleCookie()
+        if self.cookie in cookies and self._ok(cookies[self.cookie].value):
+            return await self.app(scope, receive, send)
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        given = [v for k, v in query if k == "token"]
+        if given and self._ok(given[-1]):
+            if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD"):
+                rest = urlencode([(k, v) for k, v in query if k != "token"])
+                path = b"/" + (scope.get("raw_path") or quote(scope["path"]).encode()).lstrip(b"/")  # never //host
+                location = path + (b"?" + rest.encode() if rest else b"")
+                cookie = (f"{self.cookie}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict; "
+                          f"Max-Age={30 * 24 * 3600}")
+                return await _plain(send, 303, b"", [(b"location", location),
+                                                    (b"set-cookie", cookie.encode()),
+                                                    (b"cache-control", b"no-store")])
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await send({"type": "websocket.close", "code": 1008})
+        return await _plain(send, 401, b"this ffkv server needs its access token: open the URL with ?token= "
+                                       b"that `ffkv serve` printed, or send Authorization: Bearer TOKEN\n",
+                            [(b"www-authenticate", b'Bearer realm="ffkv"')])
+
+
 def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
-               index_k: int | None = None, build_index: bool = False, log_fn=None) -> FastAPI:
-    """A FastAPI app serving run directory `run` (its tables are loaded now)."""
+               token: str | None = None, index_k: int | None = None, build_index: bool = False,
+               log_fn=None) -> FastAPI:
+    """A FastAPI app serving run directory `run` (its tables are loaded now).
+
+    `allowed_hosts`: the Host header values served (default `allowed_hosts_for(host)`; "*" is
+    refused). `token`: the access token every request must carry (`TokenAuth`); required when
+    `host` is not loopback (`ffkv serve --allow-remote` makes one)."""
+    if not is_loopback(host) and not token:
+        raise FfkvError(f"serving {host} (beyond this machine) needs an access token "
+                        "(ffkv serve --allow-remote makes one)")
+    hosts = list(allowed_hosts or allowed_hosts_for(host))
+    if "*" in hosts or any(not h or "*" in h[1:] for h in hosts):
+        raise FfkvError(f"allowed hosts {hosts}: give the names clients use, not a wildcard")
     from ffkv.web import routes
     from ffkv.web.data import BadQuery, Browser, NotFound
 
@@ -164,7 +250,10 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
         app.state.has_explore = True
 
     app.add_middleware(BodyLimit)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or allowed_hosts_for(host))
+    if token:
+        app.add_middleware(TokenAuth, token=token)
+    app.state.token = token
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     app.add_middleware(SecurityHeaders)
     import threading
 

@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from markupsafe import Markup
 
 from ffkv.errors import FfkvError
+from ffkv.store.annotations import LIMITS, MAX_JSON_DEPTH, MAX_NAME, MAX_NOTE, MAX_PATTERNS, MAX_RECORD_BYTES
 from ffkv.web import plots
 from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, show_trigger, state
 from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
@@ -35,8 +36,7 @@ from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKE
 router = APIRouter()
 
 COOKIE = "ffkv_annotator"
-MAX_SLOTS = 20
-MAX_NOTE = 5000
+MAX_SLOTS = MAX_PATTERNS  # the annotation limits: ffkv.store.annotations
 STATIC_FILES = {p.name: p for p in STATIC_DIR.iterdir() if p.is_file()}
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon"}
@@ -219,18 +219,98 @@ def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
     return [r for r in rows if r["rank"] <= ANNOTATE_TOP]
 
 
+def annotator_cookie(request: Request) -> str:
+    """The annotator's name from its cookie (percent-encoded UTF-8: `set_annotator_cookie`)."""
+    from urllib.parse import unquote
+
+    return unquote(request.cookies.get(COOKIE, ""), errors="replace").strip()[:MAX_NAME]
+
+
+def set_annotator_cookie(resp: Response, name: str) -> None:
+    """Remember the annotator's name: any Unicode, percent-encoded (a cookie holds Latin-1 only,
+    and `Łukasz` raised UnicodeEncodeError after the annotation was saved)."""
+    from urllib.parse import quote
+
+    resp.set_cookie(COOKIE, quote(name.strip()[:MAX_NAME], safe=""), max_age=365 * 24 * 3600, httponly=True,
+                    samesite="strict")
+
+
+def blank_slot() -> dict:
+    return {"description": "", "kind": None, "prefixes": set()}
+
+
+# Forms refused by validation, kept (in memory, a bounded number, for an hour) so that the page
+# shown after the refusal can be reloaded without posting again: app.js replaces the POST's
+# history entry with `?draft=ID`, which form_state reads back.
+DRAFTS_KEPT, DRAFT_SECONDS = 64, 3600
+
+
+def _drafts(request: Request):
+    import collections
+    import threading
+
+    app_state = request.app.state
+    if getattr(app_state, "annotation_drafts", None) is None:
+        app_state.annotation_drafts = (collections.OrderedDict(), threading.Lock())
+    return app_state.annotation_drafts
+
+
+def keep_draft(request: Request, layer: int, dim: int, form: dict, error: str) -> str:
+    import secrets
+    import time
+
+    drafts, lock = _drafts(request)
+    key = secrets.token_urlsafe(12)
+    with lock:
+        drafts[key] = (time.monotonic(), layer, dim, {**form, "error": error})
+        while len(drafts) > DRAFTS_KEPT:
+            drafts.popitem(last=False)
+    return key
+
+
+def get_draft(request: Request, layer: int, dim: int, key: str) -> dict | None:
+    import time
+
+    drafts, lock = _drafts(request)
+    with lock:
+        d = drafts.get(str(key))
+    if d is None or d[1:3] != (layer, dim) or time.monotonic() - d[0] > DRAFT_SECONDS:
+        return None
+    return d[3]
+
+
+def typed_state(params) -> dict | None:
+    """The form as typed, from a GET that carries it (the "more pattern slots" button without
+    JavaScript submits the form to the memory page); None when `params` carry no form."""
+    if not any(k in ("annotator", "note") or SLOT_FIELD.fullmatch(k) for k in params):
+        return None
+    _, slots = patterns_from_form(params, check=False)
+    return {"annotator": str(params.get("annotator") or "")[:MAX_NAME], "note": str(params.get("note") or "")[:MAX_NOTE],
+            "slots": slots}
+
+
 def form_state(request: Request, layer: int, dim: int, sign: int, slots: int | None) -> dict:
-    """The annotation form: the annotator (cookie) and their saved patterns for this key."""
-    who = request.cookies.get(COOKIE, "")[:200]
-    pats, note = [], ""
-    if who:
-        for a in state(request).annotations(layer, dim):
-            if a["annotator"] == who and a["sign"] == sign:
-                pats, note = a["patterns"], a["note"]
-    n = max(slots or 0, len(pats) + 2, 3)
-    slots_ = [{"description": p["description"], "kind": p["kind"], "prefixes": set(p["prefixes"])} for p in pats]
-    slots_ += [{"description": "", "kind": None, "prefixes": set()} for _ in range(min(n, MAX_SLOTS) - len(slots_))]
-    return {"annotator": who, "note": note, "slots": slots_[:MAX_SLOTS], "sign": sign}
+    """The annotation form: the annotator (cookie) and their saved patterns for this key; or the
+    form as typed (a GET carrying it, or a refused form's `?draft=`)."""
+    q = request.query_params
+    draft = get_draft(request, layer, dim, q["draft"]) if q.get("draft") else None
+    typed = draft or typed_state(q)
+    if typed is not None:
+        who, note, slots_ = typed["annotator"], typed["note"], list(typed["slots"])
+        sign = typed.get("sign", sign)
+    else:
+        who = annotator_cookie(request)
+        pats, note = [], ""
+        if who:
+            for a in state(request).annotations(layer, dim):
+                if a["annotator"] == who and a["sign"] == sign:
+                    pats, note = a["patterns"], a["note"]
+        slots_ = [{"description": p["description"], "kind": p["kind"], "prefixes": set(p["prefixes"])}
+                  for p in pats]
+    n = min(max(slots or 0, len(slots_) + (0 if typed is not None else 2), 3), MAX_SLOTS)
+    slots_ += [blank_slot() for _ in range(n - len(slots_))]
+    return {"annotator": who, "note": note, "slots": slots_[:MAX_SLOTS], "sign": sign, "limits": LIMITS,
+            "error": (draft or {}).get("error"), "draft": q.get("draft") if draft else None}
 
 
 def stats_plot(st: dict | None):
@@ -285,9 +365,14 @@ def random_memory(request: Request):
 
 
 # ---- annotation -----------------------------------------------------------------------------------
-def patterns_from_form(form) -> tuple[list[dict], list[dict]]:
+SLOT_FIELD = re.compile(r"p\d+_(description|kind|prefixes)")
+
+
+def patterns_from_form(form, check: bool = True) -> tuple[list[dict], list[dict]]:
     """(patterns for the store, slots to re-show) from the form fields p{j}_description, p{j}_kind,
-    p{j}_prefixes. Blank slots (no description, no ticks) are skipped."""
+    p{j}_prefixes. Blank slots (no description, no ticks) are skipped. With `check`, a slot the
+    store would refuse raises BadQuery naming it as the form does (S1, S2, …); without, what
+    cannot be read is dropped (re-showing a form as typed)."""
     pats, slots = [], []
     for j in range(MAX_SLOTS):
         desc = str(form.get(f"p{j}_description") or "")
@@ -300,19 +385,34 @@ def patterns_from_form(form) -> tuple[list[dict], list[dict]]:
             try:
                 pre.append(int(str(v)))
             except ValueError:
-                raise BadQuery(f"pattern {len(pats) + 1}: prefix index {str(v)[:20]!r} is not an integer") from None
-        slots.append({"description": desc[:2000], "kind": kind if kind in ("shallow", "semantic") else None,
-                      "prefixes": set(pre)})
+                if check:
+                    raise BadQuery(f"S{j + 1}: prefix index {str(v)[:20]!r} is not an integer") from None
+        slots.append({"description": desc[:LIMITS["description"]],
+                      "kind": kind if kind in ("shallow", "semantic") else None, "prefixes": set(pre)})
         if not desc.strip() and not pre:
             continue
+        if check:
+            name = f"S{j + 1}" + (f" ({desc.strip()[:40]!r})" if desc.strip() else "")
+            if not desc.strip():
+                raise BadQuery(f"{name}: prefixes are ticked but the pattern has no description; "
+                               "describe it, or clear its ticks")
+            if kind not in ("shallow", "semantic"):
+                raise BadQuery(f"{name}: kind must be shallow or semantic; choose one")
+            if not pre:
+                raise BadQuery(f"{name}: tick the prefixes this pattern covers")
         pats.append({"description": desc, "kind": kind, "prefixes": pre})
     return pats, slots
 
 
 @router.post("/memory/{layer}/{dim}/annotate", include_in_schema=False, dependencies=[Depends(same_origin)])
 async def annotate_form(request: Request, layer: int, dim: int):
+    """Save the form, then 303 to the memory page (Post/Redirect/Get: a reload does not post
+    again). A refused form: 422, the page again with the message and the input, and a draft id
+    that app.js puts in the URL, so a reload shows the draft instead of posting it again. The
+    response (cookie included) is built before the save: once saved, nothing can fail."""
     b = state(request)
     b.check_key(layer, dim)
+    too_big(request)
     try:
         form = await request.form(max_files=0, max_fields=200 + MAX_SLOTS * (ANNOTATE_TOP + 3))
     except Exception:  # noqa: BLE001 - a malformed or oversized body
@@ -320,42 +420,79 @@ async def annotate_form(request: Request, layer: int, dim: int):
     sign = opt_sign(form.get("sign")) or 1
     annotator = str(form.get("annotator") or "")
     note = str(form.get("note") or "")
-    slots: list[dict] = []
+    _, slots = patterns_from_form(form, check=False)  # the form as typed, to show again if refused
     try:
-        if len(note) > MAX_NOTE:
-            raise BadQuery(f"note: at most {MAX_NOTE} characters")
-        pats, slots = patterns_from_form(form)
+        pats, _ = patterns_from_form(form)
+        resp = RedirectResponse(f"/memory/{layer}/{dim}?annotate_sign={sign}#annotations", status_code=303)
+        if annotator.strip():
+            set_annotator_cookie(resp, annotator)
         await run_in_threadpool(b.annotate, annotator, layer, dim, pats, sign, note)
     except FfkvError as e:
-        state_ = {"annotator": annotator[:200], "note": note[:MAX_NOTE], "sign": sign,
-                  "slots": (slots + [{"description": "", "kind": None, "prefixes": set()}] * 2)[:MAX_SLOTS]}
-        return await run_in_threadpool(render_memory, request, layer, dim, 25, sign, None, state_,
-                                       " ".join(str(e).split()), 422)
-    resp = RedirectResponse(f"/memory/{layer}/{dim}?annotate_sign={sign}#annotations", status_code=303)
-    resp.set_cookie(COOKIE, annotator.strip()[:200], max_age=365 * 24 * 3600, httponly=True, samesite="strict")
+        if isinstance(e, NotFound):
+            raise
+        error = " ".join(str(e).split())
+        state_ = {"annotator": annotator[:MAX_NAME], "note": note[:MAX_NOTE], "sign": sign, "limits": LIMITS,
+                  "slots": (slots + [blank_slot(), blank_slot()])[:MAX_SLOTS]}
+        key = keep_draft(request, layer, dim, state_, error)
+        state_["draft"] = key
+        return await run_in_threadpool(render_memory, request, layer, dim, 25, sign, None, state_, error, 422)
     return resp
+
+
+def too_big(request: Request) -> None:
+    """413 for an annotation body over MAX_RECORD_BYTES (as its Content-Length says; the app's
+    BodyLimit also counts what arrives)."""
+    from fastapi import HTTPException
+
+    try:
+        n = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        n = 0
+    if n > MAX_RECORD_BYTES:
+        raise HTTPException(413, f"an annotation is at most {MAX_RECORD_BYTES:,} bytes (this body: {n:,})")
+
+
+def json_depth(text: str) -> int:
+    """How deeply `text` (JSON) nests arrays and objects, counted without parsing it: Python's
+    json recurses once per level, and a 200 KB body of `[[[[…` raised RecursionError (a 500)."""
+    depth = top = 0
+    for tok in _JSON_NESTING.findall(text):
+        if tok in "[{":
+            depth += 1
+            top = max(top, depth)
+        elif tok in "]}":
+            depth -= 1
+    return top
+
+
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')  # strings (skipped) or brackets
 
 
 @router.post("/api/memory/{layer}/{dim}/annotations", dependencies=[Depends(same_origin)])
 async def api_annotate(request: Request, layer: int, dim: int):
     b = state(request)
     b.check_key(layer, dim)
+    too_big(request)
+    raw = await request.body()
+    if len(raw) > MAX_RECORD_BYTES:
+        from fastapi import HTTPException
+
+        raise HTTPException(413, f"an annotation is at most {MAX_RECORD_BYTES:,} bytes")
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
+        text = raw.decode("utf-8")
+        if json_depth(text) > MAX_JSON_DEPTH:
+            raise BadQuery(f"the body nests deeper than {MAX_JSON_DEPTH} levels; an annotation is "
+                           "{annotator, sign, note, patterns: [{description, kind, prefixes: [...]}]}")
+        body = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise BadQuery("the body must be JSON: {annotator, sign, note, patterns}") from None
     if not isinstance(body, dict):
         raise BadQuery("the body must be a JSON object: {annotator, sign, note, patterns}")
     extra = set(body) - {"annotator", "sign", "note", "patterns"}
     if extra:
-        raise BadQuery(f"unknown field(s) {sorted(extra)}; expected annotator, sign, note, patterns")
-    note = body.get("note", "")
-    if isinstance(note, str) and len(note) > MAX_NOTE:
-        raise BadQuery(f"note: at most {MAX_NOTE} characters")
-    pats = body.get("patterns", [])
-    if isinstance(pats, list) and len(pats) > MAX_SLOTS:
-        raise BadQuery(f"patterns: at most {MAX_SLOTS}")
-    rec = await run_in_threadpool(b.annotate, body.get("annotator"), layer, dim, pats, body.get("sign", 1), note)
+        raise BadQuery(f"unknown field(s) {sorted(extra)[:10]}; expected annotator, sign, note, patterns")
+    rec = await run_in_threadpool(b.annotate, body.get("annotator"), layer, dim, body.get("patterns", []),
+                                  body.get("sign", 1), body.get("note", ""))
     return api({"saved": rec}, status_code=201)
 
 
@@ -374,7 +511,9 @@ def annotations_page(request: Request, annotator: str | None = None):
                                                  (r.get("not_covered"), "c-none", "not covered")],
                                                 label=f"layer {r['layer']}: prefixes by kind")})
     return render(request, "annotations.html", recs=shown, annotators=sorted({r["annotator"] for r in recs}),
-                  who=who, stats=stats, fig2=fig2, total=len(recs))
+                  who=who, stats=stats, fig2=fig2, total=len(recs),
+                  memories=len({(r["layer"], r["dim"]) for r in recs}),
+                  lists=len({(r["layer"], r["dim"], r["sign"]) for r in recs}))
 
 
 @router.get("/api/annotations")
