@@ -123,11 +123,12 @@ def _granite(vocab):
                             embedding_multiplier=3.0, attention_multiplier=0.3, tie_word_embeddings=False)
 
 
-def _falcon(vocab):
+def _falcon(vocab, **kw):
     import transformers as tf
+    kw = {"parallel_attn": True, "new_decoder_architecture": False, **kw}
     return tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96,
-                           max_position_embeddings=128, initializer_range=0.2, bias=True,
-                           parallel_attn=True, new_decoder_architecture=False, **_common(vocab))
+                           max_position_embeddings=128, initializer_range=0.2, bias=True, **kw,
+                           **_common(vocab))
 
 
 def _bloom(vocab):
@@ -147,9 +148,14 @@ FAMILIES = {
     "phi": Family(_phi, value="mlp.fc2", resid=None, attn="self_attn", gated=False),
     "gptj": Family(_gptj, value="mlp.fc_out", resid=None, attn="attn", gated=False),
     "stablelm": Family(_stablelm),
+    "stablelm-parallel": Family(lambda v: _stablelm(v, parallel=True), resid=None, attn="self_attn"),
     "starcoder2": Family(_starcoder2, value="mlp.c_proj", gated=False),
     "granite": Family(_granite, multiplier="residual_multiplier"),
     "falcon": Family(_falcon, value="mlp.dense_4h_to_h", resid=None, attn="self_attention", gated=False),
+    "falcon-sequential": Family(lambda v: _falcon(v, parallel_attn=False), value="mlp.dense_4h_to_h",
+                                gated=False),
+    "falcon-new": Family(lambda v: _falcon(v, new_decoder_architecture=True, num_kv_heads=2),
+                         value="mlp.dense_4h_to_h", resid=None, attn="self_attention", gated=False),
     "bloom": Family(_bloom, value="mlp.dense_4h_to_h", gated=False),
 }
 
@@ -157,7 +163,7 @@ FAMILIES = {
 def _supported():
     from ffkv.model.arch import ARCHITECTURES
 
-    return [f for f in FAMILIES if f in ARCHITECTURES]
+    return [f for f in FAMILIES if f.split("-")[0] in ARCHITECTURES]  # "-…": a variant of the family
 
 
 def _blocks(hf):
@@ -189,7 +195,7 @@ def family_model(request, tmp_path_factory, tok_dir):
         model.save_pretrained(path)
         tok.save_pretrained(path)
         mm = open_model(str(path), device="cpu")
-        assert mm.arch.name == name
+        assert mm.arch.name == name.split("-")[0]
         _BUILT[name] = mm
     return name, _BUILT[name]
 

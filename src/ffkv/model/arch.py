@@ -11,7 +11,8 @@ families, in one place:
 A simple family is one line of data (attribute paths, weight layout). A family with real
 differences is a small subclass: `OPT` (checks), `FusedGateUp` (Phi-3's fused gate_up_proj),
 `PostNorm` (Gemma 2/3, OLMo 2: an RMSNorm after the FFN), `ScaledResidual` (Granite's residual
-multiplier and logit divisor). Nothing else in ffkv branches on the model type.
+multiplier and logit divisor), `Falcon` (an in-place add into the FFN's output), `Bloom`
+(checks). Nothing else in ffkv branches on the model type.
 
 Hooks: every `hook_*` returns a list of torch hook handles. `shape` is a (B, T) list the caller
 keeps up to date (families with `flat=True` run their FFN on (B·T, d) rows); `state` is a dict
@@ -318,6 +319,26 @@ class ScaledResidual(Architecture):
         return z / float(getattr(text_config(cfg), self.divisor, 1.0) or 1.0)
 
 
+@dataclass(frozen=True)
+class Bloom(Architecture):
+    """BLOOM with pretraining_tp > 1 and slow_but_exact computes its value projection in slices,
+    without calling the module the hooks sit on."""
+
+    def check(self, cfg) -> None:
+        if getattr(cfg, "pretraining_tp", 1) > 1 and getattr(cfg, "slow_but_exact", False):
+            raise FfkvError("BLOOM with slow_but_exact and pretraining_tp > 1 is not supported: its "
+                            "FFN output is computed in slices outside the value projection")
+
+
+@dataclass(frozen=True)
+class Falcon(Architecture):
+    """Falcon's parallel blocks add the attention's output into the FFN's output tensor in place
+    (`mlp_output += attention_output`), so y is copied when read."""
+
+    def read_y(self, out):
+        return out.clone()
+
+
 _LLAMA = dict(layers="model.layers", final_norm="model.norm", unembed="lm_head",
               key="mlp.gate_proj", up="mlp.up_proj", value="mlp.down_proj", act="mlp.act_fn")
 
@@ -344,9 +365,25 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": PostNorm("gemma3", **{**_LLAMA, "layers": "model.language_model.layers",
                                     "final_norm": "model.language_model.norm"},
                        gain_offset=1.0, act_config="hidden_activation"),
+    "olmo2": PostNorm("olmo2", **_LLAMA),  # no norm before the FFN, an RMSNorm after it
+    "phi3": FusedGateUp("phi3", **{**_LLAMA, "key": "mlp.gate_up_proj", "up": "mlp.gate_up_proj",
+                                   "act": "mlp.activation_fn"}),
+    "phi": Architecture("phi", layers="model.layers", final_norm="model.final_layernorm", unembed="lm_head",
+                        key="mlp.fc1", value="mlp.fc2", act="mlp.activation_fn", parallel=True),
+    "gptj": Architecture("gptj", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
+                         key="mlp.fc_in", value="mlp.fc_out", act="mlp.act",
+                         act_config="activation_function", parallel=True),
+    "starcoder2": Architecture("starcoder2", layers="model.layers", final_norm="model.norm", unembed="lm_head",
+                               key="mlp.c_fc", value="mlp.c_proj", act="mlp.act"),
+    "granite": ScaledResidual("granite", **_LLAMA),
+    "falcon": Falcon("falcon", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
+                     key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act",
+                     act_config="activation"),
+    "bloom": Bloom("bloom", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
+                   key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.gelu_impl"),
 }
-# Llama-shaped gated FFNs under other names share the same layout.
-for _alias in ("mistral", "qwen2", "qwen3"):
+# Llama-shaped FFNs (gated, or plain with the same paths) under other names share the same layout.
+for _alias in ("mistral", "qwen2", "qwen3", "olmo", "stablelm"):
     ARCHITECTURES[_alias] = Architecture(**{**ARCHITECTURES["llama"].__dict__, "name": _alias})
 
 
