@@ -55,7 +55,13 @@ def preset(name: str, **overrides) -> ReproduceSettings:
 
 
 def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | None = None):
-    """The settings each step gets: the same as typing its command with reproduce's flags."""
+    """The settings each step gets: the same as typing its command with reproduce's flags (a step
+    that says so itself, through `Step.reproduce`, is asked)."""
+    from ffkv.steps.registry import get
+
+    own = get(step).reproduce
+    if own is not None:
+        return own(s, None)
     if step == "mine":
         from ffkv.mine.engine import MineSettings
 
@@ -65,11 +71,6 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
         from ffkv.experiments.values import ValuesSettings
 
         return ValuesSettings(dtype=s.dtype)
-    if step == "compose":
-        from ffkv.experiments.compose import ComposeSettings
-
-        return ComposeSettings(corpus=s.compose_corpus or "wikipedia:valid", n_prefixes=s.prefixes, seed=s.seed,
-                               per_sentence=s.prefixes_per_sentence)
     if step == "mutate":
         from ffkv.experiments.mutate import MutateSettings
 

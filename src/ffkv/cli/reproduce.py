@@ -46,7 +46,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
 
 def show_step(step: str, run, out) -> None:
     """Print a step's outcome as its own command prints it."""
-    from ffkv.cli import compose, keys, mine, normalize, values
+    from ffkv.cli import keys, mine, normalize, values
 
     if step == "mine":
         if out.skipped:
@@ -55,7 +55,9 @@ def show_step(step: str, run, out) -> None:
     elif step == "values":
         values.print_values(out)
     elif step == "compose":
-        compose.print_compose(run, out)
+        from ffkv.steps.compose import summary
+
+        summary(run, out)
     elif step == "mutate":
         keys.print_mutate(run, out)
     elif step == "patterns":

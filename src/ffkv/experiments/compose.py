@@ -101,15 +101,14 @@ from ffkv.corpus.stopwords import stopwords
 from ffkv.defs import LENSES, check_lens, other_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
-from ffkv.store.steps import Step, execute
+from ffkv.steps.compose import DEFAULT_CORPUS, DEFAULT_EPS, STEP, ComposeSettings, record  # noqa: F401
+from ffkv.store.steps import execute
 from ffkv.experiments.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
 
 CATEGORIES = ("residual", "ffn", "agreement", "composition")
 FIG8_VARIANTS = ("signed", "code", "rel")
 MASS_SHARES = (0.01, 0.10, 0.50)
 SHORT_PREFIX = 5  # the paper's "prefix shorter than 5 tokens"
-DEFAULT_CORPUS = "wikipedia:valid"
-DEFAULT_EPS = 0.1
 EPS_REL = 0.1  # Fig 8 relative form: |m_i| > EPS_REL · max_j |m_j| of the same example and layer
 HUB_SHARE = 0.001  # hub tokens: the top 0.1% of the vocabulary by e_t · ē/‖ē‖ (norm × alignment with the mean)
 SHARE_90 = 0.9  # Fig 7 scale-free: the fewest memories carrying 90% of Σ|m_i|·‖v_i‖
@@ -545,35 +544,7 @@ def lens_effect(layers_tbl: pa.Table, res: dict, cats: dict) -> pa.Table:
 
 
 # ---- the step ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ComposeSettings:
-    """What `ffkv compose` is asked for. `batch_tokens` changes speed, not results: not recorded."""
-    corpus: str | None = None  # held-out corpus; None: DEFAULT_CORPUS
-    n_prefixes: int = 4000
-    seed: int = 0
-    eps: float = DEFAULT_EPS
-    max_sentences: int | None = None
-    batch_tokens: int = 2048
-    per_sentence: int = 1  # at most this many prefixes of one sentence, used only when sentences run short
-
-
-def record(run, s: ComposeSettings) -> dict:
-    """The settings as recorded in the manifest; raises FfkvError on bad values, before any model
-    loads. The model's identity is its unembedding digest (None until a fresh run records one)."""
-    if s.n_prefixes < 1:
-        raise FfkvError(f"--prefixes must be at least 1 (got {s.n_prefixes})")
-    if s.eps < 0:
-        raise FfkvError(f"--eps must be ≥ 0 (got {s.eps})")
-    if s.batch_tokens < 1:
-        raise FfkvError(f"--batch-tokens must be at least 1 (got {s.batch_tokens})")
-    if s.per_sentence < 1:
-        raise FfkvError(f"--per-sentence must be at least 1 (got {s.per_sentence})")
-    rec = {"corpus": s.corpus or DEFAULT_CORPUS, "prefixes": int(s.n_prefixes), "seed": int(s.seed),
-           "eps": float(s.eps), "max_sentences": s.max_sentences, "lenses": list(LENSES),
-           "model_unembed_sha256": (run.manifest.get("model") or {}).get("unembed_sha256")}
-    if s.per_sentence != 1:  # left out at its default, so runs recorded before it still match
-        rec["per_sentence"] = int(s.per_sentence)
-    return rec
+# ComposeSettings, record and STEP: `ffkv.steps.compose` (the step as one unit).
 
 
 def compute(ctx) -> dict:
@@ -623,16 +594,11 @@ def _fig8_pooled(layers: pa.Table) -> dict:
     return pooled
 
 
-STEP = Step("compose", ComposeSettings, requires=(), compute=compute, record=record,
-            tables=("compose_sentences", "compose_prefixes", "value_tops", "compose_examples",
-                    "compose_layers", "compose_cases", "compose_lens_effect"))
-
-
-def compose(run, mm, corpus: str | None = None, n_prefixes: int = 4000, seed: int = 0,
-            eps: float = DEFAULT_EPS, max_sentences: int | None = None, batch_tokens: int = 2048,
-            force: bool = False, show_progress: bool | None = None, warn=print) -> dict:
-    """Run the compose step into `run`; returns {"skipped": bool, "info": manifest step info}."""
-    s = ComposeSettings(corpus, n_prefixes, seed, eps, max_sentences, batch_tokens)
+def compose(run, mm, settings: ComposeSettings | None = None, *, force: bool = False,
+            show_progress: bool | None = None, warn=print, **fields) -> dict:
+    """Run the compose step into `run` with `settings` (or ComposeSettings(**fields)); returns
+    {"skipped": bool, "info": manifest step info}."""
+    s = settings if settings is not None else ComposeSettings(**fields)
     out = execute(run, "compose", s, mm=mm, force=force, show_progress=show_progress, warn=warn)
     return {"skipped": out.skipped, "info": out.info}
 

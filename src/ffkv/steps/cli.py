@@ -90,9 +90,10 @@ def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=Fal
         run = open_run(run_dir)
     else:
         run, mm = open_run_with_model(run_dir, model_name, device, dtype)
-    out = execute(run, step.name, s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force)
+    out = execute(run, step.name, s, mm=mm, model_name=model_name, device=device, dtype=dtype, force=force,
+                  warn=lambda msg: print(f"ffkv: note: {msg}", file=sys.stderr))
     if step.summary is not None:
-        step.summary(run, out, as_json)
+        step.summary(run, out, s, as_json)
     elif as_json:
         print(json.dumps({"status": out.status, "info": out.info}, indent=2, default=str))
     else:
@@ -104,8 +105,10 @@ def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=Fal
 
 def command(step):
     """A typer command function for `step`, its signature made from the settings' fields."""
+    where = ("A run directory with a finished " + ", ".join(f"`{r}`" for r in step.requires) + " step."
+             if step.requires else "Run directory (created if it has no manifest).")
     params = [inspect.Parameter("run_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
-                                default=typer.Argument(..., metavar="RUN", help="A run directory."))]
+                                default=typer.Argument(..., metavar="RUN", help=where))]
     params += _options(step) + _common()
     names = {f.name for f in dataclasses.fields(step.settings)}
 

@@ -23,7 +23,7 @@ GROUP = "ffkv.steps"
 BUILTIN: dict[str, str] = {
     "mine": "ffkv.mine.runner:STEP",
     "values": "ffkv.experiments.values:STEP",
-    "compose": "ffkv.experiments.compose:STEP",
+    "compose": "ffkv.steps.compose:STEP",
     "mutate": "ffkv.experiments.mutate:STEP",
     "patterns": "ffkv.experiments.patterns:STEP",
     "normalize": "ffkv.experiments.normalize:STEP",

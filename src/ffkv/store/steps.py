@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ffkv.errors import FfkvError
-from ffkv.store.run import sweep_temps
 
 # Kept for callers that read them: the built-in steps' modules and commands. Where steps come
 # from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
 REGISTRY: dict[str, str] = {
     "mine": "ffkv.mine.runner",
     "values": "ffkv.experiments.values",
-    "compose": "ffkv.experiments.compose",
+    "compose": "ffkv.steps.compose",
     "mutate": "ffkv.experiments.mutate",
     "patterns": "ffkv.experiments.patterns",
     "normalize": "ffkv.experiments.normalize",
@@ -50,7 +49,7 @@ class Step:
     help: str = ""  # one paragraph: the generated command's --help, `reproduce`'s listing
     command: str | None = None  # "ffkv NAME {run}" by default; the "run `...` first" hint
     cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli); built-ins have their own
-    summary: Callable[[Any, "Outcome", bool], None] | None = None  # print(run, outcome, as_json) after the CLI runs it
+    summary: Callable[[Any, "Outcome", Any, bool], None] | None = None  # (run, outcome, settings, as_json): what the command prints
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
@@ -228,6 +227,8 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
                   force=force)
     with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
         run.reload()  # what another process recorded while we waited
+        from ffkv.store.run import sweep_temps  # here: pyarrow stays out of `ffkv --help`
+
         sweep_temps(run.path)  # a killed run's half-written files
         refuse_other(run, step, record)
         if not force and is_done(run, step, record):

@@ -1,0 +1,86 @@
+"""The `compose` step as one unit: its settings (from which `ffkv compose` is generated), what
+the manifest records, its place in `reproduce`, and its summary. The computation and the
+tables' columns are in `ffkv.experiments.compose`, imported only when the step runs, so that
+`ffkv --help` does not load torch."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from ffkv.defs import LENSES
+from ffkv.steps.settings import at_least, setting
+from ffkv.store.steps import Step
+
+DEFAULT_CORPUS = "wikipedia:valid"
+DEFAULT_EPS = 0.1
+TABLES = ("compose_sentences", "compose_prefixes", "value_tops", "compose_examples", "compose_layers",
+          "compose_cases", "compose_lens_effect")
+
+
+def _lens(v):
+    return None if v in LENSES else f"must be naive or norm (got {v!r})"
+
+
+@dataclass(frozen=True)
+class ComposeSettings:
+    """What `ffkv compose` is asked for. `batch_tokens` changes speed, `lens` and `cases` only the
+    printed summary: none of the three is recorded."""
+    corpus: str | None = setting(None, "Held-out corpus: wikipedia:valid (default), a .tokens/.jsonl/.txt file, "
+                                       "hf:NAME[:SPLIT].")
+    n_prefixes: int = setting(4000, "Prefixes to sample, one per sentence (the paper: 4,000).", check=at_least(1),
+                              flag="--prefixes", short="-n")
+    seed: int = setting(0, "Seed of the document order, the sentence sample and the positions.")
+    eps: float = setting(DEFAULT_EPS, "Also count a memory active when |m_i| > eps (SiLU/GELU are rarely exactly 0).",
+                         check=at_least(0))
+    max_sentences: int | None = setting(None, "Read at most this many sentences of the corpus.", check=at_least(1))
+    batch_tokens: int = setting(2048, "Token budget of one forward batch.", check=at_least(1), recorded=False)
+    per_sentence: int = setting(1, "When the corpus has fewer usable sentences than --prefixes, take up to this many "
+                                   "distinct positions of a sentence (a second one only after every sentence gave "
+                                   "one). 1 (default): one per sentence, fewer prefixes.", check=at_least(1))
+    lens: str = setting("norm", "Lens shown first in the summary (both are always computed): naive or norm.",
+                        check=_lens, recorded=False)
+    cases: int = setting(5, "Last-layer cases to print (all are in compose_cases).", check=at_least(0), recorded=False)
+
+
+def record(run, s: ComposeSettings) -> dict:
+    """The manifest's settings (the fields' checks ran before). The model's identity is its
+    unembedding digest (None until a fresh run records one)."""
+    rec = {"corpus": s.corpus or DEFAULT_CORPUS, "prefixes": int(s.n_prefixes), "seed": int(s.seed),
+           "eps": float(s.eps), "max_sentences": s.max_sentences, "lenses": list(LENSES),
+           "model_unembed_sha256": (run.manifest.get("model") or {}).get("unembed_sha256")}
+    if s.per_sentence != 1:  # left out at its default, so runs recorded before it still match
+        rec["per_sentence"] = int(s.per_sentence)
+    return rec
+
+
+def compute(ctx) -> dict:
+    from ffkv.experiments.compose import compute as run_compose
+
+    return run_compose(ctx)
+
+
+def summary(run, out, s: ComposeSettings | None = None, as_json: bool = False) -> None:
+    """What the command prints: the per-layer summary, read back from the tables."""
+    from ffkv.experiments.compose import print_summary
+
+    s = s or ComposeSettings()
+    if as_json:
+        print(json.dumps({"status": out.status, "info": out.info}, indent=2, default=str))
+        return
+    if out.skipped:
+        print(f"compose: already done in {run.path} with these settings; summary below (--force to redo)",
+              file=sys.stderr)
+    print_summary(run, lens=s.lens, cases=s.cases)
+
+
+def reproduce(r, mm) -> ComposeSettings:
+    """`ffkv reproduce`'s compose: its held-out corpus, prefix count and seed."""
+    return ComposeSettings(corpus=r.compose_corpus or DEFAULT_CORPUS, n_prefixes=r.prefixes, seed=r.seed,
+                           per_sentence=r.prefixes_per_sentence)
+
+
+STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES, compute=compute, record=record,
+            help="Figs 7-11: active memories, compositional layers, the residual's share of the decision, "
+                 "confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases.",
+            cli=True, summary=summary, reproduce=reproduce)
