@@ -42,3 +42,21 @@ def pct(x: float, digits: int = 1) -> str:
     if x is None or x != x:
         return "-"
     return f"{100 * x:.{digits}f}%"
+
+
+def wilson(k, n, confidence: float = 0.95):
+    """Wilson score interval of k successes in n trials (scipy's `binomtest(...).proportion_ci`),
+    for scalars (a (lo, hi) pair of floats) or arrays (two arrays); NaN where n == 0. A
+    fractional k (a share times n) is rounded. The one interval for proportions in ffkv."""
+    import numpy as np
+    from scipy.stats import binomtest
+
+    k, n = np.broadcast_arrays(np.asarray(k, dtype=float), np.asarray(n, dtype=float))
+    lo, hi = np.full(k.shape, np.nan), np.full(k.shape, np.nan)
+    for i in np.ndindex(k.shape):  # a few dozen intervals per step: the loop costs milliseconds
+        if n[i] > 0:
+            ci = binomtest(int(round(k[i])), int(n[i])).proportion_ci(confidence_level=confidence, method="wilson")
+            lo[i], hi[i] = ci.low, ci.high
+    if lo.ndim == 0:
+        return float(lo), float(hi)
+    return lo, hi

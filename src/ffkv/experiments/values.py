@@ -80,7 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from ffkv.defs import canonical_dtype, check_lens, lens_name, other_lens, pct
+from ffkv.defs import canonical_dtype, check_lens, lens_name, other_lens, pct, wilson
 from ffkv.errors import FfkvError
 from ffkv.store import query
 from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
@@ -92,23 +92,6 @@ TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "va
 
 
 # ---- small statistics ------------------------------------------------------------------------
-def wilson(k, n, confidence: float = 0.95):
-    """Wilson score interval for k successes in n trials (arrays or scalars); NaN when n == 0.
-
-    scipy's `binomtest(k, n).proportion_ci(method="wilson")` element by element: the step asks
-    for a few dozen intervals, so the loop costs milliseconds.
-    """
-    from scipy.stats import binomtest
-
-    k, n = np.broadcast_arrays(np.asarray(k), np.asarray(n))
-    lo, hi = np.full(k.shape, np.nan), np.full(k.shape, np.nan)
-    for i in np.ndindex(k.shape):
-        if n[i] > 0:
-            ci = binomtest(int(k[i]), int(n[i])).proportion_ci(confidence_level=confidence, method="wilson")
-            lo[i], hi[i] = ci.low, ci.high
-    return lo, hi
-
-
 def precision_at_k(next_tokens, ranks, top_token: int, k: int = 50):
     """(n_examples, n_agree, best matching rank or None) over the rows with rank ≤ k.
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from ffkv.defs import pct
+from ffkv.defs import pct, wilson
 
 SAME, DIFFERS, NA = "same trend", "differs", "not comparable"
 INCONCLUSIVE = "inconclusive"
@@ -119,13 +119,8 @@ def diff_ci(k1, n1, k2, n2) -> tuple[float, float, float]:
 
 
 def wilson_ci(k, n) -> tuple[float, float]:
-    """Wilson score 95% interval of k/n (scipy's binomtest)."""
-    if n <= 0:
-        return float("nan"), float("nan")
-    from scipy.stats import binomtest
-
-    ci = binomtest(int(round(k)), int(n)).proportion_ci(method="wilson")
-    return float(ci.low), float(ci.high)
+    """Wilson score 95% interval of k/n: `ffkv.defs.wilson`."""
+    return wilson(k, n)
 
 
 def by_interval(lo: float, hi: float) -> str:
