@@ -663,8 +663,6 @@ def compute(ctx) -> dict:
     """Open the model (in the settings' dtype unless the caller gave one), run the experiment, and
     keep its numbers but the wall time (the manifest times the step itself)."""
     s = ctx.settings
-    if ctx.dtype == "auto":
-        ctx.dtype = s.dtype
     res = mutate(ctx.run, ctx.model(), keys_per_layer=s.keys_per_layer, examples=s.examples, sign=s.sign,
                  seed=s.seed, batch_tokens=s.batch_tokens, layers=list(s.layers) if s.layers else None,
                  show_progress=ctx.show_progress)

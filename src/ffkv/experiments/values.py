@@ -309,8 +309,6 @@ def compute(ctx) -> dict:
     """The step's work: project, compare, write the tables; the manifest keeps {"summary": ...}."""
     import torch
 
-    if ctx.dtype == "auto":
-        ctx.dtype = ctx.settings.dtype  # a model opened here is in the dtype the record names
     mm = ctx.model()
     with torch.no_grad():
         summary = _compute(ctx.run, mm, ctx.record, ctx.settings.chunk, ctx.show_progress)

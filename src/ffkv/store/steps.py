@@ -222,6 +222,8 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
     refuse_other(run, step, record)
     if not force and is_done(run, step, record):
         return Outcome(name, "skipped", dict(run.step(name)))
+    if dtype == "auto":  # a model opened for the step is in the dtype its settings name, if they name one
+        dtype = getattr(settings, "dtype", None) or "auto"
     ctx = Context(run=run, settings=settings, record=record, device=device, dtype=dtype,
                   model_name=model_name, log=log, show_progress=show_progress, extra=extra, _mm=mm,
                   force=force)

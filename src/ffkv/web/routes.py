@@ -107,7 +107,12 @@ def opt_str(v: str | None) -> str | None:
 
 
 def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:
-    return state(request).memory(layer, dim, top, all_samples)
+    from ffkv.web.panels import step_panels
+
+    b = state(request)
+    m = b.memory(layer, dim, top, all_samples)
+    m["panels"] = step_panels(b.run, layer, dim)
+    return m
 
 
 # ---- static files and the report ------------------------------------------------------------------

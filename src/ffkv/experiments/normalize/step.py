@@ -184,8 +184,6 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
 def compute(ctx) -> dict:
     """Open the model (in the settings' dtype unless the caller gave one), measure, write the tables."""
     s = ctx.settings
-    if ctx.dtype == "auto":
-        ctx.dtype = s.dtype
     warn = ctx.extra.get("warn") or ctx.log
     res = normalize(ctx.model(), s, warn=warn, show_progress=ctx.show_progress)
     for name in TABLES:
