@@ -65,10 +65,11 @@ def test_unsupported_architecture(tmp_path, tok_dir):
     import transformers as tf
     from transformers import AutoTokenizer
 
-    cfg = tf.GPTJConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, vocab_size=600, n_positions=64)
-    tf.GPTJForCausalLM(cfg).save_pretrained(tmp_path / "gptj")
-    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp_path / "gptj")
-    _one_line_error(run_cli("info", tmp_path / "gptj"), "unsupported architecture 'gptj'", "llama", "gpt2")
+    cfg = tf.CodeGenConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, vocab_size=600, n_positions=64,
+                           bos_token_id=0, eos_token_id=0)
+    tf.CodeGenForCausalLM(cfg).save_pretrained(tmp_path / "codegen")
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp_path / "codegen")
+    _one_line_error(run_cli("info", tmp_path / "codegen"), "unsupported architecture 'codegen'", "llama", "gpt2")
 
 
 def test_empty_corpus_and_missing_file(tmp_path, tiny_dirs):

@@ -409,3 +409,17 @@ def test_unknown_type_is_one_line_with_the_supported_ones():
     msg = str(e.value)
     assert "\n" not in msg and "'gemma4'" in msg and "closest" in msg
     assert all(a in msg for a in ARCHITECTURES)
+
+
+def test_unknown_type_with_a_known_layout_names_it():
+    """CodeGen is not supported, but its modules have GPT-J's paths: the error says so."""
+    import transformers as tf
+
+    from ffkv.errors import FfkvError
+    from ffkv.model.arch import find
+
+    cfg = tf.CodeGenConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, vocab_size=600, n_positions=64,
+                           bos_token_id=0, eos_token_id=0)
+    with pytest.raises(FfkvError) as e:
+        find(cfg)
+    assert "'codegen'" in str(e.value) and "as 'gptj'" in str(e.value) and "\n" not in str(e.value)

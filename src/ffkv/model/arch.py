@@ -387,12 +387,53 @@ for _alias in ("mistral", "qwen2", "qwen3", "olmo", "stablelm"):
     ARCHITECTURES[_alias] = Architecture(**{**ARCHITECTURES["llama"].__dict__, "name": _alias})
 
 
-def find(cfg) -> Architecture:
-    """The entry for a model's config, checked; a one-line error for anything else."""
+def _layout_match(model) -> str | None:
+    """The first entry whose paths (blocks, key, value, final norm) all exist in `model`."""
+    if model is None:
+        return None
+    for name, arch in ARCHITECTURES.items():
+        try:
+            blk = get_path(model, arch.layers)[0]
+            get_path(model, arch.final_norm)
+            for p in (arch.key, arch.value, arch.up, arch.act):
+                if p:
+                    get_path(blk, p)
+            return name
+        except (AttributeError, IndexError, TypeError, KeyError):
+            continue
+    return None
+
+
+def _skeleton(cfg):
+    """The model a config describes, built on the meta device (no weights, no memory), or None."""
+    try:
+        import warnings
+
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001 - no structure to compare: the hint is only by name
+        return None
+
+
+def supported() -> list[str]:
+    """The model types ffkv reads, sorted."""
+    return sorted(ARCHITECTURES)
+
+
+def find(cfg, model=None) -> Architecture:
+    """The entry for a model's config, checked; a one-line error for anything else, naming the
+    closest family: the one whose module paths `model` has (given, or built from the config on
+    the meta device), else, where there is no model to look at, the nearest name."""
     mt = getattr(cfg, "model_type", None) or "?"
     if mt not in ARCHITECTURES:
+        model = model if model is not None else _skeleton(cfg)
+        layout = _layout_match(model)
         close = difflib.get_close_matches(mt, list(ARCHITECTURES), n=1, cutoff=0.6)
-        hint = f" (closest: {close[0]!r})" if close else ""
+        hint = (f" (its modules are laid out as {layout!r}'s; not checked)" if layout else
+                f" (closest name: {close[0]!r})" if close and model is None else "")
         raise FfkvError(f"unsupported architecture {mt!r}{hint}; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[mt]

@@ -111,7 +111,7 @@ class MemoryModel:
 
     def __init__(self, hf, tokenizer, spec=None, lens: str = "norm"):
         self.hf, self.tok, self.spec = hf, tokenizer, spec
-        self.arch: Architecture = find(hf.config)
+        self.arch: Architecture = find(hf.config, hf)
         self.blocks = get_path(hf, self.arch.layers)
         self.n_layers = len(self.blocks)
         self._state = [{} for _ in range(self.n_layers)]  # per layer, shared by its hooks (arch.hook_m)
