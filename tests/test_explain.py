@@ -406,3 +406,15 @@ def test_busy_beyond_the_queue(explore_run):
     # answered from the cache: no admission needed
     with ex.run_lock:
         assert c.get("/api/explore", params={"text": "one"}).status_code == 200
+
+
+def test_api_refuses_text_past_the_context(client, tiny_models):
+    """Under the explorer's own cap (256 tokens) but past the model's context (128): refused, as
+    `ffkv explain` refuses it (one rule, `ffkv.model.context.fit_context`), not cut silently; the
+    web offers no --truncate, so its message names none."""
+    text = "word " * 90
+    assert 128 < len(tiny_models["llama"].tok(text)["input_ids"]) <= 256
+    r = client.get("/api/explore", params={"text": text})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert "the model's context (128 tokens) takes at most 128" in detail and "--truncate" not in detail
