@@ -45,6 +45,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     with chosen memories suppressed, scaled or set."""
     import sys
 
+    from ffkv.defs import check_lens
     from ffkv.experiments.explain import explain as run_explain
     from ffkv.model.context import check_truncate, truncation_note
     from ffkv.model.load import model_shape
@@ -53,6 +54,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     if at not in ("last", "all"):
         raise FfkvError(f"--at {at!r}: choose last or all")
     truncate = check_truncate(truncate)
+    check_lens(lens)
     parse_interventions(suppress, scale=scale)  # the spec's form, before anything is read
     shape = model_shape(model_name) or {}  # its shape from the config: no weight loaded yet
     parse_interventions(suppress, shape.get("layers"), shape.get("d_m"), scale=scale)
