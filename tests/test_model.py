@@ -96,3 +96,62 @@ def test_exact_smollm2(smollm2):
     assert (mm.n_layers, mm.d, mm.d_m, mm.vocab_size) == (30, 576, 1536, 49152)
     assert mm.gated and mm.n_layers * mm.d_m == 46080
     _check_exact(mm, wikitext_sentences(3))
+
+
+def test_family_checks_refuse_what_the_memory_view_cannot_read():
+    """Each family's own checks (its entry in ffkv.model.arch), one line each."""
+    import transformers as tf
+
+    from ffkv.errors import FfkvError
+    from ffkv.model.arch import find
+    from ffkv.model.memories import MemoryModel
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
+    for cfg, needle in [
+        (tf.OPTConfig(**small, ffn_dim=64, do_layer_norm_before=False), "post-norm OPT"),
+        (tf.OPTConfig(**small, ffn_dim=64, word_embed_proj_dim=16), "project_out"),
+        (tf.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=64, pretraining_tp=2,
+                        slow_but_exact=True), "slow_but_exact"),
+    ]:
+        with pytest.raises(FfkvError, match=needle):
+            find(cfg)
+    find(tf.OPTConfig(**small, ffn_dim=64))  # the plain ones pass
+    find(tf.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=64, pretraining_tp=2))
+    # a post-FFN norm family whose value projection has a bias: only the modules tell
+    torch.manual_seed(0)
+    hf = tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, intermediate_size=48, head_dim=8,
+                                              num_key_value_heads=2))
+    blk = hf.model.layers[0]
+    blk.mlp.down_proj = torch.nn.Linear(48, 32, bias=True)
+    with pytest.raises(FfkvError, match="bias"):
+        MemoryModel(hf, None)
+
+
+def test_capture_and_intervention_share_m_on_a_post_norm_family():
+    """Gemma 2: a capture inside an intervention sees the edited m (set), and the FFN then adds
+    exactly the rebuilt Σ m_i v_i of the edited m, the token's norm scale kept."""
+    import transformers as tf
+
+    from ffkv.model.memories import MemoryModel
+
+    torch.manual_seed(0)
+    cfg = tf.Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                          intermediate_size=48, head_dim=8, num_key_value_heads=2, query_pre_attn_scalar=8)
+    hf = tf.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    mm = MemoryModel(hf, None)
+    ids = torch.randint(0, 64, (2, 7))
+    plain = mm.capture(ids, what=("m", "y"), layers=[1])
+    with mm.intervene([(1, 3, "set", 2.5), (1, 4, "scale", 0.0)], at="all"):
+        cap = mm.capture(ids, what=("m", "y"), layers=[1])
+    m, m0 = cap[1]["m"], plain[1]["m"]
+    assert torch.allclose(m[..., 3], torch.full_like(m[..., 3], 2.5)) and (m[..., 4] == 0).all()
+    others = [i for i in range(mm.d_m) if i not in (3, 4)]
+    assert torch.allclose(m[..., others], m0[..., others])  # the scale stayed: other m unchanged
+    assert torch.allclose(cap[1]["y"], mm.ffn_from_memories(1, m), atol=1e-5)
+    assert torch.allclose(cap[1]["y"] - plain[1]["y"],
+                          (2.5 - m0[..., 3:4]) * mm.values(1)[3] - m0[..., 4:5] * mm.values(1)[4], atol=1e-5)
+    assert all(not st for st in mm._state)  # nothing kept after the forward passes

@@ -2,7 +2,8 @@
 
 One entry per model type in ARCHITECTURES. An entry carries everything that differs between
 families, in one place:
-- its checks (`check`: variants of a family that the memory view cannot read exactly);
+- its checks (`check` on the config, `check_blocks` on the modules: variants of a family that
+  the memory view cannot read exactly);
 - how coefficients m and values v are read from the weights (`keys`, `up_keys`, `values`,
   `coefficients`) and how the FFN's output is rebuilt from them (`rebuild`);
 - where capture and intervention hooks sit (`hook_x`, `hook_m`, `hook_y`, `replace_y`);
@@ -65,6 +66,9 @@ class Architecture:
     # ---- checks ------------------------------------------------------------------------------
     def check(self, cfg) -> None:
         """Raise FfkvError for a variant of this family the memory view cannot read exactly."""
+
+    def check_blocks(self, blocks) -> None:
+        """The same, for what only the built modules tell."""
 
     # ---- weights, all as (d_m, d) rows -------------------------------------------------------
     def module(self, blk, path: str):
@@ -240,11 +244,19 @@ class PostNorm(Architecture):
     Σ_i (m'_i − m_i)·v_i, the token's scale s staying as the model computed it."""
     post_norm: str = "post_feedforward_layernorm"  # path inside the block
 
-    def check(self, cfg) -> None:
-        super().check(cfg)
-        if getattr(text_config(cfg), "mlp_bias", False):
-            raise FfkvError(f"{self.name} with mlp_bias is not supported: a bias before the "
-                            "post-FFN norm is not a memory")
+    def check_blocks(self, blocks) -> None:
+        for blk in blocks:
+            norm = self.module(blk, self.post_norm)
+            if getattr(self.module(blk, self.value), "bias", None) is not None:
+                raise FfkvError(f"{self.name} with a value-projection bias is not supported: a bias "
+                                "before the post-FFN norm is not a memory")
+            if getattr(norm, "bias", None) is not None or self._eps(norm) is None:
+                raise FfkvError(f"{self.name}'s post-FFN norm {type(norm).__name__} is not an RMSNorm "
+                                "ffkv can split into a token scale and a gain")
+
+    @staticmethod
+    def _eps(norm):
+        return getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
 
     def value_bias(self, blk):
         return None
@@ -256,9 +268,8 @@ class PostNorm(Architecture):
 
     def inv_scale(self, blk, u: torch.Tensor) -> torch.Tensor:
         """1/s (..., 1) for the FFN's raw output u (..., d), as the post-FFN RMSNorm computes it."""
-        norm = self.module(blk, self.post_norm)
-        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
         uf = u.float()
+        eps = self._eps(self.module(blk, self.post_norm))
         return torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps).to(u.dtype)
 
     def coefficients(self, blk, x):
@@ -285,7 +296,8 @@ class PostNorm(Architecture):
             return out + ((new - m) @ self.values(blk)).to(out.dtype)
 
         return [self.module(blk, self.value).register_forward_hook(on_value),
-                self.module(blk, self.post_norm).register_forward_hook(on_norm)]
+                self.module(blk, self.post_norm).register_forward_hook(on_norm),
+                blk.register_forward_hook(lambda mod, args, out: state.pop("m", None))]
 
 
 @dataclass(frozen=True)

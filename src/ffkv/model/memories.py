@@ -113,6 +113,7 @@ class MemoryModel:
         self.hf, self.tok, self.spec = hf, tokenizer, spec
         self.arch: Architecture = find(hf.config, hf)
         self.blocks = get_path(hf, self.arch.layers)
+        self.arch.check_blocks(self.blocks)
         self.n_layers = len(self.blocks)
         self._state = [{} for _ in range(self.n_layers)]  # per layer, shared by its hooks (arch.hook_m)
         self.gated = self.arch.up is not None
