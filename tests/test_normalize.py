@@ -281,13 +281,13 @@ def test_settings_errors(tiny_run):
     from dataclasses import replace
 
     from ffkv.errors import FfkvError
-    from ffkv.experiments.normalize.step import record
+    from ffkv.experiments.normalize.step import STEP
 
     run, _, s, _ = tiny_run
     for bad in (dict(tokens=0), dict(variance_repeats=1), dict(gamma=0.0), dict(layers=(0, 99)),
                 dict(capacity_layers=(-1,)), dict(capacity_n=(0, 16))):
-        with pytest.raises(FfkvError):
-            record(run, replace(s, **bad))
+        with pytest.raises(FfkvError):  # the fields' own checks, then the layers against the run's model
+            STEP.recorded(run, replace(s, **bad))
 
 
 def test_report_items(tiny_run, tmp_path):

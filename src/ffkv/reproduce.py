@@ -61,7 +61,9 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
 
     own = get(step).reproduce
     if own is not None:
-        return own(s, None)
+        from types import SimpleNamespace
+
+        return own(s, SimpleNamespace(gated=gated, n_layers=n_layers))
     if step == "mine":
         from ffkv.mine.engine import MineSettings
 
@@ -79,12 +81,6 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
         from ffkv.experiments.patterns import PatternsSettings
 
         return PatternsSettings(semantic_keys_per_layer=s.semantic_keys_per_layer, seed=s.seed, device=s.device)
-    if step == "normalize":
-        from ffkv.experiments.normalize.step import NormalizeSettings, reproduce_settings
-
-        if s.normalize == "default":
-            return NormalizeSettings(seed=s.seed, dtype=s.dtype)
-        return reproduce_settings(int(n_layers), seed=s.seed, dtype=s.dtype)
     raise ValueError(step)
 
 

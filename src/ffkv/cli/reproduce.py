@@ -46,7 +46,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
 
 def show_step(step: str, run, out) -> None:
     """Print a step's outcome as its own command prints it."""
-    from ffkv.cli import keys, mine, normalize, values
+    from ffkv.cli import keys, mine, values
 
     if step == "mine":
         if out.skipped:
@@ -63,7 +63,9 @@ def show_step(step: str, run, out) -> None:
     elif step == "patterns":
         keys.print_patterns(run, out, top=25)
     elif step == "normalize":
-        normalize.print_normalize(run, out)
+        from ffkv.steps.normalize.summary import print_normalize
+
+        print_normalize(run, out)
 
 
 def register(app: typer.Typer) -> None:

@@ -16,6 +16,8 @@ import typer
 
 from ffkv.steps.settings import flag, spec
 
+SHARED = ("device", "dtype")  # settings fields that every command already has as options
+
 
 def _annotation(tp):
     """typer's view of a field type: `X | None` becomes Optional[X]."""
@@ -39,6 +41,8 @@ def _options(step) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(step.settings)
     out = []
     for f in dataclasses.fields(step.settings):
+        if f.name in SHARED:  # the command's own --device/--dtype fill it
+            continue
         s = spec(f)
         default = _default(f)
         if s.parse is not None:  # typed as text on the command line, parsed by the field's own parser
@@ -114,7 +118,9 @@ def command(step):
 
     def cmd(run_dir: Path, **kw):
         common = {k: kw.pop(k) for k in ("force", "as_json", "model_name", "device", "dtype")}
-        run_generated(step, run_dir, {k: v for k, v in kw.items() if k in names}, **common)
+        values = {k: v for k, v in kw.items() if k in names}
+        values.update({k: common[k] for k in SHARED if k in names})
+        run_generated(step, run_dir, values, **common)
 
     cmd.__signature__ = inspect.Signature(params)
     cmd.__name__ = step.name

@@ -26,7 +26,7 @@ BUILTIN: dict[str, str] = {
     "compose": "ffkv.steps.compose:STEP",
     "mutate": "ffkv.experiments.mutate:STEP",
     "patterns": "ffkv.experiments.patterns:STEP",
-    "normalize": "ffkv.experiments.normalize:STEP",
+    "normalize": "ffkv.steps.normalize:STEP",
 }
 
 _registered: dict = {}  # name -> Step, from register()

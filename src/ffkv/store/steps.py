@@ -24,7 +24,7 @@ REGISTRY: dict[str, str] = {
     "compose": "ffkv.steps.compose",
     "mutate": "ffkv.experiments.mutate",
     "patterns": "ffkv.experiments.patterns",
-    "normalize": "ffkv.experiments.normalize",
+    "normalize": "ffkv.steps.normalize",
 }
 COMMANDS: dict[str, str] = {n: ("ffkv mine --out {run}" if n == "mine" else f"ffkv {n} {{run}}") for n in REGISTRY}
 

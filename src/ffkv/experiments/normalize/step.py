@@ -2,59 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import pyarrow as pa
 
 from ffkv.errors import FfkvError
-from ffkv.store.steps import Step
 
-DEFAULT_CORPUS = "wikipedia:valid"
-TABLES = ("normalize_sentences", "normalize_layers", "normalize_capacity", "normalize_variance")
-CAPACITY_DEPTHS = (1 / 6, 1 / 2, 5 / 6)  # low, middle, high
-
-
-@dataclass(frozen=True)
-class NormalizeSettings:
-    """`ffkv normalize`'s options. All but `batch_tokens` (speed only) are recorded."""
-    corpus: str | None = None  # held-out text; default wikipedia:valid
-    tokens: int = 10_000  # evaluation split (tokens fed to the model)
-    fit_tokens: int = 2_000  # fit split (τ, scales), disjoint documents
-    sweep_tokens: int = 3_000  # the first tokens of the evaluation split: capacity sweep, variance on the model
-    layers: tuple[int, ...] | None = None  # None: every layer
-    capacity_layers: tuple[int, ...] | None = None  # None: low, middle, high; (): no sweep
-    capacity_n: tuple[int, ...] | None = None  # None: 16, 64, 256, … below d_m (d_m is always added)
-    variance_repeats: int = 4  # random subsets per size on the model
-    synthetic_draws: int = 2_000
-    gamma: float = 1.0  # γ of the synthetic scaled ReLU and of the scaled variance on the model
-    seed: int = 0
-    batch_tokens: int = 1024
-    dtype: str = "auto"
-
-
-def default_capacity_layers(L: int) -> list[int]:
-    return sorted({min(L - 1, max(0, round(q * L - 0.5))) for q in CAPACITY_DEPTHS})
-
-
-def default_capacity_n(d_m: int) -> list[int]:
-    out, n = [], 16
-    while n < d_m:
-        out.append(n)
-        n *= 4
-    return out
-
-
-def reproduce_settings(n_layers: int, corpus: str | None = None, seed: int = 0,
-                       dtype: str = "auto") -> NormalizeSettings:
-    """What `ffkv reproduce` runs: sized to add ≤ 2 minutes on SmolLM2 on a 2-core CPU
-    (`benchmarks/bench_normalize.py --only reproduce`). Every ⌈L/8⌉-th layer, the capacity sweep
-    on the studied layers nearest to low, middle and high, fewer tokens and slot counts."""
-    stride = -(-n_layers // 8)
-    layers = tuple(range(0, n_layers, stride))
-    cap = tuple(sorted({min(layers, key=lambda l: (abs(l - c), l)) for c in default_capacity_layers(n_layers)}))
-    return NormalizeSettings(corpus=corpus, tokens=2_000, fit_tokens=600, sweep_tokens=600, layers=layers,
-                             capacity_layers=cap, capacity_n=(16, 128, 1024), variance_repeats=2,
-                             synthetic_draws=1_000, seed=seed, dtype=dtype)
+from ffkv.steps.normalize import (CAPACITY_DEPTHS, DEFAULT_CORPUS, STEP, TABLES,  # noqa: F401
+                                  NormalizeSettings, default_capacity_layers, default_capacity_n, record,
+                                  reproduce_settings)
 
 
 def plan_of(mm, s: NormalizeSettings):
@@ -71,31 +25,6 @@ def plan_of(mm, s: NormalizeSettings):
     cap = default_capacity_layers(L) if s.capacity_layers is None else sorted(set(s.capacity_layers))
     return Plan(layers=sorted(set(s.layers)) if s.layers else list(range(L)),
                 capacity_layers=cap if s.sweep_tokens > 0 else [], capacity_n=ns, seed=s.seed)
-
-
-def record(run, s: NormalizeSettings) -> dict:
-    """The manifest's settings; raises FfkvError on bad ones before any model is loaded."""
-    for name, v, lo in (("--tokens", s.tokens, 1), ("--fit-tokens", s.fit_tokens, 1),
-                        ("--sweep-tokens", s.sweep_tokens, 0), ("--variance-repeats", s.variance_repeats, 2),
-                        ("--synthetic-draws", s.synthetic_draws, 10), ("--batch-tokens", s.batch_tokens, 1)):
-        if v < lo:
-            raise FfkvError(f"{name} must be at least {lo} (got {v})")
-    if not s.gamma > 0:
-        raise FfkvError(f"--gamma must be positive (got {s.gamma})")
-    if s.capacity_n and min(s.capacity_n) < 1:
-        raise FfkvError(f"--capacity-n: every n must be at least 1 (got {min(s.capacity_n)})")
-    L = (run.manifest.get("model") or {}).get("layers")
-    if L:
-        for what, ls in (("--layers", s.layers), ("--capacity-layers", s.capacity_layers)):
-            bad = [l for l in ls or () if not 0 <= l < int(L)]
-            if bad:
-                raise FfkvError(f"{what}: layer(s) {bad} out of range 0..{int(L) - 1}")
-    return {"corpus": s.corpus or DEFAULT_CORPUS, "tokens": s.tokens, "fit_tokens": s.fit_tokens,
-            "sweep_tokens": s.sweep_tokens, "layers": sorted(s.layers) if s.layers else None,
-            "capacity_layers": None if s.capacity_layers is None else sorted(s.capacity_layers),
-            "capacity_n": sorted(s.capacity_n) if s.capacity_n else None,
-            "variance_repeats": s.variance_repeats, "synthetic_draws": s.synthetic_draws,
-            "gamma": float(s.gamma), "seed": s.seed, "dtype": s.dtype}
 
 
 # ---- the held-out text ---------------------------------------------------------------------------
@@ -191,6 +120,3 @@ def compute(ctx) -> dict:
     ctx.extra["result"] = res
     return res["info"]
 
-
-STEP = Step(name="normalize", settings=NormalizeSettings, requires=(), tables=TABLES, compute=compute,
-            record=record)
