@@ -297,7 +297,7 @@ class PostNorm(Architecture):
 
         return [self.module(blk, self.value).register_forward_hook(on_value),
                 self.module(blk, self.post_norm).register_forward_hook(on_norm),
-                blk.register_forward_hook(lambda mod, args, out: state.pop("m", None))]
+                blk.register_forward_hook(lambda mod, args, out: state.clear())]
 
 
 @dataclass(frozen=True)
