@@ -423,3 +423,36 @@ def test_unknown_type_with_a_known_layout_names_it():
     with pytest.raises(FfkvError) as e:
         find(cfg)
     assert "'codegen'" in str(e.value) and "as 'gptj'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family_model", _supported(), indirect=True)
+def test_replace_ffn(family_model):
+    """`MemoryModel.replace_ffn`: the FFN adds what `replace(x, m)` returns. Rebuilding from m keeps
+    the model's logits; zero makes the model's own residual stream receive nothing from it."""
+    name, mm = family_model
+    fam = FAMILIES[name]
+    ids, mask = _texts_batch(mm, n=2, length=10)
+    shape = list(ids.shape)
+    _, plain = _own_ffn_writes(mm, fam, ids, mask)
+    l = mm.n_layers - 2
+    seen = {}
+
+    def rebuild(x, m):
+        seen["m_ok"] = torch.allclose(mm.coefficients(l, x), m, atol=1e-5)
+        return mm.ffn_from_memories(l, m)
+
+    hs = mm.replace_ffn(l, rebuild, shape)
+    try:
+        _, same = _own_ffn_writes(mm, fam, ids, mask)
+    finally:
+        for h in hs:
+            h.remove()
+    assert seen["m_ok"] and torch.allclose(same, plain, atol=1e-4), name
+    hs = mm.replace_ffn(l, lambda x, m: torch.zeros(*m.shape[:-1], mm.d), shape)
+    try:
+        writes, zeroed = _own_ffn_writes(mm, fam, ids, mask)
+    finally:
+        for h in hs:
+            h.remove()
+    assert writes[l].abs().max() < 1e-5, name
+    assert not torch.allclose(zeroed, plain, atol=1e-3)
