@@ -87,8 +87,9 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
     for name in names():
         step = get(name)
         own = [found[t][0] for t in found if found[t][0] and found[t][0].get("step") == name]
-        if not all(t in found for t in step.tables):
-            lost = [t for t in step.tables if t not in found]
+        optional = _optional_tables(name)  # written when a setting says so: damaged, they block too
+        if not all(t in found for t in step.tables) or any(t in problems for t in optional):
+            lost = [t for t in (*step.tables, *optional) if t not in found and (t in step.tables or t in problems)]
             if own or any(t in found for t in step.tables):
                 missing[name] = lost
             continue
@@ -115,6 +116,14 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
     log(f"repaired {path}: {len(found)} table(s) verified; steps done again: {', '.join(restored) or 'none'}; "
         f"model {model.get('model_id') or model.get('model')}")
     return man
+
+
+def _optional_tables(name: str) -> tuple[str, ...]:
+    if name == "mine":
+        from ffkv.mine.runner import STATS_TABLES
+
+        return tuple(STATS_TABLES)
+    return ()
 
 
 def _mine_info(path: Path, found: dict, settings: dict | None, man: dict) -> dict:

@@ -1,0 +1,245 @@
+"""A run knows what it holds, is one model's, and is never made in a folder that is not ours
+(issue 27, items 1-3 and 8).
+
+Every probe runs the real entry point in a subprocess, as a user meets it: a damaged table is
+named in one line (exit 2) with the command that rebuilds it, and that command works.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import WT2, build_tiny, run_cli
+from test_cli_errors import one_line_error
+
+VALID = WT2 / "wiki.valid.tokens"
+MINE_TABLES = ("sentences", "triggers", "vocab", "key_stats", "key_hist", "key_samples")
+
+
+def mine_args(out: Path, model: Path, *extra) -> list:
+    return ["mine", "--out", out, "--model", model, "--corpus", VALID, "--max-sentences", "20", "--top-k", "3",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def mined(tiny_dirs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("integrity") / "run"
+    res = run_cli(*mine_args(out, tiny_dirs["gpt2"]))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock-*"))
+    return dst
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(".lock-")}
+
+
+def damage(run: Path, table: str, how: str) -> None:
+    p = run / f"{table}.parquet"
+    if how == "delete":
+        p.unlink()
+    elif how == "truncate":
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2])
+    else:  # another table's file in its place: a whole, readable Parquet file of the wrong schema
+        other = "key_hist" if table != "key_hist" else "triggers"
+        shutil.copyfile(run / f"{other}.parquet", p)
+
+
+def rebuild_command(line: str) -> list[str]:
+    m = re.search(r"rebuild it with `ffkv ([^`]+)`", line)
+    assert m, line
+    return shlex.split(m.group(1))
+
+
+def mine_manifest(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())
+
+
+# ---- 1. a run knows what it holds ---------------------------------------------------------------
+def test_manifest_records_every_table(mined):
+    m = mine_manifest(mined)
+    for t in MINE_TABLES:
+        rec = m["tables"][t]
+        assert rec["bytes"] == (mined / f"{t}.parquet").stat().st_size
+        assert rec["rows"] > 0 and len(rec["footer_sha256"]) == 64 and rec["step"] == "mine"
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "replace"])
+@pytest.mark.parametrize("table", MINE_TABLES)
+def test_damaged_table_is_named_with_the_command_that_rebuilds_it(mined, tiny_dirs, tmp_path, table, how):
+    run = copy_run(mined, tmp_path / "run")
+    damage(run, table, how)
+    line = one_line_error(run_cli("show", run, "-l", "0", "-d", "0"), needle=f"`{table}` table")
+    assert "rebuild it with `ffkv mine --out" in line and "--force`" in line, line
+    # a later step says the same before any work, and does not say "already done"
+    assert one_line_error(run_cli("values", run)) == line
+    # mine itself does not answer "nothing to do" on its damaged run: the named command rebuilds it
+    res = run_cli(*rebuild_command(line))
+    assert res.returncode == 0, res.stderr
+    assert "nothing to do" not in res.stdout
+    res = run_cli("show", run, "-l", "0", "-d", "0")
+    assert res.returncode == 0, res.stderr
+    m = mine_manifest(run)
+    assert m["steps"]["mine"]["status"] == "done"
+    assert m["tables"][table]["bytes"] == (run / f"{table}.parquet").stat().st_size
+
+
+def test_mine_without_force_redoes_a_damaged_run(mined, tiny_dirs, tmp_path):
+    """Rerunning `mine` with the run's settings on a half-truncated sentences table re-mines
+    (it used to answer "nothing to do" and leave it corrupt)."""
+    run = copy_run(mined, tmp_path / "run")
+    damage(run, "sentences", "truncate")
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
+    assert res.returncode == 0, res.stderr
+    assert "nothing to do" not in res.stdout
+    assert run_cli("show", run, "-l", "0", "-d", "0").returncode == 0
+
+
+def test_mine_force_mines_again_from_scratch(mined, tiny_dirs, tmp_path):
+    run = copy_run(mined, tmp_path / "run")
+    before = mine_manifest(run)["steps"]["mine"]["finished"]
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
+    assert "nothing to do" in res.stdout
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"], "--force"))
+    assert res.returncode == 0, res.stderr
+    assert "nothing to do" not in res.stdout and mine_manifest(run)["steps"]["mine"]["finished"] > before
+    # other settings stay refused, --force or not
+    one_line_error(run_cli("mine", "--out", run, "--model", tiny_dirs["gpt2"], "--corpus", VALID,
+                           "--max-sentences", "20", "--top-k", "4", "--force"), needle="other settings")
+
+
+def test_foreign_triggers_are_noticed_by_a_done_values_step(mined, tmp_path):
+    """`values` done, then triggers replaced by a table of another schema: values names the
+    damage (it used to say "already done; pass --force"), and the rebuild makes values redo."""
+    run = copy_run(mined, tmp_path / "run")
+    res = run_cli("values", run)
+    assert res.returncode == 0, res.stderr
+    damage(run, "triggers", "replace")
+    line = one_line_error(run_cli("values", run), needle="`triggers` table")
+    assert run_cli(*rebuild_command(line)).returncode == 0
+    res = run_cli("values", run)
+    assert res.returncode == 0, res.stderr
+    assert "already" not in res.stdout + res.stderr
+
+
+def test_older_runs_without_table_records_still_count_as_done(mined, tiny_dirs, tmp_path):
+    run = copy_run(mined, tmp_path / "run")
+    m = mine_manifest(run)
+    del m["tables"]
+    (run / "manifest.json").write_text(json.dumps(m))
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
+    assert res.returncode == 0 and "nothing to do" in res.stdout, (res.stdout, res.stderr)
+    assert run_cli("show", run, "-l", "0", "-d", "0").returncode == 0
+    # ... and their footer is read: a cut-short table is not done
+    damage(run, "triggers", "truncate")
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
+    assert res.returncode == 0 and "nothing to do" not in res.stdout, (res.stdout, res.stderr)
+    assert run_cli("show", run, "-l", "0", "-d", "0").returncode == 0
+
+
+# ---- 2. a run is one model's ----------------------------------------------------------------------
+def test_another_model_is_refused_naming_both(mined, tok_dir, tmp_path):
+    other = build_tiny("gpt2", tmp_path / "other_gpt2", tok_dir, seed=1)
+    run = copy_run(mined, tmp_path / "run")
+    before = snapshot(run)
+    line = one_line_error(run_cli(*mine_args(run, other)), needle="model")
+    assert str(other) in line and "gpt2" in line.replace(str(other), ""), line
+    assert "nothing to do" not in line
+    assert snapshot(run) == before
+
+
+# ---- 3. never write into what is not ours ---------------------------------------------------------
+def test_a_folder_that_is_not_a_run_is_refused(tiny_dirs, tmp_path):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "sentences.parquet").write_text("my own notes, not a table\n")
+    (d / "notes.txt").write_text("keep me\n")
+    before = snapshot(d)
+    for args in (mine_args(d, tiny_dirs["gpt2"]), mine_args(d, tiny_dirs["gpt2"], "--overwrite"),
+                 ["compose", d, "--model", tiny_dirs["gpt2"], "--corpus", VALID, "--prefixes", "5"]):
+        one_line_error(run_cli(*args), needle="not an ffkv run")
+        assert snapshot(d) == before
+        assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".lock-")) == ["notes.txt",
+                                                                                          "sentences.parquet"]
+
+
+def test_an_empty_folder_is_fine(tiny_dirs, tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    assert run_cli(*mine_args(d, tiny_dirs["gpt2"])).returncode == 0
+
+
+def test_missing_manifest_is_refused_and_repair_restores_it(mined, tiny_dirs, tmp_path):
+    run = copy_run(mined, tmp_path / "run")
+    (run / "manifest.json").unlink()
+    before = snapshot(run)
+    for args in (["compose", run, "--model", tiny_dirs["gpt2"], "--corpus", VALID, "--prefixes", "5"],
+                 mine_args(run, tiny_dirs["gpt2"]), ["show", run, "-l", "0", "-d", "0"], ["values", run]):
+        line = one_line_error(run_cli(*args), needle="repair")
+        assert "manifest" in line, line
+        assert snapshot(run) == before  # nothing written, nothing deleted
+    res = run_cli("repair", run)
+    assert res.returncode == 0, res.stderr
+    m = mine_manifest(run)
+    assert m["steps"]["mine"]["status"] == "done" and m["model"]["model_id"] == str(Path(tiny_dirs["gpt2"]).resolve())
+    assert m["settings"]["mine"]["top_k"] == 3
+    res = run_cli("show", run, "-l", "0", "-d", "0")
+    assert res.returncode == 0, res.stderr
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))  # the same settings: done, not mined again
+    assert res.returncode == 0 and "nothing to do" in res.stdout, (res.stdout, res.stderr)
+    assert run_cli("values", run).returncode == 0
+
+
+def test_repair_leaves_what_it_cannot_verify(mined, tmp_path):
+    run = copy_run(mined, tmp_path / "run")
+    (run / "manifest.json").write_text("{ not json")
+    damage(run, "key_hist", "truncate")
+    cut = (run / "key_hist.parquet").read_bytes()
+    res = run_cli("repair", run)
+    assert res.returncode == 0, res.stderr
+    assert "key_hist" in res.stdout and (run / "manifest.json.damaged").read_text() == "{ not json"
+    assert (run / "key_hist.parquet").read_bytes() == cut
+    m = mine_manifest(run)
+    assert "mine" not in m["steps"]  # one of its tables could not be verified
+    assert "key_hist" not in m["tables"] and "triggers" in m["tables"]
+
+
+def test_overwrite_starts_afresh_in_a_damaged_run(mined, tiny_dirs, tmp_path):
+    run = copy_run(mined, tmp_path / "run")
+    (run / "manifest.json").unlink()
+    (run / "notes.txt").write_text("not ours")  # a run with a user's file beside it
+    one_line_error(run_cli(*mine_args(run, tiny_dirs["gpt2"], "--overwrite")), needle="not an ffkv run")
+    (run / "notes.txt").unlink()
+    res = run_cli(*mine_args(run, tiny_dirs["gpt2"], "--top-k", "4", "--overwrite"))
+    assert res.returncode == 0, res.stderr
+    assert mine_manifest(run)["settings"]["mine"]["top_k"] == 4
+
+
+# ---- 8. text from a corpus is shown, never executed ---------------------------------------------
+def test_show_escapes_terminal_controls(tiny_dirs, tmp_path):
+    corpus = tmp_path / "evil.txt"
+    corpus.write_text("The screen is \x1b[2J cleared here and it was a long day for all of us.\n"
+                      "A reversed \u202e text goes here and then some more words follow it.\n"
+                      "A bell \x07 and a C1 \x9b control sit in this quiet sentence about mills.\n")
+    run = tmp_path / "run"
+    res = run_cli("mine", "--out", run, "--model", tiny_dirs["gpt2"], "--corpus", corpus, "--top-k", "3")
+    assert res.returncode == 0, res.stderr
+    out = "".join(run_cli("show", run, "-l", str(layer), "-d", str(d)).stdout
+                  for layer in (0, 1) for d in range(4))
+    for raw in ("\x1b", "\u202e", "\x07", "\x9b"):
+        assert raw not in out
+    assert "\\x1b" in out or "\\u202e" in out or "\\x07" in out
+    js = run_cli("show", run, "-l", "0", "-d", "0", "--json")
+    assert js.returncode == 0 and "\u202e" not in js.stdout and "\x1b" not in js.stdout
+    json.loads(js.stdout)
