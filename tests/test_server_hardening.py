@@ -285,8 +285,10 @@ def test_a_refused_form_says_why_keeps_the_input_and_reloads_without_posting(cli
 
 def test_more_slots_without_javascript_keeps_the_typed_form(client):
     """The "more pattern slots" button without app.js: a GET of the form as typed."""
-    button = re.search(r'<button[^>]*id="more-slots"[^>]*>', client.get("/memory/1/5").text).group(0)
+    page = client.get("/memory/1/5").text
+    button = re.search(r'<button[^>]*id="more-slots"[^>]*>', page).group(0)
     assert 'formmethod="get"' in button and 'name="slots"' in button
+    assert page.index(">Save annotation<") < page.index('id="more-slots"')  # Enter in a field saves
     r = client.get("/memory/1/5", params={"annotate_sign": "1", "sign": "1", "annotator": "Łukasz", "note": "n1",
                                          "p0_description": "years", "p0_kind": "semantic", "p0_prefixes": ["1", "3"],
                                          "p1_description": "", "p2_description": "", "slots": "6"})
