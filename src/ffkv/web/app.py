@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from http.cookies import SimpleCookie
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -133,9 +133,9 @@ def token_cookie_name(token: str) -> str:
 
 class TokenAuth:
     """Pure ASGI middleware: every request (pages, API, static files, reads and writes) must
-    carry the server's access token, as Jupyter does: `?token=…` once (a GET is then redirected
-    to the same URL without it, setting an HttpOnly SameSite=Strict cookie), the cookie, or
-    `Authorization: Bearer …`. Anything else is 401 in one line."""
+    carry the server's access token, as Jupyter does: `?token=…` once (its response sets an
+    HttpOnly SameSite=Strict cookie), that cookie, or `Authorization: Bearer …`. Anything else
+    is 401 in one line."""
 
     def __init__(self, app, token: str):
         self.app, self.token = app, token.encode()
@@ -164,16 +164,18 @@ class TokenAuth:
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         given = [v for k, v in query if k == "token"]
         if given and self._ok(given[-1]):
-            if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD"):
-                rest = urlencode([(k, v) for k, v in query if k != "token"])
-                path = b"/" + (scope.get("raw_path") or quote(scope["path"]).encode()).lstrip(b"/")  # never //host
-                location = path + (b"?" + rest.encode() if rest else b"")
-                cookie = (f"{self.cookie}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict; "
-                          f"Max-Age={30 * 24 * 3600}")
-                return await _plain(send, 303, b"", [(b"location", location),
-                                                    (b"set-cookie", cookie.encode()),
-                                                    (b"cache-control", b"no-store")])
-            return await self.app(scope, receive, send)
+            # Pass the request on, and set the cookie on its response. (Not a redirect to the URL
+            # without the token: a link followed from another site would not send a SameSite=Strict
+            # cookie set on the way, and the user would meet a 401.)
+            cookie = (f"{self.cookie}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict; "
+                      f"Max-Age={30 * 24 * 3600}").encode()
+
+            async def send_(msg):
+                if msg["type"] == "http.response.start":
+                    msg["headers"] = list(msg.get("headers", [])) + [(b"set-cookie", cookie)]
+                await send(msg)
+
+            return await self.app(scope, receive, send_)
         if scope["type"] != "http":
             return await send({"type": "websocket.close", "code": 1008})
         return await _plain(send, 401, b"this ffkv server needs its access token: open the URL with ?token= "
