@@ -60,7 +60,6 @@ class Architecture:
     act_config: str = "hidden_act"  # config attribute naming the activation
     gain_offset: float = 0.0  # an RMSNorm's gain is offset + weight (Gemma: 1 + w)
     softcap: str | None = None  # config attribute of the final logits' tanh soft-cap (Gemma 2)
-    parallel: bool = False  # attention and FFN read the same input and add to the residual together
     flat: bool = False  # the FFN runs on (B·T, d) rows (OPT)
 
     # ---- checks ------------------------------------------------------------------------------
@@ -380,11 +379,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": PostNorm("olmo2", **_LLAMA),  # no norm before the FFN, an RMSNorm after it
     "phi3": FusedGateUp("phi3", **{**_LLAMA, "key": "mlp.gate_up_proj", "up": "mlp.gate_up_proj",
                                    "act": "mlp.activation_fn"}),
+    # Phi-1/2, GPT-J (and Falcon, StableLM, GPT-NeoX by config): attention and FFN in parallel,
+    # both added to the block's input; what the FFN adds is still y (r = o − y then holds the
+    # attention's output too).
     "phi": Architecture("phi", layers="model.layers", final_norm="model.final_layernorm", unembed="lm_head",
-                        key="mlp.fc1", value="mlp.fc2", act="mlp.activation_fn", parallel=True),
+                        key="mlp.fc1", value="mlp.fc2", act="mlp.activation_fn"),
     "gptj": Architecture("gptj", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
                          key="mlp.fc_in", value="mlp.fc_out", act="mlp.act",
-                         act_config="activation_function", parallel=True),
+                         act_config="activation_function"),
     "starcoder2": Architecture("starcoder2", layers="model.layers", final_norm="model.norm", unembed="lm_head",
                                key="mlp.c_fc", value="mlp.c_proj", act="mlp.act"),
     "granite": ScaledResidual("granite", **_LLAMA),

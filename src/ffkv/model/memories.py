@@ -7,7 +7,9 @@ Definitions owned here (everything else calls them):
 - `rank_of`: a target's rank, by counting logits above it.
 
 Capabilities: `capture` reads r, x, m, y, o in one forward pass; `intervene` edits chosen
-coefficients m_i (scale, suppress, set) at the value projection's input.
+coefficients m_i (scale, suppress, set) where the model computes them; `replace_ffn` makes a
+layer's FFN add something else. Where the hooks sit, and how m and v are read from the weights,
+is the family's entry in `ffkv.model.arch`: nothing here names a family.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ class MemoryModel:
     # ---- tokenization ------------------------------------------------------------------------
     @property
     def max_length(self) -> int:
-        cfg = self.hf.config
+        cfg = text_config(self.hf.config)
         for a in ("max_position_embeddings", "n_positions", "n_ctx"):
             if getattr(cfg, a, None):
                 return int(getattr(cfg, a))
@@ -292,7 +294,8 @@ class MemoryModel:
         both scaled and set is scaled first. `at`: "last" edits only the last position of each
         row (T-1, or `last`, (B,) indices, for right-padded batches), "all" every position.
 
-        The edit happens where `capture` reads m (the value projection's input), so a capture
+        The edit happens where `capture` reads m (the family's `hook_m`: the value projection's
+        input; after a post-FFN norm, its output, the token's norm scale kept), so a capture
         inside the block sees the edited m, and y, o and the logits follow from it.
         """
         if at not in ("last", "all"):
@@ -360,6 +363,7 @@ class MemoryModel:
             "d_m": self.d_m,
             "activation": self.act_name,
             "gated": self.gated,
+            "post_ffn_norm": getattr(self.arch, "post_norm", None) is not None,
             "memories": self.n_layers * self.d_m,
             "vocab_size": self.vocab_size,
             "tokenizer_vocab": len(self.tok) if self.tok is not None else None,
