@@ -6,7 +6,7 @@
   does ffkv's own capture of y;
 - the norm lens reproduces the model's own logits at the last layer (soft-caps and logit scales
   included);
-- mining's top-1 trigger of a few keys equals a brute force that runs every prefix alone and
+- mining's top-1 trigger of a few keys equals a brute force that runs every sentence alone and
   reads m with plain hooks on the model's own modules (for a post-FFN norm: the value
   projection's input over the token's norm scale, computed here from the projection's output);
 - suppressing a memory at the last position moves the logits as a brute-force hook does.
@@ -290,8 +290,9 @@ def test_norm_lens_reproduces_logits(family_model):
 
 
 def _brute_m(mm, fam: Family, token_lists):
-    """coefs[(sid, pos)] (L, d_m): every prefix run alone, m read with plain hooks on the model's
-    own value projection (over the post-FFN norm's scale, where there is one)."""
+    """coefs[(sid, pos)] (L, d_m): every sentence run alone (no padding, no packing; the model is
+    causal, so position j sees only its prefix), m read with plain hooks on the model's own value
+    projection (over the post-FFN norm's scale, where there is one)."""
     from ffkv.model.arch import get_path
 
     blocks = _blocks(mm.hf)
@@ -299,12 +300,12 @@ def _brute_m(mm, fam: Family, token_lists):
 
     def hook(l, blk):
         def f(mod, args, out):
-            a = args[0][0, -1].detach().clone()
+            a = args[0].reshape(-1, args[0].shape[-1]).detach().clone()  # (T, d_m)
             if fam.post_norm:
                 norm = get_path(blk, fam.post_norm)
                 eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
-                u = out[0, -1].double()
-                a = (a.double() / torch.sqrt(u.pow(2).mean() + eps)).float()
+                u = out.reshape(-1, out.shape[-1]).double()
+                a = (a.double() / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + eps)).float()
             got[l] = a
         return f
 
@@ -313,9 +314,9 @@ def _brute_m(mm, fam: Family, token_lists):
     try:
         with torch.no_grad():
             for sid, ids in enumerate(token_lists):
+                mm.hf(input_ids=torch.tensor([ids]), use_cache=False)
                 for j in range(len(ids)):
-                    mm.hf(input_ids=torch.tensor([ids[: j + 1]]), use_cache=False)
-                    coefs[(sid, j)] = torch.stack([got[l] for l in range(len(blocks))])
+                    coefs[(sid, j)] = torch.stack([got[l][j] for l in range(len(blocks))])
     finally:
         for h in hs:
             h.remove()
@@ -329,7 +330,7 @@ def test_mined_top1_equals_brute_force(family_model):
 
     name, mm = family_model
     fam = FAMILIES[name]
-    token_lists = [mm.tok(x)["input_ids"][:12] for x in wikitext_sentences(8)]
+    token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(12)]
     coefs = _brute_m(mm, fam, token_lists)
     s = MineSettings(top_k=1, negative=True, batch_tokens=60)
     st = mine_batches(mm, new_state(mm, s), token_lists, list(range(len(token_lists))),
