@@ -457,3 +457,25 @@ def test_replace_ffn(family_model):
             h.remove()
     assert writes[l].abs().max() < 1e-5, name
     assert not torch.allclose(zeroed, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("family_model", ["gemma2", "phi3", "granite"], indirect=True)
+def test_coefficients_with_another_activation(family_model):
+    """m under ReLU in place of the layer's activation: by hand from the raw weights (and, after a
+    post-FFN norm, over the scale of the ReLU FFN's own output)."""
+    from ffkv.model.arch import get_path
+
+    name, mm = family_model
+    fam = FAMILIES[name]
+    blk = _blocks(mm.hf)[0]
+    x = torch.randn(4, mm.d)
+    if name == "phi3":
+        gate, up = (x @ blk.mlp.gate_up_proj.weight.T).chunk(2, -1)
+    else:
+        gate, up = x @ blk.mlp.gate_proj.weight.T, x @ blk.mlp.up_proj.weight.T
+    a = torch.relu(gate) * up
+    if fam.post_norm:
+        norm = get_path(blk, fam.post_norm)
+        a = a / torch.sqrt((a @ blk.mlp.down_proj.weight.T).pow(2).mean(-1, keepdim=True) + norm.eps)
+    assert torch.allclose(mm.coefficients(0, x, act=torch.relu), a, atol=1e-5)
+    assert not torch.allclose(mm.coefficients(0, x), a, atol=1e-3)

@@ -108,13 +108,14 @@ class Architecture:
         return self.module(blk, self.act)
 
     # ---- the definitions ---------------------------------------------------------------------
-    def activations(self, blk, x: torch.Tensor) -> torch.Tensor:
+    def activations(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
         """The value projection's input (..., d_m) from the FFN input x (..., d):
-        f(x·k_i + b_i), or f(x·g_i)·(x·u_i) for a gated FFN."""
+        f(x·k_i + b_i), or f(x·g_i)·(x·u_i) for a gated FFN; f the layer's own activation, or
+        `act` in its place."""
         pre = x @ self.keys(blk).T
         if self.key_bias(blk) is not None:
             pre = pre + self.key_bias(blk)
-        a = self.act_fn(blk)(pre)
+        a = (act or self.act_fn(blk))(pre)
         if self.up:
             up = x @ self.up_keys(blk).T
             if self.up_bias(blk) is not None:
@@ -122,9 +123,9 @@ class Architecture:
             a = a * up
         return a
 
-    def coefficients(self, blk, x: torch.Tensor) -> torch.Tensor:
-        """m (..., d_m) from the FFN input x (..., d)."""
-        return self.activations(blk, x)
+    def coefficients(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
+        """m (..., d_m) from the FFN input x (..., d) (`act`: another activation in place of f)."""
+        return self.activations(blk, x, act)
 
     def rebuild(self, blk, m: torch.Tensor) -> torch.Tensor:
         """y = Σ_i m_i·v_i + b: what the FFN adds to the residual stream."""
@@ -271,8 +272,8 @@ class PostNorm(Architecture):
         eps = self._eps(self.module(blk, self.post_norm))
         return torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps).to(u.dtype)
 
-    def coefficients(self, blk, x):
-        a = self.activations(blk, x)
+    def coefficients(self, blk, x, act=None):
+        a = self.activations(blk, x, act)
         return a * self.inv_scale(blk, a @ self.value_weight(blk))
 
     def y_site(self, blk):

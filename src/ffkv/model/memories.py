@@ -164,15 +164,17 @@ class MemoryModel:
 
     # ---- the definitions -------------------------------------------------------------------
     @torch.no_grad()
-    def coefficients(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """m (..., d_m) from the FFN input x (..., d).
+    def coefficients(self, layer: int, x: torch.Tensor, act=None) -> torch.Tensor:
+        """m (..., d_m) from the FFN input x (..., d); `act` (e.g. torch.relu) replaces the layer's
+        activation, for variants of the FFN (the post-FFN norm's scale then follows the variant's
+        own output).
 
         Gated: m_i = f(x·g_i)·(x·u_i), signed. Otherwise m_i = f(x·k_i + b_i). With a post-FFN
         norm, divided by the token's norm scale s (`ffkv.model.arch.PostNorm`), so that
         Σ_i m_i·v_i is what the FFN adds to the residual stream.
         The capture reads m where the model computes it, and tests hold the two equal.
         """
-        return self.arch.coefficients(self.blocks[layer], x)
+        return self.arch.coefficients(self.blocks[layer], x, act)
 
     @torch.no_grad()
     def ffn_from_memories(self, layer: int, m: torch.Tensor) -> torch.Tensor:
