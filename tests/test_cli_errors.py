@@ -258,3 +258,10 @@ def test_ctrl_c_during_mine_then_resume(tiny_dirs, tmp_path):
     res = run_cli(*args)
     assert res.returncode == 0, res.stderr
     assert json.loads((out / "manifest.json").read_text())["steps"]["mine"]["status"] == "done"
+
+
+# ---- every step can be redone: the command a damaged table names takes --force ------------------
+@pytest.mark.parametrize("cmd", ["mine", "values", "compose", "mutate", "patterns", "normalize"])
+def test_every_step_takes_force(cmd):
+    res = run_cli(cmd, "--help")
+    assert res.returncode == 0 and "--force" in res.stdout, res.stdout[-2000:]
