@@ -411,8 +411,63 @@ class Browser:
 
     def warm(self) -> None:
         """Build everything that is otherwise built on first use (called in a background thread)."""
-        for name in ("memories", "_precision", "_con", "_norm", "_exact", "trig_token"):
+        for name in ("memories", "_precision", "_con", "_norm", "_exact", "trig_token", "summaries"):
             getattr(self, name)
+
+    # ---- one-line summaries (`ffkv.web.summary`) ---------------------------------------------
+    @property
+    def summaries(self):
+        """The parts of every memory's one-line summary (`ffkv.web.summary.Summaries`)."""
+        from ffkv.web.summary import Summaries
+
+        return self._lazy("_summaries", lambda: Summaries(self))
+
+    def _annotation_parts(self) -> dict[int, dict]:
+        from ffkv.web.summary import annotation_part
+
+        by: dict[int, list[dict]] = {}
+        for a in self.annotations():
+            by.setdefault(self.code(a["layer"], a["dim"]), []).append(a)
+        return {c: p for c, recs in by.items() if (p := annotation_part(recs)) is not None}
+
+    def summary(self, layer: int, dim: int) -> str:
+        """A memory's one-line summary of measurements (`ffkv.web.summary.summary_line`)."""
+        return self.summaries.line(self.code(layer, dim), self._annotation_parts().get(self.code(layer, dim)))
+
+    def add_summaries(self, rows: list[dict]) -> list[dict]:
+        """Set `summary` on rows that carry layer and dim (search results, layer lists)."""
+        ann = self._annotation_parts() if rows else {}
+        for r in rows:
+            c = self.code(r["layer"], r["dim"])
+            r["summary"] = self.summaries.line(c, ann.get(c))
+        return rows
+
+    def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50) -> dict:
+        """Memories whose one-line summary contains every word of `q` (case folded), by memory."""
+        words = (q or "").casefold().split()
+        if not words:
+            raise BadQuery("text: type a word, e.g. city")
+        if len(q) > 200:
+            raise BadQuery("text: at most 200 characters")
+        if layer is not None and not 0 <= layer < self.L:
+            raise BadQuery(f"layer must be in 0..{self.L - 1}")
+        page, per_page = self._page(page, per_page)
+        sm = self.summaries
+        lines = self._lazy("_summary_lines", lambda: {
+            int(c): sm.line(int(c)).casefold()
+            for c in np.union1d(self.keys, np.asarray(sorted(sm.value), np.int64))})
+        ann = self._annotation_parts()
+        hits = []
+        for c, text in lines.items():
+            if c in ann:
+                text = sm.line(c, ann[c]).casefold()
+            if (layer is None or c // self.d_m == layer) and all(w in text for w in words):
+                hits.append(c)
+        hits.sort()
+        rows = [{"layer": c // self.d_m, "dim": c % self.d_m} for c in hits[(page - 1) * per_page: page * per_page]]
+        return {"mode": "text", "text_mode": "summary", "query": q, "layer": layer, "sign": None, "sort": "layer",
+                "order": "asc", "page": page, "per_page": per_page, "total": len(hits), "memories": len(hits),
+                "triggers_matched": 0, "results": self.add_summaries(rows)}
 
     # ---- small helpers ------------------------------------------------------------------------
     def check_key(self, layer: int, dim: int) -> None:
@@ -752,6 +807,7 @@ class Browser:
             "patterns": pats, "pattern_keys": pk, "mutations": mut_summary,
             "annotations": self.annotations(layer, dim),
             "stats": self.key_statistics(layer, dim, all_samples),
+            "summary": self.summary(layer, dim),
             "links": {**{k: {"layer": v[0], "dim": v[1]} for k, v in self.neighbours(layer, dim).items()}}
             if len(self.keys) else {},
         }
@@ -967,9 +1023,12 @@ class Browser:
                     sort: str | None = None, order: str | None = None, page: int = 1,
                     per_page: int = 50) -> dict:
         """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
-        is a token (mode token: the decoded token, spaces ignored, case folded)."""
+        is a token (mode token: the decoded token, spaces ignored, case folded); mode summary:
+        memories whose one-line summary contains the words (`search_summary`)."""
+        if mode == "summary":
+            return self.search_summary(q, layer=layer, page=page, per_page=per_page)
         if mode not in ("word", "token"):
-            raise BadQuery(f"mode must be word or token (got {mode!r})")
+            raise BadQuery(f"mode must be word, token or summary (got {mode!r})")
         if sign not in (None, 1, -1):
             raise BadQuery("sign must be 1 or -1")
         if layer is not None and not 0 <= layer < self.L:

@@ -176,9 +176,33 @@ def overview_rows(ov: dict) -> list[dict]:
 
 
 @router.get("/", include_in_schema=False)
-def overview(request: Request):
+def overview(request: Request, format: str | None = None):  # noqa: A002 - the URL's parameter
+    from ffkv.web import export
+
+    fmt = export.check_format(format)
     ov = state(request).overview()
+    if fmt:
+        return export.download(overview_table(ov), list(OVERVIEW_COLUMNS), "ffkv-layers", fmt)
     return render(request, "overview.html", ov=ov, rows=overview_rows(ov))
+
+
+OVERVIEW_COLUMNS = ("layer", "mined", "active_mean", "agreement", "agreement_ci_low", "agreement_ci_high",
+                    "agreement_shuffled", "agreement_n", "shallow", "semantic", "both", "not_covered",
+                    "patterns_per_key", "annotated")
+
+
+def overview_table(ov: dict) -> list[dict]:
+    """The overview's layer table, flat (its CSV and JSON download)."""
+    out = []
+    for r in ov["rows"]:
+        ag, act, pat = r.get("agreement") or {}, r.get("active") or {}, r.get("patterns") or {}
+        out.append({"layer": r["layer"], "mined": r["mined"], "active_mean": act.get("mean"),
+                    "agreement": ag.get("agreement"), "agreement_ci_low": ag.get("ci_low"),
+                    "agreement_ci_high": ag.get("ci_high"), "agreement_shuffled": ag.get("shuffled"),
+                    "agreement_n": ag.get("n"), **{k: pat.get(k) for k in ("shallow", "semantic", "both",
+                                                                          "not_covered", "patterns_per_key")},
+                    "annotated": r.get("annotated")})
+    return out
 
 
 @router.get("/api/overview")
@@ -501,12 +525,35 @@ async def api_annotate(request: Request, layer: int, dim: int):
     return api({"saved": rec}, status_code=201)
 
 
+ANNOTATION_COLUMNS = ("annotator", "layer", "dim", "sign", "pattern", "kind", "description", "prefixes", "note",
+                      "updated")
+
+
+def annotation_table(recs: list[dict]) -> list[dict]:
+    """Annotations flat: one row per pattern (pattern 0 and empty pattern columns for none)."""
+    out = []
+    for a in recs:
+        base = {k: a.get(k) for k in ("annotator", "layer", "dim", "sign", "note", "updated")}
+        pats = a.get("patterns") or [{}]
+        for j, p in enumerate(pats):
+            out.append({**base, "pattern": j + 1 if p else None, "kind": p.get("kind"),
+                        "description": p.get("description"),
+                        "prefixes": [int(x) + 1 for x in p.get("prefixes") or []] if p else None})
+    return out
+
+
 @router.get("/annotations", include_in_schema=False)
-def annotations_page(request: Request, annotator: str | None = None):
+def annotations_page(request: Request, annotator: str | None = None, format: str | None = None):  # noqa: A002
+    from ffkv.web import export
+
+    fmt = export.check_format(format)
     b = state(request)
     recs = b.annotations()
     who = opt_str(annotator)
     shown = [r for r in recs if who is None or r["annotator"] == who]
+    if fmt:
+        return export.download(annotation_table(shown), list(ANNOTATION_COLUMNS),
+                               "ffkv-annotations" + (f"-{who}" if who else ""), fmt)
     stats = b.annotation_stats()
     fig2 = []
     for r in (stats or {}).get("fig2") or []:
@@ -604,6 +651,7 @@ def do_search(request: Request, p: dict) -> dict:
         res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
                                agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
     check_page(res)
+    b.add_summaries(res.get("results") or [])
     return res
 
 
@@ -619,7 +667,7 @@ def check_page(res: dict) -> None:
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree", "match")
+                 "sign", "label", "agree", "match", "format")
 
 
 def search_params(request: Request) -> dict:
@@ -632,7 +680,12 @@ def search_params(request: Request) -> dict:
 
 @router.get("/search", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
 def search_page(request: Request):
+    from ffkv.web import export
+
     p = search_params(request)
+    fmt = export.check_format(p.pop("format", None))
+    if fmt:
+        return search_download(request, p, fmt)
     res = do_search(request, p)
     return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
                   measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
@@ -641,7 +694,13 @@ def search_page(request: Request):
 
 @router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
 def api_search(request: Request):
-    res = do_search(request, search_params(request))
+    p = search_params(request)
+    if p.get("format") not in (None, "", "json"):
+        from ffkv.web import export
+
+        return search_download(request, {k: v for k, v in p.items() if k != "format"}, export.check_format(p["format"]))
+    p.pop("format", None)
+    res = do_search(request, p)
     status = 503 if res.get("mode") == "token" and res.get("status") in ("building", "absent") else 200
     if res.get("status") == "failed":
         status = 500
@@ -660,3 +719,106 @@ def api_index_status(request: Request):
 def build_index(request: Request):
     state(request).start_index()
     return RedirectResponse("/search", status_code=303)
+
+
+# ---- downloads (CSV and JSON of a table page: `ffkv.web.export`) -----------------------------------
+DOWNLOAD_MAX = 10_000  # rows of a search download (every page of the results, up to this)
+SEARCH_COLUMNS = {
+    "token": ("layer", "dim", "token", "token_text", "rank", "prob", "max_prob", "precision", "mined", "summary"),
+    "text": ("layer", "dim", "sign", "n", "best_rank", "best_coef", "sentence_id", "position", "prefix", "summary"),
+    "summary": ("layer", "dim", "summary"),
+    "measure": ("layer", "dim", "mined", "n_triggers", "top_coef", "max_prob", "entropy", "top_token",
+                "top_token_text", "max_prob_neg", "top_token_neg", "top_token_neg_text", "precision",
+                "precision_neg", "rank", "target_prob", "agree", "label", "n_patterns", "coverage", "summary"),
+}
+
+
+def search_download(request: Request, p: dict, fmt: str):
+    """Every row of a search's results (up to DOWNLOAD_MAX) as CSV or JSON; ranks as in the JSON
+    API (0 = the value's top token)."""
+    from ffkv.web import export
+
+    q = {**p, "page": "1", "per_page": "500"}
+    res = do_search(request, q)
+    if res.get("status") in ("building", "absent", "failed"):
+        raise FfkvError("the token index is not ready yet; download once the search page shows results")
+    rows = list(res["results"])
+    while len(rows) < min(res["total"], DOWNLOAD_MAX):
+        q["page"] = str(int(q["page"]) + 1)
+        more = do_search(request, q)["results"]
+        if not more:
+            break
+        rows += more
+    rows = rows[:DOWNLOAD_MAX]
+    kind = res.get("text_mode") if res["mode"] == "text" and res.get("text_mode") == "summary" else res["mode"]
+    for r in rows:
+        if isinstance(r.get("prefix"), dict):
+            r["prefix"] = r["prefix"].get("full")
+    what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
+    return export.download(rows, list(SEARCH_COLUMNS[kind]), f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
+
+
+TRIGGER_COLUMNS = ("layer", "dim", "sign", "rank", "coef", "sentence_id", "position", "prefix", "trigger_token",
+                   "next_token", "next_token_text", "next_token_rank_in_value", "doc_id", "title", "patterns")
+
+
+@router.get("/memory/{layer}/{dim}/triggers.{fmt}", include_in_schema=False)
+@router.get("/api/memory/{layer}/{dim}/triggers.{fmt}")
+def memory_triggers_download(request: Request, layer: int, dim: int, fmt: str):
+    """A memory's trigger tables (both lists, every stored rank) as CSV or JSON; the rank of the
+    next token in the value's distribution is 0 for its top token, empty when unknown."""
+    from ffkv.web import export
+
+    fmt = export.check_format(fmt)
+    if fmt is None:
+        raise NotFound("a memory's triggers download as triggers.csv or triggers.json")
+    m = state(request).memory(layer, dim, 200)
+    rows = []
+    for key in ("+", "-"):
+        for t in m["triggers"][key]:
+            badge = t.get("badge") or {}
+            rows.append({**t, "prefix": t["prefix"]["full"], "trigger_token": t["prefix"]["trigger"],
+                         "next_token_rank_in_value": badge.get("rank"),
+                         "patterns": [f"A{x + 1}" for x in t.get("patterns") or []]})
+    return export.download(rows, list(TRIGGER_COLUMNS), f"ffkv-memory-{layer}-{dim}-triggers", fmt)
+
+
+# ---- a layer page ---------------------------------------------------------------------------------
+def layer_context(request: Request, layer: int, page: str | None, per_page: str | None) -> dict:
+    from ffkv.web.layers import layer_data
+
+    return layer_data(state(request), layer, req_int(page, "page", 1, 1, 10**6),
+                      req_int(per_page, "per_page", 100, 1, 1000))
+
+
+@router.get("/layer/{layer}", include_in_schema=False)
+def layer_page(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
+               format: str | None = None):  # noqa: A002 - the URL's parameter
+    from ffkv.web import export
+    from ffkv.web.layers import MEMORY_COLUMNS, layer_memories
+
+    fmt = export.check_format(format)
+    if fmt:
+        state(request).check_key(layer, 0)
+        return export.download(layer_memories(state(request), layer), list(MEMORY_COLUMNS),
+                               f"ffkv-layer-{layer}-memories", fmt)
+    d = layer_context(request, layer, page, per_page)
+    hist = None
+    if d["density"] and d["density"]["hist"]:
+        h = d["density"]["hist"]
+        hist = plots.histogram(h["counts"], h["labels"], None, axis=("0", "density", "1"),
+                               label=f"keys of layer {layer} by the share of tokens with m > 0 ({h['total']:,} keys)",
+                               log=False)
+    fig2 = []
+    for r in (d["patterns"] or {}).get("fig2") or []:
+        fig2.append({**r, "plot": plots.stacked([(r.get("shallow"), "c-shallow", "shallow"),
+                                                 (r.get("semantic"), "c-semantic", "semantic"),
+                                                 (r.get("both"), "c-both", "both"),
+                                                 (r.get("not_covered"), "c-none", "not covered")],
+                                                label=f"layer {layer} ({r['scope']}): prefixes by kind")})
+    return render(request, "layer.html", d=d, hist=hist, fig2=fig2)
+
+
+@router.get("/api/layer/{layer}")
+def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None):
+    return api(layer_context(request, layer, page, per_page))

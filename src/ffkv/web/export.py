@@ -1,0 +1,75 @@
+"""Downloads of the browser's tables: CSV and JSON (`?format=csv|json` on a table page).
+
+`download(rows, columns, name, fmt)` is the one place that builds them: CSV with a header row
+(Python's csv module: quoting of commas, quotes and newlines in corpus text), lists and dicts as
+JSON inside a cell, missing and non-finite numbers as empty cells; JSON as {"columns", "rows"}
+with non-finite numbers as null. The file name says what it holds (`ffkv-layer-3.csv`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+
+from fastapi.responses import Response
+
+FORMATS = ("csv", "json")
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "" if math.isnan(v) or math.isinf(v) else repr(v)
+    if isinstance(v, (list, tuple, dict, set)):
+        return json.dumps(_jsonable(v), ensure_ascii=False)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_jsonable(x) for x in (sorted(v) if isinstance(v, set) else v)]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+        v = v.item()
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+def to_csv(rows: list[dict], columns: list[str]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\r\n")
+    w.writerow(columns)
+    for r in rows:
+        w.writerow([_cell(_jsonable(r.get(c))) for c in columns])
+    return buf.getvalue()
+
+
+def check_format(fmt: str | None) -> str | None:
+    """None for the HTML page; csv or json; anything else is a BadQuery."""
+    from ffkv.web.data import BadQuery
+
+    if fmt is None or str(fmt).strip() in ("", "html"):
+        return None
+    if fmt not in FORMATS:
+        raise BadQuery(f"format must be csv or json (got {str(fmt)[:20]!r})")
+    return fmt
+
+
+def download(rows: list[dict], columns: list[str], name: str, fmt: str) -> Response:
+    """The rows as a CSV or JSON file named `name`.csv / .json (an attachment)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "ffkv"
+    if fmt == "csv":
+        body, media = to_csv(rows, columns), "text/csv; charset=utf-8"
+    else:
+        body = json.dumps({"columns": list(columns), "rows": [{c: _jsonable(r.get(c)) for c in columns} for r in rows]},
+                          ensure_ascii=False)
+        media = "application/json"
+    return Response(body, media_type=media,
+                    headers={"Content-Disposition": f'attachment; filename="{name}.{fmt}"'})

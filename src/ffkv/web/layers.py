@@ -1,0 +1,151 @@
+"""A layer page (`/layer/N`, `/api/layer/N`): what the run knows of one layer's memories.
+
+- density: the key statistics of `ffkv mine` (`query.key_stats_by_layer`: mean, quartiles and
+  max of each key's share of tokens with m > 0, per sign) and a histogram of that share over the
+  layer's keys (`key_stats.frac_active`, sign +1);
+- agreement (Fig 4) from `values_layers`, and the layer's best memories by agreement (rank of the
+  top-1 trigger's next token in the value's distribution, then its probability) and by value
+  sharpness (the value's max probability), from the browser's per-memory table;
+- the pattern mix: `patterns_fig2` rows of the layer and the keys' labels (`pattern_keys`);
+- the layer's memories, paged, each with its one-line summary.
+
+A table the run lacks gives `None` and the command that makes it (`MAKES`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ffkv.store import query
+
+BEST = 10  # rows of each "best memories" list
+DENSITY_BINS = 20  # histogram of the keys' density, bins of 1/20
+MAKES = {
+    "key_stats": "`ffkv mine` (key statistics are on unless it ran with --no-stats)",
+    "values": "`ffkv values RUN`",
+    "patterns": "`ffkv patterns RUN`",
+}
+MEMORY_COLUMNS = ("layer", "dim", "mined", "n_triggers", "top_coef", "max_prob", "entropy", "top_token",
+                  "top_token_text", "max_prob_neg", "top_token_neg", "top_token_neg_text", "precision",
+                  "precision_neg", "rank", "target_prob", "agree", "label", "n_patterns", "coverage", "summary")
+
+
+def _f(x):
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def _col(t, name) -> np.ndarray:
+    return t.column(name).to_numpy(zero_copy_only=False)
+
+
+def layer_memories(b, layer: int) -> list[dict]:
+    """Every memory of the layer that was mined or has a value row, by dim, with its measures and
+    one-line summary (the rows of the layer page's list and of its CSV)."""
+    t = b.memories.slice(layer * b.d_m, b.d_m)
+    mp = _col(t, "max_prob").astype(np.float64)
+    keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
+    rows = t.filter(keep).to_pylist()
+    for r in rows:
+        r["top_token_text"] = b.tok(r["top_token"])
+        r["top_token_neg_text"] = b.tok(r["top_token_neg"])
+    return b.add_summaries(rows)
+
+
+def _density(b, layer: int) -> dict | None:
+    if b.key_stats is None:
+        return None
+    by_layer = b._lazy("_key_stats_by_layer", lambda: query.key_stats_by_layer(b.run))
+    rows = [r for r in (by_layer.to_pylist() if by_layer is not None else []) if r["layer"] == layer]
+    ks = b.key_stats.table
+    col = "frac_active" if "frac_active" in ks.column_names else None
+    hist = None
+    if col is not None:
+        sel = pc.equal(ks.column("layer"), layer)
+        if "sign" in ks.column_names:
+            sel = pc.and_(sel, pc.equal(ks.column("sign"), 1))
+        x = _col(ks.filter(sel), col).astype(np.float64)
+        x = x[~np.isnan(x)]
+        if len(x):
+            counts = np.histogram(np.clip(x, 0, 1), bins=DENSITY_BINS, range=(0, 1))[0]
+            hist = {"counts": counts.tolist(), "total": int(len(x)),
+                    "labels": [f"{i / DENSITY_BINS:.2f}–{(i + 1) / DENSITY_BINS:.2f}" for i in range(DENSITY_BINS)]}
+    return {"rows": rows, "hist": hist}
+
+
+def _best(b, layer: int) -> dict:
+    t = b.memories.slice(layer * b.d_m, b.d_m)
+    out: dict = {"agreement": None, "sharpness": None}
+    if b.values is None:
+        return out
+    dims = _col(t, "dim").astype(np.int64)
+    rank = t.column("rank").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    tp = _col(t, "target_prob").astype(np.float64)
+    mp = _col(t, "max_prob").astype(np.float64)
+    ent = _col(t, "entropy").astype(np.float64)
+    top = t.column("top_token").fill_null(-1).to_numpy(zero_copy_only=False)
+
+    def row(i):
+        return {"layer": layer, "dim": int(dims[i]), "rank": int(rank[i]) if rank[i] >= 0 else None,
+                "target_prob": _f(tp[i]), "max_prob": _f(mp[i]), "entropy": _f(ent[i]),
+                "top_token": int(top[i]) if top[i] >= 0 else None,
+                "top_token_text": b.tok(top[i]) if top[i] >= 0 else None}
+
+    ok = np.nonzero(rank >= 0)[0]
+    if b.agreement is not None:
+        # best: the top-1 trigger's next token ranked highest in the value (rank 1 = agrees), then its p
+        o = ok[np.lexsort((dims[ok], -np.nan_to_num(tp[ok], nan=-1.0), rank[ok]))]
+        out["agreement"] = b.add_summaries([row(i) for i in o[:BEST]])
+    ok = np.nonzero(~np.isnan(mp))[0]
+    o = ok[np.lexsort((dims[ok], -mp[ok]))]
+    out["sharpness"] = b.add_summaries([row(i) for i in o[:BEST]])
+    return out
+
+
+def _patterns(b, layer: int) -> dict | None:
+    if b.pattern_keys is None and b.patterns_fig2 is None:
+        return None
+    fig2 = []
+    if b.patterns_fig2 is not None:
+        fig2 = [r for r in b.patterns_fig2.to_pylist() if r["layer"] == layer]
+    labels: dict[str, int] = {}
+    if b.pattern_keys is not None:
+        pk = b.pattern_keys.table
+        sel = pc.and_(pc.equal(pk.column("layer"), layer), pc.equal(pk.column("sign"), 1))
+        for lab in pk.filter(sel).column("label").to_pylist():
+            labels[lab or "none"] = labels.get(lab or "none", 0) + 1
+    return {"fig2": fig2, "labels": labels, "keys": sum(labels.values())}
+
+
+def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
+    """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is)."""
+    from ffkv.web.data import BadQuery, NotFound
+
+    if not 0 <= layer < b.L:
+        raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
+    if not 1 <= per_page <= 1000:
+        raise BadQuery("per_page must be in 1..1000")
+    if page < 1:
+        raise BadQuery("page must be ≥ 1")
+    mems = layer_memories(b, layer)
+    last = max(1, -(-len(mems) // per_page))
+    if page > last:
+        raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
+                       f"of {per_page} memories")
+    agreement = None
+    if b.values_layers is not None:
+        rows = [r for r in b.values_layers.to_pylist() if r["layer"] == layer]
+        agreement = rows[0] if rows else None
+    missing = {k: v for k, v in MAKES.items()
+               if (k == "key_stats" and b.key_stats is None) or (k == "values" and b.values is None)
+               or (k == "patterns" and b.pattern_keys is None and b.patterns_fig2 is None)}
+    mined = int(np.count_nonzero(b.keys // b.d_m == layer))
+    return {"layer": layer, "layers": b.L, "d_m": b.d_m, "model": b.model_id, "lens": b.lens, "mined": mined,
+            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer),
+            "patterns": _patterns(b, layer), "missing": missing,
+            "memories": {"total": len(mems), "page": page, "per_page": per_page, "pages": last,
+                         "rows": mems[(page - 1) * per_page: page * per_page]}}

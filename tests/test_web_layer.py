@@ -1,0 +1,276 @@
+"""Layer pages, downloads (CSV and JSON) and one-line summaries of the memory browser (issue 26
+items 5, 6 and 7), against the tiny Llama run of tests/test_web.py: every number is compared
+with the run's Parquet tables read directly, not through the browser's code."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from test_web import client, llama, no_traceback, triggers, web_app, web_run  # noqa: F401  (fixtures)
+
+
+def table(run, name):
+    return pq.read_table(run / f"{name}.parquet").to_pandas()
+
+
+def read_csv(text: str) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+@pytest.fixture(scope="module")
+def bare_client(web_run, tmp_path_factory):  # noqa: F811
+    """The server on a copy of the run with only what `ffkv mine --no-stats` writes."""
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    run = tmp_path_factory.mktemp("web-bare") / "run"
+    keep = {"sentences", "triggers", "vocab"}
+    shutil.copytree(web_run, run, ignore=lambda d, names: [n for n in names if n.endswith(".parquet")
+                                                           and n[:-8] not in keep] + [n for n in names
+                                                                                      if n.startswith("annotations")])
+    app = create_app(run, log_fn=lambda m: None)
+    return TestClient(app, base_url="http://127.0.0.1:8000")
+
+
+@pytest.fixture(scope="module")
+def own_client(web_run, tmp_path_factory):  # noqa: F811
+    """The server on a full copy of the run (its annotations are this module's own)."""
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    run = tmp_path_factory.mktemp("web-own") / "run"
+    shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("annotations.sqlite*"))
+    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+
+
+# ---- the layer page -------------------------------------------------------------------------------
+def test_overview_links_every_layer(client):  # noqa: F811
+    html = client.get("/").text
+    n = client.get("/api/overview").json()["layers"]
+    for layer in range(n):
+        assert f'href="/layer/{layer}"' in html
+        r = client.get(f"/layer/{layer}")
+        assert r.status_code == 200, r.text[:500]
+        assert f"Layer {layer}" in r.text
+
+
+def test_layer_density_is_the_key_statistics(client, web_run):  # noqa: F811
+    ks = table(web_run, "key_stats")
+    for layer in sorted(ks.layer.unique()):
+        d = client.get(f"/api/layer/{layer}").json()["density"]
+        for sign in (1, -1):
+            x = ks[(ks.layer == layer) & (ks.sign == sign)].frac_active.to_numpy(np.float64)
+            got = [r for r in d["rows"] if r["sign"] == sign]
+            if not len(x):
+                assert not got
+                continue
+            assert got[0]["keys"] == len(x)
+            assert got[0]["density_mean"] == pytest.approx(x.mean(), rel=1e-6)
+            assert got[0]["density_median"] == pytest.approx(np.median(x), rel=1e-6)
+            assert got[0]["density_max"] == pytest.approx(x.max(), rel=1e-6)
+        x = ks[(ks.layer == layer) & (ks.sign == 1)].frac_active.to_numpy(np.float64)
+        want = np.histogram(x, bins=20, range=(0, 1))[0]
+        assert d["hist"]["counts"] == want.tolist() and d["hist"]["total"] == len(x)
+
+
+def test_layer_best_memories_match_the_values_tables(client, web_run):  # noqa: F811
+    vals = table(web_run, "values")
+    vals = vals[vals.kind == "value"]
+    ag = table(web_run, "values_agreement")
+    for layer in sorted(vals.layer.unique()):
+        best = client.get(f"/api/layer/{layer}").json()["best"]
+        v = vals[vals.layer == layer].sort_values(["max_prob", "dim"], ascending=[False, True])
+        assert [r["dim"] for r in best["sharpness"]] == v.dim.head(10).tolist()
+        assert [r["max_prob"] for r in best["sharpness"]] == pytest.approx(v.max_prob.head(10).tolist())
+        a = ag[(ag.layer == layer) & ag["rank"].notna()].copy()
+        a["tp"] = a.target_prob.fillna(-1.0)
+        a = a.sort_values(["rank", "tp", "dim"], ascending=[True, False, True])
+        assert [r["dim"] for r in best["agreement"]] == a.dim.head(10).tolist()
+        assert [r["rank"] for r in best["agreement"]] == a["rank"].head(10).astype(int).tolist()
+        first = a.iloc[0]
+        if first["rank"] == 0:
+            assert best["agreement"][0]["top_token"] == int(first.next_token)
+
+
+def test_layer_pattern_mix_and_memories(client, web_run):  # noqa: F811
+    pk = table(web_run, "pattern_keys")
+    f2 = table(web_run, "patterns_fig2")
+    t = triggers(web_run)
+    vals = table(web_run, "values")
+    for layer in sorted(t.layer.unique()):
+        d = client.get(f"/api/layer/{layer}").json()
+        sub = pk[(pk.layer == layer) & (pk.sign == 1)]
+        assert d["patterns"]["labels"] == {k: int(n) for k, n in sub.label.fillna("none").value_counts().items()}
+        assert sorted(r["scope"] for r in d["patterns"]["fig2"]) == sorted(f2[f2.layer == layer].scope)
+        dims = sorted(set(t[t.layer == layer].dim) | set(vals[vals.layer == layer].dim))
+        assert d["memories"]["total"] == len(dims)
+        assert d["mined"] == t[t.layer == layer].dim.nunique()
+        got = []
+        for page in range(1, d["memories"]["total"] // 7 + 2):
+            got += [r["dim"] for r in client.get(f"/api/layer/{layer}", params={"per_page": 7, "page": page}).json()
+                    ["memories"]["rows"]]
+        assert got == dims
+        html = client.get(f"/layer/{layer}", params={"per_page": 7}).text
+        assert f'href="/memory/{layer}/{dims[0]}"' in html and "page 1 of" in html
+
+
+@pytest.mark.parametrize("url,status", [("/layer/99", 404), ("/api/layer/99", 404), ("/layer/-1", 404),
+                                        ("/layer/x", 422), ("/layer/0?page=999", 404), ("/layer/0?page=0", 422),
+                                        ("/layer/0?per_page=abc", 422), ("/layer/0?format=xml", 422)])
+def test_layer_page_errors_are_one_line(client, url, status):  # noqa: F811
+    r = client.get(url)
+    assert r.status_code == status, (url, r.status_code)
+    no_traceback(r.text)
+
+
+def test_missing_tables_name_their_command(bare_client):
+    r = bare_client.get("/layer/1")
+    assert r.status_code == 200
+    assert "`ffkv values RUN`" in r.text and "`ffkv patterns RUN`" in r.text and "`ffkv mine`" in r.text
+    d = bare_client.get("/api/layer/1").json()
+    assert d["density"] is None and d["patterns"] is None and d["best"] == {"agreement": None, "sharpness": None}
+    assert set(d["missing"]) == {"key_stats", "values", "patterns"}
+
+
+# ---- downloads ------------------------------------------------------------------------------------
+def test_layer_download_csv_and_json(client, web_run):  # noqa: F811
+    api = client.get("/api/layer/1", params={"per_page": 1000}).json()["memories"]["rows"]
+    r = client.get("/layer/1", params={"format": "csv"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert 'filename="ffkv-layer-1-memories.csv"' in r.headers["content-disposition"]
+    rows = read_csv(r.text)
+    assert [int(x["dim"]) for x in rows] == [x["dim"] for x in api]
+    vals = table(web_run, "values")
+    mp = {int(d): p for d, p in zip(vals[(vals.layer == 1) & (vals.kind == "value")].dim,
+                                    vals[(vals.layer == 1) & (vals.kind == "value")].max_prob)}
+    for x in rows:
+        if int(x["dim"]) in mp:
+            assert float(x["max_prob"]) == pytest.approx(mp[int(x["dim"])], rel=1e-6)
+    j = client.get("/layer/1", params={"format": "json"}).json()
+    assert [x["dim"] for x in j["rows"]] == [int(x["dim"]) for x in rows]
+    assert j["rows"][0]["summary"] == rows[0]["summary"]
+
+
+def test_search_download_holds_every_page(client):  # noqa: F811
+    params = {"sort": "max_prob", "per_page": 7}
+    want, page = [], 1
+    while True:
+        res = client.get("/api/search", params={**params, "page": page}).json()
+        want += [(r["layer"], r["dim"]) for r in res["results"]]
+        if page * 7 >= res["total"]:
+            break
+        page += 1
+    r = client.get("/search", params={**params, "format": "csv"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert [(int(x["layer"]), int(x["dim"])) for x in read_csv(r.text)] == want
+    j = client.get("/search", params={**params, "format": "json"}).json()
+    assert [(x["layer"], x["dim"]) for x in j["rows"]] == want
+    html = client.get("/search", params=params).text
+    assert "format=csv" in html and "format=json" in html
+
+
+def test_text_search_download(client):  # noqa: F811
+    res = client.get("/api/search", params={"text": "the", "per_page": 500}).json()
+    rows = read_csv(client.get("/search", params={"text": "the", "format": "csv"}).text)
+    assert [(int(x["layer"]), int(x["dim"]), int(x["sign"]), int(x["n"])) for x in rows] == \
+        [(r["layer"], r["dim"], r["sign"], r["n"]) for r in res["results"]]
+    assert rows[0]["prefix"] == res["results"][0]["prefix"]["full"]
+
+
+def test_memory_triggers_download(client, web_run):  # noqa: F811
+    t = triggers(web_run)
+    layer, dim = int(t.iloc[0].layer), int(t.iloc[0].dim)
+    want = t[(t.layer == layer) & (t.dim == dim)].sort_values(["sign", "rank"], ascending=[False, True])
+    html = client.get(f"/memory/{layer}/{dim}").text
+    assert f"/memory/{layer}/{dim}/triggers.csv" in html and f"/memory/{layer}/{dim}/triggers.json" in html
+    rows = read_csv(client.get(f"/memory/{layer}/{dim}/triggers.csv").text)
+    assert [(int(x["sign"]), int(x["rank"]), int(x["sentence_id"]), int(x["position"])) for x in rows] == \
+        [(int(r.sign), int(r.rank), int(r.sentence_id), int(r.position)) for r in want.itertuples()]
+    assert [float(x["coef"]) for x in rows] == pytest.approx(want.coef.tolist(), rel=1e-6)
+    sent = {s: ids for s, ids in zip(*pq.read_table(web_run / "sentences.parquet",
+                                                    columns=["sentence_id", "token_ids"]).to_pydict().values())}
+    voc = dict(zip(*pq.read_table(web_run / "vocab.parquet", columns=["token_id", "text"]).to_pydict().values()))
+    for x in rows[:5]:
+        ids = sent[int(x["sentence_id"])][: int(x["position"]) + 1]
+        assert x["prefix"] == "".join(voc[i] for i in ids)
+    j = client.get(f"/api/memory/{layer}/{dim}/triggers.json").json()
+    assert len(j["rows"]) == len(rows)
+    assert client.get(f"/memory/{layer}/{dim}/triggers.xml").status_code == 422
+
+
+def test_annotations_and_overview_downloads(own_client):
+    body = {"annotator": "csv, \"quoted\"", "sign": 1, "note": "a note\nwith a newline",
+            "patterns": [{"description": "ends in a city, or a town", "kind": "semantic", "prefixes": [0, 2]}]}
+    t = own_client.get("/api/search", params={"sort": "layer"}).json()["results"][0]
+    assert own_client.post(f"/api/memory/{t['layer']}/{t['dim']}/annotations", json=body).status_code == 201
+    rows = read_csv(own_client.get("/annotations", params={"format": "csv"}).text)
+    assert len(rows) == 1
+    assert rows[0]["annotator"] == body["annotator"] and rows[0]["note"] == body["note"]
+    assert rows[0]["description"] == "ends in a city, or a town" and json.loads(rows[0]["prefixes"]) == [1, 3]
+    assert "format=csv" in own_client.get("/annotations").text
+    ov = own_client.get("/api/overview").json()
+    rows = read_csv(own_client.get("/", params={"format": "csv"}).text)
+    assert [int(r["layer"]) for r in rows] == list(range(ov["layers"]))
+    assert [int(r["mined"]) for r in rows] == [r["mined"] for r in ov["rows"]]
+
+
+# ---- one-line summaries ---------------------------------------------------------------------------
+def test_summary_is_built_from_the_run(client, web_run):  # noqa: F811
+    from ffkv.display import show_token
+
+    vals = table(web_run, "values")
+    vals = vals[vals.kind == "value"]
+    voc = dict(zip(*pq.read_table(web_run / "vocab.parquet", columns=["token_id", "text"]).to_pydict().values()))
+    t = triggers(web_run)
+    sent = {s: ids for s, ids in zip(*pq.read_table(web_run / "sentences.parquet",
+                                                    columns=["sentence_id", "token_ids"]).to_pydict().values())}
+    pats = table(web_run, "patterns")
+    for r in vals.head(12).itertuples():
+        m = client.get(f"/api/memory/{r.layer}/{r.dim}").json()
+        s = m["summary"]
+        assert "value promotes " + ", ".join(show_token(voc[int(x)]) for x in r.top_tokens[:3]) in s
+        tt = t[(t.layer == r.layer) & (t.dim == r.dim) & (t.sign == 1) & (t["rank"] <= 25)]
+        if len(tt):
+            ends = [voc[sent[int(x.sentence_id)][int(x.position)]] for x in tt.itertuples()]
+            top = max(set(ends), key=lambda w: (ends.count(w), -min(i for i, e in enumerate(ends) if e == w)))
+            assert show_token(top) in s.split("top triggers end in ")[1]
+            assert f"(of {len(tt)})" in s
+        p = pats[(pats.layer == r.layer) & (pats.dim == r.dim)]
+        if len(p):
+            assert "pattern “" in s
+        html = client.get(f"/memory/{r.layer}/{r.dim}").text
+        assert 'id="summary"' in html
+
+
+def test_summary_on_search_rows_and_searchable(client, web_run):  # noqa: F811
+    res = client.get("/api/search", params={"sort": "max_prob", "per_page": 5}).json()
+    for r in res["results"]:
+        assert r["summary"] == client.get(f"/api/memory/{r['layer']}/{r['dim']}").json()["summary"]
+    word = res["results"][0]["summary"].split("value promotes ")[1].split(",")[0].split(" (")[0]
+    found = client.get("/api/search", params={"text": word, "mode": "summary", "per_page": 500}).json()
+    assert (res["results"][0]["layer"], res["results"][0]["dim"]) in {(r["layer"], r["dim"]) for r in found["results"]}
+    assert all(word.casefold() in r["summary"].casefold() for r in found["results"])
+    # every memory whose summary holds the word is found (brute force over the API's summaries)
+    allm = client.get("/api/search", params={"sort": "layer", "per_page": 500}).json()
+    assert found["total"] >= sum(word.casefold() in r["summary"].casefold() for r in allm["results"])
+    page = client.get("/search", params={"text": word, "mode": "summary"}).text
+    assert 'id="summary-count"' in page
+
+
+def test_summary_carries_the_annotation(own_client):
+    t = own_client.get("/api/search", params={"sort": "layer"}).json()["results"][1]
+    body = {"annotator": "sum-ann", "sign": 1, "note": "",
+            "patterns": [{"description": "zebra crossing words", "kind": "shallow", "prefixes": [0]}]}
+    assert own_client.post(f"/api/memory/{t['layer']}/{t['dim']}/annotations", json=body).status_code == 201
+    s = own_client.get(f"/api/memory/{t['layer']}/{t['dim']}").json()["summary"]
+    assert "annotated by sum-ann: “zebra crossing words”" in s
+    found = own_client.get("/api/search", params={"text": "zebra crossing", "mode": "summary"}).json()
+    assert [(r["layer"], r["dim"]) for r in found["results"]] == [(t["layer"], t["dim"])]
