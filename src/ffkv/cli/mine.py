@@ -105,7 +105,7 @@ def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run di
                 f"{safe(''.join(pre))}[reverse]{safe(toks[-1])}[/reverse]")
 
     for r in rows:
-        nt = repr(printable(r["next_token_text"])) if r["next_token_text"] is not None else "(end)"
+        nt = f"'{printable(r['next_token_text'], newlines=False)}'" if r["next_token_text"] is not None else "(end)"
         con.print(f"{'+' if r['sign'] > 0 else '-'}{r['rank']:>3} {r['coef']:+9.3f}  {prefix(r['prefix_tokens'])}"
                   f"  → {escape(nt)}")
     signs = None if sign == "both" else {int(sign)}
