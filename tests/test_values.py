@@ -85,7 +85,10 @@ def make_run(path, mm, synth, lens="norm", mine=True) -> Run:
     if synth is not None:
         synth.write(run)
     if mine:
+        from ffkv.mine.runner import vocab_table
+
         run.start_step("mine", {"synthetic": True})
+        run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))  # every mined run has one
         run.finish_step("mine")
     return run
 

@@ -69,10 +69,6 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
 
         return MineSettings(corpus=s.corpus or "wikipedia:train", max_sentences=s.sentences, seed=s.seed,
                             top_k=s.top_k, negative=bool(s.negative or (s.negative is None and gated)))
-    if step == "values":
-        from ffkv.experiments.values import ValuesSettings
-
-        return ValuesSettings(dtype=s.dtype)
     if step == "mutate":
         from ffkv.experiments.mutate import MutateSettings
 

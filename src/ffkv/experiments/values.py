@@ -84,11 +84,10 @@ from ffkv.defs import canonical_dtype, check_lens, lens_name, other_lens, pct, w
 from ffkv.errors import FfkvError
 from ffkv.store import query
 from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
-from ffkv.store.steps import Step, execute
+from ffkv.steps.values import STEP, TABLES, ValuesSettings  # noqa: F401
+from ffkv.store.steps import execute
 
 KINDS = ("value", "neg_value", "key")
-TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
-          "values_table2", "values_lenses", "values_fig6_lenses", "values_table2_lenses", "value_index")
 
 
 # ---- small statistics ------------------------------------------------------------------------
@@ -243,39 +242,19 @@ def top1_triggers(run, L: int, d_m: int) -> dict:
 
 
 # ---- the step: settings ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ValuesSettings:
-    """What `ffkv values` is asked for. `lens` None: the run's lens. `chunk` (values projected at
-    a time) changes memory, not results, so it is not recorded. `dtype` is the model's, recorded;
-    `compute` opens the model in it when `execute` is given no other dtype."""
-    lens: str | None = None
-    top_k: int = 10
-    chunk: int = 1024
-    permutations: int = 100
-    seed: int = 0
-    bins: int = 10
-    table2_n: int = 100
-    precision_k: int = 50
-    table2_kinds: str = "auto"
-    dtype: str = "auto"
-    both_lenses: bool = True  # also project through the other lens (the paper's naive one)
+# ValuesSettings and STEP: `ffkv.steps.values` (the step as one unit).
 
 
 def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
     """The step's settings as recorded in the manifest (what the results depend on; not chunk).
 
-    vocab_size defaults to the run's recorded model. Raises FfkvError on bad values, before any
-    model is loaded.
+    vocab_size defaults to the run's recorded model. The fields' own checks ran before
+    (`ffkv.steps.values`); this adds the ones that need the run, before any model is loaded.
     """
     check_triggers(run)
     rec = run.manifest.get("model") or {}
     vocab_size = rec.get("vocab_size") if vocab_size is None else vocab_size
     lens = check_lens(s.lens or run.manifest.get("lens") or "norm")
-    if s.top_k < 1 or s.chunk < 1 or s.permutations < 0 or s.bins < 1 or s.table2_n < 0 or s.precision_k < 1:
-        raise FfkvError("--top-k, --chunk, --bins and --precision-k must be ≥ 1; "
-                        "--permutations and --table2 ≥ 0")
-    if s.table2_kinds not in ("auto", "value", "both"):
-        raise FfkvError(f"unknown --table2-kinds {s.table2_kinds!r}; choose auto, value or both")
     _check_fits(s)
     both = s.table2_kinds == "both" or (s.table2_kinds == "auto" and has_negative_lists(run))
     kinds2 = ("value", "neg_value") if both else ("value",)
@@ -298,10 +277,6 @@ def _check_fits(s: ValuesSettings) -> None:
 
 
 INDEX_K = 20
-
-
-def _has_summary(run, info: dict) -> bool:
-    return bool(info.get("summary"))
 
 
 # ---- the step: compute -------------------------------------------------------------------------
@@ -764,21 +739,16 @@ def _example_texts(run, mm, examples: dict, texts: list) -> None:
 
 
 # ---- the step ------------------------------------------------------------------------------------
-STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES, compute=compute, record=record,
-            done_info=_has_summary)
-
-
-def compute_values(run, mm, lens: str | None = None, top_k: int = 10, chunk: int = 1024,
-                   permutations: int = 100, seed: int = 0, bins: int = 10, table2_n: int = 100,
-                   precision_k: int = 50, table2_kinds: str = "auto", show_progress: bool | None = None,
-                   force: bool = False) -> dict:
-    """Run the values step on `run` with the loaded model `mm`; returns the summary dict.
+def compute_values(run, mm, settings: ValuesSettings | None = None, *, show_progress: bool | None = None,
+                   force: bool = False, **fields) -> dict:
+    """Run the values step on `run` with the loaded model `mm` and `settings` (or
+    ValuesSettings(**fields)); returns the summary dict.
 
     Skips (returning the stored summary with "skipped": True) when the step is already done with
     the same settings and all its tables exist, unless `force`.
     """
-    s = ValuesSettings(lens, top_k, chunk, permutations, seed, bins, table2_n, precision_k, table2_kinds,
-                       dtype=str(mm.dtype).replace("torch.", ""))
+    s = settings if settings is not None else ValuesSettings(**{"dtype": str(mm.dtype).replace("torch.", ""),
+                                                                **fields})
     out = execute(run, "values", s, mm=mm, force=force, show_progress=show_progress)
     return {**out.info["summary"], "skipped": True} if out.skipped else out.result
 

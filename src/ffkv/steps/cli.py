@@ -50,7 +50,7 @@ def _options(step) -> list[inspect.Parameter]:
         else:
             ann = _annotation(hints[f.name])
         decls = [flag(f)] + ([s.short] if s.short else [])
-        if ann is bool:
+        if ann is bool and "/" not in flag(f):
             decls = [f"{flag(f)}/--no-{flag(f)[2:]}"] + ([s.short] if s.short else [])
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
                                      default=typer.Option(default, *decls, help=s.help or None)))

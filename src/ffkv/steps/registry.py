@@ -22,7 +22,7 @@ GROUP = "ffkv.steps"
 # name -> "module:attribute"; the order is the paper's (and a valid dependency order).
 BUILTIN: dict[str, str] = {
     "mine": "ffkv.mine.runner:STEP",
-    "values": "ffkv.experiments.values:STEP",
+    "values": "ffkv.steps.values:STEP",
     "compose": "ffkv.steps.compose:STEP",
     "mutate": "ffkv.experiments.mutate:STEP",
     "patterns": "ffkv.experiments.patterns:STEP",

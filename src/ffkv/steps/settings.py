@@ -37,7 +37,13 @@ def spec(f: dataclasses.Field) -> Setting:
 
 
 def flag(f: dataclasses.Field) -> str:
+    """The field's CLI flag (for a switch written "--on/--off", the whole pair)."""
     return spec(f).flag or "--" + f.name.replace("_", "-")
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag as named in messages: "--on" of "--on/--off"."""
+    return flag(f).split("/")[0]
 
 
 def at_least(lo):
@@ -61,7 +67,7 @@ def check(settings) -> None:
         if s.check is not None:
             err = s.check(getattr(settings, f.name))
             if err:
-                raise FfkvError(f"{flag(f)} {err}")
+                raise FfkvError(f"{flag_name(f)} {err}")
 
 
 def record(settings) -> dict:

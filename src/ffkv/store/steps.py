@@ -20,7 +20,7 @@ from ffkv.errors import FfkvError
 # from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
 REGISTRY: dict[str, str] = {
     "mine": "ffkv.mine.runner",
-    "values": "ffkv.experiments.values",
+    "values": "ffkv.steps.values",
     "compose": "ffkv.steps.compose",
     "mutate": "ffkv.experiments.mutate",
     "patterns": "ffkv.experiments.patterns",
@@ -145,7 +145,9 @@ def check_tables(run, name: str, step: Step | None = None) -> None:
     bad = table_problems(run, name, step)
     if bad:
         t, pr = bad[0]
-        more = f" (and {len(bad) - 1} more of its tables)" if len(bad) > 1 else ""
+        others = ", ".join(f"`{u}`" for u, _ in bad[1:])
+        more = f" (so are {others})" if len(bad) > 1 and all(p == pr for _, p in bad) else (
+            f" (and {others} too)" if len(bad) > 1 else "")
         raise FfkvError(f"the `{t}` table of {run.path} {pr}{more}; rebuild it with "
                         f"`{rebuild_command(run, name)}`")
 
