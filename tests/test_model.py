@@ -155,3 +155,18 @@ def test_capture_and_intervention_share_m_on_a_post_norm_family():
     assert torch.allclose(cap[1]["y"] - plain[1]["y"],
                           (2.5 - m0[..., 3:4]) * mm.values(1)[3] - m0[..., 4:5] * mm.values(1)[4], atol=1e-5)
     assert all(not st for st in mm._state)  # nothing kept after the forward passes
+
+
+def test_values_follow_the_weights(tiny_models):
+    """`values` may keep a layer's V, but never past a change of the block's weights."""
+    mm = tiny_models["llama"]
+    v0 = mm.values(1).clone()
+    w = mm.blocks[1].mlp.down_proj.weight
+    with torch.no_grad():
+        w.mul_(2.0)
+    try:
+        assert torch.allclose(mm.values(1), 2 * v0)
+    finally:
+        with torch.no_grad():
+            w.div_(2.0)
+    assert torch.allclose(mm.values(1), v0)

@@ -117,7 +117,8 @@ class MemoryModel:
         self.blocks = get_path(hf, self.arch.layers)
         self.arch.check_blocks(self.blocks)
         self.n_layers = len(self.blocks)
-        self._state = [{} for _ in range(self.n_layers)]  # per layer, shared by its hooks (arch.hook_m)
+        self._state = [{} for _ in range(self.n_layers)]
+        self._values_cache: list = []  # per layer, shared by its hooks (arch.hook_m)
         self.gated = self.arch.up is not None
         k = self.keys(0)
         self.d_m, self.d = k.shape
@@ -147,8 +148,18 @@ class MemoryModel:
 
     def values(self, layer: int) -> torch.Tensor:
         """V (d_m, d): row i is the value v_i written to the residual stream with weight m_i
-        (after a post-FFN norm's gain, where the family has one)."""
-        return self.arch.values(self.blocks[layer])
+        (after a post-FFN norm's gain, where the family has one). The last two layers asked for
+        are kept while the block's weights stay as they are (a post-FFN norm's V is a product,
+        and callers ask for one layer many times)."""
+        blk = self.blocks[layer]
+        key = (layer, tuple((id(p), p._version) for p in blk.parameters()))
+        for k, v in self._values_cache:
+            if k == key:
+                return v
+        with torch.no_grad():
+            v = self.arch.values(blk)
+        self._values_cache = [(key, v), *self._values_cache[:1]]
+        return v
 
     def key_bias(self, layer: int):
         return self.arch.key_bias(self.blocks[layer])

@@ -6,7 +6,9 @@ Public URLs (links get shared; keep them):
   `scale=F`, `at=last|all` (edit the last position or every position), `contrast=TOKEN` (text
   that is one token, typed as the pages show tokens: ␣ for a space, see `ffkv.display.read_token`;
   it wins over `contrast_id=N`, a token id), `lens=naive|norm` (of the contributions; both
-  lenses are always read), `top=K` (memories per layer).
+  lenses are always read), `top=K` (memories per layer), `continue=N` (a greedy continuation of
+  N ≤ `MAX_CONTINUE` tokens, with and without the edits, side by side; 0 or absent: none; the
+  form sends `CONTINUE` = 20 unless changed, memory pages link with it).
 - `/api/explore?…`: what the page shows, as JSON: `ffkv.experiments.explain`'s result (its
   docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
@@ -17,6 +19,12 @@ with re-verification); at most `QUEUE` more wait for it, and a request beyond th
 once instead of a place in an unbounded queue. Identical requests are answered from a small
 cache. Texts are capped at `MAX_TOKENS` tokens, interventions are checked against the model's
 layers and dims: both give 422 with the reason, never a traceback.
+
+Continuation (`continuation`): the model's own `generate` (greedy, `do_sample=False`), once as
+it is and once inside `MemoryModel.intervene(edits, at)`: with `at=last` each forward of the
+generation edits its last position, so the text's last token and every generated token are
+edited (the key-value cache keeps them edited); with `at=all` every position is. It stops early
+where the model ends its text (its end-of-text token).
 
 Edit sizes: a scale factor F (`scale=` or `L:D*F`) and a set value V (`L:D=V`) must be finite
 and at most `MAX_EDIT` (1e6) in magnitude, a thousand times beyond any coefficient a model
@@ -52,6 +60,8 @@ QUEUE = 4  # requests that may wait while one runs; beyond that: 503
 CACHE = 64  # results kept for identical requests
 MAX_TOP = 20  # memories per layer
 MAX_EDIT = 1e6  # largest |F| of a scale and |V| of a set (see the module docstring)
+CONTINUE = 20  # tokens of continuation the form asks for
+MAX_CONTINUE = 100
 LENSES = ("naive", "norm")
 EXAMPLES = ("The Eiffel Tower is in the city of", "The capital of Japan is the city of",
             "She poured herself a cup of hot")
@@ -77,6 +87,10 @@ table.xp-layers td.first, table.xp-layers th.first { border-left: 2px solid #ddd
 .xp-mem { white-space: nowrap; margin-right: 0.4em; display: inline-block; }
 table.xp-layers td.mems { min-width: 12em; }
 .xp-edit { font-size: 0.85em; }
+.xp-cont { white-space: pre-wrap; line-height: 1.7; }
+.xp-cont .tok { white-space: pre-wrap; border-right: 1px dotted #ccc; }
+.xp-cont .tok.xp-diff { background: #fde9e2; }
+input[name=continue] { width: 4.5em; }
 svg .xp-pos { fill: #2e8b57; } svg .xp-neg { fill: #c44e52; } svg .xp-mid { stroke: #999; stroke-width: 1; }
 tr.xp-edited { background: #fff3cf; }
 """
@@ -163,13 +177,15 @@ class Query:
     contrast_id: int | None = None
     lens: str = ""
     top: int = 3
+    cont: int = 0  # `continue=`: tokens of greedy continuation (0: none)
     edits: list = field(default_factory=list)
 
     def params(self, **changes) -> dict:
         p = {"text": self.text, "suppress": self.suppress, "scale": self.scale_raw,
              "at": "" if self.at == "last" else self.at, "contrast": self.contrast,
              "contrast_id": "" if self.contrast_id is None else self.contrast_id,
-             "lens": self.lens, "top": "" if self.top == 3 else self.top}
+             "lens": self.lens, "top": "" if self.top == 3 else self.top,
+             "continue": self.cont or ""}
         p.update(changes)
         return p
 
@@ -178,7 +194,8 @@ class Query:
         return f"{path}?{q}" if q else path
 
     def key(self) -> tuple:
-        return (self.text, tuple(self.edits), self.at, self.contrast, self.contrast_id, self.lens, self.top)
+        return (self.text, tuple(self.edits), self.at, self.contrast, self.contrast_id, self.lens, self.top,
+                self.cont)
 
 
 def _items(suppress: str) -> list[str]:
@@ -221,6 +238,11 @@ def parse_query(request: Request) -> Query:
         if not top.isdigit() or not top.isascii() or not 1 <= int(top) <= MAX_TOP:
             raise FfkvError(f"top {top!r}: memories per layer must be 1..{MAX_TOP}")
         q.top = int(top)
+    cont = (g.get("continue") or "").strip()
+    if cont:
+        if not cont.isdigit() or not cont.isascii() or int(cont) > MAX_CONTINUE:
+            raise FfkvError(f"continue {cont[:20]!r}: tokens to continue must be 0..{MAX_CONTINUE}")
+        q.cont = int(cont)
     if q.suppress:
         L, d_m = _shape(request)
         q.edits = parse_interventions(q.suppress, L, d_m, scale=q.scale, what="suppress")
@@ -265,14 +287,51 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
             res = explain(mm, q.text, q.top, q.edits, at=q.at,
                           contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
                           lens=q.lens or None, max_tokens=MAX_TOKENS)
+            res["continuation"] = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
     if not _finite(res):
         raise FfkvError("these edits overflow the model's numbers (the result holds inf or nan); "
                         "use a smaller scale or value")
     res["query"] = {"text": q.text, "suppress": q.suppress, "scale": q.scale, "at": q.at,
                     "contrast": q.contrast or None, "contrast_id": q.contrast_id, "lens": res["lens"],
-                    "top": q.top, "interventions": [str(e) for e in q.edits]}
+                    "top": q.top, "interventions": [str(e) for e in q.edits], "continue": q.cont}
     res["url"] = q.url()
     return res
+
+
+def greedy(mm, ids: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation of `ids`: up to n new token ids (`generate`,
+    do_sample=False; fewer where it ends its text)."""
+    import torch
+
+    x = torch.tensor([ids], dtype=torch.long, device=mm.device)
+    with torch.no_grad():
+        out = mm.hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             num_beams=1, pad_token_id=mm.pad_id())
+    return out[0, len(ids):].tolist()
+
+
+def continuation(mm, text: str, n: int, edits=(), at: str = "last") -> dict:
+    """`n` greedy tokens after `text`, as the model writes them (`original`) and under the
+    edits (`edited`, None without edits): {n, original, edited: {ids, tokens, text}, diverges_at
+    (index of the first token that differs, None when none does)}."""
+    from ffkv.experiments.explain import fit_text
+
+    ids = fit_text(mm, text, MAX_TOKENS)[0]
+    if len(ids) + n > mm.max_length:
+        raise FfkvError(f"the text ({len(ids)} tokens) and {n} more exceed the model's context of "
+                        f"{mm.max_length:,} tokens; ask for fewer (continue=)")
+
+    def read(new: list[int]) -> dict:
+        return {"ids": new, "tokens": [mm.tok.decode([i]) for i in new], "text": mm.tok.decode(new)}
+
+    original = read(greedy(mm, ids, n))
+    edited, diverges = None, None
+    if edits:
+        with mm.intervene(list(edits), at=at):
+            edited = read(greedy(mm, ids, n))
+        a, b = original["ids"], edited["ids"]
+        diverges = next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
+    return {"n": n, "at": at, "original": original, "edited": edited, "diverges_at": diverges}
 
 
 async def run_query(request: Request, q: Query) -> dict:
@@ -370,7 +429,8 @@ async def explore_page(request: Request):
     ctx = page_context(q, r) if r else {}
     examples = [(t, Query(text=t).url()) for t in EXAMPLES]
     return render(request, "explore.html", status_code=status, q=q, r=r, error=error, examples=examples,
-                  max_tokens=MAX_TOKENS, max_chars=MAX_CHARS, lenses=LENSES, **ctx)
+                  max_tokens=MAX_TOKENS, max_chars=MAX_CHARS, lenses=LENSES, max_continue=MAX_CONTINUE,
+                  default_continue=CONTINUE, **ctx)
 
 
 @router.get("/api/explore")
@@ -378,7 +438,7 @@ async def api_explore(request: Request):
     q = parse_query(request)
     if not q.text.strip():
         raise FfkvError("text is required: /api/explore?text=…[&suppress=L:D,…&scale=F&at=last|all"
-                        "&contrast=TOKEN&lens=naive|norm&top=K]")
+                        "&contrast=TOKEN&lens=naive|norm&top=K&continue=N]")
     try:
         r = await run_query(request, q)
     except Busy as e:

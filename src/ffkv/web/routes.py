@@ -28,7 +28,7 @@ from markupsafe import Markup
 
 from ffkv.errors import FfkvError
 from ffkv.store.annotations import LIMITS, MAX_JSON_DEPTH, MAX_NAME, MAX_NOTE, MAX_PATTERNS, MAX_RECORD_BYTES
-from ffkv.web import plots
+from ffkv.web import activations, plots
 from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, show_trigger, state
 from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
                            NotFound)
@@ -619,11 +619,35 @@ def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1",
 
 # ---- sentences (provenance) -----------------------------------------------------------------------
 @router.get("/sentence/{sid}", include_in_schema=False)
-def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None):
+def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None,
+                  memory: str | None = None):
     b = state(request)
     s = b.sentence(sid, opt_int(pos, "pos", 0))
+    mem = activations.parse_memory(memory)
+    if mem is not None:
+        b.check_key(*mem)
     mismatch = bool(corpus) and not b.corpus_sha.startswith(str(corpus).lower())
-    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus)
+    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus, memory=mem)
+
+
+# ---- per-token coefficients (the colours of examples: ffkv.web.activations) ---------------------------
+@router.get("/api/memory/{layer}/{dim}/activations", dependencies=[Depends(no_cross_site_fetch)])
+def api_activations(request: Request, layer: int, dim: int, top: str | None = None, samples: str | None = None,
+                    sign: str | None = None, sentence: str | None = None):
+    """m of memory layer/dim at every token of the examples its page shows (`top` trigger rows
+    of each sign, or of `sign`; the quantile samples unless samples=none), or of one `sentence`."""
+    b = state(request)
+    b.check_key(layer, dim)
+    if samples not in (None, "", "all", "first", "none"):
+        raise BadQuery(f"samples must be all, first or none (got {samples[:20]!r})")
+    sid = opt_int(sentence, "sentence", 0, 2**62)
+    if sid is not None:
+        b.sentence_row(sid)  # 404 for a sentence not in the run
+        examples = [(sid, None)]
+    else:
+        examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
+                                             samples != "none", opt_sign(sign))
+    return api(activations.activations(b, request.app.state, layer, dim, examples))
 
 
 @router.get("/api/sentence/{sid}")

@@ -81,3 +81,85 @@
     });
   }
 })();
+
+// ---- Per-token coefficients (issue 26; ffkv.web.activations) -------------------------------------
+// A page with an element [data-act-src] (a memory page, a sentence page opened with ?memory=L/D)
+// fetches that JSON and tints every token `.ex[data-sid] .tk[data-i]` by the memory's coefficient
+// m there: classes mp1..mp8 (positive) and mn1..mn8 (negative), relative to the largest |m| shown.
+// The value goes into data-m and the token's title (hover); a focused token shows it (style.css),
+// and the arrow keys move between an example's tokens. Without this script the page shows the
+// same examples, uncoloured.
+(function () {
+  "use strict";
+  var status = document.querySelector("[data-act-src]");
+  if (!status || !window.fetch) return;
+  var LEVELS = 8;
+  status.hidden = false;
+  status.dataset.state = "loading";
+  status.textContent = "colouring… (the model computes this memory's m at every token shown)";
+  function show(x) {
+    var a = Math.abs(x);
+    return (a !== 0 && (a < 1e-3 || a >= 1e4)) ? x.toExponential(3) : x.toFixed(4);
+  }
+  function paint(j) {
+    var scale = j.scale || 0, n = 0;
+    document.querySelectorAll(".ex[data-sid]").forEach(function (ex) {
+      var e = j.examples[ex.dataset.sid];
+      if (!e) return;
+      var first = null, anchor = null;
+      ex.querySelectorAll(".tk[data-i]").forEach(function (t) {
+        var i = parseInt(t.dataset.i, 10), k = i - e.start;
+        if (k < 0 || k >= e.m.length || e.m[k] === null) return;
+        var m = e.m[k];
+        t.dataset.m = String(m);
+        var level = scale > 0 ? Math.min(LEVELS, Math.round(LEVELS * Math.abs(m) / scale)) : 0;
+        if (level > 0) t.classList.add((m > 0 ? "mp" : "mn") + level);
+        if (t.dataset.title0 === undefined) t.dataset.title0 = t.getAttribute("title") || "";
+        t.title = (t.dataset.title0 ? t.dataset.title0 + " · " : "") + "m = " + show(m);
+        t.tabIndex = -1;
+        if (first === null) first = t;
+        if (ex.dataset.pos !== undefined && String(i) === ex.dataset.pos) anchor = t;
+        n++;
+      });
+      if (first) (anchor || first).tabIndex = 0;
+      ex.classList.add("coloured");
+    });
+    status.dataset.state = "done";
+    status.textContent = "";
+    var how = j.computed ? "computed now for " + j.computed + " sentence" + (j.computed === 1 ? "" : "s") +
+      " in " + j.seconds + " s" : "from the cache";
+    status.append("Tokens tinted by m of memory " + j.layer + "/" + j.dim + " (" + n + " tokens, " + how + "): ");
+    [["mp" + LEVELS, "+" + show(scale)], ["mn" + LEVELS, "−" + show(scale)]].forEach(function (p) {
+      var s = document.createElement("span");
+      s.className = "act-key " + p[0];
+      s.textContent = p[1];
+      status.append(s, " ");
+    });
+    status.append("; hover or focus a token for its value, ← → to move.");
+  }
+  fetch(status.dataset.actSrc, { headers: { Accept: "application/json" }, credentials: "same-origin" })
+    .then(function (r) {
+      return r.json().then(function (j) {
+        if (!r.ok) throw new Error((j && j.detail) || ("HTTP " + r.status));
+        return j;
+      });
+    })
+    .then(paint)
+    .catch(function (e) {
+      status.dataset.state = "failed";
+      status.textContent = "Colours unavailable: " + e.message;
+    });
+  document.addEventListener("keydown", function (e) {
+    var t = e.target;
+    if (!t || !t.classList || !t.classList.contains("tk") || (e.key !== "ArrowLeft" && e.key !== "ArrowRight")) return;
+    var ex = t.closest(".ex");
+    if (!ex) return;
+    var toks = Array.prototype.slice.call(ex.querySelectorAll(".tk[data-m]"));
+    var k = toks.indexOf(t) + (e.key === "ArrowRight" ? 1 : -1);
+    if (k < 0 || k >= toks.length) return;
+    e.preventDefault();
+    t.tabIndex = -1;
+    toks[k].tabIndex = 0;
+    toks[k].focus();
+  });
+})();
