@@ -152,11 +152,12 @@ class Architecture:
         """The module whose output is (up to `read_y`) what the FFN adds to the residual stream."""
         return self.module(blk, self.value)
 
-    def read_y(self, out: torch.Tensor) -> torch.Tensor:
+    def read_y(self, blk, out: torch.Tensor) -> torch.Tensor:
+        """What the FFN adds, from the y site's output."""
         return out
 
-    def write_y(self, y: torch.Tensor) -> torch.Tensor:
-        """The y-site output that makes the FFN add y (the inverse of `read_y`)."""
+    def write_y(self, blk, y: torch.Tensor) -> torch.Tensor:
+        """The y site's output that makes the FFN add y (the inverse of `read_y`)."""
         return y
 
     def hook_x(self, blk, fn: Callable, shape) -> list:
@@ -176,7 +177,7 @@ class Architecture:
     def hook_y(self, blk, fn: Callable, shape) -> list:
         """fn(y) on what the FFN adds to the residual stream, y (B, T, d)."""
         return [self.y_site(blk).register_forward_hook(
-            lambda mod, args, out: fn(self._tokens(self.read_y(out), shape)))]
+            lambda mod, args, out: fn(self._tokens(self.read_y(blk, out), shape)))]
 
     def replace_y(self, blk, replace: Callable, shape, state: dict) -> list:
         """The FFN adds replace(x, m) (B, T, d) instead of its own y (None keeps y)."""
@@ -187,7 +188,7 @@ class Architecture:
 
         def swap(mod, args, out):
             y = replace(seen.pop("x"), seen.pop("m"))
-            return None if y is None else self.write_y(y).reshape(out.shape).to(out.dtype)
+            return None if y is None else self.write_y(blk, y).reshape(out.shape).to(out.dtype)
 
         return (self.hook_x(blk, lambda x: seen.__setitem__("x", x), shape)
                 + self.hook_m(blk, keep_m, shape, state)
@@ -318,14 +319,11 @@ class ScaledResidual(Architecture):
         b = super().value_bias(blk)
         return None if b is None else b * self._c(blk)
 
-    def hook_y(self, blk, fn, shape):
-        c = self._c(blk)
-        return [self.y_site(blk).register_forward_hook(lambda mod, args, out: fn(out * c))]
+    def read_y(self, blk, out):
+        return out * self._c(blk)
 
-    def replace_y(self, blk, replace, shape, state):
-        c = self._c(blk)
-        return super().replace_y(blk, lambda x, m: (lambda y: None if y is None else y / c)(replace(x, m)),
-                                 shape, state)
+    def write_y(self, blk, y):
+        return y / self._c(blk)
 
     def head(self, cfg, z):
         return z / float(getattr(text_config(cfg), self.divisor, 1.0) or 1.0)
@@ -347,7 +345,7 @@ class Falcon(Architecture):
     """Falcon's parallel blocks add the attention's output into the FFN's output tensor in place
     (`mlp_output += attention_output`), so y is copied when read."""
 
-    def read_y(self, out):
+    def read_y(self, blk, out):
         return out.clone()
 
 
