@@ -540,7 +540,7 @@ class Builder:
         sec = keystats.section(self.run, self.fig_dir)
         if sec is None:
             return None
-        figs = "".join(f'<figure>{img(f["png"], sec["title"])}<figcaption class="files">Files: '
+        figs = "".join(f'<figure>{img(f["png"], alt_text(sec["title"], f))}<figcaption class="files">Files: '
                        f'<a href="figures/{f["png"].name}">{esc(f["png"].name)}</a>, '
                        f'<a href="figures/{f["svg"].name}">{esc(f["svg"].name)}</a></figcaption></figure>'
                        for f in sec["figures"])
@@ -571,13 +571,19 @@ class Builder:
 
 
 # ---- page -------------------------------------------------------------------------------------------------
+def alt_text(title: str, figure: dict) -> str:
+    """A figure's alt text: its title, then what it shows (`figures.describe`, saved with it)."""
+    what = figure.get("alt") or ""
+    return f"{title}. {what}" if what else title
+
+
 def section_html(s: Section, notes: list[str], fig_rel: str) -> str:
     p = PAPER[s.id]
     parts = [f'<section id="{s.id}" class="figure-section" data-section="{s.id}">', f"<h2>{esc(p['title'])}</h2>"]
     paper = (f'<aside class="paper"><h3>The paper</h3><p>{esc(p["result"])}</p>'
              f'<p class="setup"><b>Measured:</b> {esc(p["measure"])}.<br><b>Setup:</b> {esc(p["setup"])}.</p></aside>')
     if s.figure:
-        fig = (f'<figure>{img(s.figure["png"], p["title"])}<figcaption class="files">Files: '
+        fig = (f'<figure>{img(s.figure["png"], alt_text(p["title"], s.figure))}<figcaption class="files">Files: '
                f'<a href="{fig_rel}/{s.figure["png"].name}">{esc(s.figure["png"].name)}</a>, '
                f'<a href="{fig_rel}/{s.figure["svg"].name}">{esc(s.figure["svg"].name)}</a></figcaption></figure>')
     elif s.missing or s.error:
@@ -646,16 +652,31 @@ def manifest_html(run: Run) -> str:
 
 
 def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, extra: list[tuple[str, str, str]] = (),
-           lens: str | None = None) -> str:
+           lens: str | None = None, beyond: list[dict] = ()) -> str:
     """The page. `extra`: (id, title, html) sections beyond the paper's (key statistics, normalize),
-    placed after the paper's figures. `lens`: the run's; the overview gives each other lens a column."""
+    placed after the paper's figures. `lens`: the run's; the overview gives each other lens a column.
+    `beyond`: the verdicts.json records of those sections (normalize's claims C1–C5, a plugin step's),
+    listed in the overview after the paper's sections."""
     m = run.manifest.get("model") or {}
     counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
     others = [ln for ln in dict.fromkeys(k for s in sections for k in s.lenses) if ln != lens]
+    claims = [r for r in beyond if r.get("id") and r.get("verdict")]
+    short = lambda r: str(r.get("title") or r["id"]).split(" — ")[0]  # noqa: E731  "C1 — …" -> "C1"
     overview = table(["section", f"verdict ({lens} lens)" if others else "verdict"] + [lens_name(ln) for ln in others] + ["measured"],
                      [[f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>', chip(s.verdict.verdict),
                        *[chip(s.lenses[ln]) if ln in s.lenses else "" for ln in others], s.verdict.measured]
-                      for s in sections], raw=set(range(2 + len(others))))
+                      for s in sections]
+                     + [[f'<a href="#{esc(r["id"])}">{esc(short(r))}</a>', chip(str(r["verdict"]), r.get("report_verdict")),
+                         *[""] * len(others), r.get("measured") or ""] for r in claims],
+                     raw=set(range(2 + len(others))))
+    claims_line = ""
+    if claims:
+        said: dict[str, int] = {}
+        for r in claims:
+            said[str(r["verdict"])] = said.get(str(r["verdict"]), 0) + 1
+        claims_line = (f" Beyond the paper, {len(claims)} claim{'s' if len(claims) > 1 else ''} "
+                       f"({', '.join(esc(short(r)) for r in claims)}): "
+                       + ", ".join(f"{n} {esc(v)}" for v, n in said.items()) + ".")
     toc = " ".join(f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>' for s in sections)
     toc += "".join(f' <a href="#{xid}">{esc(xtitle)}</a>' for xid, xtitle, _ in extra)
     body = [
@@ -665,7 +686,7 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
         f"{counts[V.INCONCLUSIVE]} are inconclusive (the difference lies within its interval or cannot be told "
         f"apart from chance) and {counts[V.NA]} are not comparable. Each verdict is computed from the run's "
         f"tables by the criterion printed under its figure, against a chance baseline with a 95% interval; "
-        f"layer-wise criteria compare parts of the network by relative depth.</p>"
+        f"layer-wise criteria compare parts of the network by relative depth.{claims_line}</p>"
         + overview + "</section>",
         '<section id="model"><h2>How this model differs from the paper\'s</h2>'
         + table(["", "paper", "this run", "where it matters"], diff_rows) + "</section>",
@@ -706,7 +727,7 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
     sections = b.sections()
     extra, records = b.beyond_the_paper()
     diff_rows, notes = model_differences(run.manifest)
-    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra, lens=b.lens)
+    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra, lens=b.lens, beyond=records)
     atomic_write_bytes(html_path, page.encode("utf-8"))
     atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections) + records, indent=2,
                                                                       ensure_ascii=False).encode("utf-8"))

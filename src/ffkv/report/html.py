@@ -36,13 +36,32 @@ def template() -> Template:
     return Template(resources.files("ffkv.report").joinpath("template.html").read_text(encoding="utf-8"))
 
 
-def img(png: Path, alt: str) -> str:
-    data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-    return f'<img src="data:image/png;base64,{data}" alt="{esc(alt)}">'
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR header."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError("not a PNG")
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def chip(v: str) -> str:
-    return f'<span class="chip {VERDICT_CLASS.get(v, "v-na")}">{esc(v)}</span>'
+def img(png: Path, alt: str, scale: int | None = None) -> str:
+    """The PNG inlined, shown at its layout size (its pixels / `scale`, the figures' `SCALE`: sharp
+    on high-density screens), with `alt` (what it shows, `ffkv.report.figures.describe`)."""
+    from ffkv.report.figures import SCALE
+
+    raw = Path(png).read_bytes()
+    data = base64.b64encode(raw).decode("ascii")
+    try:
+        w, h = png_size(raw)
+        s = scale or SCALE
+        size = f' width="{round(w / s)}" height="{round(h / s)}"'
+    except ValueError:
+        size = ""
+    return f'<img src="data:image/png;base64,{data}"{size} alt="{esc(alt)}">'
+
+
+def chip(v: str, cls: str | None = None) -> str:
+    """A verdict chip; `cls` the verdict whose colour it takes (a claim's "holds" takes "same trend")."""
+    return f'<span class="chip {VERDICT_CLASS.get(cls or v, "v-na")}">{esc(v)}</span>'
 
 
 def verdict_line(v: Verdict, extra: str = "") -> str:
@@ -78,8 +97,10 @@ def kv(pairs: list[tuple[str, object]]) -> str:
 
 
 def tok(s: str | None) -> str:
-    """A token shown visibly (spaces and newlines kept, control characters escaped)."""
+    """A token shown visibly, as everywhere (`ffkv.display.show_token`): ␣ for a space at either
+    end or a token of whitespace only, ↵ a newline, escapes for control characters; ∅ for empty."""
     if s is None:
         return ""
-    s = "".join(c if c.isprintable() or c == " " else f"\\x{ord(c):02x}" for c in str(s))
-    return f'<span class="tok">{esc(s)}</span>'
+    from ffkv.display import show_token
+
+    return f'<span class="tok">{html.escape(show_token(str(s)), quote=True)}</span>'

@@ -27,18 +27,54 @@ def _side_name(sign: int) -> str:
     return "m > 0" if sign == 1 else "m < 0"
 
 
+STRONG_FLOOR = 1e-4  # the right panel's log axis starts here; a key never that strong counts in the first bin
+DEPTH_COLORS = ("#4C72B0", "#DD8452", "#55A868")
+
+
+def depth_groups(layers) -> list[tuple[str, list[int]]]:
+    """The run's layers in three groups by depth (low, middle, high thirds), each named by its range."""
+    ls = sorted({int(l) for l in layers})
+    if not ls:
+        return []
+    parts = [p for p in np.array_split(np.asarray(ls), min(3, len(ls))) if len(p)]
+    names = ("low", "middle", "high") if len(parts) == 3 else ("low", "high") if len(parts) == 2 else ("all",)
+    return [(f"{name} layers {int(p[0])}–{int(p[-1])}" if len(p) > 1 else f"{name} layer {int(p[0])}", p.tolist())
+            for name, p in zip(names, parts)]
+
+
 @F.styled
-def density_figure(by_layer: pd.DataFrame):
-    """Per layer: the mean share of tokens on which a key is active (median and quartiles shaded), per sign."""
-    fig, ax = F.new_figure()
-    for sign, d in by_layer.groupby("sign", sort=False):
-        d = d.sort_values("layer")
-        c = SIGN_COLOR.get(int(sign), "#8C8C8C")
-        side = _side_name(int(sign))
-        ax.plot(d["layer"], d["density_mean"], marker="o", ms=3, color=c, label=f"density, {side} (mean, quartiles)")
-        ax.fill_between(d["layer"], d["density_q25"], d["density_q75"], color=c, alpha=0.15)
-        ax.plot(d["layer"], d["strong_mean"], ls="--", color=c, lw=1, label=f"> 10% of the key's extreme, {side}")
-    return F._finish(fig, ax, by_layer["layer"], "share of tokens", "Key density per layer", ylim=(0, 1))
+def density_figure(per_key: pd.DataFrame):
+    """How many keys are active how often: histograms over keys (share of keys, %) of the density
+    (share of tokens with m > 0, left) and of the share of tokens above 10% of the key's own extreme
+    (right, log scale), for a low, a middle and a high third of the layers (the m > 0 side).
+
+    per_key: key_stats rows with layer, sign, frac_active, frac_strong."""
+    from matplotlib.ticker import PercentFormatter
+
+    d = per_key[per_key["sign"] == 1] if "sign" in per_key.columns else per_key
+    fig, (a1, a2) = F.new_panels(2, size=(7.6, 3.3))
+    lin = np.linspace(0, 1, 41)
+    logb = np.logspace(np.log10(STRONG_FLOOR), 0, 33)
+    for (name, ls), c in zip(depth_groups(d["layer"]), DEPTH_COLORS):
+        g = d[d["layer"].isin(ls)]
+        if not len(g):
+            continue
+        w = np.full(len(g), 100.0 / len(g))
+        fa = g["frac_active"].to_numpy(dtype=float)
+        fs = np.clip(g["frac_strong"].to_numpy(dtype=float), STRONG_FLOOR, 1)
+        a1.hist(fa, bins=lin, weights=w, histtype="step", lw=1.4, color=c,
+                label=f"{name} ({len(g):,} keys, median {np.median(fa):.1%} / {np.median(g['frac_strong']):.2%})")
+        a2.hist(fs, bins=logb, weights=w, histtype="step", lw=1.4, color=c, label=name)
+    a1.set_xlabel("density: share of tokens with m > 0")
+    a1.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    a2.set_xscale("log")
+    a2.set_xlabel("share of tokens with m > 10% of the key's max\n(below 10⁻⁴: in the first bin)")
+    for ax in (a1, a2):
+        ax.set_ylabel("% of the keys")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("How often each key is active, over the keys of a low, a middle and a high third of the layers")
+    F.legend_below(fig, a1, ncol=1)
+    return fig
 
 
 def bin_labels(layout: dict) -> list[str]:
@@ -64,7 +100,7 @@ def histograms_figure(keys: list[dict], layout: dict):
     from matplotlib.figure import Figure
 
     n = max(len(keys), 1)
-    fig = Figure(figsize=(6.4, 1.9 * n + 0.4), dpi=F.DPI, layout="constrained")
+    fig = Figure(figsize=(6.4, 2.0 * n + 0.4), dpi=F.DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
     sign = np.asarray(layout["sign"])
@@ -72,13 +108,17 @@ def histograms_figure(keys: list[dict], layout: dict):
     x = np.arange(len(sign))
     labels = bin_labels(layout)
     for ax, k in zip(axes, keys):
-        ax.bar(x, np.maximum(np.asarray(k["count"], float), 0), color=colors, width=0.9)
-        ax.set_yscale("symlog", linthresh=1)
-        ax.set_title(f"key {k['layer']}/{k['dim']}: {k.get('label', '')}", fontsize=9)
-        ax.set_ylabel("tokens")
+        count = np.asarray(k["count"], float)
+        nz = count > 0  # a log axis: empty bins are drawn as nothing (no bar, no "0" tick)
+        ax.bar(x[nz], count[nz], color=[c for c, z in zip(colors, nz) if z], width=0.9)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=0.7)
+        ax.set_title(f"key {k['layer']}/{k['dim']}: {k.get('label', '')}", fontsize=F.MIN_PT)
+        ax.set_ylabel("tokens (log)")
         zero = int(np.flatnonzero(sign == 0)[0])
         ticks = [i for i in x if (i - zero) % 4 == 0]
-        ax.set_xticks(ticks, [labels[i] for i in ticks], fontsize=7)
+        ax.set_xticks(ticks, [labels[i] for i in ticks], fontsize=F.MIN_PT)
+        ax.set_xlim(-0.6, len(x) - 0.4)
         ax.grid(axis="y", alpha=0.3)
     axes[-1].set_xlabel("coefficient m (log2 bins; a tick marks the bin's bound nearer zero)")
     return fig
@@ -113,17 +153,19 @@ def pick_keys(run, layers: list[int]) -> list[dict]:
 
 
 def content(run) -> dict | None:
-    """The section's data: {"by_layer": DataFrame, "keys": [...with count and stats], "layout": dict}."""
+    """The section's data: {"by_layer": DataFrame, "per_key": DataFrame (key_stats' layer, sign,
+    frac_active, frac_strong), "keys": [...with count and stats], "layout": dict}."""
     lay = query.stats_layout(run)
     if lay is None:
         return None
     by_layer = query.key_stats_by_layer(run).to_pandas()
+    per_key = query.table(run, "key_stats", columns=["layer", "sign", "frac_active", "frac_strong"]).to_pandas()
     keys = []
     for k in pick_keys(run, by_layer["layer"].tolist()):
         h = query.key_hist(run, k["layer"], k["dim"])
         st = {r["sign"]: r for r in query.key_stats(run, k["layer"], k["dim"])}
         keys.append({**k, "count": h["count"], "stats": st})
-    return {"by_layer": by_layer, "keys": keys, "layout": lay}
+    return {"by_layer": by_layer, "per_key": per_key, "keys": keys, "layout": lay}
 
 
 def section(run, fig_dir: Path) -> dict | None:
@@ -133,7 +175,7 @@ def section(run, fig_dir: Path) -> dict | None:
     c = content(run)
     if c is None:
         return None
-    figs = [F.save(density_figure(c["by_layer"]), fig_dir, "keystats_density")]
+    figs = [F.save(density_figure(c["per_key"]), fig_dir, "keystats_density")]
     if c["keys"]:
         figs.append(F.save(histograms_figure(c["keys"], c["layout"]), fig_dir, "keystats_hist"))
     rows = []

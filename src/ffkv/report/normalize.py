@@ -205,6 +205,27 @@ def _panels(n: int, size=(9.0, 3.4)):
     return fig, list(np.atleast_1d(axes))
 
 
+def log2_ticks(ns: list[int], gap: float = 1.0) -> list[int]:
+    """Of sorted tick values on a log2 axis, those at least `gap` octaves apart (the largest always
+    kept, replacing its too-close neighbour): labels that never run into each other ("10241536")."""
+    keep: list[int] = []
+    for n in ns:
+        if not keep or math.log2(n) - math.log2(keep[-1]) >= gap:
+            keep.append(n)
+    if ns and keep[-1] != ns[-1]:
+        if len(keep) > 1:
+            keep[-1] = ns[-1]
+        else:
+            keep.append(ns[-1])
+    return keep
+
+
+def _legend_below(fig, ax) -> None:
+    from ffkv.report.figures import legend_below
+
+    legend_below(fig, ax)
+
+
 def _layer_ticks(ax, label: str = "layer (0-based)") -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -238,9 +259,8 @@ def fig_concentration(normalize_layers):
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     a1.axhline(float(df["entropy_uniform"].iloc[0]), color="#8C8C8C", ls=":", lw=1, label="uniform")
-    a1.legend(fontsize=7)
-    fig.suptitle("How concentrated the memory weights are (held-out tokens; bars: 2 SE of the paired difference)",
-                 fontsize=9)
+    fig.suptitle("How concentrated the memory weights are (held-out tokens; bars: 2 SE of the paired difference)")
+    _legend_below(fig, a1)
     return fig
 
 
@@ -264,13 +284,15 @@ def fig_substitution(normalize_layers):
     ax.set_ylabel("held-out loss − intact (nats)")
     ax.set_title(f"One FFN replaced at a time (intact loss {df['loss_intact'].iloc[0]:.3f} nats; bars: 2 SE)")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend_below(fig, ax)
     return fig
 
 
 @_styled
 def fig_capacity(normalize_capacity):
     """C2: the softmax − original loss gap against the number of slots n, per layer and selection."""
+    from matplotlib.ticker import NullFormatter
+
     df = as_frame(normalize_capacity)
     fig, axes = _panels(2)
     colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#8C8C8C"]
@@ -281,14 +303,15 @@ def fig_capacity(normalize_capacity):
                         color=colors[i % len(colors)], label=f"layer {int(layer)}")
         ax.axhline(0, color="#333333", lw=0.8)
         ax.set_xscale("log", base=2)
-        ns = sorted(int(n) for n in df["n"].unique())
+        ns = log2_ticks(sorted(int(n) for n in df["n"].unique()))
         ax.set_xticks(ns, [str(n) for n in ns])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("memories kept, n")
         ax.set_ylabel("loss(softmax) − loss(original) (nats)")
         ax.set_title(f"{'a fixed random draw' if sel == 'random' else 'each token’s top n by |m|'}")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Capacity: the softmax memory's loss gap as the slots grow (bars: 2 SE)", fontsize=9)
+    fig.suptitle("Capacity: the softmax memory's loss gap as the slots grow (bars: 2 SE)")
+    _legend_below(fig, max(axes, key=lambda a: len(a.get_legend_handles_labels()[0])))
     return fig
 
 
@@ -301,28 +324,37 @@ def fig_variance(normalize_variance, kind: str = "raw"):
     a1.errorbar(s["n"], s["variance"], yerr=3 * s["se"], fmt="o", ms=3, capsize=2, color="#4C72B0",
                 label="measured (bars: 3 SE)")
     a1.plot(s["n"], s["expected"], "-", color="#C44E52", lw=1, label="n/2" if kind == "raw" else "1/γ²")
-    a1.set_title("synthetic: Σ ReLU(x_i)·v_i" + ("" if kind == "raw" else " / (γ·√(n/2))"))
+    a1.set_title("synthetic: Σ ReLU(x_i)·v_i" + ("" if kind == "raw" else "\n/ (γ·√(n/2))"))
     m = df[(df["source"] == "model") & (df["kind"] == kind)]
-    layers = sorted(m["layer"].dropna().unique())
+    layers = sorted(int(l) for l in m["layer"].dropna().unique())
     cmap = __import__("matplotlib").colormaps["viridis"]
+    many = len(layers) > 6  # then a colour bar names the layers; else the legend names each
     for i, layer in enumerate(layers):
         g = m[m["layer"] == layer].sort_values("n")
         a2.plot(g["n"], g["variance"], "o-", ms=2, lw=0.8, color=cmap(i / max(len(layers) - 1, 1)),
-                label=f"layer {int(layer)}" if i in (0, len(layers) - 1) else None)
+                label=None if many else f"layer {layer}")
     if len(m):
         n0 = m["n"].min()
         ref = m[m["n"] == n0]["variance"].median()
         ns = np.array(sorted(m["n"].unique()), dtype=float)
         a2.plot(ns, ref * (ns / n0) ** (1.0 if kind == "raw" else 0.0), ":", color="#C44E52", lw=1,
                 label="∝ n" if kind == "raw" else "flat")
-    a2.set_title("model: Σ_{i∈S} m_i·v_i, random subsets S" + ("" if kind == "raw" else " / (γ·√(|S|/2))"))
+    if many:
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        sm = ScalarMappable(norm=Normalize(layers[0], layers[-1]), cmap=cmap)
+        fig.colorbar(sm, ax=a2, label="layer (0-based)", pad=0.02)
+    a2.set_title("model: Σ_{i∈S} m_i·v_i over random subsets S" + ("" if kind == "raw" else "\n/ (γ·√(|S|/2))"))
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("memories summed, n = |S|")
         ax.set_ylabel("variance" if kind == "raw" else "scaled variance")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(loc="best")
+    fig.suptitle(("C3: the output variance of a ReLU memory against n" if kind == "raw" else
+                  "C4: the variance after scaling by 1/(γ·√(n/2)) against n") + " (log–log)")
     return fig
 
 
@@ -420,7 +452,8 @@ def section_html(its: list[Item], fig_rel: str = "figures") -> str:
     for it in its:
         claim, measure = CLAIM_TEXT[it.id]
         if it.figure:
-            fig = (f'<figure>{img(it.figure["png"], it.title)}<figcaption class="files">Files: '
+            alt = f"{it.title}. {it.figure.get('alt', '')}".rstrip(". ")
+            fig = (f'<figure>{img(it.figure["png"], alt)}<figcaption class="files">Files: '
                    f'<a href="{fig_rel}/{it.figure["png"].name}">{esc(it.figure["png"].name)}</a>, '
                    f'<a href="{fig_rel}/{it.figure["svg"].name}">{esc(it.figure["svg"].name)}</a></figcaption></figure>')
         else:

@@ -171,3 +171,14 @@ PAPER: dict[str, dict] = {
 # Order of the sections in the report.
 ORDER = ["fig2", "fig2_human", "table1", "fig3", "fig4", "fig5", "fig6", "table2", "fig7", "fig8",
          "fig9", "fig10", "fig11", "cases"]
+
+# The levels the paper states in numbers, drawn on the run's figure (`ffkv.report.figures.reference`):
+# a dashed line ("line", in the figure's y units) or a shaded band ("band": low, high). Only what the
+# paper reports (see each entry's `result` above); figures without a stated level have none.
+REFERENCE: dict[str, dict] = {
+    "fig2": {"band": (65.0, 80.0), "label": "paper: 65–80% of prefixes covered by a pattern"},
+    "fig4": {"line": 3.5, "label": "paper: about 3.5% in its top layers"},
+    "fig7": {"band": (10.0, 50.0), "label": "paper's range (10–50%)"},
+    "fig8": {"line": 68.0, "label": "paper: ≥ 68% in every layer"},
+    "fig9": {"line": 100.0 / 3, "label": "paper: about a third in its first layers"},
+}

@@ -1043,29 +1043,35 @@ class Browser:
         if mode == "token":  # the trigger token, typed as in token search (merged)
             ids = self.resolve_token(parse_token(q, "text"), "merged")
             sel = np.nonzero(np.isin(self.trig_token, np.asarray(ids, np.int64)))[0] if ids else np.zeros(0, np.int64)
-        else:
-            sel = self._word_hits(q)
+        else:  # the run's text index (`ffkv.web.textindex`), or the reference scan when it is off
+            from ffkv.web import textindex
+
+            ti = textindex.get(self)
+            sel = ti.word_hits(q) if ti is not None else self._word_hits(q)
         if len(sel) and sign is not None:
             sel = sel[self.trig_sign[sel] == sign]
         if len(sel) and layer is not None:
             sel = sel[(self.trig.code[sel] // self.d_m) == layer]
-        hits = self.trig.table.take(pa.array(sel, pa.int64())).select(
-            ["layer", "dim", "sign", "rank", "coef", "sentence_id", "position"])
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
             return {**base, "total": 0, "memories": 0, "results": []}
-        with self._con_lock:
-            self._con.register("hits", hits)
-            try:
-                g = self._con.sql(
-                    f"""SELECT layer, dim, sign, count(*) AS n, min(rank) AS best_rank,
-                               arg_min(coef, rank) AS best_coef, arg_min(sentence_id, rank) AS sentence_id,
-                               arg_min(position, rank) AS position
-                        FROM hits GROUP BY layer, dim, sign
-                        ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
-            finally:
-                self._con.unregister("hits")
+        if mode == "word" and ti is not None:
+            g = ti.groups(sel, col, how)
+        else:
+            hits = self.trig.table.take(pa.array(sel, pa.int64())).select(
+                ["layer", "dim", "sign", "rank", "coef", "sentence_id", "position"])
+            with self._con_lock:
+                self._con.register("hits", hits)
+                try:
+                    g = self._con.sql(
+                        f"""SELECT layer, dim, sign, count(*) AS n, min(rank) AS best_rank,
+                                   arg_min(coef, rank) AS best_coef, arg_min(sentence_id, rank) AS sentence_id,
+                                   arg_min(position, rank) AS position
+                            FROM hits GROUP BY layer, dim, sign
+                            ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
+                finally:
+                    self._con.unregister("hits")
         total = g.num_rows  # rows: (memory, list) pairs, a memory's two lists apart
         codes = g.column("layer").to_numpy().astype(np.int64) * self.d_m + g.column("dim").to_numpy()
         rows = g.slice((page - 1) * per_page, per_page).to_pylist()
