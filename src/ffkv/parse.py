@@ -121,3 +121,13 @@ def parse_interventions(text: str | None, n_layers: int | None = None, d_m: int 
 def format_interventions(ivs) -> str:
     """The inverse of `parse_interventions`: every item explicit (`L:D*F` or `L:D=V`)."""
     return ",".join(str(Intervention(*iv)) for iv in ivs)
+
+
+def parse_sign(s) -> int:
+    """+ or - (also +1/1/pos/positive, -1/neg/negative) -> 1 or -1; anything else: one line."""
+    v = str(s).strip().lower()
+    if v in ("+", "+1", "1", "pos", "positive"):
+        return 1
+    if v in ("-", "-1", "neg", "negative"):
+        return -1
+    raise FfkvError(f"--sign must be + or - (got {s!r})")

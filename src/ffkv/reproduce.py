@@ -69,14 +69,6 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
 
         return MineSettings(corpus=s.corpus or "wikipedia:train", max_sentences=s.sentences, seed=s.seed,
                             top_k=s.top_k, negative=bool(s.negative or (s.negative is None and gated)))
-    if step == "mutate":
-        from ffkv.experiments.mutate import MutateSettings
-
-        return MutateSettings(keys_per_layer=s.keys_per_layer, seed=s.seed, dtype=s.dtype)
-    if step == "patterns":
-        from ffkv.experiments.patterns import PatternsSettings
-
-        return PatternsSettings(semantic_keys_per_layer=s.semantic_keys_per_layer, seed=s.seed, device=s.device)
     raise ValueError(step)
 
 

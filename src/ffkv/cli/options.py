@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from ffkv.errors import FfkvError
+from ffkv.parse import parse_sign  # noqa: F401  (kept importable from here)
 
 ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
                         "Default: the embedded SmolLM2-135M-Instruct GGUF.")
@@ -58,15 +59,6 @@ def open_run_with_model(run_dir, model_name: str | None, device: str = "auto", d
         run.record_model(mm)
         run.save()
     return run, mm
-
-
-def parse_sign(s: str) -> int:
-    v = str(s).strip().lower()
-    if v in ("+", "+1", "1", "pos", "positive"):
-        return 1
-    if v in ("-", "-1", "neg", "negative"):
-        return -1
-    raise FfkvError(f"--sign must be + or - (got {s!r})")
 
 
 def print_table(title: str, rows: list[dict], cols: list[str], fmt: dict | None = None) -> None:

@@ -45,27 +45,21 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
 
 
 def show_step(step: str, run, out) -> None:
-    """Print a step's outcome as its own command prints it."""
-    from ffkv.cli import keys, mine, values
+    """Print a step's outcome as its own command prints it (`Step.summary`)."""
+    from ffkv.steps.registry import get
 
     if step == "mine":
+        from ffkv.cli import mine
+
         if out.skipped:
             print(f"mine: {run.path} is already mined with these settings; nothing to do")
         mine.print_mined(run, out.info)
-    elif step == "values":
-        values.print_values(out)
-    elif step == "compose":
-        from ffkv.steps.compose import summary
-
-        summary(run, out)
-    elif step == "mutate":
-        keys.print_mutate(run, out)
-    elif step == "patterns":
-        keys.print_patterns(run, out, top=25)
-    elif step == "normalize":
-        from ffkv.steps.normalize.summary import print_normalize
-
-        print_normalize(run, out)
+        return
+    st = get(step)
+    if st.summary is not None:
+        st.summary(run, out, None, False)
+    else:
+        print(f"{step}: {'already done' if out.skipped else 'done'}")
 
 
 def register(app: typer.Typer) -> None:

@@ -64,11 +64,9 @@ import torch
 from ffkv.corpus.batching import pack
 from ffkv.errors import FfkvError
 from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup
-from ffkv.store.steps import Step
 
 MUTATIONS = ("first", "last", "random")
-DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
-DEFAULT_EXAMPLES = 50
+from ffkv.steps.mutate import DEFAULT_EXAMPLES, DEFAULT_KEYS_PER_LAYER, STEP, MutateSettings  # noqa: F401
 
 
 # ---- the re-scoring engine ---------------------------------------------------------------------
@@ -636,23 +634,12 @@ def settings_for(keys_per_layer, examples, sign, seed, layers, dtype: str = "aut
 
 
 # ---- the step ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MutateSettings:
-    """The `mutate` step's settings (`ffkv mutate`'s options). `batch_tokens` changes speed only
-    and is not recorded; `dtype` is recorded and is the dtype the model is opened with."""
-    keys_per_layer: int = DEFAULT_KEYS_PER_LAYER
-    examples: int = DEFAULT_EXAMPLES
-    sign: int = 1
-    seed: int = 0
-    layers: tuple[int, ...] | None = None
-    batch_tokens: int = 2048
-    dtype: str = "auto"
+# MutateSettings and STEP: `ffkv.steps.mutate` (the step as one unit).
 
 
 def record(run, s: MutateSettings) -> dict:
-    """The manifest's settings of the step (`settings_for`); raises FfkvError on bad settings, and
-    on layers without mined triggers, before any model is loaded."""
-    check_settings(s.keys_per_layer, s.examples, s.sign)
+    """The manifest's settings of the step (`settings_for`); the fields' own checks ran before
+    (`ffkv.steps.mutate`); this refuses layers without mined triggers, before any model is loaded."""
     if s.layers:
         mined = read_triggers(run, s.sign, 1, columns=["layer"]).column("layer").to_numpy()
         _require_layers(run, s.layers, np.unique(mined))
@@ -668,7 +655,3 @@ def compute(ctx) -> dict:
                  show_progress=ctx.show_progress)
     ctx.extra["result"] = res
     return {k: v for k, v in res.stats.items() if k != "seconds"}
-
-
-STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",),
-            tables=("mutations", "mutations_layers"), compute=compute, record=record)

@@ -10,7 +10,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -20,12 +20,14 @@ SHARED = ("device", "dtype")  # settings fields that every command already has a
 
 
 def _annotation(tp):
-    """typer's view of a field type: `X | None` becomes Optional[X]."""
+    """typer's view of a field type: `X | None` becomes Optional[X], `tuple[X, ...]` a repeatable List[X]."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return Optional[_annotation(args[0])]
+    if origin is tuple:
+        return List[typing.get_args(tp)[0]]
     return tp
 
 
@@ -46,7 +48,7 @@ def _options(step) -> list[inspect.Parameter]:
         s = spec(f)
         default = _default(f)
         if s.parse is not None:  # typed as text on the command line, parsed by the field's own parser
-            ann, default = Optional[str], None if default in (None, ...) else str(default)
+            ann, default = Optional[str], s.shown or (None if default in (None, ...) else str(default))
         else:
             ann = _annotation(hints[f.name])
         decls = [flag(f)] + ([s.short] if s.short else [])
@@ -77,7 +79,11 @@ def build_settings(step, values: dict):
     for f in dataclasses.fields(step.settings):
         v = values.get(f.name, _default(f))
         p = spec(f).parse
-        kw[f.name] = p(v) if p is not None and isinstance(v, str) else v
+        if p is not None and isinstance(v, str):
+            v = p(v)
+        elif isinstance(v, list):  # a repeatable option
+            v = tuple(v) if v else _default(f)
+        kw[f.name] = v
     s = step.settings(**kw)
     check(s)
     return s

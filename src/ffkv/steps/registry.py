@@ -24,8 +24,8 @@ BUILTIN: dict[str, str] = {
     "mine": "ffkv.mine.runner:STEP",
     "values": "ffkv.steps.values:STEP",
     "compose": "ffkv.steps.compose:STEP",
-    "mutate": "ffkv.experiments.mutate:STEP",
-    "patterns": "ffkv.experiments.patterns:STEP",
+    "mutate": "ffkv.steps.mutate:STEP",
+    "patterns": "ffkv.steps.patterns:STEP",
     "normalize": "ffkv.steps.normalize:STEP",
 }
 

@@ -24,12 +24,14 @@ class Setting:
     flag: str | None = None  # the CLI flag, when not --field-name
     short: str | None = None  # e.g. "-n"
     parse: Callable[[str], Any] | None = None  # CLI text -> value (ranges, lists); the option is then a string
+    shown: str | None = None  # the CLI default as typed, for a parsed field (e.g. "+" for sign 1)
 
 
 def setting(default, help: str = "", *, check=None, recorded: bool = True, flag: str | None = None,
-            short: str | None = None, parse=None):
+            short: str | None = None, parse=None, shown: str | None = None):
     """A dataclass field with its help, its check and whether it is recorded."""
-    return dataclasses.field(default=default, metadata={META: Setting(help, check, recorded, flag, short, parse)})
+    return dataclasses.field(default=default,
+                             metadata={META: Setting(help, check, recorded, flag, short, parse, shown)})
 
 
 def spec(f: dataclasses.Field) -> Setting:
@@ -77,3 +79,8 @@ def record(settings) -> dict:
 
 def _plain(v):
     return list(v) if isinstance(v, tuple) else v
+
+
+def a_sign(v):
+    """A trigger list's sign: 1 (top positive) or -1 (most negative)."""
+    return None if v in (1, -1) else f"must be + or - (1 or -1), not {v!r}"

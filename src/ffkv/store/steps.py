@@ -22,8 +22,8 @@ REGISTRY: dict[str, str] = {
     "mine": "ffkv.mine.runner",
     "values": "ffkv.steps.values",
     "compose": "ffkv.steps.compose",
-    "mutate": "ffkv.experiments.mutate",
-    "patterns": "ffkv.experiments.patterns",
+    "mutate": "ffkv.steps.mutate",
+    "patterns": "ffkv.steps.patterns",
     "normalize": "ffkv.steps.normalize",
 }
 COMMANDS: dict[str, str] = {n: ("ffkv mine --out {run}" if n == "mine" else f"ffkv {n} {{run}}") for n in REGISTRY}

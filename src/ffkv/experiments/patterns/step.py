@@ -17,10 +17,8 @@ from ffkv.experiments.patterns.words import (ALPHA, BACKGROUND, MIN_COVER, TOP, 
                                              background_prefixes, prefix_texts)
 from ffkv.store.labels import categories, category_counts, kind_sets, label_of
 from ffkv.store.query import mined_keys, read_triggers, sample_keys
-from ffkv.store.steps import Step
 
-DEFAULT_SEMANTIC_KEYS = 10
-TABLES = ("patterns", "pattern_keys", "patterns_fig2")
+from ffkv.steps.patterns import DEFAULT_SEMANTIC_KEYS, STEP, TABLES, PatternsSettings, record  # noqa: F401
 
 
 @dataclass
@@ -31,19 +29,7 @@ class PatternsResult:
     stats: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PatternsSettings:
-    """Settings of the `patterns` step (all but `device` are recorded in the manifest)."""
-    keys_per_layer: int = 0  # shallow patterns for this many keys per layer; 0: every mined key
-    semantic_keys_per_layer: int = DEFAULT_SEMANTIC_KEYS  # the nested sample with semantic patterns; 0: all
-    top: int = TOP
-    sign: int = 1
-    seed: int = 0
-    min_cover: int = MIN_COVER
-    alpha: float = ALPHA
-    background: int = BACKGROUND
-    semantic: bool = True
-    device: str = "auto"  # of the sentence encoder; results do not depend on it
+# PatternsSettings and STEP: `ffkv.steps.patterns` (the step as one unit).
 
 
 def check_settings(top: int, min_cover: int, alpha: float) -> None:
@@ -211,12 +197,6 @@ def patterns(run, tok, keys_per_layer: int | None = None,
 
 
 # ---- the step -------------------------------------------------------------------------------------
-def record(run, s: PatternsSettings) -> dict:
-    check_settings(s.top, s.min_cover, s.alpha)
-    return settings_for(s.keys_per_layer, s.semantic_keys_per_layer, s.top, s.sign, s.seed, s.min_cover,
-                        s.alpha, s.background, s.semantic)
-
-
 def compute(ctx) -> dict:
     """The run's tokenizer comes from its model (opened on ctx.device); the sentence encoder runs on
     settings.device. `ctx.extra["embedder"]` may hand over an embedder (tests, notebooks)."""
@@ -244,7 +224,3 @@ def summary(run, outcome) -> dict:
         fig2, labels = res.fig2.to_pylist(), res.keys.column("label").to_pylist()
         info = {"status": "done", **res.stats}
     return {**info, "labels": dict(Counter(labels)), "fig2": fig2}
-
-
-STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
-            record=record)

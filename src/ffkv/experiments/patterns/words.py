@@ -14,11 +14,8 @@ from ffkv.corpus.stopwords import stopwords
 from ffkv.errors import FfkvError
 from ffkv.experiments.mutate import leading_specials, n_special
 from ffkv.store import query
+from ffkv.steps.patterns import ALPHA, BACKGROUND, MIN_COVER  # noqa: F401  (the settings' defaults)
 from ffkv.store.labels import TOP  # noqa: F401  (re-exported)
-
-MIN_COVER = 3
-ALPHA = 1e-3
-BACKGROUND = 2000
 
 WORD = re.compile(r"<[a-z]+>|[^\W_]+(?:['’][^\W_]+)*|[^\w\s]")
 # "contains" patterns made only of stop words or FILLER are not reported (every prefix long

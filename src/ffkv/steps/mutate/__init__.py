@@ -1,0 +1,80 @@
+"""The `mutate` step as one unit: its settings (from which `ffkv mutate` is generated), its place
+in `reproduce` and its summary. The experiment (paper §3.2, Fig 3) and its tables' columns are in
+`ffkv.experiments.mutate`, imported when the step runs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ffkv.parse import parse_sign
+from ffkv.steps.settings import a_sign, at_least, setting
+from ffkv.store.steps import Step
+
+DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
+DEFAULT_EXAMPLES = 50
+
+
+@dataclass(frozen=True)
+class MutateSettings:
+    """The `mutate` step's settings (`ffkv mutate`'s options). `batch_tokens` changes speed only
+    and is not recorded; `dtype` is recorded and is the dtype the model is opened with."""
+    keys_per_layer: int = setting(DEFAULT_KEYS_PER_LAYER, "Keys sampled per layer (seeded); the paper used 100 "
+                                  "(a GPU setting); 0 = every mined key.", check=at_least(0))
+    examples: int = setting(DEFAULT_EXAMPLES, "Top trigger examples per key.", check=at_least(1))
+    sign: int = setting(1, "Which triggers: + (top positive, the paper) or - (most negative).", parse=parse_sign,
+                        shown="+", check=a_sign)
+    seed: int = setting(0, "Seed of the key sample and of the random mutation.")
+    layers: tuple[int, ...] | None = setting(None, "Only these layers (repeatable).", flag="--layer")
+    batch_tokens: int = setting(2048, "Padded tokens per re-scoring batch.", check=at_least(16), recorded=False)
+    dtype: str = setting("auto", "The model's dtype (the command's --dtype).")
+
+
+def record(run, s: MutateSettings) -> dict:
+    from ffkv.experiments.mutate import record as mutate_record
+
+    return mutate_record(run, s)
+
+
+def compute(ctx) -> dict:
+    from ffkv.experiments.mutate import compute as run_mutate
+
+    return run_mutate(ctx)
+
+
+def summary(run, out, s=None, as_json: bool = False) -> None:
+    """Per layer, the relative change of the coefficient for each mutation (median [q25, q75])."""
+    from ffkv.cli.options import print_table
+    from ffkv.experiments.mutate import MUTATIONS
+
+    if out.skipped:
+        info = {"status": "already done", **{k: v for k, v in out.info.items() if k != "status"}}
+    else:
+        info = {"status": "done", **out.result.stats}
+    layers = (run.read_table("mutations_layers") if out.skipped else out.result.layers).to_pylist()
+    if as_json:
+        print(json.dumps({**info, "layers": layers}, indent=2, default=str))
+        return
+    if out.skipped:
+        print(f"mutate: already done with these settings in {run.path} (use --force to re-run)")
+    else:
+        r = info["rescore"]
+        print(f"mutate: {info['keys']} keys, {info['variants']:,} variants "
+              f"({info['examples_skipped']} one-token examples skipped) in {info['seconds']:.1f} s; "
+              f"{r['sequences_run']:,} sequences run for {r['requests']:,} requests")
+    by = {(x["layer"], x["mutation"]): x for x in layers}
+    rows = []
+    for l in sorted({x["layer"] for x in layers}):
+        row = {"layer": l}
+        for m in MUTATIONS:
+            x = by.get((l, m))
+            row[m] = (f"{x['median']:+.2f} [{x['q25']:+.2f}, {x['q75']:+.2f}] mean {x['mean']:+.2f}"
+                      if x and x["n"] else "-")
+        rows.append(row)
+    print_table("relative change of the coefficient: median [q25, q75]", rows, ["layer", *MUTATIONS])
+
+
+STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",), tables=("mutations", "mutations_layers"),
+            compute=compute, record=record, cli=True, summary=summary,
+            reproduce=lambda r, mm: MutateSettings(keys_per_layer=r.keys_per_layer, seed=r.seed, dtype=r.dtype),
+            help="Fig 3: remove the first, last or a random token of each key's top trigger examples and report "
+                 "the relative change of the key's coefficient per layer (tables `mutations`, `mutations_layers`).")

@@ -1,0 +1,95 @@
+"""The `patterns` step as one unit: its settings (from which `ffkv patterns` is generated), its
+place in `reproduce` and its summary. Shallow and semantic patterns, key labels, Fig 2 and the
+tables' columns are in `ffkv.experiments.patterns`, imported when the step runs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ffkv.parse import parse_sign
+from ffkv.steps.settings import a_sign, at_least, between, setting
+from ffkv.store.labels import TOP
+from ffkv.store.steps import Step
+
+DEFAULT_SEMANTIC_KEYS = 10
+MIN_COVER = 3
+ALPHA = 1e-3
+BACKGROUND = 2000
+TABLES = ("patterns", "pattern_keys", "patterns_fig2")
+
+
+def _alpha(v):
+    return None if 0 < v <= 1 else f"must be in (0, 1] (got {v})"
+
+
+@dataclass(frozen=True)
+class PatternsSettings:
+    """Settings of the `patterns` step (all but `device` are recorded in the manifest)."""
+    keys_per_layer: int = setting(0, "Keys per layer for shallow patterns (seeded sample); 0 = every mined key.",
+                                  check=at_least(0))
+    semantic_keys_per_layer: int = setting(
+        DEFAULT_SEMANTIC_KEYS, "Keys per layer that also get semantic patterns (the nested seeded sample that "
+        "`ffkv annotate sample` gives annotators); 0 = all analysed keys. Embedding costs about 1/70 s per prefix "
+        "on a CPU.", check=at_least(0))
+    top: int = setting(TOP, "Top prefixes per key (the paper: 25).", check=between(1, 32767))
+    sign: int = setting(1, "Which triggers: + (top positive, the paper) or - (most negative).", parse=parse_sign,
+                        shown="+", check=a_sign)
+    seed: int = setting(0, "Seed of the key sample.")
+    min_cover: int = setting(MIN_COVER, "Prefixes a pattern must cover (the paper: 3).", check=at_least(1))
+    alpha: float = setting(ALPHA, "Significance of a shallow pattern against random corpus prefixes; 1 = keep all.",
+                           check=_alpha)
+    background: int = setting(BACKGROUND, "Random corpus prefixes for the baselines.", check=at_least(50))
+    semantic: bool = setting(True, "Semantic patterns too (--no-semantic: shallow patterns only).",
+                             flag="--semantic/--no-semantic")
+    device: str = setting("auto", "Of the sentence encoder (the command's --device); results do not depend on it.",
+                          recorded=False)
+
+
+def record(run, s: PatternsSettings) -> dict:
+    from ffkv.experiments.patterns.step import settings_for
+
+    return settings_for(s.keys_per_layer, s.semantic_keys_per_layer, s.top, s.sign, s.seed, s.min_cover,
+                        s.alpha, s.background, s.semantic)
+
+
+def compute(ctx) -> dict:
+    from ffkv.experiments.patterns.step import compute as find
+
+    return find(ctx)
+
+
+def summary(run, out, s=None, as_json: bool = False) -> None:
+    """Counts, key labels and Fig 2 per layer."""
+    from ffkv.cli.options import print_table
+    from ffkv.defs import pct
+    from ffkv.experiments.patterns import LABELS, summary as gather
+
+    top = s.top if s is not None else TOP
+    info = gather(run, out)
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return
+    if out.skipped:
+        print(f"patterns: already done with these settings in {run.path} (use --force to re-run)")
+    else:
+        print(f"patterns: {info['keys']:,} keys ({info['semantic_keys']:,} with semantic patterns), "
+              f"{info['patterns']:,} patterns in {info['seconds']:.1f} s "
+              f"(embedding {info['embedding_seconds']:.1f} s)")
+    print("key labels: " + ", ".join(f"{k} {info['labels'].get(k, 0):,}" for k in LABELS))
+    fig2 = info["fig2"]
+    scope = "semantic_sample" if any(f["scope"] == "semantic_sample" for f in fig2) else "all"
+    pct0 = lambda x: pct(x, 0)  # noqa: E731
+    print_table(f"Fig 2 (scope {scope}): share of top-{top} prefixes by pattern kind",
+                [f for f in fig2 if f["scope"] == scope],
+                ["layer", "keys", "shallow", "semantic", "both", "not_covered", "patterns_per_key"],
+                {"shallow": pct0, "semantic": pct0, "both": pct0, "not_covered": pct0,
+                 "patterns_per_key": lambda x: f"{x:.1f}"})
+
+
+STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
+            record=record, cli=True, summary=summary,
+            reproduce=lambda r, mm: PatternsSettings(semantic_keys_per_layer=r.semantic_keys_per_layer, seed=r.seed,
+                                                     device=r.device),
+            help="Automatic patterns in each key's top-25 prefixes: shallow (shared last words, suffixes, n-grams) "
+                 "and semantic (clusters of sentence embeddings); a label per key and Fig 2 for every key (tables "
+                 "`patterns`, `pattern_keys`, `patterns_fig2`).")
