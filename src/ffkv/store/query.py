@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ffkv.errors import FfkvError
+from ffkv.store.decode import Decoder
 
 TRIGGER_COLUMNS = ("layer", "dim", "sign", "rank", "coef", "sentence_id", "position", "next_token")
 
@@ -167,6 +168,15 @@ def vocab_texts(run) -> list[str]:
     return table(run, "vocab", columns=["text"]).column("text").to_pylist()
 
 
+def decoder(run) -> Decoder | None:
+    """The run's decoder, from its `vocab` table (None without one)."""
+    if not run.has_table("vocab"):
+        return None
+    names = schema_names(run, "vocab")
+    t = table(run, "vocab", columns=[c for c in ("text", "token") if c in names])
+    return Decoder(t.column("text").to_pylist(), t.column("token").to_pylist() if "token" in names else None)
+
+
 def key_triggers(run, layer: int, dim: int, sign: int | None = None, top: int = 10) -> list[dict]:
     """A key's top trigger prefixes (both signs unless `sign`), with prefix text and next token."""
     filters = [("layer", "=", layer), ("dim", "=", dim)]
@@ -188,9 +198,7 @@ def key_triggers(run, layer: int, dim: int, sign: int | None = None, top: int = 
             rows.append(r)
     sent = sentences(run, [r["sentence_id"] for r in rows], columns=["sentence_id", "text", "token_ids"])
     by_sid = {r["sentence_id"]: r for r in sent.to_pylist()}
-    from ffkv.store.decode import for_run
-
-    dec = for_run(run)  # bytes joined before decoding: multi-byte characters stay whole
+    dec = decoder(run)  # bytes joined before decoding: multi-byte characters stay whole
     out = []
     for r in rows:
         s = by_sid[r["sentence_id"]]
@@ -208,37 +216,6 @@ def _key_rows(run, name: str, layer: int, dim: int, columns=None) -> list[dict]:
     if not run.has_table(name):
         return []
     return table(run, name, columns=columns, filters=[("layer", "=", layer), ("dim", "=", dim)]).to_pylist()
-
-
-def key_values(run, layer: int, dim: int) -> list[dict]:
-    """The `values` rows (value, neg_value, key) of one memory; empty before `ffkv values`."""
-    return _key_rows(run, "values", layer, dim)
-
-
-def key_agreement(run, layer: int, dim: int) -> dict | None:
-    rows = _key_rows(run, "values_agreement", layer, dim)
-    return rows[0] if rows else None
-
-
-def key_patterns(run, layer: int, dim: int) -> list[dict]:
-    return _key_rows(run, "patterns", layer, dim)
-
-
-def key_pattern_label(run, layer: int, dim: int) -> list[dict]:
-    return _key_rows(run, "pattern_keys", layer, dim)
-
-
-def key_mutations(run, layer: int, dim: int) -> list[dict]:
-    return _key_rows(run, "mutations", layer, dim)
-
-
-def key_annotations(run, layer: int, dim: int) -> list[dict]:
-    """Human annotations of one key (empty without `annotations.sqlite`)."""
-    if not (Path(run.path) / "annotations.sqlite").exists():
-        return []
-    from ffkv.store.annotations import AnnotationStore
-
-    return AnnotationStore(run).list(layer=layer, dim=dim)
 
 
 def _offsets(tok, texts: list[str], stored: list[list[int]]) -> list:

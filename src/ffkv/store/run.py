@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import fcntl
 import hashlib
 import json
 import os
-import re
-import shutil
 import time
 from pathlib import Path
 
@@ -17,106 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ffkv import __version__
+from ffkv.atomic import (TMP_RE, USER_ERRNOS, USER_MESSAGES, atomic_write_bytes, atomic_write_json,  # noqa: F401
+                         staged, sweep_temps, tmp_path, writing)
 from ffkv.errors import FfkvError
 
 MANIFEST = "manifest.json"
-
-
-def writing(path) -> "contextlib.AbstractContextManager":
-    """Turn the OS errors a user can cause (read-only or full disk, no permission) into one line."""
-    return _Writing(Path(path))
-
-
-class _Writing:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, e, tb):
-        if et is not None and issubclass(et, OSError):
-            if e.errno in USER_ERRNOS:
-                raise FfkvError(f"cannot write {self.path}: {os.strerror(e.errno)}") from None
-            why = next((w for w in USER_MESSAGES if w in str(e)), None)
-            if why:  # pyarrow's IO errors carry the text but no errno
-                raise FfkvError(f"cannot write {self.path}: {why}") from None
-        return False
-
-
-USER_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EISDIR,
-               errno.ENOTDIR}
-
-
-USER_MESSAGES = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
-
-
-TMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
-
-
-def tmp_path(path: Path) -> Path:
-    """Where a write to `path` is staged: hidden, and tagged with our pid so that `sweep_temps`
-    can tell a killed writer's leftover from a live writer's file."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        p.unlink(missing_ok=True)
-
-
-def sweep_temps(folder: Path) -> list[Path]:
-    """Delete the staged writes of processes that no longer run (a SIGKILL skips every `finally`)."""
-    gone = []
-    for p in Path(folder).glob(".*.tmp*"):
-        m = TMP_RE.match(p.name)
-        if m and not p.is_symlink() and not _alive(int(m.group(1))):
-            _remove(p)
-            gone.append(p)
-    return gone
-
-
-@contextlib.contextmanager
-def staged(path: Path):
-    """The one way ffkv writes a result: into the yielded temp path (a file or a folder), which
-    then replaces `path` in one rename; on any failure it is removed, and a disk the user made
-    full or read-only is one line (`writing`)."""
-    path = Path(path)
-    tmp = tmp_path(path)
-    with writing(path):
-        try:
-            yield tmp
-            os.replace(tmp, path)
-        finally:
-            _remove(tmp)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file + fsync + rename: a reader sees the old file or the new one, never half."""
-    path = Path(path)
-    if path.is_dir():
-        raise FfkvError(f"{path} is a directory; give a file name")
-    with staged(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=False, default=str).encode())
 
 
 def merge_changes(disk: dict, ours: dict, base: dict) -> dict:
@@ -390,7 +292,7 @@ class Run:
         if rec is not None and (digest["bytes"] != rec.get("bytes") or
                                 digest["footer_sha256"] != rec.get("footer_sha256")):
             return (f"is not the table this run wrote ({digest['bytes']:,} bytes, "
-                    f"{rec.get('rows', '?'):,} rows and {rec.get('bytes', 0):,} bytes written): "
+                    f"{rec.get('rows') or 0:,} rows and {rec.get('bytes') or 0:,} bytes written): "
                     f"cut short, or replaced by another file")
         return None
 

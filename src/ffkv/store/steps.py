@@ -14,6 +14,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ffkv.atomic import sweep_temps
 from ffkv.errors import FfkvError
 
 # Kept for callers that read them: the built-in steps' modules and commands. Where steps come
@@ -231,8 +232,6 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
                   force=force)
     with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
         run.reload()  # what another process recorded while we waited
-        from ffkv.store.run import sweep_temps  # here: pyarrow stays out of `ffkv --help`
-
         sweep_temps(run.path)  # a killed run's half-written files
         refuse_other(run, step, record)
         if not force and is_done(run, step, record):
