@@ -479,3 +479,26 @@ def test_coefficients_with_another_activation(family_model):
         a = a / torch.sqrt((a @ blk.mlp.down_proj.weight.T).pow(2).mean(-1, keepdim=True) + norm.eps)
     assert torch.allclose(mm.coefficients(0, x, act=torch.relu), a, atol=1e-5)
     assert not torch.allclose(mm.coefficients(0, x), a, atol=1e-3)
+
+
+@pytest.mark.parametrize("family_model", ["gemma", "gemma2", "olmo2", "granite"], indirect=True)
+def test_normalize_substitution_is_the_models_own(family_model):
+    """`ffkv normalize`'s one-layer substitution and loss go through the family's own seams: the
+    identity substitution (m rebuilt as it is) gives the model's own final state, and the loss
+    per token equals −log softmax of the model's own logits (Gemma 2's soft-cap, Granite's
+    divisor). Before they did, the identity substitution on Gemma 2 was off by 1.5."""
+    from ffkv.experiments.normalize.tail import Targets, intact, tail, token_nll
+
+    name, mm = family_model
+    ids, mask = _texts_batch(mm)
+    with torch.no_grad():
+        cache = intact(mm, ids, mask)
+        logits = mm.hf(input_ids=ids, attention_mask=mask).logits.float()
+        tg = Targets.of(ids, mask)
+        want = torch.logsumexp(logits[tg.rows, tg.pos], -1) - logits[tg.rows, tg.pos, tg.target]
+        assert _rel(token_nll(mm, cache.final, tg), want) < 1e-4
+        for layer in range(mm.n_layers):
+            h = tail(mm, cache, layer, lambda x, m, l=layer: mm.ffn_from_memories(l, m))
+            assert _rel(h, cache.final) < 1e-4, (name, layer)
+            h0 = tail(mm, cache, layer, lambda x, m: torch.zeros(*m.shape[:-1], mm.d, dtype=m.dtype))
+            assert _rel(h0, cache.final) > 1e-3  # the seam is live: removing the FFN changes the state

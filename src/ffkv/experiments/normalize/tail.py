@@ -13,7 +13,7 @@ Since o_ℓ = r_ℓ + y_ℓ holds for every supported architecture (the FFN outp
 residual stream as it is), `tail_delta` skips block ℓ itself: it adds y' − y to the cached output
 of block ℓ and runs blocks ℓ+1..L−1; tests hold it equal to the hook path.
 
-`token_nll` reads the model's own final norm and output embedding (`Lens`'s modules) on the
+`token_nll` reads the model's own head (`Lens.model_logits`: final norm, unembedding, soft-cap) on the
 predicted positions only.
 """
 from __future__ import annotations
@@ -72,19 +72,11 @@ def intact(mm, ids: torch.Tensor, mask: torch.Tensor, callback=None, what=("m",)
     return cache
 
 
-def _install(mm, layer: int, replace: Replace) -> list:
-    """Hooks on layer `layer`: remember the FFN input x, replace the value projection's output."""
-    seen = {}
-
-    def keep_x(mod, args):
-        seen["x"] = args[0]
-
-    def swap(mod, args, out):
-        y = replace(seen.pop("x"), args[0])
-        return None if y is None else y.reshape(out.shape).to(out.dtype)
-
-    return [mm._mod(layer, mm.arch.key).register_forward_pre_hook(keep_x),
-            mm._mod(layer, mm.arch.value).register_forward_hook(swap)]
+def _install(mm, layer: int, replace: Replace, shape) -> list:
+    """Hooks under which layer `layer`'s FFN adds replace(x, m) instead of its own output: the
+    family's own seam (`MemoryModel.replace_ffn`), so a post-FFN norm's scale and gain, or a
+    residual multiplier, stay where the model puts them."""
+    return mm.replace_ffn(layer, replace, list(shape))
 
 
 def run_blocks(mm, cache: Cache, start: int, h: torch.Tensor) -> torch.Tensor:
@@ -100,7 +92,7 @@ def run_blocks(mm, cache: Cache, start: int, h: torch.Tensor) -> torch.Tensor:
 def tail(mm, cache: Cache, layer: int, replace: Replace | None = None) -> torch.Tensor:
     """The final hidden state (B, T, d) with layer `layer`'s FFN output replaced by a hook,
     recomputing blocks layer..L−1 from the cached stream entering block `layer`."""
-    hooks = _install(mm, layer, replace) if replace is not None else []
+    hooks = _install(mm, layer, replace, cache.stream(layer).shape[:2]) if replace is not None else []
     try:
         return run_blocks(mm, cache, layer, cache.stream(layer))
     finally:
@@ -136,8 +128,7 @@ def token_nll(mm, h: torch.Tensor, tg: Targets, chunk: int = 512) -> torch.Tenso
     the model's final norm and output embedding, a chunk of rows at a time."""
     hv = h[tg.rows, tg.pos]
     out = torch.empty(len(tg.target), dtype=torch.float32, device=h.device)
-    norm, head = mm.lens.final_norm, mm.lens.unembed
     for s in range(0, len(out), chunk):
-        z = head(norm(hv[s:s + chunk])).float()
+        z = mm.lens.model_logits(hv[s:s + chunk]).float()  # the model's own head: soft-cap, logit scale
         out[s:s + chunk] = torch.logsumexp(z, -1) - z.gather(-1, tg.target[s:s + chunk, None])[:, 0]
     return out

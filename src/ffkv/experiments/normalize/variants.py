@@ -93,13 +93,9 @@ def softmax_weights(m: torch.Tensor, tau: float, gated: bool, keep: torch.Tensor
 
 
 def relu_coefficients(mm, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """a (…, d_m): ReLU in place of the layer's activation, from the FFN input x."""
-    def proj(w, b):
-        z = x @ w.T
-        return z + b if b is not None else z
-
-    a = torch.relu(proj(mm.keys(layer), mm.key_bias(layer)))
-    return a * proj(mm.up_keys(layer), mm.up_bias(layer)) if mm.gated else a
+    """a (…, d_m): ReLU in place of the layer's activation, from the FFN input x
+    (`MemoryModel.coefficients`, so a post-FFN norm's scale is the family's own)."""
+    return mm.coefficients(layer, x, act=torch.relu)
 
 
 @torch.no_grad()
