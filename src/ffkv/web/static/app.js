@@ -163,3 +163,34 @@
     toks[k].focus();
   });
 })();
+
+// ---- Keyboard shortcuts overlay (issue 26 item 10): ? shows or hides the list in base.html, Esc
+// and a click outside close it. Without this script the footer link opens it through :target.
+(function () {
+  "use strict";
+  var box = document.getElementById("shortcuts");
+  if (!box) return;
+  document.documentElement.classList.add("js");  // the overlay is this script's, not :target's
+  var back = null;
+  function open() { back = document.activeElement; box.hidden = false; box.classList.add("open");
+                    var c = document.getElementById("shortcuts-close"); if (c) c.focus(); }
+  function close() {
+    box.hidden = true; box.classList.remove("open");
+    if (window.location.hash === "#shortcuts" && window.history && history.replaceState) {
+      history.replaceState(null, "", window.location.pathname + window.location.search);
+    }
+    if (back && back.focus) back.focus();
+  }
+  document.addEventListener("keydown", function (e) {
+    var t = e.target;
+    if (e.altKey || e.ctrlKey || e.metaKey || (t && (t.isContentEditable || /^(INPUT|TEXTAREA|SELECT)$/.test(t.tagName)))) return;
+    if (e.key === "?") { e.preventDefault(); if (box.hidden) open(); else close(); }
+    else if (e.key === "Escape" && !box.hidden) { e.preventDefault(); close(); }
+  });
+  var link = document.getElementById("shortcuts-link");
+  if (link) link.addEventListener("click", function (e) { e.preventDefault(); open(); });
+  var closer = document.getElementById("shortcuts-close");
+  if (closer) closer.addEventListener("click", function (e) { e.preventDefault(); close(); });
+  box.addEventListener("click", function (e) { if (e.target === box) close(); });
+  if (window.location.hash === "#shortcuts") open();
+})();
