@@ -106,3 +106,33 @@ def test_scan_setting_turns_the_index_off(browser, monkeypatch):
 
     monkeypatch.setenv("FFKV_TEXT_SEARCH", "scan")
     assert textindex.get(browser) is None
+
+
+def test_groups_of_a_table_in_another_order(browser):
+    """A trigger table not in (list, rank) order is sorted once by the index; the grouping is the same."""
+    import duckdb
+    import pyarrow as pa
+
+    from ffkv.web import textindex
+
+    t = browser.trig.table
+    rng = np.random.default_rng(1)
+    shuffled = t.take(pa.array(rng.permutation(t.num_rows)))
+
+    class Fake:
+        d_m = browser.d_m
+        trig = type("T", (), {"table": shuffled})()
+
+    ti = textindex.TextIndex(Fake())
+    assert ti.perm is not None
+    sel = np.flatnonzero(rng.random(t.num_rows) < 0.3)
+    hits = shuffled.take(pa.array(sel, pa.int64()))
+    con = duckdb.connect()
+    con.register("hits", hits)
+    for col, how in (("n", "desc"), ("best_rank", "asc"), ("best_coef", "desc")):
+        want = con.sql(f"""SELECT layer, dim, sign, count(*) AS n, min(rank) AS best_rank,
+                                  arg_min(coef, rank) AS best_coef, arg_min(sentence_id, rank) AS sentence_id,
+                                  arg_min(position, rank) AS position
+                           FROM hits GROUP BY layer, dim, sign
+                           ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
+        assert ti.groups(sel, col, how).to_pylist() == want.to_pylist(), (col, how)

@@ -54,11 +54,14 @@ class TextIndex:
     def __init__(self, browser):
         self.b = browser
         t = browser.trig.table
-        layer = t.column("layer").to_numpy().astype(np.int16)
-        dim = t.column("dim").to_numpy().astype(np.int32)
-        sign = t.column("sign").to_numpy().astype(np.int8)
-        rank = t.column("rank").to_numpy().astype(np.int16)
+
+        def arr(name, dtype):  # the table's own buffer when the type is already that (no copy)
+            return np.asarray(t.column(name).to_numpy(), dtype=dtype)
+
+        layer, dim, sign, rank = arr("layer", np.int16), arr("dim", np.int32), arr("sign", np.int8), arr("rank", np.int16)
         key = (layer.astype(np.int64) * int(browser.d_m) + dim) * 2 + (sign > 0)
+        if len(key) and int(key.max()) < 2 ** 31:
+            key = key.astype(np.int32)
         # (list, rank) order: the stored order (layer, sign desc, dim, rank) already is one, when each
         # list's rows are contiguous and rank-ascending
         n = len(key)
@@ -73,18 +76,16 @@ class TextIndex:
             self.inv = np.empty(n, np.int64)
             self.inv[self.perm] = np.arange(n)
             key, layer, dim, sign, rank = key[self.perm], layer[self.perm], dim[self.perm], sign[self.perm], rank[self.perm]
-            change = np.ones(n, bool)
-            change[1:] = key[1:] != key[:-1]
 
         def col(name, dtype):
-            a = t.column(name).to_numpy().astype(dtype)
+            a = arr(name, dtype)
             return a if self.perm is None else a[self.perm]
 
-        self.key, self.change = key, change
+        self.key = key
         self.layer, self.dim, self.sign, self.rank = layer, dim, sign, rank
         self.coef = col("coef", np.float32)
         self.sid = col("sentence_id", np.int64)
-        self.pos = t.column("position").to_numpy().astype(np.int32)  # table order (word hits)
+        self.pos = arr("position", np.int32)  # table order (word hits)
         self._text = None
         self._text_lock = threading.Lock()
 
@@ -111,7 +112,7 @@ class TextIndex:
         # each row's triggers by position, for the prefixes cut right after an occurrence
         rk = b.trig_row.astype(np.int64) * (1 << 32) + self.pos
         order = np.argsort(rk, kind="stable")
-        self._text = (texts_cat, text_start, tok_cat, tok_start, ends, rk[order], order)
+        self._text = (texts_cat, text_start, tok_cat, tok_start, ends, rk[order], order.astype(np.int32))
 
     def text(self):
         if self._text is None:
