@@ -139,7 +139,7 @@ def test_memory_page_examples_show_both_sides(client, web_run):  # noqa: F811
     t = triggers(web_run)
     layer, dim = some_keys(web_run, 1)[0]
     html = client.get(f"/memory/{layer}/{dim}").text
-    exs = re.findall(r'<span class="ex" data-sid="(\d+)" data-pos="(\d+)">(.*?)</span>(?=</td>| <a)', html, re.S)
+    exs = re.findall(r'<span class="ex prefix" data-sid="(\d+)" data-pos="(\d+)">(.*?)</span>(?=</td>| <a)', html, re.S)
     rows = t[(t.layer == layer) & (t.dim == dim)]
     assert len(exs) >= len(rows)  # trigger rows, plus samples
     after = 0

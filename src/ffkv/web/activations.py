@@ -59,7 +59,7 @@ def example_html(b, sentence_id: int, position: int) -> Markup:
     position = int(position)
     start, end = window(len(toks), position)
     vocab = b.vocab
-    out = [f'<span class="ex" data-sid="{int(sentence_id)}" data-pos="{position}">']
+    out = [f'<span class="ex prefix" data-sid="{int(sentence_id)}" data-pos="{position}">']
     if start > 0:
         out.append('<span class="muted">…</span>')
     for i in range(start, end):
