@@ -60,7 +60,8 @@ def test_pack_equals_both_old_functions_on_random_lengths():
         n = int(rng.integers(0, 400))
         lens = rng.integers(1, int(rng.choice([8, 60, 200, 3000])), n)
         bt = int(rng.choice([16, 64, 256, 512, 2048, 8192]))
-        assert same(pack(lens, bt), old_pack(lens, bt)), trial
+        assert same(pack(lens, bt, max_batch=64), old_pack(lens, bt)), trial  # the old default cap
+        assert same(pack(lens, bt), old_pack(lens, bt, max_batch=len(lens) + 1)), trial  # no cap now
         assert same(pack(lens, bt, max_batch=256, ratio=1.5), old_pack_tight(lens, bt)), trial
         mb = int(rng.integers(1, 300))
         assert same(pack(lens, bt, max_batch=mb), old_pack(lens, bt, mb)), trial

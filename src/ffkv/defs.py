@@ -22,10 +22,13 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def canonical_dtype(dtype: str) -> str:
-    """'auto' and every alias -> float32/float16/bfloat16; an unknown name is a user error."""
+def canonical_dtype(dtype: str, device: str | None = None, bf16: bool = True) -> str:
+    """'auto' and every alias -> float32/float16/bfloat16; an unknown name is a user error.
+
+    'auto' is bfloat16 on a CUDA device (`device` 'cuda' or 'cuda:N') that supports it (`bf16`),
+    float32 anywhere else (a CPU, or no device named)."""
     if dtype == "auto":
-        return "float32"
+        return "bfloat16" if device is not None and str(device).startswith("cuda") and bf16 else "float32"
     if dtype not in DTYPES:
         raise FfkvError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]

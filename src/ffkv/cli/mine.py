@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, LensOpt, ModelOpt, json_text, model, open_run
+from ffkv.cli.options import DeviceOpt, JsonOpt, LensOpt, ModelOpt, json_text, model, open_run
 from ffkv.errors import FfkvError
 
 
@@ -22,7 +22,9 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
          top_k: int = typer.Option(50, "--top-k", "-t", min=1, max=10000, help="Trigger examples kept per key."),
          negative: bool = typer.Option(False, "--negative", help="Also keep the most negative coefficients (sign=-1)."),
          per_prefix: bool = typer.Option(False, "--per-prefix", help="Allow several prefixes of one sentence per key."),
-         batch_tokens: int = typer.Option(2048, "--batch-tokens", min=16, help="Token budget per batch (length-packed)."),
+         batch_tokens: str = typer.Option("auto", "--batch-tokens", help="Token budget per batch (length-packed; "
+                                          "speed and memory only): auto (2,048 on a CPU; on CUDA sized from free "
+                                          "memory and the model's shape) or a number >= 16."),
          stats: bool = typer.Option(True, "--stats/--no-stats", help="Also keep every key's activation statistics "
                                     "(histogram, density, quantile samples, positions) from the same pass."),
          samples_per_bin: int = typer.Option(5, "--samples-per-bin", min=0, max=1000,
@@ -36,7 +38,10 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
          overwrite: bool = typer.Option(False, "--overwrite", help="Start afresh in --out although it holds a run "
                                         "(or a damaged one): its manifest, checkpoint and tables are deleted first; "
                                         "annotations and files that are not ffkv's are kept."),
-         device: str = DeviceOpt, dtype: str = DtypeOpt, lens: str = LensOpt):
+         device: str = DeviceOpt,
+         dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device that supports it, "
+                                   "float32 on a CPU; the manifest records the choice), float32, float16, bfloat16."),
+         lens: str = LensOpt):
     """Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
 
     One forward pass per batch yields every prefix's coefficient (causal masking).
@@ -44,9 +49,10 @@ def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to cre
     (unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder,
     or a run of this model.
     """
-    from ffkv.mine.runner import MineSettings, mine as run_mine
+    from ffkv.mine.runner import MineSettings, check_batch_tokens, mine as run_mine
     from ffkv.parse import parse_int_list
 
+    batch_tokens = check_batch_tokens(batch_tokens)  # before the model loads
     mm = model(model_name, device, dtype, lens)
     s = MineSettings(corpus=corpus, max_sentences=max_sentences, seed=seed, field=field,
                      layers=parse_int_list(layers, mm.n_layers, "layers"),
@@ -78,7 +84,7 @@ def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run di
     """Print a key's top trigger prefixes, trigger token marked, coefficient beside each; then its
     activation statistics and quantile samples (runs mined with statistics)."""
     from ffkv.store.query import key_hist, key_samples, key_stats, key_triggers
-    from ffkv.store.steps import require
+    from ffkv.steps.lifecycle import require
 
     if sign not in ("both", "+1", "1", "-1"):
         raise FfkvError("--sign must be +1, -1 or both")

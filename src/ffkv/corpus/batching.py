@@ -4,9 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def pack(lengths, batch_tokens: int = 2048, max_batch: int = 64, ratio: float | None = None) -> list[np.ndarray]:
-    """Index batches such that max_len × batch_size ≤ batch_tokens and batch_size ≤ max_batch;
-    sorted by length so padding stays small. Deterministic: ties in length keep input order.
+def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
+         ratio: float | None = None) -> list[np.ndarray]:
+    """Index batches such that max_len × batch_size ≤ batch_tokens (and batch_size ≤ max_batch
+    when given); sorted by length so padding stays small. Deterministic: ties in length keep
+    input order.
+
+    Mining passes no max_batch: its batches are bounded by the token budget alone, which
+    `auto_batch_tokens` sizes from the device (a fixed 64-row cap kept GPU batches at ~2,000
+    tokens whatever the budget; issue 24). compose and mutate pass their own caps.
 
     With `ratio`, a batch also ends when a length exceeds `ratio` × its shortest: padding stays
     under 1 − 1/ratio (a third for 1.5). `mutate` re-scores with ratio=1.5, max_batch=256: on a
@@ -17,7 +23,8 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int = 64, ratio: float | 
     batches, cur, lo, hi = [], [], 0, 0  # lo, hi: the current batch's shortest and longest
     for i in order:
         L = int(lengths[i])
-        if cur and (max(hi, L) * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch
+        if cur and (max(hi, L) * (len(cur) + 1) > batch_tokens
+                    or (max_batch is not None and len(cur) >= max_batch)
                     or (ratio is not None and L > ratio * lo)):
             batches.append(np.array(cur))
             cur = []
@@ -35,3 +42,52 @@ def padding_share(lengths, batches) -> float:
     lengths = np.asarray(lengths)
     total = sum(int(lengths[b].max()) * len(b) for b in batches)
     return 1.0 - float(lengths.sum()) / total if total else 0.0
+
+
+def layout(lengths, batches, batch_tokens: int | None = None) -> dict:
+    """What the manifest records of a batch plan: the number of batches, mean valid tokens per
+    batch, the padding share of the padded grids, the most rows in one batch, and (with the
+    budget) the mean fill: padded tokens over the budget."""
+    lengths = np.asarray(lengths)
+    n = len(batches)
+    grid = [int(lengths[b].max()) * len(b) for b in batches]
+    out = {"batches": n, "mean_tokens": round(float(lengths.sum()) / n, 1) if n else 0.0,
+           "padding_share": round(padding_share(lengths, batches), 4),
+           "max_rows": max((len(b) for b in batches), default=0)}
+    if batch_tokens:
+        out["fill"] = round(float(np.mean(grid)) / batch_tokens, 4) if n else 0.0
+    return out
+
+
+# ---- the device's token budget ------------------------------------------------------------------
+CPU_BATCH_TOKENS = 2048  # a CPU gains nothing from bigger batches; what mining always used there
+MIN_AUTO, MAX_AUTO = 2048, 32768  # an H100 runs SmolLM2's shape at ~316k tok/s at 32,768 (issue 24)
+MEM_SHARE = 0.5  # of the free memory left after the trackers' state: room for the allocator,
+# attention's own buffers (eager attention holds heads × T scores per token) and fragmentation
+TRACKER_BYTES_PER_KEY = 32  # per token and mined key: m in float32 (4), its bin index as int32 and
+# int64 (12), m² (4), the best-position masks (2-3) and a masked copy (4), rounded up
+
+
+def token_bytes(d: int, d_m: int, elem_bytes: int, keys: int | None = None) -> int:
+    """Device memory one token of a batch takes at the peak of a mining pass, logits-free
+    (mining stops after the last mined layer, and no gradient keeps a layer's activations):
+    one layer's working set, elem_bytes × (6·d + 3·d_m) (residual, norm, q, k, v, attention
+    output; gate, up and their product), plus the trackers' float32 temporaries of the mined keys,
+    TRACKER_BYTES_PER_KEY × keys (keys: d_m when every key of a layer is mined)."""
+    keys = d_m if keys is None else keys
+    return elem_bytes * (6 * d + 3 * d_m) + TRACKER_BYTES_PER_KEY * keys
+
+
+def auto_batch_tokens(device: str, free_bytes: int | None = None, *, d: int = 0, d_m: int = 0,
+                      elem_bytes: int = 4, keys: int | None = None, state_bytes: int = 0) -> int:
+    """--batch-tokens auto: CPU_BATCH_TOKENS on a CPU; on CUDA
+    MEM_SHARE × (free_bytes − state_bytes) / token_bytes(d, d_m, elem_bytes, keys),
+    rounded down to a multiple of 256 and held within [MIN_AUTO, MAX_AUTO].
+
+    free_bytes is the device's free memory with the model loaded (`torch.cuda.mem_get_info`),
+    state_bytes what the trackers' state will take there. Pure: tests give it fake numbers."""
+    if not str(device).startswith("cuda") or not free_bytes:
+        return CPU_BATCH_TOKENS
+    room = MEM_SHARE * max(0, int(free_bytes) - int(state_bytes))
+    n = int(room // token_bytes(d, d_m, elem_bytes, keys)) // 256 * 256
+    return max(MIN_AUTO, min(MAX_AUTO, n))

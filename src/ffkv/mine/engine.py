@@ -27,7 +27,7 @@ class MineSettings:
     top_k: int = 50
     negative: bool = False
     per_prefix: bool = False
-    batch_tokens: int = 2048
+    batch_tokens: int | str = "auto"  # speed and memory only: never recorded (see `record`)
     stats: bool = True  # key statistics (`ffkv.mine.stats`): --no-stats turns them off
     samples_per_bin: int = 5
 
@@ -39,14 +39,47 @@ class MineSettings:
     ADDED = {"stats": True, "samples_per_bin": 5}
 
     def record(self) -> dict:
+        """The settings that decide the tables. `batch_tokens` is not among them: results do not
+        depend on the batch layout (tests hold mining to that), so a run mined with one budget
+        counts as done, or resumes, under any other (the step's record carries a budget that
+        runs recorded before issue 24 kept, `ffkv.mine.runner.record`)."""
+        check_batch_tokens(self.batch_tokens)
         d = asdict(self)
+        d.pop("batch_tokens")
         for k, v in self.ADDED.items():
             if d.get(k) == v:
                 d.pop(k)
         return d
 
     def key(self) -> str:
+        """The settings' identity (the sentences table's `settings_key`); batch-free."""
         return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+PACK_VERSION = 2  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24)
+
+
+def check_batch_tokens(v) -> int | str:
+    """'auto' or a whole number >= 16 (a budget below one short sentence makes no sense)."""
+    if v == "auto":
+        return v
+    if isinstance(v, str):
+        try:
+            v = int(v)
+        except ValueError:
+            v = None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 16:
+        from ffkv.errors import FfkvError
+
+        raise FfkvError(f"--batch-tokens must be auto or a whole number of at least 16, not {v!r}")
+    return v
+
+
+def layout_key(s: MineSettings, batch_tokens: int) -> str:
+    """Identity of a checkpoint or a Ray shard file: the settings plus the batch plan (a cursor
+    counts batches, so it means something only under the same plan)."""
+    blob = json.dumps({"key": s.key(), "batch_tokens": int(batch_tokens), "pack": PACK_VERSION})
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def new_state(mm, s: MineSettings) -> MineState:
@@ -87,9 +120,22 @@ def save_npz(path: Path, arrays: dict) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(path: Path, state: MineState, cursor: int, key: str) -> None:
+def save_checkpoint(path: Path, state: MineState, cursor: int, key: str, batch_tokens: int | None = None) -> None:
+    extra = {} if batch_tokens is None else {"__batch_tokens": np.array([int(batch_tokens)])}
     save_npz(path, {"__cursor": np.array([cursor]), "__key": np.frombuffer(key.encode(), np.uint8),
-                    **state.arrays()})
+                    **extra, **state.arrays()})
+
+
+def checkpoint_batch_tokens(path: Path) -> int | None:
+    """The budget a checkpoint was mined under (None: no checkpoint, or one without it), so that
+    `--batch-tokens auto` resumes under the plan it started with, whatever memory is free now."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return int(z["__batch_tokens"][0]) if "__batch_tokens" in z.files else None
+    except Exception:  # noqa: BLE001  (a damaged checkpoint: load_checkpoint decides)
+        return None
 
 
 def load_checkpoint(path: Path, state: MineState, key: str, log=None) -> int:

