@@ -274,3 +274,68 @@ def test_summary_carries_the_annotation(own_client):
     assert "annotated by sum-ann: “zebra crossing words”" in s
     found = own_client.get("/api/search", params={"text": "zebra crossing", "mode": "summary"}).json()
     assert [(r["layer"], r["dim"]) for r in found["results"]] == [(t["layer"], t["dim"])]
+
+
+# ---- similar memories -----------------------------------------------------------------------------
+def brute_nearest(x: np.ndarray, top: int = 10):
+    """Every pair's cosine in float64 (the full N × N matrix), itself excluded, largest first."""
+    x = x.astype(np.float64)
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    u = x / np.where(n > 0, n, 1)
+    s = u @ u.T
+    np.fill_diagonal(s, -np.inf)
+    order = np.lexsort((np.broadcast_to(np.arange(len(s)), s.shape), -s), axis=1)[:, :top]
+    return order, np.take_along_axis(s, order, 1)
+
+
+@pytest.mark.parametrize("kind", ["value", "key"])
+def test_similar_by_direction_is_a_brute_force_cosine(client, web_app, llama, kind):  # noqa: F811
+    import torch
+
+    from ffkv.model.memories import open_model
+
+    mm = open_model(str(llama), device="cpu")
+    with torch.no_grad():
+        x = np.concatenate([(mm.values(l) if kind == "value" else mm.keys(l)).float().numpy()
+                            for l in range(mm.n_layers)])
+    d_m = x.shape[0] // mm.n_layers
+    want_i, want_c = brute_nearest(x)
+    web_app.state.browser.neighbours_state.wait(timeout=300)
+    for code in range(0, x.shape[0], 7):
+        layer, dim = divmod(code, d_m)
+        got = client.get(f"/api/memory/{layer}/{dim}/similar").json()
+        assert got["status"] == "ready"
+        rows = got[kind]
+        assert [r["cosine"] for r in rows] == pytest.approx(want_c[code].tolist(), abs=1e-5)
+        # the same memories, up to the order of cosines equal within rounding
+        close = np.abs(np.diff(want_c[code])) < 1e-6
+        if not close.any():
+            assert [r["layer"] * d_m + r["dim"] for r in rows] == want_i[code].tolist()
+        assert all((r["layer"], r["dim"]) != (layer, dim) for r in rows)
+
+
+def test_similar_by_coactivation_counts_shared_sentences(client, web_run):  # noqa: F811
+    t = triggers(web_run)
+    t = t[t.sign == 1]
+    sets = {k: set(g.sentence_id) for k, g in t.groupby(["layer", "dim"])}
+    for (layer, dim) in list(sets)[::17]:
+        mine = sets[(layer, dim)]
+        want = []
+        for k, s in sets.items():
+            if k == (layer, dim) or not (mine & s):
+                continue
+            sh = len(mine & s)
+            want.append((-sh, -sh / len(mine | s), k[0], k[1], sh))
+        want.sort()
+        got = client.get(f"/api/memory/{layer}/{dim}/similar").json()["coactivation"]
+        assert [(r["layer"], r["dim"], r["shared"]) for r in got] == [(w[2], w[3], w[4]) for w in want[:10]]
+        assert [r["jaccard"] for r in got] == pytest.approx([-w[1] for w in want[:10]])
+
+
+def test_memory_page_shows_similar_memories(client, web_app):  # noqa: F811
+    web_app.state.browser.neighbours_state.wait(timeout=300)
+    m = client.get("/api/memory/1/5").json()
+    html = client.get("/memory/1/5").text
+    assert 'id="similar"' in html and "cosine similarity of the value vectors" in html
+    for r in m["similar"]["value"][:3]:
+        assert f'href="/memory/{r["layer"]}/{r["dim"]}"' in html

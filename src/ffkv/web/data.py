@@ -422,6 +422,20 @@ class Browser:
 
         return self._lazy("_summaries", lambda: Summaries(self))
 
+    @property
+    def neighbours_state(self):
+        """Similar memories by value and key direction (`ffkv.web.neighbours.Neighbours`)."""
+        from ffkv.web.neighbours import Neighbours
+
+        return self._lazy("_neighbours", lambda: Neighbours(self))
+
+    def similar(self, layer: int, dim: int) -> dict:
+        """Nearest memories by value direction, key direction and co-activation (`ffkv.web.neighbours`)."""
+        from ffkv.web.neighbours import similar
+
+        self.check_key(layer, dim)
+        return similar(self, layer, dim)
+
     def _annotation_parts(self) -> dict[int, dict]:
         from ffkv.web.summary import annotation_part
 
@@ -808,6 +822,7 @@ class Browser:
             "annotations": self.annotations(layer, dim),
             "stats": self.key_statistics(layer, dim, all_samples),
             "summary": self.summary(layer, dim),
+            "similar": self.similar(layer, dim),
             "links": {**{k: {"layer": v[0], "dim": v[1]} for k, v in self.neighbours(layer, dim).items()}}
             if len(self.keys) else {},
         }

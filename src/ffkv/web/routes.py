@@ -846,3 +846,11 @@ def layer_page(request: Request, layer: int, page: str | None = None, per_page: 
 @router.get("/api/layer/{layer}")
 def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None):
     return api(layer_context(request, layer, page, per_page))
+
+
+# ---- similar memories -----------------------------------------------------------------------------
+@router.get("/api/memory/{layer}/{dim}/similar")
+def api_similar(request: Request, layer: int, dim: int):
+    """Nearest memories by value direction, key direction (cosine, all layers) and co-activation;
+    the cosine lists are null while the server computes them (status: building)."""
+    return api(state(request).similar(layer, dim))

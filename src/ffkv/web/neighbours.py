@@ -1,0 +1,183 @@
+"""Similar memories (issue 26 item 3): the nearest memories of a memory, across all layers, by three
+measures, each named where it is shown:
+
+- `value`: cosine similarity of the value vectors v_i (`MemoryModel.values`, row i: what memory i
+  writes to the residual stream), the largest first;
+- `key`: cosine similarity of the key vectors k_i (`MemoryModel.keys`: the gate keys of a gated FFN),
+  the largest first;
+- `coactivation`: memories whose top trigger list (sign +1) shares the most sentences with this
+  one's (count of shared trigger sentences, then their Jaccard index |A ∩ B| / |A ∪ B|).
+
+The two cosine lists need the model's weights: `nearest` computes the TOP best of every memory in
+row chunks (never the whole N × N matrix), once per server in a background thread
+(`Neighbours.start`), and keeps the table in memory (`neighbours_table`: layer, dim, kind, rank,
+n_layer, n_dim, cosine; TOP rows per memory and kind). A run that holds a `neighbours` table of
+that form is read instead. The server does not write it into the run: it writes only
+annotations. Co-activation is read from the triggers table on each request.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+
+TOP = 10
+KINDS = ("value", "key")
+MEASURES = {"value": "cosine similarity of the value vectors v (what each memory writes), across all layers",
+            "key": "cosine similarity of the key vectors k (what each memory reads), across all layers",
+            "coactivation": "shared sentences between the two memories' top trigger lists (then their "
+                            "Jaccard index)"}
+
+
+def nearest(x, top: int = TOP, chunk: int = 1024):
+    """(idx, cos): for each row of x (N, d), the `top` other rows of largest cosine similarity,
+    largest first (ties: the lower row first). A zero row has cosine 0 with every row."""
+    import torch
+
+    x = torch.as_tensor(x).float()
+    n = x.shape[0]
+    k = min(top, max(n - 1, 0))
+    norm = x.norm(dim=1, keepdim=True)
+    u = x / torch.where(norm > 0, norm, torch.ones_like(norm))
+    idx = np.zeros((n, k), np.int64)
+    cos = np.zeros((n, k), np.float32)
+    if k == 0:
+        return idx, cos
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        s = (u[a:b] @ u.T).double()
+        s[torch.arange(b - a), torch.arange(a, b)] = -np.inf  # not itself
+        # ties by the lower row: a tiny decreasing offset in the sort key only (cosines kept exact)
+        key = s - torch.arange(n, dtype=torch.float64) * 1e-12
+        top_i = torch.topk(key, k, dim=1).indices
+        idx[a:b] = top_i.numpy()
+        cos[a:b] = torch.gather(s, 1, top_i).float().numpy()
+    return idx, cos
+
+
+def neighbours_table(mm, top: int = TOP, progress=None) -> pa.Table:
+    """The nearest memories of every memory by value and by key direction (cosine, all layers)."""
+    import torch
+
+    L = mm.n_layers
+    cols: dict[str, list] = {c: [] for c in ("layer", "dim", "kind", "rank", "n_layer", "n_dim", "cosine")}
+    with torch.no_grad():
+        for j, kind in enumerate(KINDS):
+            mats = [(mm.values(l) if kind == "value" else mm.keys(l)).detach().float().cpu() for l in range(L)]
+            d_m = mats[0].shape[0]
+            idx, cos = nearest(torch.cat(mats))
+            n, k = idx.shape
+            code = np.repeat(np.arange(n), k)
+            cols["layer"].append((code // d_m).astype(np.int16))
+            cols["dim"].append((code % d_m).astype(np.int32))
+            cols["kind"].append(np.full(n * k, kind, object))
+            cols["rank"].append(np.tile(np.arange(1, k + 1, dtype=np.int16), n))
+            cols["n_layer"].append((idx.ravel() // d_m).astype(np.int16))
+            cols["n_dim"].append((idx.ravel() % d_m).astype(np.int32))
+            cols["cosine"].append(cos.ravel())
+            if progress:
+                progress(j + 1, len(KINDS))
+    return pa.table({c: pa.array(np.concatenate(v)) if c != "kind" else pa.array(np.concatenate(v).tolist(), pa.string())
+                     for c, v in cols.items()})
+
+
+class Neighbours:
+    """The cosine lists of one server: read from the run's `neighbours` table when it has one,
+    else computed from the model's weights in a background thread on first use."""
+
+    def __init__(self, b):
+        self.b = b
+        self.status, self.error, self.seconds = "absent", "", 0.0
+        self.lock = threading.Lock()
+        self.by = None  # kind -> (codes sorted, rows) arrays
+        if b.run.has_table("neighbours"):
+            from ffkv.store import query
+
+            self._take(query.table(b.run, "neighbours"), "run")
+
+    def _take(self, t: pa.Table, source: str) -> None:
+        from ffkv.web.data import ByKey
+
+        by = {}
+        kinds = np.asarray(t.column("kind").to_pylist(), object)
+        for kind in KINDS:
+            sub = t.filter(pa.array(kinds == kind))
+            by[kind] = ByKey(sub, self.b.d_m)
+        self.by, self.source, self.status = by, source, "ready"
+
+    def start(self) -> None:
+        with self.lock:
+            if self.status in ("building", "ready"):
+                return
+            self.status, self.error = "building", ""
+        threading.Thread(target=self._build, name="ffkv-neighbours", daemon=True).start()
+
+    def _build(self) -> None:
+        t0 = time.time()
+        try:
+            t = neighbours_table(self.b.model())
+            self._take(t, "computed by the server from the model's weights")
+            self.seconds = round(time.time() - t0, 1)
+            self.b.log(f"similar memories computed in {self.seconds} s ({t.num_rows:,} rows)")
+        except Exception as e:  # noqa: BLE001 - shown on the memory page, logged
+            self.status, self.error = "failed", " ".join(str(e).split())[:300] or type(e).__name__
+            self.b.log(f"similar memories failed: {self.error}")
+
+    def wait(self, timeout: float = 600) -> None:
+        """Start (if needed) and wait; for tests and benchmarks."""
+        self.start()
+        t = time.time()
+        while self.status == "building" and time.time() - t < timeout:
+            time.sleep(0.05)
+
+    def of(self, kind: str, layer: int, dim: int) -> list[dict]:
+        rows = self.by[kind].rows(layer, dim)
+        rows.sort(key=lambda r: r["rank"])
+        return [{"layer": int(r["n_layer"]), "dim": int(r["n_dim"]), "cosine": float(r["cosine"])} for r in rows]
+
+
+def coactivation(b, layer: int, dim: int, top: int = TOP) -> list[dict]:
+    """Memories whose top trigger list (sign +1) shares the most sentences with this memory's."""
+    pos = b._lazy("_pos_by_sentence", lambda: _pos_index(b))
+    rows, order, sorted_sent, n_of = pos
+    mine = b.trig.indices(layer, dim)
+    mine = mine[b.trig_sign[mine] == 1]
+    sents = np.unique(b.trig_row[mine])
+    if not len(sents):
+        return []
+    a = np.searchsorted(sorted_sent, sents, "left")
+    e = np.searchsorted(sorted_sent, sents, "right")
+    hit = np.concatenate([order[x:y] for x, y in zip(a, e)])
+    codes = b.trig.code[rows[hit]].astype(np.int64)
+    me = b.code(layer, dim)
+    codes = codes[codes != me]
+    if not len(codes):
+        return []
+    u, shared = np.unique(codes, return_counts=True)
+    jac = shared / (len(sents) + n_of[u] - shared)
+    o = np.lexsort((u, -jac, -shared))[:top]
+    return [{"layer": int(u[i] // b.d_m), "dim": int(u[i] % b.d_m), "shared": int(shared[i]),
+             "jaccard": float(jac[i])} for i in o]
+
+
+def _pos_index(b):
+    """Positive trigger rows, ordered by sentence row; and each memory's number of such rows."""
+    rows = np.nonzero(b.trig_sign == 1)[0]
+    sent = b.trig_row[rows]
+    order = np.argsort(sent, kind="stable")
+    n_of = np.bincount(b.trig.code[rows].astype(np.int64), minlength=b.L * b.d_m)
+    return rows, order, sent[order], n_of
+
+
+def similar(b, layer: int, dim: int) -> dict:
+    """A memory's similar memories by each measure (the cosine lists once they are computed)."""
+    nb = b.neighbours_state
+    if nb.status == "absent":
+        nb.start()
+    out = {"measures": MEASURES, "status": nb.status, "error": nb.error or None,
+           "source": getattr(nb, "source", None), "coactivation": coactivation(b, layer, dim)}
+    for kind in KINDS:
+        out[kind] = nb.of(kind, layer, dim) if nb.status == "ready" else None
+    return out
