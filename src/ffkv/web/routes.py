@@ -9,6 +9,11 @@ Public URLs (links get shared; keep them):
   token, sign, layer), `/search?sort=…` (by measure: layer, label, agree); all with sort, order,
   page, per_page (a page past the last is a 404).
 - `/api/memory/{layer}/{dim}`, `/api/search?…`: the same data as JSON.
+- `/layer/{layer}` (`?page`, `per_page`; `ffkv.web.layers`) and `/api/layer/{layer}`.
+- Downloads: `?format=csv|json` on `/`, `/search`, `/layer/{layer}`, `/annotations`;
+  `/memory/{layer}/{dim}/triggers.csv|json` (`ffkv.web.export`).
+- `/api/memory/{layer}/{dim}/similar`: nearest memories by value, key, co-activation
+  (`ffkv.web.neighbours`).
 More: `/sentence/{id}` (a trigger's provenance; permalink), `/annotations` (who annotated what;
 the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
 model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs checked by
@@ -227,6 +232,13 @@ def api_index(request: Request):
         "/api/sentence/{id}": "a sentence, its tokens, its triggers",
         "/api/annotations": "every annotation and the human Fig 2",
         "/api/index": "the token index's status",
+        "/api/layer/{layer}?page=1&per_page=100": "a layer: key density, agreement, best memories, pattern mix, "
+                                                   "its memories with their one-line summaries",
+        "/api/memory/{layer}/{dim}/similar": "nearest memories by value direction, key direction (cosine) and "
+                                             "co-activation (shared trigger sentences)",
+        "/api/search?…&format=csv": "every row of a search as CSV (also ?format=csv|json on /, /search, "
+                                    "/layer/N, /annotations; /memory/L/D/triggers.csv|json)",
+        "/api/search?text=…&mode=summary": "memories whose one-line summary of measurements contains the words",
     }})
 
 
