@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import string
 import threading
 
 import numpy as np
@@ -112,7 +113,20 @@ class TextIndex:
         # each row's triggers by position, for the prefixes cut right after an occurrence
         rk = b.trig_row.astype(np.int64) * (1 << 32) + self.pos
         order = np.argsort(rk, kind="stable")
-        self._text = (texts_cat, text_start, tok_cat, tok_start, ends, rk[order], order.astype(np.int32))
+        # the joined strings folded char by char (a char's lower() when it is one char), so that for an
+        # ASCII query `str.find` on them finds exactly what the IGNORECASE regex finds, except for the
+        # letters some non-ASCII char of the run also matches (Kelvin sign and k, long s and s, …)
+        chars = set(texts_cat) | set(tok_cat)
+        fold = {c: c.lower() for c in chars if c.lower() != c and len(c.lower()) == 1}
+        table = str.maketrans(fold)
+        unsafe = set()
+        wide = [c for c in chars if ord(c) > 127]
+        for letter in string.ascii_letters + string.digits + "_":
+            pat = re.compile(re.escape(letter), re.IGNORECASE)
+            if any(pat.fullmatch(c) and fold.get(c, c) != letter.lower() for c in wide):
+                unsafe.add(letter.lower())
+        self._text = (texts_cat, text_start, tok_cat, tok_start, ends, rk[order], order.astype(np.int32),
+                      texts_cat.translate(table), tok_cat.translate(table), frozenset(unsafe))
 
     def text(self):
         if self._text is None:
@@ -127,19 +141,24 @@ class TextIndex:
         words = q.strip()
         if SEP in words or not words:
             return self.b._word_hits(q)
-        texts_cat, text_start, tok_cat, tok_start, ends, rk_sorted, rk_order = self.text()
+        texts_cat, text_start, tok_cat, tok_start, ends, rk_sorted, rk_order, texts_low, tok_low, unsafe = self.text()
         b = self.b
         n_rows = len(text_start)
+        low = words.lower()
+        fast = words.isascii() and len(low) == len(words) and not (set(low) & unsafe)
         rough = re.compile(re.escape(words), re.IGNORECASE)
-        occ = re.compile(r"(?<!\w)(?=(" + re.escape(words) + r"))", re.IGNORECASE)
         # sentences whose text contains the words (the reference's first filter): one match per row
         cand = np.zeros(n_rows, bool)
         pos, n_text = 0, len(texts_cat)
         while pos <= n_text:
-            m = rough.search(texts_cat, pos)
-            if m is None:
+            if fast:
+                at = texts_low.find(low, pos)
+            else:
+                m = rough.search(texts_cat, pos)
+                at = -1 if m is None else m.start()
+            if at < 0:
                 break
-            r = int(np.searchsorted(text_start, m.start(), "right")) - 1
+            r = int(np.searchsorted(text_start, at, "right")) - 1
             cand[r] = True
             pos = int(text_start[r + 1]) if r + 1 < n_rows else n_text + 1
         big = np.iinfo(np.int32).max
@@ -147,9 +166,19 @@ class TextIndex:
         if not cand.any():
             return np.zeros(0, np.int64)
         starts, stops = [], []
-        for m in occ.finditer(tok_cat):
-            starts.append(m.start())
-            stops.append(m.start() + len(m.group(1)))
+        if fast:  # every occurrence (overlapping ones too) not preceded by a word character
+            at, n = tok_low.find(low), len(low)
+            while at >= 0:
+                c = tok_cat[at - 1] if at else ""
+                if not (c.isalnum() or c == "_"):
+                    starts.append(at)
+                    stops.append(at + n)
+                at = tok_low.find(low, at + 1)
+        else:
+            occ = re.compile(r"(?<!\w)(?=(" + re.escape(words) + r"))", re.IGNORECASE)
+            for m in occ.finditer(tok_cat):
+                starts.append(m.start())
+                stops.append(m.start() + len(m.group(1)))
         if not starts:
             return np.zeros(0, np.int64)
         starts = np.asarray(starts, np.int64)
@@ -166,7 +195,21 @@ class TextIndex:
         w = whole
         if w.any():
             np.minimum.at(first, rows[w], tok_in_row[w].astype(np.int32))
-        hit = self.pos >= first[b.trig_row]
+        # each matched row's triggers from its first whole-word position on, by the (row, position) index
+        rs = np.flatnonzero(first < big).astype(np.int64)
+        lo = np.searchsorted(rk_sorted, rs * (1 << 32) + first[rs], "left")
+        hi = np.searchsorted(rk_sorted, (rs + 1) * (1 << 32), "left")
+        count = hi - lo
+        total = int(count.sum())
+        hit = np.zeros(len(self.pos), bool)
+        if total:
+            keep = count > 0
+            lo, count = lo[keep], count[keep]
+            step = np.ones(total, np.int64)
+            step[0] = lo[0]
+            heads = np.cumsum(count)[:-1]
+            step[heads] = lo[1:] - (lo[:-1] + count[:-1] - 1)
+            hit[rk_order[np.cumsum(step)]] = True
         cut = ~whole & (p < len(ends))
         cut[cut] = ends[p[cut]] == stops[cut]  # a prefix that ends right after the occurrence
         if cut.any():
