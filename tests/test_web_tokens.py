@@ -127,6 +127,10 @@ def test_sentence_activations_and_page(client, web_run, hf):  # noqa: F811
     assert page.status_code == 200
     assert f'data-act-src="/api/memory/{layer}/{dim}/activations?sentence={sid}"' in page.text
     assert len(re.findall(r'class="tk[^"]*" data-i="\d+"', page.text)) == len(sents[sid])
+    # the sentence page's trigger rows link to the sentence tinted by each memory
+    plain = client.get(f"/sentence/{sid}?pos={pos}").text
+    assert "data-act-src" not in plain
+    assert f'href="/sentence/{sid}?pos={pos}&amp;memory={layer}/{dim}#t{pos}"' in plain
     # the memory page's source links carry the memory
     mp = client.get(f"/memory/{layer}/{dim}").text
     assert f"/sentence/{sid}?pos={pos}" in mp and f"memory={layer}/{dim}#t{pos}" in mp
