@@ -1,6 +1,7 @@
 """Benchmark of `ffkv serve` (the memory browser) on a real run, measured side by side in one run.
 
     .venv/bin/python benchmarks/bench_serve.py --run runs/default [--pages 500] [--direct]
+    .venv/bin/python benchmarks/bench_serve.py --run runs/default --text-load [--clients 20] [--text-requests 10]
 
 It starts `ffkv serve RUN` as a user would (a subprocess on a free localhost port) and reads the
 server's own time of each response from its `Server-Timing` header (the client's wall time is
@@ -12,6 +13,15 @@ printed beside it). Goals (issue 16), against the default run (46,080 memories, 
 - concurrency: 50 concurrent page requests all get 200.
 With `--direct`, the same token's exact ranks computed directly (all values projected onto the
 vocabulary, as without an index) are timed in this process, for the ratio.
+
+With `--text-load` (issue 27 item 10: text search at 20 concurrent clients ≤ 0.2× the scan's p99), only
+text search under load, before and after, side by side on the same run: the server is started twice,
+once with `FFKV_TEXT_SEARCH=scan` (the reference scan: every sentence read, then DuckDB grouping under
+one lock) and once with the text index (`ffkv.web.textindex`, built on the first text search; its build
+time is printed). Each of `--clients` concurrent clients sends `--text-requests` searches
+(`/api/search?text=WORD`, words from TOKENS, each client starting at another word); the first answer
+to each word is compared between the two servers (the same JSON, or the run stops). p50 and p99 of the
+client's wall time and the server's time, and their ratios, are printed.
 Speeds are goals, never timed assertions in tests.
 """
 from __future__ import annotations
@@ -59,11 +69,82 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(run: Path, port: int):
+def start(run: Path, port: int, env: dict | None = None):
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(run), "--port", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, **(env or {})})
     return p, t0
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def text_load(run: Path, clients: int, per_client: int) -> None:
+    """Text search under `clients` concurrent clients, the reference scan then the index (see the
+    module docstring); prints both and the ratios."""
+    import httpx
+
+    words = TOKENS
+    res: dict[str, dict] = {}
+    answers: dict[str, dict] = {}
+    for name, env in (("scan (before)", {"FFKV_TEXT_SEARCH": "scan"}), ("index (after)", {"FFKV_TEXT_SEARCH": "index"})):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        p, t0 = start(run, port, env)
+        try:
+            with httpx.Client(timeout=600) as client:
+                wait_first_page(client, url, p, t0)
+                t = time.perf_counter()
+                first = client.get(url + "/api/search", params={"text": words[0]})
+                first_s = time.perf_counter() - t
+                got = {words[0]: first.json()}
+                for w in words[1:]:  # one answer per word, sequentially: compared, and everything warm
+                    got[w] = client.get(url + "/api/search", params={"text": w}).json()
+            answers[name] = got
+
+            async def one(c, i):
+                out = []
+                for j in range(per_client):
+                    w = words[(i + j) % len(words)]
+                    t = time.perf_counter()
+                    r = await c.get("/api/search", params={"text": w})
+                    out.append((1000 * (time.perf_counter() - t), server_ms(r), r.status_code))
+                return out
+
+            async def load():
+                async with httpx.AsyncClient(base_url=url, timeout=600,
+                                             limits=httpx.Limits(max_connections=clients)) as c:
+                    t = time.perf_counter()
+                    rs = await asyncio.gather(*(one(c, i) for i in range(clients)))
+                    return [x for r in rs for x in r], time.perf_counter() - t
+
+            cpu0 = cpu_seconds(p.pid)
+            rows, wall = asyncio.run(load())
+            cpu = cpu_seconds(p.pid) - cpu0
+        finally:
+            p.terminate()
+            p.wait(10)
+        w_ms, s_ms, codes = zip(*rows)
+        res[name] = {"wall": w_ms, "server": s_ms}
+        out(f"text search, {name}: first search {first_s:.2f} s"
+            + (" (includes building the index)" if "index" in name else "")
+            + f"; {clients} concurrent clients × {per_client} searches: {sum(c == 200 for c in codes)}/{len(codes)} × 200 "
+            f"in {wall:.1f} s ({len(codes) / wall:.1f} searches/s, server CPU {1000 * cpu / len(codes):.0f} ms per search)")
+        out(f"  client wall time: p50 {pct(w_ms, 50):.0f} ms, p99 {pct(w_ms, 99):.0f} ms; "
+            f"server time: p50 {pct(s_ms, 50):.1f} ms, p99 {pct(s_ms, 99):.1f} ms")
+    a, b = answers.values()
+    same = [w for w in words if a[w] == b[w]]
+    if len(same) != len(words):
+        raise SystemExit(f"the index's answers differ from the scan's for: {[w for w in words if a[w] != b[w]]}")
+    out(f"answers: identical JSON for all {len(words)} words "
+        f"(triggers matched per word: median {np.median([a[w].get('triggers_matched', 0) for w in words]):,.0f})")
+    before, after = res["scan (before)"], res["index (after)"]
+    for k in ("wall", "server"):
+        out(f"ratio after/before, {'client wall' if k == 'wall' else 'server'} time: "
+            f"p50 {pct(after[k], 50) / pct(before[k], 50):.3f}, p99 {pct(after[k], 99) / pct(before[k], 99):.3f} "
+            f"(goal: p99 ≤ 0.2)")
 
 
 def wait_first_page(client, url: str, p, t0: float) -> float:
@@ -89,9 +170,21 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct", action="store_true", help="time the direct projection of one token too")
+    ap.add_argument("--text-load", action="store_true",
+                    help="only text search under load: the reference scan, then the text index, side by side")
+    ap.add_argument("--clients", type=int, default=20, help="concurrent clients of --text-load")
+    ap.add_argument("--text-requests", type=int, default=10, help="searches per client of --text-load")
     a = ap.parse_args()
     if not (a.run / "manifest.json").exists():
         raise SystemExit(f"{a.run} is not a run; make one with `ffkv reproduce runs/default` (or pass --run)")
+    if a.text_load:
+        import pyarrow.parquet as pq
+
+        out(f"run {a.run}: {pq.ParquetFile(a.run / 'triggers.parquet').metadata.num_rows:,} trigger rows, "
+            f"{pq.ParquetFile(a.run / 'sentences.parquet').metadata.num_rows:,} sentences; "
+            f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        text_load(a.run, a.clients, a.text_requests)
+        return
     import pyarrow.parquet as pq
 
     n_trig = pq.ParquetFile(a.run / "triggers.parquet").metadata.num_rows
