@@ -175,3 +175,37 @@ def feed(tracker, layer: int, m: torch.Tensor, mask: torch.Tensor, sids) -> None
     """Update one tracker with one layer of a batch given by any mask (tests, small callers)."""
     batch = Batch.from_mask(mask, sids)
     tracker.update(batch, LayerCapture(layer, m.float(), batch))
+
+
+# Ops that only make views or allocate: no kernel runs for them on a GPU.
+_NO_KERNEL = frozenset(f"aten::{n}" for n in (
+    "view", "slice", "select", "expand", "reshape", "as_strided", "unsqueeze", "squeeze", "t", "transpose",
+    "permute", "alias", "detach", "_reshape_alias", "empty", "empty_strided", "resize_", "lift_fresh", "unbind",
+    "split", "chunk", "expand_as", "view_as", "contiguous", "flatten", "_unsafe_view"))
+
+
+def count_ops(fn) -> int:
+    """Aten ops that do work (leaf ops of torch.profiler's CPU trace, views and allocations left
+    out) while `fn()` runs: the CPU proxy of a GPU's kernel launches (issue 24)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    ev = [e for e in p.events() if e.name.startswith("aten::")]
+    parents = set()
+    for e in ev:
+        par = e.cpu_parent
+        while par is not None and not par.name.startswith("aten::"):
+            par = par.cpu_parent
+        if par is not None:
+            parents.add(par.id)
+    return sum(1 for e in ev if e.id not in parents and e.name not in _NO_KERNEL)
+
+
+def tracker_ops_per_layer(state: MineState, ms: list, batch: Batch) -> float:
+    """`count_ops` of feeding one batch's captures `ms` (one (B, T, n) per layer of `state`) to
+    the trackers, per layer."""
+    def feed_all():
+        for l, m in zip(state.layers, ms):
+            state.update(l, m, batch)
+    return count_ops(feed_all) / len(state.layers)
