@@ -1,78 +1,220 @@
-"""Mining on a GPU (issue 13): tokens/s of the whole mining pass against a plain forward.
+"""Mining at device scale (issue 24): plain forward vs mining vs mining with key statistics.
 
-    python benchmarks/bench_gpu.py                    # 1,000 WikiText-2 sentences on cuda:0
-    python benchmarks/bench_gpu.py --sentences 5000 --dtype bfloat16
+    python benchmarks/bench_gpu.py --shape smollm2-135m --tokens 20000           # random weights
+    python benchmarks/bench_gpu.py --shape llama-8b --tokens 20000000 --corpus ids.parquet
+    python benchmarks/bench_gpu.py --model HuggingFaceTB/SmolLM2-135M --corpus wikitext-2:valid
+    PYTHONPATH=src python3 benchmarks/bench_gpu.py --shape llama-1b --corpus ids.parquet   # a bare GPU box
 
-The model, the captures and every tracker (top-50 triggers and key statistics) stay on the
-GPU; only the final arrays leave it. The same length-packed batches go through a plain forward
-with logits, mining without statistics and mining with them, interleaved batch by batch, timed
-with CUDA synchronisation. Without CUDA it says why it skipped and exits 0.
+--model takes an HF id, a folder or a GGUF file (default: the embedded SmolLM2 GGUF); --shape
+builds a random-weight model of that shape from a config instead (weights do not change the
+cost). --corpus is a text corpus spec (`ffkv corpus --help`; default WikiText-2 valid when it is
+there) or a Parquet file whose first list-of-integers column holds token ids (no tokenizer, no
+sentence splitter: what a machine without spaCy runs). --tokens N streams N tokens, cycling the
+corpus when it is shorter. On the same length-packed batches (budget: --batch-tokens, default
+auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, mining
+(top-50 of every key, --no-stats), mining with key statistics. It prints tok/s and ratios, host
+preparation tok/s (corpus -> token ids), peak GPU memory (CUDA), the trackers' aten ops per
+layer and batch (torch.profiler, the CPU proxy of kernel launches) and the projected wall time
+of 100M tokens. Without CUDA it measures the CPU figures and says the GPU ones were skipped.
+Imports neither spaCy, Ray nor DuckDB (a text corpus other than WikiText may need spaCy).
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from _common import load_default, out, wikitext_token_lists  # noqa: F401
+from _common import WT2, out
 
 import torch  # noqa: E402  (after _common, which imports ffkv first)
 
+SHAPES = {  # LlamaConfig fields: hidden, intermediate, layers, heads, kv heads, vocabulary
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256),
+    "llama-8b": (4096, 14336, 32, 32, 8, 128256),
+}
 
-def skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        return f"no CUDA device (torch {torch.__version__}, {build})"
-    return None
+
+class _Ids:
+    """The tokenizer a random-weight model needs in ffkv: a pad id and a vocabulary size."""
+    pad_token_id = 0
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
 
 
-def run(n: int, batch_tokens: int, dtype: str) -> dict:
-    from ffkv.corpus.batching import pack
+def build_shape(name: str, device: str, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ffkv.model.memories import MemoryModel
+
+    d, dm, L, h, kv, V = SHAPES[name]
+    cfg = LlamaConfig(hidden_size=d, intermediate_size=dm, num_hidden_layers=L, num_attention_heads=h,
+                      num_key_value_heads=kv, vocab_size=V, max_position_embeddings=8192,
+                      tie_word_embeddings=name == "smollm2-135m")
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    return MemoryModel(hf, _Ids(V))
+
+
+def corpus_ids(spec: str | None, mm, tok_of) -> tuple[list[list[int]], float]:
+    """Token id lists of the corpus, and the host's preparation rate in tokens/s."""
+    t0 = time.perf_counter()
+    if spec and spec.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(spec)
+        col = next((c for c, f in zip(t.columns, t.schema) if pa.types.is_list(f.type)
+                    and pa.types.is_integer(f.type.value_type)), None)
+        if col is None:
+            raise SystemExit(f"bench_gpu: {spec} has no list-of-integers column")
+        ids = [x for x in col.to_pylist() if x]
+    else:
+        from ffkv.corpus.sources import open_corpus, tokenize
+
+        spec = spec or str(WT2 / "wiki.valid.tokens")
+        sents = open_corpus(spec).sentences(None)
+        ids, _ = tokenize(tok_of(), sents, mm.max_length)
+    secs = time.perf_counter() - t0
+    return ids, sum(map(len, ids)) / secs if secs > 0 else float("inf")
+
+
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    from ffkv.model.load import resolve_default_model
+
+    p = resolve_default_model()
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+def stream(ids: list[list[int]], n: int, limit: int) -> list[list[int]]:
+    """N tokens (at least), cycling the corpus; sequences cut at the model's context."""
+    outl, total, i = [], 0, 0
+    while total < n:
+        s = ids[i % len(ids)][:limit]
+        outl.append(s)
+        total += len(s)
+        i += 1
+    return outl
+
+
+def tracker_ops(mm, toks, batch_idx, settings) -> float:
+    """Aten ops per layer and batch of the trackers (`ffkv.mine.trackers.tracker_ops_per_layer`)
+    on one real batch's captures, after one untimed update."""
+    from ffkv.mine.engine import new_state
+    from ffkv.mine.trackers import Batch, tracker_ops_per_layer
+
+    seqs = [toks[i] for i in batch_idx]
+    ids, mask = mm.batch(seqs)
+    ids, mask = ids.to(mm.device), mask.to(mm.device)
+    caps = mm.capture(ids, mask, what=("m",))
+    ms = [caps.layers[l]["m"] for l in range(mm.n_layers)]
+    state = new_state(mm, settings)
+    tracker_ops_per_layer(state, ms, Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs))), mask))
+    b2 = Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs), 2 * len(seqs))), mask)
+    return tracker_ops_per_layer(state, [-m for m in ms], b2)
+
+
+def main(a) -> dict:
+    from ffkv.corpus.batching import layout, pack
     from ffkv.mine.engine import MineSettings, mine_batches, new_state
-    from ffkv.model.memories import open_model
+    from ffkv.mine.runner import resolve_batch_tokens
 
-    mm = open_model(None, device="cuda", dtype=dtype)
-    toks = wikitext_token_lists(mm, n)
-    batches = pack([len(t) for t in toks], batch_tokens)
-    states = {"bare": new_state(mm, MineSettings(top_k=50, stats=False)), "stats": new_state(mm, MineSettings(top_k=50))}
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    from ffkv.model.load import resolve_dtype
+
+    dtype = resolve_dtype(a.dtype, device)
+    if a.shape:
+        mm = build_shape(a.shape, device, dtype)
+        what = f"random-weight {a.shape} shape"
+        tok_of = default_tokenizer
+    else:
+        from ffkv.model.memories import open_model
+
+        mm = open_model(a.model, device=device, dtype=str(dtype).replace("torch.", ""))
+        what = a.model or "the default SmolLM2 GGUF"
+        tok_of = lambda: mm.tok  # noqa: E731
+    ids, host_tok_s = corpus_ids(a.corpus, mm, tok_of)
+    if max(max(s) for s in ids) >= mm.vocab_size:
+        raise SystemExit(f"bench_gpu: the corpus holds token ids >= the model's vocabulary ({mm.vocab_size})")
+    toks = stream(ids, a.tokens, mm.max_length or 8192)
+    lengths = [len(t) for t in toks]
+    bare_s, full_s = MineSettings(top_k=50, stats=False), MineSettings(top_k=50, batch_tokens=a.batch_tokens)
+    bt = resolve_batch_tokens(mm, full_s)
+    batches = pack(lengths, bt)
+    lay = layout(lengths, batches, bt)
+    ntok = sum(lengths)
+    out(f"bench_gpu: {what}, {mm.n_layers} layers x {mm.d_m} keys, {str(dtype).replace('torch.', '')} on "
+        f"{torch.cuda.get_device_name(0) if cuda else 'CPU (' + str(torch.get_num_threads()) + ' threads)'}; "
+        f"{ntok:,} tokens in {len(toks):,} sequences; batch_tokens {bt} ({a.batch_tokens}): {lay['batches']} "
+        f"batches, {lay['mean_tokens']:.0f} tokens and up to {lay['max_rows']} rows each, fill {lay['fill']:.0%}, "
+        f"padding {lay['padding_share']:.1%}")
+    ops_bare = tracker_ops(mm, toks, batches[0], bare_s)
+    ops_full = tracker_ops(mm, toks, batches[0], full_s)
+    out(f"tracker aten ops per layer and batch (torch.profiler, leaf ops): {ops_bare:.1f} top-k only, "
+        f"{ops_full:.1f} with key statistics (goal <= 20)")
+    states = {"bare": new_state(mm, bare_s), "stats": new_state(mm, full_s)}
     sids = list(range(len(toks)))
     secs = {"plain": 0.0, "bare": 0.0, "stats": 0.0}
-    ntok = sum(map(len, toks))
-    ids, mask = mm.batch([toks[i] for i in batches[0]])
-    with torch.no_grad():
-        mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad():  # warm-up, untimed
+        i0, m0 = mm.batch([toks[i] for i in batches[0]])
+        mm.hf(input_ids=i0.to(mm.device), attention_mask=m0.to(mm.device), use_cache=False)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
     for bi, idx in enumerate(batches):
-        ids, mask = mm.batch([toks[i] for i in idx])
-        order = ["plain", "bare", "stats"] if bi % 2 == 0 else ["stats", "bare", "plain"]
-        for arm in order:
-            torch.cuda.synchronize()
+        ids_b, mask = mm.batch([toks[i] for i in idx])
+        ids_b, mask = ids_b.to(mm.device), mask.to(mm.device)
+        for arm in (["plain", "bare", "stats"] if bi % 2 == 0 else ["stats", "bare", "plain"]):
+            sync()
             t0 = time.perf_counter()
             if arm == "plain":
                 with torch.no_grad():
-                    mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+                    mm.hf(input_ids=ids_b, attention_mask=mask, use_cache=False).logits.sum()
             else:
                 mine_batches(mm, states[arm], toks, sids, [(bi, idx)])
-            torch.cuda.synchronize()
+            sync()
             secs[arm] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tables = states["stats"].stats.finish()
-    fin = time.perf_counter() - t0
-    res = {k: ntok / v for k, v in secs.items()}
-    out(f"gpu ({torch.cuda.get_device_name(0)}, {dtype}): plain forward {res['plain']:.0f} tok/s; mining "
-        f"{res['bare']:.0f} tok/s ({secs['plain'] / secs['bare']:.2f}x) without statistics, {res['stats']:.0f} tok/s "
-        f"({secs['plain'] / secs['stats']:.2f}x) with key statistics; over {ntok} tokens, all keys, t=50; "
-        f"tables from the GPU state in {fin:.1f} s ({sum(t.num_rows for t in tables.values()):,} rows)")
-    return {"tokens": ntok, **{f"{k}_tok_s": v for k, v in res.items()}}
+    rate = {k: ntok / v for k, v in secs.items()}
+    out(f"throughput: plain forward (with logits) {rate['plain']:,.0f} tok/s; mining {rate['bare']:,.0f} tok/s "
+        f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
+        f"({secs['plain'] / secs['stats']:.2f}x) with key statistics")
+    out(f"host preparation (corpus -> token ids, one process): {host_tok_s:,.0f} tok/s")
+    hours = 1e8 / rate["stats"] / 3600
+    serial = 1e8 / rate["stats"] + 1e8 / host_tok_s
+    out(f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
+        f"preparation in series")
+    res = {"tokens": ntok, "batch_tokens": bt, **lay, **{f"{k}_tok_s": v for k, v in rate.items()},
+           "host_tok_s": host_tok_s, "ops_topk": ops_bare, "ops_stats": ops_full}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        out(f"peak GPU memory: {peak:.1f} GiB")
+        res["peak_gib"] = peak
+    else:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        out(f"GPU figures skipped (peak GPU memory, GPU tok/s): no CUDA device (torch {torch.__version__}, {build})")
+    return res
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sentences", type=int, default=1000)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    a = ap.parse_args()
-    why = skip_reason()
-    if why:
-        out(f"bench_gpu: skipped: {why}")
-    else:
-        run(a.sentences, a.batch_tokens, a.dtype)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help="HF id, folder or GGUF file (default: the embedded SmolLM2)")
+    g.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of this shape")
+    ap.add_argument("--corpus", default=None, help="text corpus spec or a Parquet file of token id lists")
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--batch-tokens", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    args = ap.parse_args()
+    if args.tokens < 1:
+        print("bench_gpu: --tokens must be at least 1", file=sys.stderr)
+        sys.exit(2)
+    main(args)
