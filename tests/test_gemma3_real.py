@@ -120,12 +120,13 @@ def test_info_gemma3():
     import json
 
     inf = json.loads(r.stdout)
-    assert inf["model_type"] == "gemma3_text"
+    assert inf["architecture"] == "gemma3_text"
     assert inf["layers"] == 18
     assert inf["vocab_size"] == 262_144
-    assert inf["d"] == 640 and inf["d_m"] == 2048
+    assert inf["d"] == 640 and inf["d_m"] == 2048 and inf["post_ffn_norm"] is True
     r = run_cli("info", "gemma3")
-    assert r.returncode == 0 and "gemma3_text" in r.stdout, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "gemma3_text" in r.stdout and "18 layers × 2048" in r.stdout and "262144" in r.stdout
 
 
 def _batch(mm, n=4, length=24):
