@@ -14,7 +14,10 @@ Public URLs (links get shared; keep them):
   `/memory/{layer}/{dim}/triggers.csv|json` (`ffkv.web.export`).
 - `/api/memory/{layer}/{dim}/similar`: nearest memories by value, key, co-activation
   (`ffkv.web.neighbours`).
-More: `/sentence/{id}` (a trigger's provenance; permalink), `/annotations` (who annotated what;
+- `/api/memory/{layer}/{dim}/activations?top=&sign=&samples=` (or `?sentence=N`): the memory's
+  coefficient m at every token of the examples its page shows (`ffkv.web.activations`; the pages'
+  script tints the tokens with it).
+More: `/sentence/{id}` (a trigger's provenance; permalink; `?memory=L/D` tints it by that memory), `/annotations` (who annotated what;
 the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
 model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs checked by
 `common.same_origin`.
