@@ -33,7 +33,8 @@ MEASURES = {"value": "cosine similarity of the value vectors v (what each memory
 
 def nearest(x, top: int = TOP, chunk: int = 1024):
     """(idx, cos): for each row of x (N, d), the `top` other rows of largest cosine similarity,
-    largest first (ties: the lower row first). A zero row has cosine 0 with every row."""
+    largest first (float32; the order of cosines equal to rounding is torch.topk's). A zero row
+    has cosine 0 with every row."""
     import torch
 
     x = torch.as_tensor(x).float()
@@ -47,13 +48,10 @@ def nearest(x, top: int = TOP, chunk: int = 1024):
         return idx, cos
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        s = (u[a:b] @ u.T).double()
-        s[torch.arange(b - a), torch.arange(a, b)] = -np.inf  # not itself
-        # ties by the lower row: a tiny decreasing offset in the sort key only (cosines kept exact)
-        key = s - torch.arange(n, dtype=torch.float64) * 1e-12
-        top_i = torch.topk(key, k, dim=1).indices
-        idx[a:b] = top_i.numpy()
-        cos[a:b] = torch.gather(s, 1, top_i).float().numpy()
+        s = u[a:b] @ u.T
+        s[torch.arange(b - a), torch.arange(a, b)] = -torch.inf  # not itself
+        v, i = torch.topk(s, k, dim=1)
+        idx[a:b], cos[a:b] = i.numpy(), v.numpy()
     return idx, cos
 
 
