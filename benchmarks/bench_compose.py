@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from ffkv.model import identity
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def main() -> None:
     t_load = time.perf_counter() - t0
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="bench_compose_")
     run = Run(args.out or tmp.name, create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     load0 = os.getloadavg()[0]
     print(f"model SmolLM2-135M: {mm.n_layers} layers, d_m={mm.d_m}, V={mm.vocab_size}; "
           f"torch threads {torch.get_num_threads()}; load {t_load:.1f} s; "

@@ -32,6 +32,7 @@ import ffkv  # noqa: E402,F401  (sets MKL_CBWR before torch loads MKL)
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
+from ffkv.model import identity
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FFKV_SHARED", ROOT.parent / "shared"))
@@ -47,7 +48,7 @@ def build_run(path: Path, mm, n_sentences: int, keys_per_layer: int, k: int, see
     from ffkv.store.run import Run
 
     run = Run(path, create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.start_step("mine", {"benchmark": "brute-force triggers of sampled keys",
                             "keys_per_layer": keys_per_layer, "k": k, "seed": seed})
     tbl = prepare_sentences(run, mm, str(WT2_VALID), n_sentences, seed=seed, min_tokens=2)
@@ -174,7 +175,7 @@ def main():
         t = time.perf_counter()
         run = build_run(a.workdir, mm, a.sentences, a.keys_per_layer, a.examples, a.seed)
         print(f"built a benchmark run in {a.workdir} in {time.perf_counter() - t:.0f} s")
-    run.check_model(mm)
+    identity.check_model(run, mm)
     if a.build_only:
         return
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from ffkv.model import identity
 
 PAPER_GB = 150.0
 GOAL_S, GOAL_GB = 120.0, 2.0
@@ -68,7 +69,7 @@ def synthetic_run(path: Path, mm, k: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     run = Run(path, create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.manifest["lens"] = "norm"
     run.save()
     n_sent, T = 5000, 24
@@ -132,7 +133,7 @@ def main():
         if args.run:
             linked_copy(Path(args.run), tmp / "run")
             run = Run(tmp / "run")
-            mm = run.open_model(device="cpu")
+            mm = identity.open_model(run, device="cpu")
             n_rows = run.read_table("triggers", columns=["rank"]).num_rows
         else:
             from ffkv.model.memories import open_model

@@ -14,6 +14,7 @@ from conftest import ARCHS, WT2, run_cli
 
 from ffkv.experiments.compose import CATEGORIES, compose, stopwords, token_is_stop
 from ffkv.store.run import Run
+from ffkv.model import identity
 
 VALID = str(WT2 / "wiki.valid.tokens")
 EPS = 0.05
@@ -170,7 +171,7 @@ def runs(tiny_models, tmp_path_factory):
     for arch in ARCHS:
         mm = tiny_models[arch]
         run = Run(tmp_path_factory.mktemp(f"compose_{arch}"), create=True)
-        run.record_model(mm)
+        identity.record_model(run, mm)
         compose(run, mm, corpus=VALID, n_prefixes=N, max_sentences=300, eps=EPS, batch_tokens=512,
                 show_progress=False)
         prefixes = run.read_table("compose_prefixes").column("token_ids").to_pylist()
@@ -480,7 +481,7 @@ def test_cli_bad_prefixes(tiny_dirs, tmp_path):
 def test_compose_smollm2_against_brute_force(smollm2, tmp_path):
     mm = smollm2
     run = Run(tmp_path / "run", create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     compose(run, mm, corpus=VALID, n_prefixes=12, max_sentences=200, show_progress=False)
     prefixes = run.read_table("compose_prefixes").column("token_ids").to_pylist()
     bf = brute_force(mm.hf, "llama", prefixes, 0.1, dtype=torch.float32)  # float64 would take minutes

@@ -15,6 +15,7 @@ from ffkv.corpus.batching import pack
 from ffkv.experiments import mutate as M
 from ffkv.store.query import read_triggers, sample_keys, sentence_lookup
 from ffkv.store.run import Run
+from ffkv.model import identity
 
 
 def cli_inproc(*args) -> tuple[int, str, str]:
@@ -85,7 +86,7 @@ def make_run(path, model_dir, n_sentences: int = 40, k: int = 12, max_tokens: in
 
     mm = mm or open_model(str(model_dir), device="cpu")
     run = Run(path, create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.start_step("mine", {"test": "brute force"})
     tbl = prepare_sentences(run, mm, str(WT2 / "wiki.valid.tokens"), n_sentences, seed=0)
     ids = [t[:max_tokens] for t in tbl.column("token_ids").to_pylist()]
@@ -279,7 +280,7 @@ def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
     import shutil
 
     from ffkv.errors import FfkvError
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     shutil.copytree(runs["gpt2"].path, tmp_path / "r")
     run, mm = Run(tmp_path / "r"), tiny_models["gpt2"]
@@ -298,7 +299,7 @@ def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
     def no_model(*a, **k):
         raise AssertionError("the model was opened")
 
-    monkeypatch.setattr(run, "open_model", no_model)
+    monkeypatch.setattr(identity, "open_model", no_model)
     again = execute(run, "mutate", M.MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=(0, 1),
                                                     batch_tokens=4096))
     assert again.skipped and again.result is None

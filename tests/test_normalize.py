@@ -17,6 +17,7 @@ from ffkv.experiments.normalize.variants import (TAU_GRID, Sums, Variant, coeffi
                                                  top_slots)
 from ffkv.experiments.normalize.variance import synthetic
 from ffkv.report import normalize as N
+from ffkv.model import identity
 
 SMALL = dict(tokens=400, fit_tokens=200, sweep_tokens=200, capacity_n=(16,), synthetic_draws=50,
              variance_repeats=2, batch_tokens=512)
@@ -201,11 +202,11 @@ def test_synthetic_variance_se_is_honest():
 def tiny_run(tiny_dirs, tiny_models, tmp_path_factory):
     from ffkv.experiments.normalize import NormalizeSettings
     from ffkv.store.run import Run
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     run = Run(tmp_path_factory.mktemp("norm") / "r", create=True)
     mm = tiny_models["llama"]
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.save()
     s = NormalizeSettings(**SMALL)
     out = execute(run, "normalize", s, mm=mm, show_progress=False)
@@ -257,7 +258,7 @@ def test_step_skips_when_done_and_redoes_on_other_settings(tiny_run):
     from dataclasses import replace
 
     from ffkv.experiments.normalize.step import record
-    from ffkv.store.steps import is_done, get
+    from ffkv.steps.lifecycle import is_done, get
 
     run, mm, s, _ = tiny_run
     assert is_done(run, get("normalize"), record(run, s))

@@ -402,7 +402,7 @@ def test_patterns_step(tmp_path, tiny_dirs, tiny_models):
     """execute(run, "patterns", ...): the manifest keeps today's settings (not the device), a second
     call is skipped and reports the same labels and Fig 2, bad settings are refused up front."""
     from ffkv.errors import FfkvError
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     run = make_run(tmp_path / "r", tiny_dirs["gpt2"], n_sentences=60, k=25, mm=tiny_models["gpt2"])
     s = P.PatternsSettings(semantic_keys_per_layer=3, background=300, device="cpu")

@@ -14,6 +14,7 @@ from ffkv.experiments.values import (KINDS, compute_values, format_summary, prec
                                      summarize_logits, wilson)
 from ffkv.model.memories import open_model
 from ffkv.store.run import Run
+from ffkv.model import identity
 
 
 # ---- a hand-made run: sentences + triggers following DEVELOPING.md --------------------------------
@@ -79,7 +80,7 @@ class Synth:
 
 def make_run(path, mm, synth, lens="norm", mine=True) -> Run:
     run = Run(path, create=True)
-    run.record_model(mm)
+    identity.record_model(run, mm)
     run.manifest["lens"] = lens
     run.save()
     if synth is not None:
@@ -426,7 +427,7 @@ def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
     lens block equals values_layers; value_index equals `build_index` (both lenses, k = 20)."""
     from ffkv.experiments.value_index import build_index
     from ffkv.experiments.values import ValuesSettings
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     mm = open_model(str(tiny_dirs["llama"]), device="cpu")
     syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=3, seed=5)

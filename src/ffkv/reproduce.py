@@ -1,6 +1,6 @@
 """`ffkv reproduce`: every step of the paper in order, each resumable, then the report.
 
-Each step runs through the step lifecycle (`ffkv.store.steps.execute`) with the settings its
+Each step runs through the step lifecycle (`ffkv.steps.lifecycle.execute`) with the settings its
 own command would give it, so a step behaves exactly as when a user types it: it skips itself
 when the manifest says it is done with the same settings, and mining resumes from its
 checkpoint after a kill. The model is loaded once for all steps.
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ffkv.errors import FfkvError
 from ffkv.store.run import Run
+from ffkv.model import identity
 
 STEPS = ("mine", "values", "compose", "mutate", "patterns", "normalize")
 
@@ -103,7 +104,7 @@ def _open(run: Path, s: ReproduceSettings):
         from ffkv.model.load import quiet_hf
 
         quiet_hf()
-        return r, r.open_model(device=s.device, dtype=s.dtype)
+        return r, identity.open_model(r, device=s.device, dtype=s.dtype)
     return r, model(s.model, s.device, s.dtype)
 
 
@@ -112,7 +113,7 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
 
     `show(step, run, outcome)` prints a step's outcome as its own command would.
     """
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     run = Path(run)
     r, mm = _open(run, s)

@@ -9,6 +9,7 @@ import typer
 
 from ffkv.cli.options import JsonOpt, RunArg, SeedOpt, SignOpt, open_run, parse_sign, print_table
 from ffkv.errors import FfkvError
+from ffkv.model import identity
 
 
 def parse_pattern(spec: str) -> dict:
@@ -26,7 +27,7 @@ def parse_pattern(spec: str) -> dict:
 
 def _store(run_dir):
     from ffkv.store.annotations import AnnotationStore
-    from ffkv.store.steps import require
+    from ffkv.steps.lifecycle import require
 
     run = open_run(run_dir)
     require(run, "mine")
@@ -48,7 +49,7 @@ def sample(run_dir: Path = RunArg,
         from ffkv.model.load import quiet_hf
 
         quiet_hf()
-        tok = st.run.open_model(device="cpu").tok
+        tok = identity.open_model(st.run, device="cpu").tok
         for r in recs:
             r["prefixes"] = st.key_prefixes(r["layer"], r["dim"], tok, s)
     if out:

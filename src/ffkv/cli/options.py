@@ -5,6 +5,7 @@ import typer
 
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_sign  # noqa: F401  (kept importable from here)
+from ffkv.model import identity
 
 ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
                         "Default: the embedded SmolLM2-135M-Instruct GGUF.")
@@ -56,7 +57,7 @@ def open_run_with_model(run_dir, model_name: str | None, device: str = "auto", d
     mm = None
     if fresh or not run.manifest.get("model"):
         mm = model(model_name, device=device, dtype=dtype)
-        run.record_model(mm)
+        identity.record_model(run, mm)
         run.save()
     return run, mm
 

@@ -19,6 +19,7 @@ import typer
 
 from ffkv.cli.options import DeviceOpt, ModelOpt, RunArg
 from ffkv.errors import FfkvError
+from ffkv.model import identity
 
 
 def _verify(p: Path) -> tuple[dict | None, dict | None, str | None]:
@@ -41,7 +42,7 @@ def _verify(p: Path) -> tuple[dict | None, dict | None, str | None]:
 def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log=print) -> dict:
     """Write a manifest for the run at `path` from its verified tables; returns it."""
     from ffkv.store.run import MANIFEST, Run, atomic_write_json
-    from ffkv.store.steps import get, names
+    from ffkv.steps.lifecycle import get, names
 
     found, problems = {}, {}
     for p in sorted(path.glob("*.parquet")):
@@ -72,11 +73,11 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
         mm = load_model(model_name, device=device)
         probe = Run.__new__(Run)  # a run object over the recovered record, to reuse its model check
         probe.path, probe.manifest = path, {"model": model}
-        probe.check_model(mm)
+        identity.check_model(probe, mm)
         if "vocab" in found and found["vocab"][1]["rows"] != mm.vocab_size:
             raise FfkvError(f"{model_name} has {mm.vocab_size} tokens; the run's vocab table has "
                             f"{found['vocab'][1]['rows']}: not the run's model")
-        from ffkv.store.run import unembed_digest
+        from ffkv.model.identity import unembed_digest
 
         model = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(), "unembed_sha256": unembed_digest(mm)}
     man["model"] = model
@@ -167,7 +168,7 @@ def repair(run_dir: Path = RunArg,
     tables record; a table that cannot be verified is named and left as it is. A run whose
     manifest is whole is only checked."""
     from ffkv.store.run import MANIFEST, Run
-    from ffkv.store.steps import check_tables, get, names
+    from ffkv.steps.lifecycle import check_tables, get, names
 
     if not run_dir.is_dir():
         raise FfkvError(f"{run_dir} is not a directory")

@@ -84,7 +84,7 @@ Tables written to the run (public contract):
   (means over layers), mean_abs_diff, max_abs_diff, layer_of_max; plus rows `w_differs` and
   `category_differs` (shares of examples / example-layers that differ; naive, norm null).
 
-The step is `STEP` (settings `ComposeSettings`), run through `ffkv.store.steps.execute`; it needs no
+The step is `STEP` (settings `ComposeSettings`), run through `ffkv.steps.lifecycle.execute`; it needs no
 other step (a fresh run records the model it is given). `print_summary` reads the tables back.
 """
 from __future__ import annotations
@@ -102,8 +102,9 @@ from ffkv.defs import LENSES, check_lens, other_lens, pct
 from ffkv.errors import FfkvError
 from ffkv.model.memories import Lens, is_active, rank_of
 from ffkv.steps.compose import DEFAULT_CORPUS, DEFAULT_EPS, STEP, ComposeSettings, record  # noqa: F401
-from ffkv.store.steps import execute
+from ffkv.steps.lifecycle import execute
 from ffkv.experiments.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
+from ffkv.model import identity
 
 CATEGORIES = ("residual", "ffn", "agreement", "composition")
 FIG8_VARIANTS = ("signed", "code", "rel")
@@ -553,7 +554,7 @@ def compute(ctx) -> dict:
 
     run, s, mm = ctx.run, ctx.settings, ctx.model()
     if not run.manifest.get("model"):  # a fresh run: its model is the one loaded here
-        run.record_model(mm)
+        identity.record_model(run, mm)
         ctx.record["model_unembed_sha256"] = run.manifest["model"]["unembed_sha256"]
         run.manifest["settings"]["compose"] = ctx.record
         run.save()

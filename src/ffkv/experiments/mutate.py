@@ -49,7 +49,7 @@ Tables (public contract):
   share_lower float64 (share of variants with new < old in the trigger's direction, rel < 0).
 
 The step: `STEP` (settings `MutateSettings`, manifest settings `settings_for`), run through
-`ffkv.store.steps.execute(run, "mutate", MutateSettings(...))`; `mutate(run, mm, ...)` is the
+`ffkv.steps.lifecycle.execute(run, "mutate", MutateSettings(...))`; `mutate(run, mm, ...)` is the
 computation alone.
 """
 from __future__ import annotations

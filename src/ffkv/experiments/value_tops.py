@@ -24,7 +24,7 @@ from ffkv.model.memories import Lens
 def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{lens: (top(v_i), top(-v_i))}, each (L, d_m) int64; read from the run's `value_tops`
     table when it holds these lenses for this model's shape, else computed and cached."""
-    from ffkv.store.run import unembed_digest
+    from ffkv.model.identity import unembed_digest
 
     digest = unembed_digest(mm) if run is not None else None
     cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
@@ -90,7 +90,7 @@ def _write_value_tops(run, tops: dict, L: int, dm: int, digest: str) -> None:
 
 def store(run, mm, tops: dict) -> None:
     """Cache tops ({lens: (pos, neg)}, each (L, d_m)) computed elsewhere, e.g. by the values step."""
-    from ffkv.store.run import unembed_digest
+    from ffkv.model.identity import unembed_digest
 
     tops = {ln: (torch.as_tensor(np.asarray(p)), torch.as_tensor(np.asarray(n))) for ln, (p, n) in tops.items()}
     _write_value_tops(run, tops, mm.n_layers, mm.d_m, unembed_digest(mm))

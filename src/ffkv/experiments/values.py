@@ -67,7 +67,7 @@ Tables written (public contract; layers 0-based)
 - `value_index`: the token → memories inverse index of `ffkv.experiments.value_index` (k = 20),
   fed from the same projections (no extra pass), for every lens projected.
 - `frac_rank_lt100` (in `values_layers`): the share of evaluated memories with rank < 100.
-The step is `STEP` (settings `ValuesSettings`), run through `ffkv.store.steps.execute`; its
+The step is `STEP` (settings `ValuesSettings`), run through `ffkv.steps.lifecycle.execute`; its
 summary (the dict `compute_values` returns) is stored in the manifest under steps.values.summary;
 `format_summary` prints it.
 """
@@ -85,7 +85,7 @@ from ffkv.errors import FfkvError
 from ffkv.store import query
 from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
 from ffkv.steps.values import STEP, TABLES, ValuesSettings  # noqa: F401
-from ffkv.store.steps import execute
+from ffkv.steps.lifecycle import execute
 
 KINDS = ("value", "neg_value", "key")
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ffkv.steps.registry import get, known, ordered, register  # noqa: F401
 from ffkv.steps.settings import at_least, between, setting  # noqa: F401
-from ffkv.store.steps import Context, Outcome, Step, execute  # noqa: F401
+from ffkv.steps.lifecycle import Context, Outcome, Step, execute  # noqa: F401
 
 
 class ReportSection(NamedTuple):

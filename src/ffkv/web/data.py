@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from ffkv.display import read_token
 from ffkv.errors import FfkvError
 from ffkv.store import query
+from ffkv.model import identity
 
 MAX_TOP = 200          # trigger rows per sign a page may ask for
 PREFIX_TOKENS = 32     # a long prefix shows its last tokens (the permalink shows the sentence)
@@ -679,7 +680,7 @@ class Browser:
 
                     quiet_hf()
                     t = time.time()
-                    self._mm = self.run.open_model(device="cpu")
+                    self._mm = identity.open_model(self.run, device="cpu")
                     self.log(f"model loaded in {time.time() - t:.1f} s")
         return self._mm
 

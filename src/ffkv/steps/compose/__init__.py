@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ffkv.defs import LENSES
 from ffkv.steps.settings import at_least, setting
-from ffkv.store.steps import Step
+from ffkv.steps.lifecycle import Step
 
 DEFAULT_CORPUS = "wikipedia:valid"
 DEFAULT_EPS = 0.1

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
 from ffkv.steps.settings import a_sign, at_least, setting
-from ffkv.store.steps import Step
+from ffkv.steps.lifecycle import Step
 
 DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
 DEFAULT_EXAMPLES = 50

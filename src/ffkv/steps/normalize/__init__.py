@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ffkv.errors import FfkvError
 from ffkv.steps.settings import at_least, setting
-from ffkv.store.steps import Step
+from ffkv.steps.lifecycle import Step
 
 DEFAULT_CORPUS = "wikipedia:valid"
 TABLES = ("normalize_sentences", "normalize_layers", "normalize_capacity", "normalize_variance")

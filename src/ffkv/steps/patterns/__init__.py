@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ffkv.parse import parse_sign
 from ffkv.steps.settings import a_sign, at_least, between, setting
 from ffkv.store.labels import TOP
-from ffkv.store.steps import Step
+from ffkv.steps.lifecycle import Step
 
 DEFAULT_SEMANTIC_KEYS = 10
 MIN_COVER = 3

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ffkv.defs import LENSES
 from ffkv.steps.settings import at_least, setting
-from ffkv.store.steps import Step
+from ffkv.steps.lifecycle import Step
 
 TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
           "values_table2", "values_lenses", "values_fig6_lenses", "values_table2_lenses", "value_index")

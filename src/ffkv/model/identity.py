@@ -1,0 +1,59 @@
+"""A run is one model's: what the manifest records of it, the check that a model is the run's,
+and reopening it. Here, beside the model, so that `store` (the run directory) imports nothing
+of the model."""
+from __future__ import annotations
+
+from ffkv.errors import FfkvError
+
+
+def unembed_digest(mm) -> str:
+    """sha256 of the unembedding E: two models with the same E read every value alike."""
+    import hashlib
+
+    import numpy as np
+
+    e = mm.lens.E.detach().float().cpu().numpy()
+    return hashlib.sha256(np.ascontiguousarray(e).tobytes()).hexdigest()
+
+
+def record_model(run, mm) -> None:
+    """The manifest's `model`: where it came from, its shape, and its unembedding's digest."""
+    run.manifest["model"] = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(),
+                             "unembed_sha256": unembed_digest(mm)}
+
+
+def check_model(run, mm) -> None:
+    """Refuse a model that is not the run's: another shape, vocabulary or unembedding, or
+    another revision of the same model (one line naming both)."""
+    rec = run.manifest.get("model")
+    if not rec:
+        return
+    info = mm.info()
+    ours, theirs = rec.get("model_id") or rec.get("model"), info["model"]
+    if ours == theirs and mm.spec is not None and rec.get("revision") and mm.spec.revision \
+            and rec["revision"] != mm.spec.revision:
+        raise FfkvError(f"model mismatch: {run.path} was made with {ours} at revision "
+                        f"{str(rec['revision'])[:12]}, this is revision {str(mm.spec.revision)[:12]}; "
+                        f"use a new run folder, or the run's own model")
+    for k in ("vocab_size", "layers", "d", "d_m"):
+        if rec.get(k) is not None and rec[k] != info[k]:
+            raise FfkvError(f"model mismatch: {run.path} was made with {ours} ({k}={rec[k]}), "
+                            f"not {theirs} ({k}={info[k]}); use a new run folder, or the run's own model")
+    if rec.get("unembed_sha256") and rec["unembed_sha256"] != unembed_digest(mm):
+        raise FfkvError(f"model mismatch: {run.path} was made with {ours}, not {theirs} (their "
+                        f"unembeddings differ); use a new run folder, or the run's own model")
+
+
+def run_lens(run) -> str:
+    """The run's lens: the one its manifest names, else the norm lens."""
+    return run.manifest.get("lens") or "norm"
+
+
+def open_model(run, model: str | None = None, device: str = "auto", dtype: str = "auto", lens: str | None = None):
+    """The run's own model (or `model`, checked against the run's vocabulary and unembedding)."""
+    from ffkv.model.memories import open_model as load
+
+    mm = load(model if model is not None else run.model_arg(), device=device, dtype=dtype,
+              lens=lens or run_lens(run))
+    check_model(run, mm)
+    return mm
