@@ -13,7 +13,8 @@ A simple family is one line of data (attribute paths, weight layout). A family w
 differences is a small subclass: `OPT` (checks), `FusedGateUp` (Phi-3's fused gate_up_proj),
 `PostNorm` (Gemma 2/3, OLMo 2: an RMSNorm after the FFN), `ScaledResidual` (Granite's residual
 multiplier and logit divisor), `Falcon` (an in-place add into the FFN's output), `Bloom`
-(checks). Nothing else in ffkv branches on the model type.
+(checks), `MoE` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: experts in fused 3D weights, memories
+(expert, dim) flattened onto one axis). Nothing else in ffkv branches on the model type.
 
 Hooks: every `hook_*` returns a list of torch hook handles. `shape` is a (B, T) list the caller
 keeps up to date (families with `flat=True` run their FFN on (B·T, d) rows); `state` is a dict
@@ -106,6 +107,18 @@ class Architecture:
 
     def act_fn(self, blk):
         return self.module(blk, self.act)
+
+    def dims(self, blk) -> tuple[int, int]:
+        """(d_m, d): the layer's number of memories and the residual stream's width."""
+        return tuple(self.keys(blk).shape)
+
+    def expert_of(self, blk, dim: int) -> tuple[int, int] | None:
+        """(expert, i) of a memory dim in a mixture of experts; None for a dense FFN."""
+        return None
+
+    def moe_info(self, blk) -> dict:
+        """What a run's manifest records of a mixture of experts ({} for a dense FFN)."""
+        return {}
 
     # ---- the definitions ---------------------------------------------------------------------
     def activations(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
@@ -349,7 +362,223 @@ class Falcon(Architecture):
         return out.clone()
 
 
-_LLAMA = dict(layers="model.layers", final_norm="model.norm", unembed="lm_head",
+@dataclass(frozen=True)
+class MoE(Architecture):
+    """A mixture-of-experts FFN: a router sends each token to its top-k experts, each a gated FFN,
+    whose outputs add up weighted by the router (transformers 5 keeps the experts' weights as fused
+    3D tensors: `gate_up_proj` (E, 2·d_e, d), gate rows first, and `down_proj` (E, d, d_e); no
+    module per expert). A memory is (expert e, dim i), flattened onto one axis:
+    dim = e·d_e + i, and a shared expert (Qwen2-MoE) comes after the routed ones, as expert E, its
+    d_s dims at E·d_e + i. `expert_of` maps a dim back.
+
+        m_(e,i) = w_e(x)·f(x·g_(e,i))·(x·u_(e,i))   (w_e the router's weight of e at the token,
+                                                   0 on tokens not routed to e; for the shared
+                                                   expert its sigmoid gate σ(x·s))
+        v_(e,i) = column i of expert e's down projection
+
+    so Σ m·v is the MoE block's output. The model never forms m: it is recomputed from the block's
+    input x (the router's choice as the family makes it: softmax, top-k, renormalised where
+    `norm_topk` says), batched by expert. Captures read it at the block's input; interventions and
+    replacements add Σ (m' − m)·v to the block's output."""
+    key: str = "mlp.experts"
+    value: str = "mlp.experts"
+    up: str | None = "mlp.experts"
+    act: str | None = "mlp.experts.act_fn"
+    block: str = "mlp"  # the MoE block: its input is x, its output y
+    router: str = "mlp.gate"  # weight (E, d)
+    shared: str | None = None  # a gated MLP every token passes (gate_proj, up_proj, down_proj)
+    shared_gate: str | None = None  # Linear(d, 1): the shared expert's weight is σ(x·s)
+    # renormalise the top-k weights: True always (Mixtral), None as the router's norm_topk_prob says
+    # (set from the config's norm_topk_prob)
+    norm_topk: bool | None = True
+    sparse_step: bool = False  # the config may make some layers dense (decoder_sparse_step, mlp_only_layers)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check(self, cfg) -> None:
+        cfg = text_config(cfg)
+        if self.sparse_step and (getattr(cfg, "mlp_only_layers", None)
+                                 or getattr(cfg, "decoder_sparse_step", 1) != 1):
+            raise FfkvError(f"{self.name} with dense layers among its MoE ones (mlp_only_layers, "
+                            "decoder_sparse_step != 1) is not supported: every layer must have the same memories")
+
+    def check_blocks(self, blocks) -> None:
+        for blk in blocks:
+            ex = self.module(blk, self.key)
+            if not hasattr(ex, "gate_up_proj") or not hasattr(ex, "down_proj"):
+                raise FfkvError(f"{self.name}: layer without fused experts ({type(self.module(blk, self.block)).__name__}) "
+                                "is not supported")
+            if self.norm_topk is None and not hasattr(self.module(blk, self.router), "norm_topk_prob"):
+                raise FfkvError(f"{self.name}: the router has no norm_topk_prob")
+            if getattr(ex, "is_transposed", False) or not getattr(ex, "is_concatenated", True) \
+                    or getattr(ex, "has_bias", False) or not getattr(ex, "has_gate", True):
+                raise FfkvError(f"{self.name}: experts stored transposed, interleaved or with biases "
+                                "are not supported")
+
+    # ---- the experts' layout -----------------------------------------------------------------
+    def experts(self, blk):
+        return self.module(blk, self.key)
+
+    def dims(self, blk):
+        return (self.n_experts(blk) * self.d_expert(blk) + self.d_shared(blk),
+                int(self.experts(blk).down_proj.shape[1]))
+
+    def n_experts(self, blk) -> int:
+        return int(self.experts(blk).gate_up_proj.shape[0])
+
+    def d_expert(self, blk) -> int:
+        return int(self.experts(blk).down_proj.shape[-1])
+
+    def d_shared(self, blk) -> int:
+        return int(self.module(blk, self.shared).down_proj.weight.shape[1]) if self.shared else 0
+
+    def top_k(self, blk) -> int:
+        return int(self.module(blk, self.router).top_k)
+
+    def expert_of(self, blk, dim: int) -> tuple[int, int]:
+        """(expert, i) of a memory dim; the shared expert is expert E."""
+        E, de = self.n_experts(blk), self.d_expert(blk)
+        dim = int(dim)
+        if not 0 <= dim < E * de + self.d_shared(blk):
+            raise FfkvError(f"dim {dim} out of range 0..{E * de + self.d_shared(blk) - 1}")
+        return (dim // de, dim % de) if dim < E * de else (E, dim - E * de)
+
+    def moe_info(self, blk) -> dict:
+        E, de, ds, k = self.n_experts(blk), self.d_expert(blk), self.d_shared(blk), self.top_k(blk)
+        # d_m counts every expert's memories; a token reaches at most memories_per_token of them (its experts' dims)
+        return {"experts": E, "experts_per_token": k, "d_expert": de, "d_shared_expert": ds or None,
+                "memories_per_token": k * de + ds, "norm_topk_prob": self._normalise(blk)}
+
+    def _normalise(self, blk) -> bool:
+        if self.norm_topk is not None:
+            return self.norm_topk
+        return bool(self.module(blk, self.router).norm_topk_prob)
+
+    # ---- weights, all as (d_m, d) rows -------------------------------------------------------
+    def _cat(self, routed: torch.Tensor, blk, shared: str) -> torch.Tensor:
+        rows = routed.reshape(-1, routed.shape[-1])
+        if self.shared:
+            rows = torch.cat([rows, getattr(self.module(blk, self.shared), shared).weight])
+        return rows
+
+    def keys(self, blk):
+        ex = self.experts(blk)
+        return self._cat(ex.gate_up_proj[:, :self.d_expert(blk)], blk, "gate_proj")
+
+    def up_keys(self, blk):
+        ex = self.experts(blk)
+        return self._cat(ex.gate_up_proj[:, self.d_expert(blk):], blk, "up_proj")
+
+    def activations(self, blk, x, act=None):
+        return self.coefficients(blk, x, act)
+
+    def key_bias(self, blk):
+        return None
+
+    def up_bias(self, blk):
+        return None
+
+    def value_bias(self, blk):
+        return None
+
+    def value_weight(self, blk):
+        rows = self.experts(blk).down_proj.transpose(1, 2).reshape(-1, self.experts(blk).down_proj.shape[1])
+        if self.shared:
+            rows = torch.cat([rows, self.module(blk, self.shared).down_proj.weight.T])
+        return rows
+
+    def value_rows(self, blk, dims: torch.Tensor) -> torch.Tensor:
+        """V[dims] (n, d) without forming V (the fused weights read in place)."""
+        E, de = self.n_experts(blk), self.d_expert(blk)
+        dn = self.experts(blk).down_proj  # (E, d, d_e)
+        routed = dims < E * de
+        out = dn.new_empty(len(dims), dn.shape[1])
+        r = dims[routed]
+        out[routed] = dn[r // de, :, r % de]
+        if self.shared and (~routed).any():
+            out[~routed] = self.module(blk, self.shared).down_proj.weight.T[dims[~routed] - E * de]
+        return out
+
+    # ---- the definitions ---------------------------------------------------------------------
+    def route(self, blk, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice for tokens x2 (N, d): weights (N, k) float32 and experts (N, k), as
+        the family computes them: softmax over all experts, top-k, renormalised to sum 1 where
+        the family does."""
+        logits = torch.nn.functional.linear(x2, self.module(blk, self.router).weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(probs, self.top_k(blk), dim=-1)
+        if self._normalise(blk):
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w, idx
+
+    def coefficients(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
+        """m (..., d_m) from the MoE block's input x (..., d), batched by expert."""
+        ex = self.experts(blk)
+        f = act or ex.act_fn
+        E, de, ds = self.n_experts(blk), self.d_expert(blk), self.d_shared(blk)
+        x2 = x.reshape(-1, x.shape[-1])
+        w, idx = self.route(blk, x2)
+        m = x2.new_zeros(x2.shape[0], E * de + ds)
+        for e in range(E):
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            if len(tok) == 0:
+                continue
+            xe = x2[tok]
+            gate, up = torch.nn.functional.linear(xe, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            m[tok, e * de:(e + 1) * de] = f(gate) * up * w[tok, slot, None].to(x2.dtype)
+        if self.shared:
+            sh = self.module(blk, self.shared)
+            g = torch.sigmoid(self.module(blk, self.shared_gate)(x2))
+            m[:, E * de:] = (act or sh.act_fn)(sh.gate_proj(x2)) * sh.up_proj(x2) * g
+        return m.view(*x.shape[:-1], E * de + ds)
+
+    def rebuild(self, blk, m):
+        """Σ_(e,i) m_(e,i)·v_(e,i), expert by expert from the fused weights (no V formed)."""
+        E, de = self.n_experts(blk), self.d_expert(blk)
+        dn = self.experts(blk).down_proj  # (E, d, d_e)
+        y = torch.einsum("...ei,edi->...d", m[..., :E * de].unflatten(-1, (E, de)), dn.to(m.dtype))
+        if self.shared:
+            y = y + m[..., E * de:] @ self.module(blk, self.shared).down_proj.weight.T.to(m.dtype)
+        return y
+
+    # ---- hook sites: the MoE block's input and output ------------------------------------------
+    def y_site(self, blk):
+        return self.module(blk, self.block)
+
+    def hook_x(self, blk, fn, shape):
+        return [self.module(blk, self.block).register_forward_pre_hook(lambda mod, args: fn(args[0]))]
+
+    def hook_m(self, blk, fn, shape, state):
+        """m is computed once per forward from the block's input (kept in `state`, which every
+        hook on the layer shares); fn runs at the block's output, where an edit m' adds
+        Σ (m' − m)·v over the dims it changed. Hooks on one module run in the order registered, so
+        a later fn (a capture) sees an earlier one's edit (an intervention)."""
+        def on_in(mod, args):
+            if "m" not in state:
+                state["m"] = self.coefficients(blk, args[0])
+
+        def on_out(mod, args, out):
+            m = state["m"]
+            new = fn(m)
+            if new is None:
+                return None
+            state["m"] = new
+            delta = (new - m).reshape(-1, m.shape[-1])
+            dims = torch.nonzero(delta.ne(0).any(0), as_tuple=True)[0]
+            if len(dims) == 0:
+                return None
+            add = delta[:, dims] @ self.value_rows(blk, dims).to(delta.dtype)
+            return out + add.view(out.shape).to(out.dtype)
+
+        def done(mod, args, out):  # returns None: the block's output stays
+            state.pop("m", None)
+
+        return [self.module(blk, self.block).register_forward_pre_hook(on_in),
+                self.module(blk, self.block).register_forward_hook(on_out),
+                blk.register_forward_hook(done)]
+
+
+_MODEL = dict(layers="model.layers", final_norm="model.norm", unembed="lm_head")
+_LLAMA = dict(**_MODEL,
               key="mlp.gate_proj", up="mlp.up_proj", value="mlp.down_proj", act="mlp.act_fn")
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -394,6 +623,12 @@ ARCHITECTURES: dict[str, Architecture] = {
                      act_config="activation"),
     "bloom": Bloom("bloom", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
                    key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.gelu_impl"),
+    # mixture of experts: memories (expert, dim) flattened, dim = expert·d_expert + i (`MoE`)
+    "mixtral": MoE("mixtral", **_MODEL),  # top-k weights always renormalised
+    "qwen2_moe": MoE("qwen2_moe", **_MODEL, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate",
+                     norm_topk=None, sparse_step=True),
+    "qwen3_moe": MoE("qwen3_moe", **_MODEL, norm_topk=None, sparse_step=True),
+    "olmoe": MoE("olmoe", **_MODEL, norm_topk=None),
 }
 # Llama-shaped FFNs (gated, or plain with the same paths) under other names share the same layout.
 for _alias in ("mistral", "qwen2", "qwen3", "olmo", "stablelm"):

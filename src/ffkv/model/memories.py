@@ -120,8 +120,7 @@ class MemoryModel:
         self._state = [{} for _ in range(self.n_layers)]
         self._values_cache: list = []  # per layer, shared by its hooks (arch.hook_m)
         self.gated = self.arch.up is not None
-        k = self.keys(0)
-        self.d_m, self.d = k.shape
+        self.d_m, self.d = self.arch.dims(self.blocks[0])
         self.lens = Lens(self, lens)
         self.vocab_size = self.lens.E.shape[0]
         act = self.act(0) if self.arch.act else None
@@ -160,6 +159,11 @@ class MemoryModel:
             v = self.arch.values(blk)
         self._values_cache = [(key, v), *self._values_cache[:1]]
         return v
+
+    def expert_of(self, dim: int) -> tuple[int, int] | None:
+        """(expert, i) of memory dim `dim` in a mixture-of-experts model (dim = expert·d_expert + i;
+        a shared expert is expert n_experts), None for a dense FFN (`ffkv.model.arch.MoE`)."""
+        return self.arch.expert_of(self.blocks[0], dim)
 
     def key_bias(self, layer: int):
         return self.arch.key_bias(self.blocks[layer])
@@ -378,6 +382,7 @@ class MemoryModel:
             "gated": self.gated,
             "post_ffn_norm": getattr(self.arch, "post_norm", None) is not None,
             "memories": self.n_layers * self.d_m,
+            **self.arch.moe_info(self.blocks[0]),
             "vocab_size": self.vocab_size,
             "tokenizer_vocab": len(self.tok) if self.tok is not None else None,
             "context": self.max_length,
