@@ -402,17 +402,25 @@ class MoE(Architecture):
                             "decoder_sparse_step != 1) is not supported: every layer must have the same memories")
 
     def check_blocks(self, blocks) -> None:
+        shapes = set()
         for blk in blocks:
-            ex = self.module(blk, self.key)
+            try:
+                ex = self.module(blk, self.key)
+            except AttributeError:
+                ex = None
             if not hasattr(ex, "gate_up_proj") or not hasattr(ex, "down_proj"):
-                raise FfkvError(f"{self.name}: layer without fused experts ({type(self.module(blk, self.block)).__name__}) "
-                                "is not supported")
+                raise FfkvError(f"{self.name}: a layer without fused experts "
+                                f"({type(self.module(blk, self.block)).__name__}) is not supported")
+            shapes.add(self.dims(blk))
             if self.norm_topk is None and not hasattr(self.module(blk, self.router), "norm_topk_prob"):
                 raise FfkvError(f"{self.name}: the router has no norm_topk_prob")
             if getattr(ex, "is_transposed", False) or not getattr(ex, "is_concatenated", True) \
                     or getattr(ex, "has_bias", False) or not getattr(ex, "has_gate", True):
                 raise FfkvError(f"{self.name}: experts stored transposed, interleaved or with biases "
                                 "are not supported")
+        if len(shapes) > 1:
+            raise FfkvError(f"{self.name} with layers of different expert shapes {sorted(shapes)} is not "
+                            "supported: every layer must have the same memories")
 
     # ---- the experts' layout -----------------------------------------------------------------
     def experts(self, blk):
@@ -444,7 +452,7 @@ class MoE(Architecture):
 
     def moe_info(self, blk) -> dict:
         E, de, ds, k = self.n_experts(blk), self.d_expert(blk), self.d_shared(blk), self.top_k(blk)
-        # d_m counts every expert's memories; a token reaches at most memories_per_token of them (its experts' dims)
+        # d_m counts every expert's memories; a token reaches memories_per_token of them
         return {"experts": E, "experts_per_token": k, "d_expert": de, "d_shared_expert": ds or None,
                 "memories_per_token": k * de + ds, "norm_topk_prob": self._normalise(blk)}
 
