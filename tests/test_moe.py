@@ -102,7 +102,7 @@ def _batch(mm, n=4, length=20):
 
 
 @torch.no_grad()
-def _brute_coefficients(name, mlp, x):
+def _brute_coefficients(name, mlp, x, f=torch.nn.functional.silu):
     """m (N, d_m) for MoE-block inputs x (N, d), token by token from the raw weights: softmax of
     the router's logits, top-k, renormalised where the family does; for each routed expert e,
     weight · silu(x·G_e)·(x·U_e) from gate_up_proj[e] (gate rows first); 0 elsewhere; a shared
@@ -120,10 +120,10 @@ def _brute_coefficients(name, mlp, x):
         w = {e: p[e] / (sum(p[c] for c in chosen) if renorm else 1.0) for e in chosen}
         for e in chosen:
             g, u = gu[e, :de].double() @ xt, gu[e, de:].double() @ xt
-            out[t, e * de:(e + 1) * de] = (w[e] * torch.nn.functional.silu(g) * u).float()
+            out[t, e * de:(e + 1) * de] = (w[e] * f(g) * u).float()
         if shared:
             s = mlp.shared_expert
-            a = torch.nn.functional.silu(s.gate_proj.weight.double() @ xt) * (s.up_proj.weight.double() @ xt)
+            a = f(s.gate_proj.weight.double() @ xt) * (s.up_proj.weight.double() @ xt)
             out[t, E * de:] = (torch.sigmoid(mlp.shared_expert_gate.weight.double() @ xt) * a).float()
     return out
 
@@ -363,3 +363,26 @@ def test_replace_ffn(moe_model):
             h.remove()
     assert writes[l].abs().max() < 1e-6, name
     assert not torch.allclose(zeroed, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe"], indirect=True)
+def test_normalize_substitution_and_another_activation(moe_model):
+    """`ffkv normalize`'s seams on a mixture of experts: the identity substitution gives the
+    model's own final state, removing the block changes it, and m under ReLU (routing kept) is the
+    brute force with ReLU in place of SiLU."""
+    from ffkv.experiments.normalize.tail import intact, tail
+
+    name, mm = moe_model
+    ids, mask = _batch(mm)
+    own, _ = _run_blocks(mm, ids, mask)
+    with torch.no_grad():
+        cache = intact(mm, ids, mask)
+        for layer in range(mm.n_layers):
+            h = tail(mm, cache, layer, lambda x, m, l=layer: mm.ffn_from_memories(l, m))
+            assert _rel(h, cache.final) < 1e-5, (name, layer)
+            h0 = tail(mm, cache, layer, lambda x, m: torch.zeros(*m.shape[:-1], mm.d, dtype=m.dtype))
+            assert _rel(h0, cache.final) > 1e-3
+    x = own[0]["x"].reshape(-1, mm.d)
+    want = _brute_coefficients(name, mm.hf.model.layers[0].mlp, x, f=torch.relu)
+    assert torch.allclose(mm.coefficients(0, x, act=torch.relu), want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(mm.coefficients(0, x), want, atol=1e-3)
