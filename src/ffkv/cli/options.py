@@ -10,7 +10,7 @@ from ffkv.model import identity
 ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
                         "Default: the embedded SmolLM2-135M-Instruct GGUF.")
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto (float32), float32, float16, bfloat16.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device that supports it, else float32), float32, float16, bfloat16.")
 LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
 RunArg = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN`.")
 SignOpt = typer.Option("+", "--sign", help="Which triggers: + (top positive, the paper) or - (most negative).")
