@@ -160,3 +160,29 @@ def serving(app, **config):
     finally:
         server.should_exit = True
         th.join(10)
+
+
+@contextlib.contextmanager
+def serve_cli(run):
+    """`ffkv serve RUN` as a user starts it, in a subprocess on a free loopback port; yields its URL."""
+    import time
+
+    import httpx
+
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(run), "--port", str(port)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(url + "/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if p.poll() is not None:
+                    raise AssertionError(p.stderr.read())
+                time.sleep(0.1)
+        yield url
+    finally:
+        p.terminate()
+        p.wait(10)

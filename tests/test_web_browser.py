@@ -3,15 +3,11 @@ would: pages show the run's triggers, annotation round trips through the form, n
 the corpus or from annotations ever runs, and everything works with JavaScript off."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import free_port
 from test_web import PAYLOADS, llama, payload_keys, triggers, web_run  # noqa: F401  (fixtures)
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -21,25 +17,10 @@ pytestmark = [pytest.mark.browser,
 
 @pytest.fixture(scope="module")
 def server(web_run):  # noqa: F811
-    import httpx
+    from conftest import serve_cli
 
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(web_run), "--port", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if p.poll() is not None:
-                    raise AssertionError(p.stderr.read())
-                time.sleep(0.1)
+    with serve_cli(web_run) as url:
         yield url
-    finally:
-        p.terminate()
-        p.wait(10)
 
 
 @pytest.fixture(scope="module")

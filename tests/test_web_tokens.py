@@ -160,31 +160,10 @@ def test_memory_page_examples_show_both_sides(client, web_run):  # noqa: F811
 # ---- Deliver 1: in a browser ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(web_run):  # noqa: F811
-    import subprocess
-    import sys
-    import time
+    from conftest import serve_cli
 
-    import httpx
-
-    from conftest import free_port
-
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(web_run), "--port", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if p.poll() is not None:
-                    raise AssertionError(p.stderr.read())
-                time.sleep(0.1)
+    with serve_cli(web_run) as url:
         yield url
-    finally:
-        p.terminate()
-        p.wait(10)
 
 
 @pytest.fixture(scope="module")
