@@ -7,7 +7,7 @@ from ffkv.errors import FfkvError
 from ffkv.parse import parse_sign  # noqa: F401  (kept importable from here)
 from ffkv.model import identity
 
-ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder or .gguf file. "
+ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder, .gguf file, or gemma3 (Gemma 3 270M from PyPI). "
                         "Default: the embedded SmolLM2-135M-Instruct GGUF.")
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device that supports it, else float32), float32, float16, bfloat16.")
