@@ -84,7 +84,9 @@ def _write_value_tops(run, tops: dict, L: int, dm: int, digest: str) -> None:
         "lens": pa.array([ln] * (L * dm), pa.string()),
         "top_token": pa.array(pos.reshape(-1).numpy(), pa.int32()),
         "top_token_neg": pa.array(neg.reshape(-1).numpy(), pa.int32())}) for ln, (pos, neg) in tops.items()]))
-    run.manifest.setdefault("tables", {})["value_tops"] = {"unembed_sha256": digest, "lenses": list(tops)}
+    # beside the table's own record (rows, bytes, footer: written by write_table), not instead of it
+    run.manifest.setdefault("tables", {}).setdefault("value_tops", {}).update(
+        {"unembed_sha256": digest, "lenses": list(tops)})
     run.save()
 
 
