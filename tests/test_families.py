@@ -323,14 +323,14 @@ def _brute_m(mm, fam: Family, token_lists):
     return coefs
 
 
-@pytest.mark.parametrize("family_model", _supported(), indirect=True)
-def test_mined_top1_equals_brute_force(family_model):
+def assert_mined_top1(mm, fam: Family, n_sentences: int, label, near_tol: float = 1e-5) -> None:
+    """Mining's top-1 of four dims per layer and sign equals the brute force on the model's own
+    modules (`_brute_m`); a different prefix only on a float near-tie. Shared by the MoE and the
+    real-Gemma tests."""
     from ffkv.corpus.batching import pack
     from ffkv.mine.runner import MineSettings, mine_batches, new_state
 
-    name, mm = family_model
-    fam = FAMILIES[name]
-    token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(12)]
+    token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(n_sentences)]
     coefs = _brute_m(mm, fam, token_lists)
     s = MineSettings(top_k=1, negative=True, batch_tokens=60)
     st = mine_batches(mm, new_state(mm, s), token_lists, list(range(len(token_lists))),
@@ -342,12 +342,18 @@ def test_mined_top1_equals_brute_force(family_model):
             best = max(c[0] for c in cands)
             top = min((sid, j) for sc, sid, j in cands if sc == best)
             got_score = float(v.score[i, 0])  # the list keeps sign·m
-            assert abs(got_score - best) < 1e-4 * max(1.0, abs(best)), (name, sg, l, i)
+            assert abs(got_score - best) < 1e-4 * max(1.0, abs(best)), (label, sg, l, i)
             if (int(v.sid[i, 0]), int(v.pos[i, 0])) != top:  # only a float near-tie may swap
-                near = [c for c in cands if abs(c[0] - best) < 1e-5 * max(1.0, abs(best))]
-                assert len(near) >= 2, (name, sg, l, i)
+                near = [c for c in cands if abs(c[0] - best) < near_tol * max(1.0, abs(best))]
+                assert len(near) >= 2, (label, sg, l, i)
             checked += 1
     assert checked == 2 * mm.n_layers * 4
+
+
+@pytest.mark.parametrize("family_model", _supported(), indirect=True)
+def test_mined_top1_equals_brute_force(family_model):
+    name, mm = family_model
+    assert_mined_top1(mm, FAMILIES[name], 12, name)
 
 
 @pytest.mark.parametrize("family_model", _supported(), indirect=True)
@@ -426,20 +432,15 @@ def test_unknown_type_with_a_known_layout_names_it():
     assert "'codegen'" in str(e.value) and "as 'gptj'" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("family_model", _supported(), indirect=True)
-def test_replace_ffn(family_model):
-    """`MemoryModel.replace_ffn`: the FFN adds what `replace(x, m)` returns. Rebuilding from m keeps
-    the model's logits; zero makes the model's own residual stream receive nothing from it."""
-    name, mm = family_model
-    fam = FAMILIES[name]
-    ids, mask = _texts_batch(mm, n=2, length=10)
+def assert_replace_ffn(mm, fam: Family, ids, mask, l: int, label, atol: float = 1e-5) -> None:
+    """`MemoryModel.replace_ffn` at layer l: rebuilding from m keeps the model's logits; zero makes
+    the model's own residual stream receive nothing from it. Shared with the MoE tests."""
     shape = list(ids.shape)
     _, plain = _own_ffn_writes(mm, fam, ids, mask)
-    l = mm.n_layers - 2
     seen = {}
 
     def rebuild(x, m):
-        seen["m_ok"] = torch.allclose(mm.coefficients(l, x), m, atol=1e-5)
+        seen["m_ok"] = torch.allclose(mm.coefficients(l, x), m, atol=atol)
         return mm.ffn_from_memories(l, m)
 
     hs = mm.replace_ffn(l, rebuild, shape)
@@ -448,16 +449,23 @@ def test_replace_ffn(family_model):
     finally:
         for h in hs:
             h.remove()
-    assert seen["m_ok"] and torch.allclose(same, plain, atol=1e-4), name
+    assert seen["m_ok"] and torch.allclose(same, plain, atol=1e-4), label
     hs = mm.replace_ffn(l, lambda x, m: torch.zeros(*m.shape[:-1], mm.d), shape)
     try:
         writes, zeroed = _own_ffn_writes(mm, fam, ids, mask)
     finally:
         for h in hs:
             h.remove()
-    assert writes[l].abs().max() < 1e-5, name
+    assert writes[l].abs().max() < atol, label
     assert not torch.allclose(zeroed, plain, atol=1e-3)
 
+
+@pytest.mark.parametrize("family_model", _supported(), indirect=True)
+def test_replace_ffn(family_model):
+    """`MemoryModel.replace_ffn`: the FFN adds what `replace(x, m)` returns."""
+    name, mm = family_model
+    ids, mask = _texts_batch(mm, n=2, length=10)
+    assert_replace_ffn(mm, FAMILIES[name], ids, mask, mm.n_layers - 2, name)
 
 @pytest.mark.parametrize("family_model", ["gemma2", "phi3", "granite"], indirect=True)
 def test_coefficients_with_another_activation(family_model):

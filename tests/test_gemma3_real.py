@@ -180,31 +180,9 @@ def test_real_norm_lens_reproduces_logits(gemma):
 @pytest.mark.slow
 @needs_parts
 def test_real_mined_top1_equals_brute_force(gemma):
-    from conftest import wikitext_sentences
-    from test_families import FAMILIES, _brute_m
+    from test_families import FAMILIES, assert_mined_top1
 
-    from ffkv.corpus.batching import pack
-    from ffkv.mine.runner import MineSettings, mine_batches, new_state
-
-    mm = gemma
-    token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(6)]
-    coefs = _brute_m(mm, FAMILIES["gemma3_text"], token_lists)
-    s = MineSettings(top_k=1, negative=True, batch_tokens=60)
-    st = mine_batches(mm, new_state(mm, s), token_lists, list(range(len(token_lists))),
-                      list(enumerate(pack([len(t) for t in token_lists], 60))))
-    checked = 0
-    for (sg, l), v in st.topk.lists.items():
-        for i in (0, 7, mm.d_m // 2, mm.d_m - 1):
-            cands = [(sg * float(c[l, i]), sid, j) for (sid, j), c in coefs.items()]
-            best = max(c[0] for c in cands)
-            top = min((sid, j) for sc, sid, j in cands if sc == best)
-            assert abs(float(v.score[i, 0]) - best) < 1e-4 * max(1.0, abs(best)), (sg, l, i)
-            if (int(v.sid[i, 0]), int(v.pos[i, 0])) != top:  # only a float near-tie may swap
-                near = [c for c in cands if abs(c[0] - best) < 1e-4 * max(1.0, abs(best))]
-                assert len(near) >= 2, (sg, l, i)
-            checked += 1
-    assert checked == 2 * mm.n_layers * 4
-
+    assert_mined_top1(gemma, FAMILIES["gemma3_text"], 6, "gemma3", near_tol=1e-4)
 
 @pytest.mark.slow
 @needs_parts

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import wikitext_sentences
-from test_families import Family, _own_ffn_writes, _rel
+from test_families import Family, _own_ffn_writes, _rel, assert_replace_ffn
 
 
 def _moe_shape(vocab, top_k=2):
@@ -339,31 +339,7 @@ def test_replace_ffn(moe_model):
     """Rebuilding from m keeps the model's logits; zero makes the block add nothing."""
     name, mm = moe_model
     ids, mask = _batch(mm, n=2, length=10)
-    shape = list(ids.shape)
-    _, plain = _own_ffn_writes(mm, FAM, ids, mask)
-    l = 1
-    seen = {}
-
-    def rebuild(x, m):
-        seen["m_ok"] = torch.allclose(mm.coefficients(l, x), m, atol=1e-6)
-        return mm.ffn_from_memories(l, m)
-
-    hs = mm.replace_ffn(l, rebuild, shape)
-    try:
-        _, same = _own_ffn_writes(mm, FAM, ids, mask)
-    finally:
-        for h in hs:
-            h.remove()
-    assert seen["m_ok"] and torch.allclose(same, plain, atol=1e-4), name
-    hs = mm.replace_ffn(l, lambda x, m: torch.zeros(*m.shape[:-1], mm.d), shape)
-    try:
-        writes, zeroed = _own_ffn_writes(mm, FAM, ids, mask)
-    finally:
-        for h in hs:
-            h.remove()
-    assert writes[l].abs().max() < 1e-6, name
-    assert not torch.allclose(zeroed, plain, atol=1e-3)
-
+    assert_replace_ffn(mm, FAM, ids, mask, 1, name, atol=1e-6)
 
 @pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe"], indirect=True)
 def test_normalize_substitution_and_another_activation(moe_model):
