@@ -175,29 +175,35 @@ def _blocks(hf):
 _BUILT: dict = {}
 
 
-@pytest.fixture
-def family_model(request, tmp_path_factory, tok_dir):
-    """The family's tiny model, saved and reopened by ffkv (built once per session)."""
+def open_tiny(name: str, config, folder, tok_dir, built: dict):
+    """A tiny random model of `config` (seeded; norm gains and biases randomised too, so that they
+    are exercised), saved and reopened by ffkv; built once per session in `built`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ffkv.model.memories import open_model
 
-    name = request.param
-    if name not in _BUILT:
+    if name not in built:
         tok = AutoTokenizer.from_pretrained(tok_dir)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(FAMILIES[name].config(len(tok)))
-        with torch.no_grad():  # random norm gains and biases too, so that they are exercised
+        model = AutoModelForCausalLM.from_config(config(len(tok)))
+        with torch.no_grad():
             for _, p in model.named_parameters():
                 if p.dim() == 1:
                     p.add_(torch.randn_like(p) * 0.3)
-        path = tmp_path_factory.mktemp("family") / name
+        path = folder() / name
         model.save_pretrained(path)
         tok.save_pretrained(path)
         mm = open_model(str(path), device="cpu")
         assert mm.arch.name == name.split("-")[0]
-        _BUILT[name] = mm
-    return name, _BUILT[name]
+        built[name] = mm
+    return name, built[name]
+
+
+@pytest.fixture
+def family_model(request, tmp_path_factory, tok_dir):
+    """The family's tiny model, saved and reopened by ffkv (built once per session)."""
+    name = request.param
+    return open_tiny(name, FAMILIES[name].config, lambda: tmp_path_factory.mktemp("family"), tok_dir, _BUILT)
 
 
 def _texts_batch(mm, n=4, length=20):

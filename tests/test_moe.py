@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import wikitext_sentences
-from test_families import Family, _own_ffn_writes, _rel, assert_replace_ffn
+from test_families import Family, _own_ffn_writes, _rel, assert_replace_ffn, open_tiny
 
 
 def _moe_shape(vocab, top_k=2):
@@ -75,26 +75,8 @@ _BUILT: dict = {}
 @pytest.fixture
 def moe_model(request, tmp_path_factory, tok_dir):
     """The family's tiny model, saved and reopened by ffkv (built once per session)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ffkv.model.memories import open_model
-
     name = request.param
-    if name not in _BUILT:
-        tok = AutoTokenizer.from_pretrained(tok_dir)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(MOE[name][0](len(tok)))
-        with torch.no_grad():  # random norm gains too
-            for _, p in model.named_parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.3)
-        path = tmp_path_factory.mktemp("moe") / name
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-        mm = open_model(str(path), device="cpu")
-        assert mm.arch.name == name.split("-")[0]
-        _BUILT[name] = mm
-    return name, _BUILT[name]
+    return open_tiny(name, MOE[name][0], lambda: tmp_path_factory.mktemp("moe"), tok_dir, _BUILT)
 
 
 def _batch(mm, n=4, length=20):
