@@ -303,3 +303,20 @@ def test_cli_annotate(run, tmp_path):
     assert code == 0 and json.loads(out)["patterns_per_key"] == 2.0
     code, out, err = cli_inproc("annotate", "sample", run.path, "--per-layer", "1", "--json")
     assert code == 0 and len(json.loads(out)) == 4
+
+
+def test_cli_annotate_prints_terminal_controls_escaped(run):
+    """An annotator name or description typed with escape sequences is stored as typed and shown
+    escaped by `add` and `list`, so listing annotations cannot clear or reverse the terminal."""
+    from test_mutate import cli_inproc
+
+    who, desc = "ev\x1b[2Jil", "rev\u202eersed \x07bell"
+    code, out, err = cli_inproc("annotate", "add", run.path, "-a", who, "-l", "0", "-d", "1",
+                                "-p", f"semantic:1,2:{desc}")
+    assert code == 0, err
+    assert AnnotationStore(run).get(who, 0, 1)["patterns"][0]["description"] == desc
+    code, listed, err = cli_inproc("annotate", "list", run.path)
+    assert code == 0, err
+    for out in (out, listed):
+        assert not any(c in out for c in ("\x1b", "\u202e", "\x07")), out
+    assert "ev\\x1b[2Jil" in listed and "rev\\u202eersed \\x07bell" in listed

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from ffkv.cli.options import JsonOpt, RunArg, SeedOpt, SignOpt, open_run, parse_sign, print_table
+from ffkv.display import printable
 from ffkv.errors import FfkvError
 from ffkv.model import identity
 
@@ -53,7 +54,7 @@ def sample(run_dir: Path = RunArg,
         for r in recs:
             r["prefixes"] = st.key_prefixes(r["layer"], r["dim"], tok, s)
     if out:
-        from ffkv.store.run import atomic_write_bytes
+        from ffkv.atomic import atomic_write_bytes
 
         atomic_write_bytes(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
     if as_json:
@@ -64,7 +65,7 @@ def sample(run_dir: Path = RunArg,
     for r in recs:
         print(f"  key {r['layer']}/{r['dim']}")
         for p in r.get("prefixes", []) if prefixes else []:
-            print(f"    [{p['index']:>2}] {p['coef']:+8.3f}  {p['text']}")
+            print(f"    [{p['index']:>2}] {p['coef']:+8.3f}  {printable(p['text'], newlines=False)}")
 
 
 def add(run_dir: Path = RunArg,
@@ -79,7 +80,7 @@ def add(run_dir: Path = RunArg,
     st = _store(run_dir)
     pats = [parse_pattern(p) for p in pattern or []]
     aid = st.add_annotation(annotator, layer, dim, pats, sign=parse_sign(sign), note=note)
-    print(f"saved annotation {aid}: {annotator} on key {layer}/{dim}, {len(pats)} pattern(s)")
+    print(f"saved annotation {aid}: {printable(annotator, newlines=False)} on key {layer}/{dim}, {len(pats)} pattern(s)")
 
 
 def list_(run_dir: Path = RunArg, annotator: Optional[str] = typer.Option(None, "--annotator", "-a"),
@@ -90,9 +91,10 @@ def list_(run_dir: Path = RunArg, annotator: Optional[str] = typer.Option(None, 
         print(json.dumps(recs, indent=2, ensure_ascii=False))
         return
     for r in recs:
-        print(f"{r['annotator']} key {r['layer']}/{r['dim']} ({len(r['patterns'])} patterns)")
+        print(f"{printable(r['annotator'], newlines=False)} key {r['layer']}/{r['dim']} "
+              f"({len(r['patterns'])} patterns)")
         for p in r["patterns"]:
-            print(f"    {p['kind']:<8} {p['description']}  prefixes {p['prefixes']}")
+            print(f"    {p['kind']:<8} {printable(p['description'], newlines=False)}  prefixes {p['prefixes']}")
     print(f"{len(recs)} annotation(s)")
 
 
