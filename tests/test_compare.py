@@ -108,3 +108,54 @@ def test_verdicts_cli_errors_are_one_line(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and err.count("\n") == 1, err
+
+
+def test_holds_on_each_run_and_lens():
+    names = ["default", "gemma"]
+    a = [rec("fig4", "same trend", {"norm": "same trend", "naive": "differs"}), rec("fig3", "same trend"),
+         rec("fig8", "differs"), rec("only_a", "same trend")]
+    b = [rec("fig4", "differs", {"norm": "differs", "naive": "differs"}), rec("fig3", "same trend"),
+         rec("fig8", "inconclusive")]
+    rows = {r["id"]: r for r in C.side_by_side([a, b])}
+    assert C.lenses_read(list(rows.values())) == ["norm", "naive"]
+    assert C.holds_on(rows["fig4"], names) == "default only"
+    assert C.holds_on(rows["fig4"], names, "norm") == "default only"
+    assert C.holds_on(rows["fig4"], names, "naive") == "neither"
+    # a figure read under one lens has one verdict whatever the lens
+    assert C.holds_on(rows["fig3"], names) == C.holds_on(rows["fig3"], names, "naive") == "both"
+    assert C.under(rows["fig3"]["readings"][0], "naive") == "same trend"
+    assert C.holds_on(rows["fig8"], names) == "neither"
+    assert C.holds_on(rows["only_a"], names) == "default only"  # gemma lacks it: not "both"
+    assert C.under(rows["only_a"]["readings"][1], "norm") is None
+    three = C.side_by_side([a, a, b])
+    assert C.holds_on(three[1], ["x", "y", "z"]) == "all" and C.holds_on(three[2], ["x", "y", "z"]) == "none"
+    assert C.holds_on(three[0], ["x", "y", "z"]) == "x+y only"
+
+
+def test_verdicts_cli_two_models_by_lens(tmp_path):
+    from typer.testing import CliRunner
+
+    from ffkv.cli import app
+
+    a = write(tmp_path / "default", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
+                                     rec("fig3", "same trend")])
+    b = write(tmp_path / "gemma", [rec("fig4", "same trend", {"norm": "same trend", "naive": "differs"}),
+                                   rec("fig3", "inconclusive")])
+    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["names"] == ["default", "gemma"] and out["lenses"] == ["norm", "naive"]
+    v = {x["id"]: x for x in out["verdicts"]}
+    assert v["fig4"]["holds_on"] == "both" and v["fig3"]["holds_on"] == "default only"
+    assert v["fig4"]["by_lens"]["naive"] == {"verdicts": ["same trend", "differs"], "holds_on": "default only"}
+    assert v["fig4"]["by_lens"]["norm"] == {"verdicts": ["same trend", "same trend"], "holds_on": "both"}
+    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--by-lens"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    lines = [l for l in res.output.splitlines() if l.startswith("│")]
+    assert len(lines) == 3  # fig4 under norm and naive, fig3 once (its verdict is the same under any lens)
+    assert "naive" in lines[1] and "differs" in lines[1] and "default only" in lines[1]
+    assert "any" in lines[2] and "inconclusive" in lines[2]
+    # one run: unchanged (no holds-on column, no by-lens keys)
+    one = json.loads(CliRunner().invoke(app, ["verdicts", str(a), "--json"]).output)
+    assert set(one) == {"runs", "verdicts"} and set(one["verdicts"][0]) == {"id", "title", "changed", "runs"}
+    assert "holds on" not in CliRunner().invoke(app, ["verdicts", str(a)], env={"COLUMNS": "200"}).output

@@ -1,8 +1,10 @@
 """Verdicts of one or more runs side by side (`ffkv verdicts`), from each run's `report/verdicts.json`.
 
 A row per verdict id, in the order of the first run that has it; a row is `changed` when the runs
-that have it disagree on its verdict or on its verdict under any lens both runs read. Pure apart
-from `load`, so tests feed it records.
+that have it disagree on its verdict or on its verdict under any lens both runs read. A finding
+holds on a run when its verdict there is "same trend"; under a lens, when its verdict under that
+lens is (a record read under one lens only holds or not whatever the lens: its figure does not
+depend on it, e.g. mutate's). Pure apart from `load`, so tests feed it records.
 """
 from __future__ import annotations
 
@@ -62,6 +64,40 @@ def side_by_side(runs: list[list[dict]]) -> list[dict]:
         changed = any(_differ(have[0], x) for x in have[1:])
         rows.append({"id": vid, "title": titles[vid], "readings": readings, "changed": changed})
     return rows
+
+
+HOLDS = "same trend"  # ffkv.report.verdicts.SAME, without importing the report's plotting stack
+
+
+def lenses_read(rows: list[dict]) -> list[str]:
+    """Every lens some run read some verdict under, in the order first met."""
+    return list(dict.fromkeys(ln for r in rows for x in r["readings"] if x is not None for ln in x[1]))
+
+
+def under(reading, lens: str | None) -> str | None:
+    """A reading's verdict under `lens` (None: its main verdict); a record without lenses has one
+    verdict for every lens. None where the run lacks the verdict or read it under other lenses."""
+    if reading is None:
+        return None
+    verdict, lenses = reading
+    if lens is None or not lenses:
+        return verdict
+    return lenses.get(lens)
+
+
+def holds_on(row: dict, names: list[str], lens: str | None = None) -> str:
+    """Which runs the finding holds on (under `lens`): "all", "none", or the runs' names joined by
+    "+" ("both" and "neither" for two runs); "—" where no run has the verdict."""
+    got = [(n, under(x, lens)) for n, x in zip(names, row["readings"])]
+    got = [(n, v) for n, v in got if v is not None]
+    if not got:
+        return "—"
+    yes = [n for n, v in got if v == HOLDS]
+    if len(yes) == len(got) == len(names):
+        return {1: "yes", 2: "both"}.get(len(names), "all")
+    if not yes:
+        return {1: "no", 2: "neither"}.get(len(names), "none")
+    return "+".join(yes) + " only"
 
 
 def cell(reading) -> str:

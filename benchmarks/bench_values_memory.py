@@ -1,0 +1,100 @@
+"""Memory goal of `ffkv values` on a large vocabulary: peak RSS above the loaded model, on a real run.
+
+    .venv/bin/python benchmarks/bench_values_memory.py                  # runs/gemma (Gemma 3 270M)
+    .venv/bin/python benchmarks/bench_values_memory.py --run RUN [--chunk N] [--one-lens]
+
+Goal (issue 25): ≤ 2 GB above the loaded model for the whole values step (both lenses, the keys,
+the value index) on Gemma 3 270M, whose vocabulary is 262,144 tokens (5.3× SmolLM2's). The run's
+mining tables are linked into a temporary copy, so RUN is never written. The kernel's high-water
+mark (VmHWM) is reset after the model is loaded and paged in, so the peak counts the step alone;
+psutil sampling every 50 ms is printed beside it as a cross-check. Prints one line,
+`peak above model: X GB / goal 2 GB = ratio`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (ffkv before torch; offline)
+from bench_values import Sampler, reset_hwm, status_kb
+
+GOAL_GB = 2.0
+
+
+def linked_copy(src: Path, dst: Path) -> None:
+    """dst: src's manifest, and links to every table the mine step wrote (the values step's inputs)."""
+    import json
+
+    dst.mkdir(parents=True)
+    shutil.copy(src / "manifest.json", dst / "manifest.json")
+    tables = json.loads((src / "manifest.json").read_text()).get("tables") or {}
+    for name, rec in tables.items():
+        p = src / f"{name}.parquet"
+        if (rec or {}).get("step") in (None, "mine") and p.exists():
+            os.symlink(p.resolve(), dst / p.name)
+    for name in ("triggers", "sentences", "vocab"):  # runs recorded before table records
+        p = src / f"{name}.parquet"
+        if p.exists() and not (dst / p.name).exists():
+            os.symlink(p.resolve(), dst / p.name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default=str(_common.ROOT / "runs" / "gemma"), help="a mined run (read only)")
+    ap.add_argument("--chunk", type=int, default=None, help="values projected at a time (default: the step's)")
+    ap.add_argument("--one-lens", action="store_true", help="only the run's lens")
+    args = ap.parse_args()
+    src = Path(args.run)
+    if not (src / "triggers.parquet").exists():
+        print(f"skipped: {src} has no mined triggers (ffkv mine --out {src} --model gemma3 ...)")
+        return 0
+
+    from ffkv.experiments.values import compute_values
+    from ffkv.model import identity
+    from ffkv.model.load import quiet_hf
+    from ffkv.store.run import Run
+
+    quiet_hf()
+    rss0 = status_kb("VmRSS")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_values_memory_"))
+    try:
+        linked_copy(src, tmp / "run")
+        run = Run(tmp / "run")
+        mm = identity.open_model(run, device="cpu")
+        for p in mm.hf.parameters():  # page in every weight: the baseline holds the whole model
+            float(p.detach().float().sum())
+        gc.collect()
+        model_gb = (status_kb("VmRSS") - rss0) / 1024 ** 2
+        base_kb = status_kb("VmRSS")
+        ok = reset_hwm()
+        sampler = Sampler()
+        sampler.start()
+        t0 = time.perf_counter()
+        kw = {"chunk": args.chunk} if args.chunk else {}
+        compute_values(run, mm, show_progress=False, force=True, both_lenses=not args.one_lens, **kw)
+        wall = time.perf_counter() - t0
+        sampler.stop = True
+        sampler.join()
+        peak_gb = (status_kb("VmHWM") - base_kb) / 1024 ** 2 if ok else float("nan")
+        sampled_gb = (sampler.peak / 1024 - base_kb) / 1024 ** 2
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
+    print(f"bench_values_memory: {src} ({(run.manifest.get('model') or {}).get('model_id')}), "
+          f"{L}×{d_m} = {L * d_m:,} values × {V:,} tokens, {'one lens' if args.one_lens else 'both lenses'}, "
+          f"chunk {args.chunk or 'default'}, {wall:.0f} s wall")
+    print(f"  model loaded: {model_gb:.2f} GB RSS; one (chunk × |V|) float32 buffer of 1,024 rows = "
+          f"{1024 * V * 4 / 1024 ** 3:.2f} GB")
+    print(f"  peak above model: {peak_gb:.2f} GB / goal {GOAL_GB:.0f} GB = {peak_gb / GOAL_GB:.2f}"
+          f"  (psutil sampling: {sampled_gb:.2f} GB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
