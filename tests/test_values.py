@@ -179,6 +179,13 @@ def test_summarize_logits_vs_full_softmax():
         assert torch.allclose(mx.double(), p.max(-1).values, rtol=1e-5, atol=1e-7)
         assert torch.allclose(en.double(), -(p * lp).sum(-1), rtol=1e-4, atol=1e-5)
         assert torch.allclose(lse.double(), torch.logsumexp(zz.double(), -1), rtol=1e-6, atol=1e-5)
+    # in blocks of 4 rows (the work buffers' size, not the chunk's): the same numbers, bit for bit
+    work = (torch.empty(4, 700), torch.empty(4, 700))
+    blocks = summarize_logits(z, 5, work=work)
+    for name in ("pos", "neg"):
+        assert all(torch.equal(a, b) for a, b in zip(s[name], blocks[name])), name
+    one = summarize_logits(z, 5, negative=False, work=work)
+    assert list(one) == ["pos"] and all(torch.equal(a, b) for a, b in zip(s["pos"], one["pos"]))
 
 
 def test_precision_at_k_hand_count():

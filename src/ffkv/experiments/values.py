@@ -123,21 +123,38 @@ def _no_nan(x):
 
 
 # ---- the vocabulary projection of one chunk ---------------------------------------------------
+WORK_ROWS = 128  # rows of softmax work at a time: (128 × |V|) float32 buffers, whatever the chunk
+
+
 def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
     """Top-k, probabilities, max probability and entropy of softmax(z) (and of softmax(−z)).
 
     z: (C, V) float32 logits. Returns {"pos": (...), "neg": (...)} where each is
     (top_tokens (C,k) int64, top_probs (C,k) f32, max_prob (C,) f32, entropy (C,) f32, lse (C,) f32).
-    Two (C, V) work buffers are used for both signs: `work`, a pair of float32 tensors with at
-    least C rows (reused across chunks to save page faults), or fresh ones.
+    Rows are independent, so the softmax work runs over blocks of rows in two (rows, V) float32
+    buffers: `work`, a pair of tensors reused across chunks (to save page faults) whose row count
+    is the block size, or fresh ones of `WORK_ROWS` rows. Why blocks: with Gemma 3's 262,144
+    tokens, two chunk-sized buffers were 2 GB of the step's memory.
     """
     import torch
 
-    out = {}
     if work is None:
-        buf, ebuf = torch.empty_like(z), torch.empty_like(z)
-    else:
-        buf, ebuf = work[0][: len(z)], work[1][: len(z)]
+        n = min(len(z), WORK_ROWS)
+        work = (torch.empty(n, z.shape[1], dtype=z.dtype, device=z.device),
+                torch.empty(n, z.shape[1], dtype=z.dtype, device=z.device))
+    step = max(1, len(work[0]))
+    parts = [_summarize_rows(z[a:a + step], k, negative, work) for a in range(0, len(z), step)]
+    if len(parts) == 1:
+        return parts[0]
+    return {name: tuple(torch.cat([p[name][j] for p in parts]) for j in range(5)) for name in parts[0]}
+
+
+def _summarize_rows(z, k: int, negative: bool, work) -> dict:
+    """`summarize_logits` of at most len(work[0]) rows."""
+    import torch
+
+    out = {}
+    buf, ebuf = work[0][: len(z)], work[1][: len(z)]
     for name in (("pos", "neg") if negative else ("pos",)):
         if name == "pos":
             tv, ti = z.topk(k, dim=-1)
@@ -161,15 +178,16 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
 
 
 class _Projector:
-    """(n, d) directions -> (n, V) float32 logits through the lens. Three (chunk, V) float32
-    buffers are reused for every chunk: the logits and `work`, the two of `summarize_logits`."""
+    """(n, d) directions -> (n, V) float32 logits through the lens. One (chunk, V) float32 buffer
+    holds the logits of every chunk, and `work`, the two (WORK_ROWS, V) ones of `summarize_logits`."""
 
     def __init__(self, mm, lens, chunk: int):
         import torch
 
         self.lens = lens
-        self.work = (torch.empty(chunk, mm.vocab_size, device=mm.device),
-                     torch.empty(chunk, mm.vocab_size, device=mm.device))
+        rows = min(chunk, WORK_ROWS)
+        self.work = (torch.empty(rows, mm.vocab_size, device=mm.device),
+                     torch.empty(rows, mm.vocab_size, device=mm.device))
         self.zbuf = (torch.empty(chunk, mm.vocab_size, device=mm.device)
                      if lens.E.dtype == torch.float32 else None)
 
