@@ -452,3 +452,23 @@ def test_every_text_on_the_pages_reaches_wcag_aa(web_app, web_run, index, scheme
         finally:
             browser.close()
     assert not low, low
+
+
+def test_explorer_layer_table_prints_every_probability_it_has(client):  # noqa: F811
+    """Layer-table probabilities print to two significant digits: an early layer's p = 0.0004
+    used to print as 0.000 (issue 26, item 10)."""
+    import re
+
+    q = {"text": "The river flows into"}
+    j = client.get("/api/explore", params=q).json()
+    want = [row["lenses"][lens][qn]["p"] for row in j["layers"] for lens in ("naive", "norm") for qn in "ryo"]
+    page = client.get("/explore", params=q).text
+    table = page[page.index('class="xp-layers"'):]
+    table = table[: table.index("</table>")]
+    shown = [re.sub(r"<[^>]+>", "", cell) for cell in
+             re.findall(r'<td class="(?:first)?"[^>]*>\s*<span class="tok">.*?</span><span class="xp-p">(.*?)</span>',
+                        table, flags=re.S)]
+    assert len(shown) == len(want) > 0
+    for text, p in zip(shown, want):
+        assert float(text) == pytest.approx(p, rel=0.06, abs=0 if p else 1e-12), (text, p)
+    assert "contribution (logits)" in page
