@@ -123,10 +123,8 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
         done = r.step_done(step)
         log(f"\n[{i}/{len(plan)}] {step}" + (" (done earlier; checking settings)" if done else ""))
         t0 = time.time()
-        kw = {"checkpoint_every": 60.0} if step == "mine" else {}
-        if step in ("compose", "normalize"):
-            kw["warn"] = lambda msg: log(f"ffkv: note: {msg}")
-        out = execute(r, step, settings, mm=mm, device=s.device, dtype=s.dtype, log=log, **kw)
+        out = execute(r, step, settings, mm=mm, device=s.device, dtype=s.dtype, log=log,
+                      warn=lambda msg: log(f"ffkv: note: {msg}"))
         if show is not None:
             show(step, r, out)
         times[step] = round(time.time() - t0, 1)

@@ -560,7 +560,7 @@ def compute(ctx) -> dict:
         run.save()
     t0 = time.time()
     prefixes = sample_prefixes(run, mm, s.corpus, s.n_prefixes, s.seed, s.max_sentences,
-                               warn=ctx.extra.get("warn", ctx.log), per_sentence=s.per_sentence)
+                               warn=ctx.warn, per_sentence=s.per_sentence)
     ids = prefixes.column("token_ids").to_pylist()
     with progress(None if ctx.show_progress is None else not ctx.show_progress) as bar:
         t1 = time.time()

@@ -653,5 +653,5 @@ def compute(ctx) -> dict:
     res = mutate(ctx.run, ctx.model(), keys_per_layer=s.keys_per_layer, examples=s.examples, sign=s.sign,
                  seed=s.seed, batch_tokens=s.batch_tokens, layers=list(s.layers) if s.layers else None,
                  show_progress=ctx.show_progress)
-    ctx.extra["result"] = res
+    ctx.result = res
     return {k: v for k, v in res.stats.items() if k != "seconds"}

@@ -305,7 +305,7 @@ def compute(ctx) -> dict:
     mm = ctx.model()
     with torch.no_grad():
         summary = _compute(ctx.run, mm, ctx.record, ctx.settings.chunk, ctx.show_progress)
-    ctx.extra["result"] = summary
+    ctx.result = summary
     return {"summary": summary}
 
 

@@ -30,6 +30,9 @@ class MineSettings:
     batch_tokens: int | str = "auto"  # speed and memory only: never recorded (see `record`)
     stats: bool = True  # key statistics (`ffkv.mine.stats`): --no-stats turns them off
     samples_per_bin: int = 5
+    checkpoint_every: float = 60.0  # how the pass runs, not what it finds: never recorded
+    ray: str | None = None
+    shards: int = 1
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
     # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
@@ -45,7 +48,8 @@ class MineSettings:
         runs recorded before issue 24 kept, `ffkv.mine.runner.record`)."""
         check_batch_tokens(self.batch_tokens)
         d = asdict(self)
-        d.pop("batch_tokens")
+        for k in ("batch_tokens", "checkpoint_every", "ray", "shards"):
+            d.pop(k)
         for k, v in self.ADDED.items():
             if d.get(k) == v:
                 d.pop(k)

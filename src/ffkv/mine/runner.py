@@ -19,6 +19,7 @@ from ffkv.mine.engine import (MineSettings, check_batch_tokens, checkpoint_batch
                               layout_key, load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
+from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step, execute
 from ffkv.model import identity
 
@@ -67,8 +68,10 @@ def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: 
     """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same
     settings. `force`: mine again from scratch (the corpus split and the whole pass), replacing
     every table of the step."""
-    out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress, force=force,
-                  checkpoint_every=checkpoint_every, ray_address=ray_address, shards=shards)
+    from dataclasses import replace
+
+    s = replace(s, checkpoint_every=checkpoint_every, ray=ray_address, shards=shards)
+    out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress, force=force)
     if out.skipped:
         log(f"mine: {run.path} is already mined with these settings; nothing to do")
     return out.info
@@ -80,7 +83,7 @@ def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
     from ffkv.corpus.prepare import prepare_sentences
 
     identity.record_model(run, mm)
-    run.manifest["lens"] = mm.lens.mode
+    run.manifest["lens"] = mm.lens.name
     run.save()
     if force or run.table_problem("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
             "settings_key") != s.key():
@@ -166,8 +169,7 @@ def compute(ctx) -> dict:
         from ffkv.errors import FfkvError
 
         raise FfkvError("--samples-per-bin must be 0 or more")
-    checkpoint_every = ctx.extra.get("checkpoint_every", 60.0)
-    ray_address, shards = ctx.extra.get("ray_address"), ctx.extra.get("shards", 1)
+    checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
     if ctx.force:
         (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
     _prepare(run, mm, s, force=ctx.force)
@@ -252,4 +254,5 @@ def done_info(run, st: dict) -> bool:
 
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute,
-            record=record, refuse_other_settings=True, done_info=done_info)
+            record=record, refuse_other_settings=True, done_info=done_info,
+            sections=lazy("ffkv.steps.mine.report:sections"))

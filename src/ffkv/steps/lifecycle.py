@@ -10,8 +10,7 @@ Adding a step: see `ffkv.steps` (one package, registered once by an entry point 
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ffkv.atomic import sweep_temps
@@ -68,7 +67,10 @@ class Step:
 
 @dataclass
 class Context:
-    """What `Step.compute` gets: the run, its settings, and a model loaded only when needed."""
+    """What `Step.compute` gets: the run, its settings, and a model loaded only when needed.
+
+    Everything a step's result depends on is in `settings`; the other fields say how to run it
+    (device, output) and what the caller handed over, so no step reads an untyped side channel."""
     run: Any
     settings: Any
     record: dict
@@ -77,9 +79,15 @@ class Context:
     model_name: str | None = None
     log: Callable[[str], None] = print
     show_progress: bool | None = None
-    extra: dict = field(default_factory=dict)
     _mm: Any = None
     force: bool = False  # redo from scratch (mine: no resume from its checkpoint or its sentences)
+    warn: Callable[[str], None] | None = None  # notes for the user (the CLI: stderr); None: `log`
+    embedder: Any = None  # a sentence encoder handed over (patterns; tests, notebooks): else loaded
+    result: Any = None  # a rich result `compute` leaves for the caller (`Outcome.result`)
+
+    def __post_init__(self):
+        if self.warn is None:
+            self.warn = self.log
 
     def model(self):
         if self._mm is None:
@@ -95,7 +103,7 @@ class Outcome:
     name: str
     status: str  # "done" (computed now) or "skipped" (done earlier with these settings)
     info: dict
-    result: Any = None  # whatever compute left in ctx.extra["result"], for callers that want it
+    result: Any = None  # whatever compute left in `ctx.result`, for callers that want it
 
     @property
     def skipped(self) -> bool:
@@ -211,11 +219,12 @@ def refuse_other(run, step: Step, record: dict) -> None:
 
 def execute(run, name: str, settings, *, mm=None, model_name: str | None = None, device: str = "auto",
             dtype: str = "auto", force: bool = False, log: Callable[[str], None] = print,
-            show_progress: bool | None = None, **extra) -> Outcome:
+            show_progress: bool | None = None, warn: Callable[[str], None] | None = None,
+            embedder=None) -> Outcome:
     """Run step `name` on `run`: skip it when done with these settings, else compute and record.
 
     `mm` is an already loaded model; without it the run's own model is opened only if the step
-    has work to do. Extra keyword arguments reach `compute` as `ctx.extra`.
+    has work to do. `warn` and `embedder` reach `compute` as `ctx.warn` and `ctx.embedder`.
     """
     step = get(name)
     for r in step.requires:
@@ -229,8 +238,8 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
     if dtype == "auto":  # a model opened for the step is in the dtype its settings name, if they name one
         dtype = getattr(settings, "dtype", None) or "auto"
     ctx = Context(run=run, settings=settings, record=record, device=device, dtype=dtype,
-                  model_name=model_name, log=log, show_progress=show_progress, extra=extra, _mm=mm,
-                  force=force)
+                  model_name=model_name, log=log, show_progress=show_progress, _mm=mm, force=force,
+                  warn=warn, embedder=embedder)
     with run.lock(f"step-{name}", wait=False):  # two runs of one step on one run would clash
         run.reload()  # what another process recorded while we waited
         sweep_temps(run.path)  # a killed run's half-written files
@@ -244,4 +253,4 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
             run.fail_step(name, str(e))
             raise
         run.finish_step(name, **info)
-    return Outcome(name, "done", dict(run.step(name)), ctx.extra.get("result"))
+    return Outcome(name, "done", dict(run.step(name)), ctx.result)

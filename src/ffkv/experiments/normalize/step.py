@@ -113,10 +113,9 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
 def compute(ctx) -> dict:
     """Open the model (in the settings' dtype unless the caller gave one), measure, write the tables."""
     s = ctx.settings
-    warn = ctx.extra.get("warn") or ctx.log
-    res = normalize(ctx.model(), s, warn=warn, show_progress=ctx.show_progress)
+    res = normalize(ctx.model(), s, warn=ctx.warn, show_progress=ctx.show_progress)
     for name in TABLES:
         ctx.run.write_table(name, res["tables"][name])
-    ctx.extra["result"] = res
+    ctx.result = res
     return res["info"]
 

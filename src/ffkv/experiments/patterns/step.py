@@ -199,7 +199,7 @@ def patterns(run, tok, keys_per_layer: int | None = None,
 # ---- the step -------------------------------------------------------------------------------------
 def compute(ctx) -> dict:
     """The run's tokenizer comes from its model (opened on ctx.device); the sentence encoder runs on
-    settings.device. `ctx.extra["embedder"]` may hand over an embedder (tests, notebooks)."""
+    settings.device. `ctx.embedder` may hand over an embedder (tests, notebooks)."""
     from ffkv.model.load import resolve_device
 
     s = ctx.settings
@@ -207,8 +207,8 @@ def compute(ctx) -> dict:
     res = patterns(ctx.run, ctx.model().tok, keys_per_layer=s.keys_per_layer,
                    semantic_keys_per_layer=s.semantic_keys_per_layer, top=s.top, sign=s.sign, seed=s.seed,
                    min_cover=s.min_cover, alpha=s.alpha, background=s.background, semantic=s.semantic,
-                   embedder=ctx.extra.get("embedder"), show_progress=ctx.show_progress, device=device)
-    ctx.extra["result"] = res
+                   embedder=ctx.embedder, show_progress=ctx.show_progress, device=device)
+    ctx.result = res
     return {k: v for k, v in res.stats.items() if k != "seconds"}
 
 
