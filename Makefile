@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/ffkv reproduce runs/default
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(if $(RUN),--run=$(abspath $(RUN)))
