@@ -188,6 +188,17 @@ def test_summarize_logits_vs_full_softmax():
     assert list(one) == ["pos"] and all(torch.equal(a, b) for a, b in zip(s["pos"], one["pos"]))
 
 
+def test_index_logsumexp_in_row_blocks_equals_one_block():
+    """The value index's log-sum-exp runs over blocks of rows (small temporaries); same numbers."""
+    from ffkv.experiments.value_index import _logsumexp_rows
+
+    torch.manual_seed(1)
+    z = torch.randn(300, 500) * 7
+    for s in (1, -1):
+        assert torch.equal(_logsumexp_rows(z, s, rows=64), torch.logsumexp(s * z, dim=-1))
+    assert _logsumexp_rows(z[:0], 1).shape == (0,)
+
+
 def test_precision_at_k_hand_count():
     # 8 examples of one key; top token 42. Ranks 1..8, k = 6 cuts ranks 7 and 8.
     nxt = [7, 42, None, 42, 5, 42, 42, 42]

@@ -25,7 +25,7 @@ Table `value_index` (public contract; written by the values step, atomically)
   ``ffkv.lenses`` (comma-separated).
 
 Size: L × d_m × 2 signs × |lenses| × k rows (SmolLM2, k = 20: 3.7M rows, about 13 MB of
-Parquet). Memory while building: a few (chunk × |V|) float32 buffers.
+Parquet). Memory while building: the (chunk × |V|) float32 logits and (128 × |V|) temporaries.
 
 `ffkv serve` builds the same table in memory (never writing the run) when a run lacks it.
 """
@@ -78,6 +78,15 @@ def _top_rows(z, k: int, sign: int = 1):
     return tuple(torch.cat([o[j] for o in out]) for j in range(4))
 
 
+def _logsumexp_rows(z, sign: int, rows: int = 128):
+    """logsumexp of each row of sign·z, over blocks of rows: the temporaries (−z, and the
+    exponentials inside logsumexp) stay (rows × V), not (C × V) (Gemma 3: 0.5 GB each at C = 512)."""
+    import torch
+
+    return torch.cat([torch.logsumexp(z[a:a + rows] if sign > 0 else -z[a:a + rows], dim=-1)
+                      for a in range(0, len(z), rows)]) if len(z) else z.new_zeros(0)
+
+
 class IndexBuilder:
     """Collects index rows chunk by chunk, so a step that already projects the values (the
     values step, for its own lens) can feed its logits instead of projecting them again:
@@ -106,7 +115,7 @@ class IndexBuilder:
             self.lenses.append(lens)
         z = z.float()
         for j, s in enumerate((1, -1)):
-            ls = lse[j] if lse is not None else torch.logsumexp(z if s == 1 else -z, dim=-1)
+            ls = lse[j] if lse is not None else _logsumexp_rows(z, s)
             row, tok, rk, lv = _top_rows(z, self.k, sign=s)
             prob = torch.exp(lv - ls[row])
             self.parts.setdefault((lens, s), []).append((
