@@ -349,7 +349,7 @@ def test_value_tops_are_reused_from_the_run(runs, monkeypatch):
 
     run, mm, _ = runs["llama"]
     fresh = C.value_tops(None, mm)
-    monkeypatch.setattr(C, "Lens", None)  # a recomputation would fail
+    monkeypatch.setattr(C, "lens_for", None)  # a recomputation would fail
     cached = C.value_tops(run, mm)
     for ln in ("naive", "norm"):
         assert torch.equal(cached[ln][0], fresh[ln][0]) and torch.equal(cached[ln][1], fresh[ln][1])

@@ -274,18 +274,18 @@ def test_ffn_is_sum_of_memories(family_model):
 
 @pytest.mark.parametrize("family_model", _supported(), indirect=True)
 def test_norm_lens_reproduces_logits(family_model):
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
 
     name, mm = family_model
     ids, mask = _texts_batch(mm)
     cap = mm.capture(ids, mask, what=("o",), logits=True)
-    z = Lens(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
+    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
     assert torch.allclose(z, cap.logits, rtol=1e-5, atol=1e-5), name
     cfg = getattr(mm.hf.config, "text_config", None) or mm.hf.config
     cap_at = getattr(cfg, "final_logit_softcapping", None)
     if cap_at and name != "gemma3":  # the soft-cap bites: logits stay within it
         assert cap.logits.abs().max() < cap_at
-        assert not torch.allclose(Lens(mm, "norm").logits(cap[mm.n_layers - 1]["o"]),
+        assert not torch.allclose(lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"]),
                                   mm.lens.final_norm(cap[mm.n_layers - 1]["o"]) @ mm.lens.E.T, atol=1e-3)
     # the gain the direction lens applies is the final norm's own: for a centred h,
     # norm(h) − norm(0) = gain ⊙ h / scale(h), with one scale per row (RMSNorm and LayerNorm alike)

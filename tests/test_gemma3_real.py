@@ -165,12 +165,12 @@ def test_real_ffn_is_sum_of_memories(gemma):
 def test_real_norm_lens_reproduces_logits(gemma):
     from test_families import _rel
 
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
 
     mm = gemma
     ids, mask = _batch(mm)
     cap = mm.capture(ids, mask, what=("o",), logits=True)
-    z = Lens(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
+    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
     valid = mask.bool()
     assert _rel(z[valid], cap.logits[valid]) < 1e-5
     assert (z[valid] - cap.logits[valid]).abs().max().item() < 1e-3

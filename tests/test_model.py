@@ -70,14 +70,28 @@ def test_capture_only_requested(tiny_models):
 
 
 def test_naive_lens_is_plain_unembedding(tiny_models):
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
 
     mm = tiny_models["gpt2"]
     h = torch.randn(3, mm.d)
-    naive = Lens(mm, "naive")
+    naive = lens_for(mm, "naive")
     assert torch.allclose(naive.logits(h), h @ mm.hf.lm_head.weight.T, atol=1e-5)
     g = mm.hf.transformer.ln_f.weight
-    assert torch.allclose(Lens(mm, "norm").direction_logits(h), (h * g) @ mm.hf.lm_head.weight.T, atol=1e-5)
+    assert torch.allclose(lens_for(mm, "norm").direction_logits(h), (h * g) @ mm.hf.lm_head.weight.T, atol=1e-5)
+
+
+def test_lens_for_gives_one_lens_per_name(tiny_models):
+    """Each public name is one class; the model's own lens is the one `lens_for` gives for its name,
+    and a bad name is the one-line error of `check_lens`."""
+    from ffkv.errors import FfkvError
+    from ffkv.model.memories import LENS_TYPES, NaiveLens, NormLens, lens_for
+
+    mm = tiny_models["gpt2"]
+    assert lens_for(mm, mm.lens.name) is mm.lens and lens_for(mm, "naive") is lens_for(mm, "naive")
+    assert (type(lens_for(mm, "naive")), type(lens_for(mm, "norm"))) == (NaiveLens, NormLens)
+    assert tuple(LENS_TYPES) == ("naive", "norm")
+    with pytest.raises(FfkvError, match="unknown lens"):
+        lens_for(mm, "tuned")
 
 
 def test_rank_of_counts_logits_above():

@@ -158,12 +158,12 @@ def test_moe_block_is_sum_of_memories(moe_model):
 
 @pytest.mark.parametrize("moe_model", _supported(), indirect=True)
 def test_norm_lens_reproduces_logits(moe_model):
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
 
     name, mm = moe_model
     ids, mask = _batch(mm)
     cap = mm.capture(ids, mask, what=("o",), logits=True)
-    z = Lens(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
+    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
     assert torch.allclose(z, cap.logits, rtol=1e-5, atol=1e-5), name
 
 

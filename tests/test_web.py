@@ -155,9 +155,9 @@ def brute_ranks(mm, lens: str, sign: int, token: int):
     """(L, d_m) exact rank of `token` in softmax(sign·v·E) of every value: counting logits above."""
     import torch
 
-    from ffkv.model.memories import Lens, rank_of
+    from ffkv.model.memories import lens_for, rank_of
 
-    ln = Lens(mm, lens)
+    ln = lens_for(mm, lens)
     out = []
     for l in range(mm.n_layers):
         z = sign * ln.direction_logits(mm.values(l)).float()
@@ -170,7 +170,7 @@ def test_value_index_is_exact_including_ties(llama):
     import torch
 
     from ffkv.experiments.value_index import build_index, index_k
-    from ffkv.model.memories import Lens, open_model
+    from ffkv.model.memories import lens_for, open_model
 
     mm = open_model(str(llama), device="cpu")
     with torch.no_grad():  # tie tokens: identical unembedding rows give identical logits in every row
@@ -184,7 +184,7 @@ def test_value_index_is_exact_including_ties(llama):
     got = set(zip(*(t.column(c).to_pylist() for c in ("lens", "sign", "layer", "dim", "token", "rank"))))
     want = set()
     for lens in ("naive", "norm"):
-        ln = Lens(mm, lens)
+        ln = lens_for(mm, lens)
         for l in range(mm.n_layers):
             z = ln.direction_logits(mm.values(l)).float()
             for s in (1, -1):
@@ -200,7 +200,7 @@ def test_value_index_is_exact_including_ties(llama):
 
     row = t.filter((pc.field("lens") == "norm") & (pc.field("layer") == 1) & (pc.field("dim") == 4)
                    & (pc.field("sign") == -1)).to_pylist()
-    p = torch.softmax(-Lens(mm, "norm").direction_logits(mm.values(1)[4]).float(), -1)
+    p = torch.softmax(-lens_for(mm, "norm").direction_logits(mm.values(1)[4]).float(), -1)
     assert all(abs(r["prob"] - float(p[r["token"]])) < 1e-6 for r in row)
     # sorted by lens, sign, token, rank, layer, dim
     keys = list(zip(*(t.column(c).to_pylist() for c in ("lens", "sign", "token", "rank", "layer", "dim"))))
@@ -297,10 +297,10 @@ def test_badges_and_vocab_views_match_direct_projection(client, index, mm, web_r
     """Each trigger's badge: the exact rank of its next token in ±v (sign of its coefficient)."""
     import torch
 
-    from ffkv.model.memories import Lens, rank_of
+    from ffkv.model.memories import lens_for, rank_of
 
     lens = client.get("/api/overview").json()["lens"]
-    ln = Lens(mm, lens)
+    ln = lens_for(mm, lens)
     checked = 0
     for layer, dim in [(0, 3), (1, 5), (2, 40)]:
         m = client.get(f"/api/memory/{layer}/{dim}", params={"top": 50}).json()
@@ -316,7 +316,7 @@ def test_badges_and_vocab_views_match_direct_projection(client, index, mm, web_r
                 assert r["badge"]["rank"] == (want if want < index.k else None)
                 checked += 1
         for ln_name in ("naive", "norm"):
-            zz = Lens(mm, ln_name).direction_logits(mm.values(layer)[dim]).float()
+            zz = lens_for(mm, ln_name).direction_logits(mm.values(layer)[dim]).float()
             for key, s in (("+v", 1), ("-v", -1)):
                 got = [x["token"] for x in m["vocab_views"]["lenses"][ln_name][key]]
                 assert got == torch.topk(s * zz, 10).indices.tolist()

@@ -100,7 +100,7 @@ import torch
 from ffkv.corpus.stopwords import stopwords
 from ffkv.defs import LENSES, check_lens, other_lens, pct
 from ffkv.errors import FfkvError
-from ffkv.model.memories import Lens, is_active, rank_of
+from ffkv.model.memories import is_active, lens_for, rank_of
 from ffkv.steps.compose import DEFAULT_CORPUS, DEFAULT_EPS, STEP, ComposeSettings, record  # noqa: F401
 from ffkv.steps.lifecycle import execute
 from ffkv.experiments.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
@@ -231,7 +231,7 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
     if vtops is None:
         vtops = value_tops(None, mm)
     N, L = len(prefixes), mm.n_layers
-    lenses = {ln: Lens(mm, ln) for ln in vtops}
+    lenses = {ln: lens_for(mm, ln) for ln in vtops}
     vnorm = torch.stack([mm.values(l).detach().float().norm(dim=-1) for l in range(L)]).to(mm.device)  # (L, d_m)
     common, per = _result_arrays(N, L, lenses)
     vt_dev = {ln: (p.to(mm.device), n.to(mm.device)) for ln, (p, n) in vtops.items()}
@@ -345,7 +345,7 @@ def fig8_variants(M: torch.Tensor, vpos, stop, ty, to) -> dict:
 
 def hub_tokens(mm, share: float = HUB_SHARE) -> np.ndarray:
     """Token ids of the hubs: the ⌈share·|V|⌉ largest e_t·ē/‖ē‖ over the unembedding rows e_t."""
-    E = Lens(mm, "naive").E.detach().float()
+    E = mm.lens.E.detach().float()  # the unembedding, the same under either lens
     mean = E.mean(0)
     score = E @ (mean / mean.norm().clamp(min=1e-12))
     k = max(1, math.ceil(share * E.shape[0]))

@@ -36,8 +36,9 @@ from contextlib import nullcontext
 
 import torch
 
+from ffkv.defs import LENSES
 from ffkv.errors import FfkvError
-from ffkv.model.memories import Lens, rank_of
+from ffkv.model.memories import Lens, lens_for, rank_of
 from ffkv.parse import Intervention
 
 QUANTS = ("r", "y", "o")
@@ -94,8 +95,8 @@ def resolve_token(mm, token: int | str) -> int:
 
 
 def _lenses(mm) -> dict[str, Lens]:
-    """Both lenses; the model's own instance for its mode."""
-    return {mode: (mm.lens if mm.lens.mode == mode else Lens(mm, mode)) for mode in Lens.MODES}
+    """Both lenses, by name."""
+    return {name: lens_for(mm, name) for name in LENSES}
 
 
 # Top tokens of sign(m)·v per (lens, layer, dim, sign), per model: values are weights, so a memory
@@ -107,14 +108,14 @@ VALUE_TOPS_CACHE = 200_000
 def _value_tops(mm, lens: Lens, keys: list[tuple[int, int, int]]) -> dict:
     """{(layer, dim, sign): top token ids of sign·v_dim under `lens`}, computing only the new ones."""
     cache = _VALUE_TOPS.setdefault(mm, {})
-    new = [k for k in dict.fromkeys(keys) if (lens.mode, *k) not in cache]
+    new = [k for k in dict.fromkeys(keys) if (lens.name, *k) not in cache]
     if new:
         vecs = torch.stack([mm.values(l)[i] * float(sg) for l, i, sg in new])
         for k, t in zip(new, lens.direction_logits(vecs).topk(TOP_TOKENS, -1).indices.tolist()):
-            cache[(lens.mode, *k)] = t
+            cache[(lens.name, *k)] = t
         while len(cache) > VALUE_TOPS_CACHE:
             cache.pop(next(iter(cache)))
-    return {k: cache[(lens.mode, *k)] for k in keys}
+    return {k: cache[(lens.name, *k)] for k in keys}
 
 
 @torch.no_grad()
@@ -248,8 +249,8 @@ def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "l
     A text longer than the model's context (or `max_tokens`) is refused, or with `truncate`
     ("left": keep its end, "right": keep its start) cut, and the cut recorded in `truncated`.
     """
-    lens = lens or mm.lens.mode
-    if lens not in Lens.MODES:
+    lens = lens or mm.lens.name
+    if lens not in LENSES:
         raise FfkvError(f"unknown lens {lens!r}; choose naive or norm")
     if at not in ("last", "all"):
         raise FfkvError(f"--at {at!r}: choose last or all")

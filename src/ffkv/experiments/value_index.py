@@ -152,7 +152,7 @@ def build_index(mm, lenses=LENSES, k: int = DEFAULT_K, chunk: int = 512, progres
     """
     import torch
 
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
 
     lenses = tuple(lenses)
     bad = [l for l in lenses if l not in LENSES]
@@ -167,7 +167,7 @@ def build_index(mm, lenses=LENSES, k: int = DEFAULT_K, chunk: int = 512, progres
     done = 0
     with torch.no_grad():
         for ln_name in lenses:
-            ln = mm.lens if mm.lens.mode == ln_name else Lens(mm, ln_name)
+            ln = lens_for(mm, ln_name)
             for layer in range(L):
                 W = mm.values(layer)
                 for a in range(0, d_m, chunk):

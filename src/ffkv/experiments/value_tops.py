@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from ffkv.defs import LENSES
-from ffkv.model.memories import Lens
+from ffkv.model.memories import lens_for
 
 
 # ---- value tops --------------------------------------------------------------------------
@@ -34,7 +34,7 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
     out = {}
     task = bar.add_task("value tops", total=len(lenses) * L) if bar is not None else None
     for ln in lenses:
-        lens = Lens(mm, ln)
+        lens = lens_for(mm, ln)
         pos = torch.empty(L, dm, dtype=torch.long)
         neg = torch.empty(L, dm, dtype=torch.long)
         for l in range(L):

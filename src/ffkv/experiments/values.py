@@ -272,7 +272,7 @@ def record(run, s: ValuesSettings, vocab_size: int | None = None) -> dict:
     check_triggers(run)
     rec = run.manifest.get("model") or {}
     vocab_size = rec.get("vocab_size") if vocab_size is None else vocab_size
-    lens = check_lens(s.lens or run.manifest.get("lens") or "norm")
+    lens = check_lens(s.lens or run.lens)
     _check_fits(s)
     both = s.table2_kinds == "both" or (s.table2_kinds == "auto" and has_negative_lists(run))
     kinds2 = ("value", "neg_value") if both else ("value",)
@@ -385,11 +385,11 @@ def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, sho
              index=None, keys: bool = True) -> Projections:
     """Every value (both signs) and key (unless not `keys`) through the lens, chunk by chunk,
     layer by layer; each chunk's logits also feed `index` (an `IndexBuilder`) when given."""
-    from ffkv.model.memories import Lens
+    from ffkv.model.memories import lens_for
     from ffkv.progress import progress
 
     L, d_m = mm.n_layers, mm.d_m
-    ln = mm.lens if mm.lens.mode == lens else Lens(mm, lens)
+    ln = lens_for(mm, lens)
     chunk = max(1, min(chunk, d_m))
     out = Projections.empty(L, d_m, top_k)
     proj = _Projector(mm, ln, chunk)

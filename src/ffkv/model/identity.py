@@ -44,16 +44,11 @@ def check_model(run, mm) -> None:
                         f"unembeddings differ); use a new run folder, or the run's own model")
 
 
-def run_lens(run) -> str:
-    """The run's lens: the one its manifest names, else the norm lens."""
-    return run.manifest.get("lens") or "norm"
-
-
 def open_model(run, model: str | None = None, device: str = "auto", dtype: str = "auto", lens: str | None = None):
     """The run's own model (or `model`, checked against the run's vocabulary and unembedding)."""
     from ffkv.model.memories import open_model as load
 
     mm = load(model if model is not None else run.model_arg(), device=device, dtype=dtype,
-              lens=lens or run_lens(run))
+              lens=lens or run.lens)
     check_model(run, mm)
     return mm

@@ -3,7 +3,8 @@
 Definitions owned here (everything else calls them):
 - `MemoryModel.coefficients`: the memory coefficient m_i.
 - `is_active`: the active-memory test.
-- `Lens`: top(h) and softmax(h·E), naive or through the final norm.
+- `Lens` (`NaiveLens`, `NormLens`; `lens_for` picks one): top(h) and softmax(h·E), naive or
+  through the final norm.
 - `rank_of`: a target's rank, by counting logits above it.
 
 Capabilities: `capture` reads r, x, m, y, o in one forward pass; `intervene` edits chosen
@@ -53,20 +54,18 @@ def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Lens:
-    """Read a d-vector as a distribution over the vocabulary.
+    """How a d-vector is read as a distribution over the vocabulary: one of `LENSES`, each a
+    subclass (`NaiveLens`, `NormLens`), made by `lens_for(mm, name)`.
 
-    mode "naive": h·E (+ the unembedding's bias), the paper's projection. mode "norm": the model's
-    own head (`model_logits`: final norm, unembedding, and what the family does to the logits,
-    e.g. Gemma 2's soft-cap), so the last layer's output gives exactly the model's logits. For
-    weight vectors (values, keys) "norm" applies only the final norm's gain (`gain`, e.g. Gemma's
-    1 + w), since a direction has no scale, and no soft-cap (monotone: ranks do not move).
-    """
+    Both share the model's unembedding E (+ bias) and its own head (`model_logits`); they differ in
+    `logits` (residual states) and `direction_logits` (weight vectors). `name` is the public one
+    (flags, manifest, table columns)."""
 
+    name: str = ""
     MODES = LENSES
 
-    def __init__(self, mm: "MemoryModel", mode: str = "norm"):
-        check_lens(mode)
-        self.mm, self.mode = mm, mode
+    def __init__(self, mm: "MemoryModel"):
+        self.mm = mm
         self.unembed = mm.hf.get_output_embeddings() or get_path(mm.hf, mm.arch.unembed)
         self.final_norm = get_path(mm.hf, mm.arch.final_norm)
         self.E = self.unembed.weight  # (V, d)
@@ -86,9 +85,11 @@ class Lens:
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d) residual-stream states -> (..., V) logits."""
-        if self.mode == "norm":
-            return self.model_logits(h)
-        return self._unembed(h.to(self.E.dtype))
+        raise NotImplementedError
+
+    def _direction(self, v: torch.Tensor) -> torch.Tensor:
+        """A weight direction as this lens sees it before E."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None,
@@ -96,9 +97,7 @@ class Lens:
         """(..., d) weight directions (values, keys) -> (..., V) logits, or (..., len(tokens)).
 
         `out`: an optional preallocated result (reused across chunks to avoid page faults)."""
-        v = v.to(self.E.dtype)
-        if self.mode == "norm":
-            v = v * self.gain
+        v = self._direction(v.to(self.E.dtype))
         return torch.matmul(v, (self.E if tokens is None else self.E[tokens]).T, out=out)
 
     def top(self, h: torch.Tensor) -> torch.Tensor:
@@ -106,6 +105,48 @@ class Lens:
 
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.logits(h).float(), -1)
+
+
+class NaiveLens(Lens):
+    """h·E (+ the unembedding's bias), the paper's projection; a direction is v·E."""
+
+    name = "naive"
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._unembed(h.to(self.E.dtype))
+
+    def _direction(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+
+class NormLens(Lens):
+    """The model's own head (`model_logits`: final norm, unembedding, and what the family does to
+    the logits, e.g. Gemma 2's soft-cap), so the last layer's output gives exactly the model's
+    logits. A direction has no scale, so it gets only the final norm's gain (`gain`, e.g. Gemma's
+    1 + w), and no soft-cap (monotone: ranks do not move)."""
+
+    name = "norm"
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model_logits(h)
+
+    def _direction(self, v: torch.Tensor) -> torch.Tensor:
+        return v * self.gain
+
+
+LENS_TYPES: dict[str, type[Lens]] = {c.name: c for c in (NaiveLens, NormLens)}
+assert tuple(LENS_TYPES) == LENSES
+
+
+def lens_for(mm: "MemoryModel", name: str) -> Lens:
+    """mm's lens `name` ("naive" or "norm"): one instance per model and name, so the run's lens
+    (`mm.lens`) and the other one are asked for alike and never built twice."""
+    lenses = mm.__dict__.setdefault("_lenses", {})
+    if name not in lenses:
+        lenses[name] = LENS_TYPES[check_lens(name)](mm)
+    return lenses[name]
 
 
 class MemoryModel:
@@ -121,7 +162,7 @@ class MemoryModel:
         self._values_cache: list = []  # per layer, shared by its hooks (arch.hook_m)
         self.gated = self.arch.up is not None
         self.d_m, self.d = self.arch.dims(self.blocks[0])
-        self.lens = Lens(self, lens)
+        self.lens = lens_for(self, lens)
         self.vocab_size = self.lens.E.shape[0]
         act = self.act(0) if self.arch.act else None
         self.act_name = str(getattr(text_config(hf.config), self.arch.act_config, None) or type(act).__name__)

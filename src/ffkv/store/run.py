@@ -248,6 +248,16 @@ class Run:
     def settings(self, step: str) -> dict | None:
         return self.manifest.get("settings", {}).get(step)
 
+    @property
+    def lens(self) -> str:
+        """The run's lens: the one mine read with (`--lens`, kept in the manifest), else norm. Every
+        reader asks here (`ffkv.model.memories.lens_for` turns the name into the lens)."""
+        return self.manifest.get("lens") or "norm"
+
+    def step_lens(self, step: str) -> str:
+        """The lens `step` recorded reading under (values' `--lens`), else the run's."""
+        return (self.settings(step) or {}).get("lens") or self.lens
+
     # ---- tables ------------------------------------------------------------------------------
     def table_path(self, name: str) -> Path:
         return self.path / f"{name}.parquet"
@@ -263,7 +273,7 @@ class Run:
             table = pa.table(table)
         origin = {"table": name, "step": self._writer, "ffkv_version": __version__,
                   "settings": self.settings(self._writer) if self._writer else None,
-                  "model": self.manifest.get("model"), "lens": self.manifest.get("lens")}
+                  "model": self.manifest.get("model"), "lens": self.lens}
         meta = dict(table.schema.metadata or {})
         meta[TABLE_META] = json.dumps(origin, default=str).encode()
         table = table.replace_schema_metadata(meta)

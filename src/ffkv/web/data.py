@@ -266,7 +266,7 @@ class Browser:
         if len(self.vocab) < self.V:
             self.vocab += [f"<{i}>" for i in range(len(self.vocab), self.V)]
         vs = self.run.settings("values") or {}
-        self.lens = vs.get("lens") or man.get("lens") or "norm"
+        self.lens = self.run.step_lens("values")
         corpus = man.get("corpus") or {}
         self.corpus_source = corpus.get("source")
         self.corpus_sha = corpus.get("sha256") or ""
