@@ -65,11 +65,6 @@ def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | 
         from types import SimpleNamespace
 
         return own(s, SimpleNamespace(gated=gated, n_layers=n_layers))
-    if step == "mine":
-        from ffkv.mine.engine import MineSettings
-
-        return MineSettings(corpus=s.corpus or "wikipedia:train", max_sentences=s.sentences, seed=s.seed,
-                            top_k=s.top_k, negative=bool(s.negative or (s.negative is None and gated)))
     raise ValueError(step)
 
 

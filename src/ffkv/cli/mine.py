@@ -1,76 +1,12 @@
-"""`ffkv mine` and `ffkv show`."""
+"""`ffkv mine` (generated from the step, `ffkv.steps.mine`) and `ffkv show`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from ffkv.cli.options import DeviceOpt, JsonOpt, LensOpt, ModelOpt, json_text, model, open_run
+from ffkv.cli.options import JsonOpt, json_text, open_run
 from ffkv.errors import FfkvError
-
-
-def mine(out: Path = typer.Option(..., "--out", "-o", help="Run directory to create or resume."),
-         model_name: Optional[str] = ModelOpt,
-         corpus: str = typer.Option("wikipedia:train", "--corpus", "-c", help="Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's train split (compose holds out wikipedia:valid)."),
-         max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences (after a seeded shuffle of documents)."),
-         field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
-         seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
-         layers: Optional[str] = typer.Option(None, "--layers", help="Layers to mine, e.g. 0,5,10-12. Default: all."),
-         dims: Optional[str] = typer.Option(None, "--dims", help="Memory dims to mine, e.g. 0-99. Default: all."),
-         top_k: int = typer.Option(50, "--top-k", "-t", min=1, max=10000, help="Trigger examples kept per key."),
-         negative: bool = typer.Option(False, "--negative", help="Also keep the most negative coefficients (sign=-1)."),
-         per_prefix: bool = typer.Option(False, "--per-prefix", help="Allow several prefixes of one sentence per key."),
-         batch_tokens: str = typer.Option("auto", "--batch-tokens", help="Token budget per batch (length-packed; "
-                                          "speed and memory only): auto (2,048 on a CPU; on CUDA sized from free "
-                                          "memory and the model's shape) or a number >= 16."),
-         stats: bool = typer.Option(True, "--stats/--no-stats", help="Also keep every key's activation statistics "
-                                    "(histogram, density, quantile samples, positions) from the same pass."),
-         samples_per_bin: int = typer.Option(5, "--samples-per-bin", min=0, max=1000,
-                                             help="Quantile samples kept per key, sign and histogram bin."),
-         checkpoint_every: float = typer.Option(60.0, "--checkpoint-every", min=0, help="Seconds between checkpoints."),
-         ray: Optional[str] = typer.Option(None, "--ray", help="Mine shards on Ray: auto, local, or a cluster ADDRESS."),
-         shards: int = typer.Option(2, "--shards", min=1, help="Number of shards with --ray."),
-         force: bool = typer.Option(False, "--force", help="Mine again from scratch into the same run, with its "
-                                    "own model and settings, replacing the step's tables (e.g. one that was "
-                                    "damaged); without it a killed run resumes and a finished one is skipped."),
-         overwrite: bool = typer.Option(False, "--overwrite", help="Start afresh in --out although it holds a run "
-                                        "(or a damaged one): its manifest, checkpoint and tables are deleted first; "
-                                        "annotations and files that are not ffkv's are kept."),
-         device: str = DeviceOpt,
-         dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device that supports it, "
-                                   "float32 on a CPU; the manifest records the choice), float32, float16, bfloat16."),
-         lens: str = LensOpt):
-    """Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
-
-    One forward pass per batch yields every prefix's coefficient (causal masking).
-    Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and
-    (unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder,
-    or a run of this model.
-    """
-    from ffkv.mine.runner import MineSettings, check_batch_tokens, mine as run_mine
-    from ffkv.parse import parse_int_list
-
-    batch_tokens = check_batch_tokens(batch_tokens)  # before the model loads
-    mm = model(model_name, device, dtype, lens)
-    s = MineSettings(corpus=corpus, max_sentences=max_sentences, seed=seed, field=field,
-                     layers=parse_int_list(layers, mm.n_layers, "layers"),
-                     dims=parse_int_list(dims, mm.d_m, "dims"), top_k=top_k, negative=negative,
-                     per_prefix=per_prefix, batch_tokens=batch_tokens, stats=stats,
-                     samples_per_bin=samples_per_bin)
-    if out.exists() and not out.is_dir():
-        raise FfkvError(f"--out {out} exists and is not a directory")
-    run = open_run(out, create=True, overwrite=overwrite)
-    info = run_mine(run, mm, s, checkpoint_every=checkpoint_every, ray_address=ray, shards=shards, force=force)
-    print_mined(run, info)
-
-
-def print_mined(run, info: dict) -> None:
-    c = run.manifest.get("corpus", {}).get("counts", {})
-    print(f"mined {c.get('sentences')} sentences ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated) "
-          f"into {run.path}: {info.get('rows')} trigger rows, padding {info.get('padding_share', 0):.1%}, "
-          f"{info.get('tokens_per_s')} tok/s")
 
 
 def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run directory."),
@@ -162,5 +98,8 @@ def bin_label(hist: dict, b: int) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(mine)
+    from ffkv.steps.cli import command
+    from ffkv.steps.mine import STEP
+
+    app.command(name="mine", help=STEP.help)(command(STEP))
     app.command()(show)

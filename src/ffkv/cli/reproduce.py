@@ -48,13 +48,6 @@ def show_step(step: str, run, out) -> None:
     """Print a step's outcome as its own command prints it (`Step.summary`)."""
     from ffkv.steps.registry import get
 
-    if step == "mine":
-        from ffkv.cli import mine
-
-        if out.skipped:
-            print(f"mine: {run.path} is already mined with these settings; nothing to do")
-        mine.print_mined(run, out.info)
-        return
     st = get(step)
     if st.summary is not None:
         st.summary(run, out, None, False)

@@ -1,82 +1,23 @@
-"""The mining pass itself: settings, state, one captured forward per batch, checkpoints.
+"""The mining pass itself: state, one captured forward per batch, checkpoints.
 
-Shared by the single-process runner and the Ray workers (`ffkv.mine.distributed`).
+Shared by the single-process runner and the Ray workers (`ffkv.mine.distributed`). The settings
+belong to the step (`ffkv.steps.mine`); they are re-exported here for the callers of this path.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ffkv.mine.topk import TopKState
+from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-exported)
 from ffkv.mine.trackers import Batch, MineState
 
 
-@dataclass
-class MineSettings:
-    corpus: str | None = None
-    max_sentences: int | None = None
-    seed: int = 0
-    field: str = "text"
-    layers: list[int] | None = None
-    dims: list[int] | None = None
-    top_k: int = 50
-    negative: bool = False
-    per_prefix: bool = False
-    batch_tokens: int | str = "auto"  # speed and memory only: never recorded (see `record`)
-    stats: bool = True  # key statistics (`ffkv.mine.stats`): --no-stats turns them off
-    samples_per_bin: int = 5
-    checkpoint_every: float = 60.0  # how the pass runs, not what it finds: never recorded
-    ray: str | None = None
-    shards: int = 1
-
-    # Fields added after runs were first recorded, with their defaults. The record (manifest
-    # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
-    # the field existed has the same record as the same command typed today: it resumes, or is
-    # skipped when done, instead of being refused as "other settings". Whether such a run has
-    # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
-    ADDED = {"stats": True, "samples_per_bin": 5}
-
-    def record(self) -> dict:
-        """The settings that decide the tables. `batch_tokens` is not among them: results do not
-        depend on the batch layout (tests hold mining to that), so a run mined with one budget
-        counts as done, or resumes, under any other (the step's record carries a budget that
-        runs recorded before issue 24 kept, `ffkv.mine.runner.record`)."""
-        check_batch_tokens(self.batch_tokens)
-        d = asdict(self)
-        for k in ("batch_tokens", "checkpoint_every", "ray", "shards"):
-            d.pop(k)
-        for k, v in self.ADDED.items():
-            if d.get(k) == v:
-                d.pop(k)
-        return d
-
-    def key(self) -> str:
-        """The settings' identity (the sentences table's `settings_key`); batch-free."""
-        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
-
-
 PACK_VERSION = 2  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24)
-
-
-def check_batch_tokens(v) -> int | str:
-    """'auto' or a whole number >= 16 (a budget below one short sentence makes no sense)."""
-    if v == "auto":
-        return v
-    if isinstance(v, str):
-        try:
-            v = int(v)
-        except ValueError:
-            v = None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 16:
-        from ffkv.errors import FfkvError
-
-        raise FfkvError(f"--batch-tokens must be auto or a whole number of at least 16, not {v!r}")
-    return v
 
 
 def layout_key(s: MineSettings, batch_tokens: int) -> str:

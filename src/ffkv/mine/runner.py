@@ -1,45 +1,28 @@
-"""The `mine` step: one forward pass per batch, every prefix's coefficients at once, into the trackers.
+"""The mining pass of the `mine` step: one forward pass per batch, every prefix's coefficients at
+once, into the trackers (`ffkv.mine.trackers`), checkpointed, resumable, optionally on Ray shards.
 
-The trackers (`ffkv.mine.trackers`) are registered here with the step: `TRACKERS` says which
-tables each writes and whether a setting turns it off. The step's `tables` are those always
-written; `done_info` requires the optional ones only when the step's info says they were made,
-so runs mined before key statistics existed, or with --no-stats, stay done.
+The step itself (settings, record, which tables each tracker writes, the command) is
+`ffkv.steps.mine`; its `compute` calls `compute` here. `mine()` is the library's way in.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 
 from ffkv.corpus.batching import auto_batch_tokens, layout as batch_layout, pack, padding_share
-from ffkv.mine.engine import (MineSettings, check_batch_tokens, checkpoint_batch_tokens,  # noqa: F401
-                              layout_key, load_checkpoint, mine_batches, new_state, save_checkpoint)
+from ffkv.mine.engine import (checkpoint_batch_tokens, layout_key, load_checkpoint,  # noqa: F401
+                              mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
-from ffkv.steps import lazy
-from ffkv.steps.lifecycle import Step, execute
+from ffkv.steps.lifecycle import execute
+from ffkv.steps.mine import (STATS_TABLES, STEP, TABLES, TRACKERS, MineSettings,  # noqa: F401  (re-exported)
+                             TrackerSpec, check_batch_tokens, done_info, fit, record)
 from ffkv.model import identity
 
 CKPT = ".mine_checkpoint.npz"
-
-
-@dataclass(frozen=True)
-class TrackerSpec:
-    """A tracker of the mine step: the tables it writes, and whether the settings turn it on."""
-    name: str
-    tables: tuple[str, ...]
-    enabled: Callable[[MineSettings], bool]
-
-
-TRACKERS = (
-    TrackerSpec("topk", ("triggers",), lambda s: True),
-    TrackerSpec("stats", ("key_stats", "key_hist", "key_samples"), lambda s: s.stats),
-)
-TABLES = ("sentences", "triggers", "vocab")  # always written: the topk tracker's and the corpus
-STATS_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "stats")
 
 
 class _FinishContext:
@@ -68,8 +51,6 @@ def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: 
     """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same
     settings. `force`: mine again from scratch (the corpus split and the whole pass), replacing
     every table of the step."""
-    from dataclasses import replace
-
     s = replace(s, checkpoint_every=checkpoint_every, ray=ray_address, shards=shards)
     out = execute(run, "mine", s, mm=mm, log=log, show_progress=show_progress, force=force)
     if out.skipped:
@@ -164,11 +145,10 @@ def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, len
 
 
 def compute(ctx) -> dict:
+    """The pass (the step's `compute`): prepare the corpus, mine every batch not yet in the
+    checkpoint (or on Ray shards), write the tables; returns the step's info."""
     run, s, mm = ctx.run, ctx.settings, ctx.model()
-    if s.samples_per_bin < 0:
-        from ffkv.errors import FfkvError
-
-        raise FfkvError("--samples-per-bin must be 0 or more")
+    fit(s, mm)
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
     if ctx.force:
         (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
@@ -234,25 +214,3 @@ def _shards_of_this_plan(run, lkey: str) -> None:
                 f.unlink()
     d.mkdir(exist_ok=True)
     save_npz(marker, {"key": np.frombuffer(lkey.encode(), np.uint8)})
-
-
-def record(run, s: MineSettings) -> dict:
-    """The manifest's record of the mine step. A run recorded before issue 24 kept its
-    `batch_tokens` (then part of the record); the budget changes speed only, so that value is
-    carried over: such a run stays done, or resumes, under any budget."""
-    r = s.record()
-    prev = run.settings("mine") if run is not None else None
-    if prev and "batch_tokens" in prev:
-        r["batch_tokens"] = prev["batch_tokens"]
-    return r
-
-
-def done_info(run, st: dict) -> bool:
-    """Done also needs the tables of the optional trackers that the step says it wrote."""
-    stats = st.get("stats")
-    return not stats or all(run.table_problem(t) is None for t in stats.get("tables", STATS_TABLES))
-
-
-STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute,
-            record=record, refuse_other_settings=True, done_info=done_info,
-            sections=lazy("ffkv.steps.mine.report:sections"))

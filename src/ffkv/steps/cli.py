@@ -1,6 +1,11 @@
 """`ffkv NAME`, generated from a step's settings dataclass: one option per field (its flag, help
 and default from the field), plus --force, --json, --model, --device and --dtype. Nothing is
-written twice, so a command cannot drift from its step."""
+written twice, so a command cannot drift from its step.
+
+A step whose command does not take its run as `ffkv NAME RUN` (mine: `--out`, created there)
+declares the command's own options as a second dataclass (`Step.options`, fields from `setting`;
+one named like a common option, e.g. `force`, gives that option its help) and how the command
+opens its run and model (`Step.open`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +19,10 @@ from typing import List, Optional
 
 import typer
 
-from ffkv.steps.settings import flag, spec
+from ffkv.steps.settings import flag, flag_name, spec
 
 SHARED = ("device", "dtype")  # settings fields that every command already has as options
+COMMON = ("force", "as_json", "model_name", "device", "dtype")  # every command's own options
 
 
 def _annotation(tp):
@@ -39,14 +45,27 @@ def _default(f: dataclasses.Field):
     return ...
 
 
-def _options(step) -> list[inspect.Parameter]:
-    hints = typing.get_type_hints(step.settings)
+def cli_default(f: dataclasses.Field):
+    """The field's default on the command line (`shown` where it differs from the library's)."""
+    s = spec(f)
+    return s.shown if s.shown is not None and s.parse is None else _default(f)
+
+
+def _help(s) -> str | None:
+    """The field's help, with the range its check allows (`at_least`, `between`)."""
+    rng = getattr(s.check, "range", None)
+    return ((s.help or "") + (f" (range {rng})" if rng else "")).strip() or None
+
+
+def _options(cls, skip=()) -> list[inspect.Parameter]:
+    """One option per field of the dataclass `cls`, except those named in `skip`."""
+    hints = typing.get_type_hints(cls)
     out = []
-    for f in dataclasses.fields(step.settings):
-        if f.name in SHARED:  # the command's own --device/--dtype fill it
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
             continue
         s = spec(f)
-        default = _default(f)
+        default = cli_default(f)
         if s.parse is not None:  # typed as text on the command line, parsed by the field's own parser
             ann, default = Optional[str], s.shown or (None if default in (None, ...) else str(default))
         else:
@@ -55,48 +74,88 @@ def _options(step) -> list[inspect.Parameter]:
         if ann is bool and "/" not in flag(f):
             decls = [f"{flag(f)}/--no-{flag(f)[2:]}"] + ([s.short] if s.short else [])
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
-                                     default=typer.Option(default, *decls, help=s.help or None)))
+                                     default=typer.Option(default, *decls, help=_help(s))))
     return out
 
 
-def _common() -> list[inspect.Parameter]:
+def _common(step) -> list[inspect.Parameter]:
+    """--force, --json, --model, --device, --dtype; a field of `step.options` with one of these
+    names gives that option its help (mine's --force resumes, and says so)."""
     from ffkv.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 
+    own = {f.name: spec(f).help for f in dataclasses.fields(step.options)} if step.options else {}
+
+    def opt(name, std, default, *decls):
+        return typer.Option(default, *decls, help=own[name]) if own.get(name) else std
+
     K = inspect.Parameter.KEYWORD_ONLY
-    return [inspect.Parameter("force", K, annotation=bool, default=typer.Option(
-                False, "--force", help="Redo the step even if it is done with the same settings.")),
-            inspect.Parameter("as_json", K, annotation=bool, default=JsonOpt),
-            inspect.Parameter("model_name", K, annotation=Optional[str], default=ModelOpt),
-            inspect.Parameter("device", K, annotation=str, default=DeviceOpt),
-            inspect.Parameter("dtype", K, annotation=str, default=DtypeOpt)]
+    force = typer.Option(False, "--force", help="Redo the step even if it is done with the same settings.")
+    return [inspect.Parameter("force", K, annotation=bool, default=opt("force", force, False, "--force")),
+            inspect.Parameter("as_json", K, annotation=bool, default=opt("as_json", JsonOpt, False, "--json")),
+            inspect.Parameter("model_name", K, annotation=Optional[str],
+                              default=opt("model_name", ModelOpt, None, "--model", "-m")),
+            inspect.Parameter("device", K, annotation=str, default=opt("device", DeviceOpt, "auto", "--device")),
+            inspect.Parameter("dtype", K, annotation=str, default=opt("dtype", DtypeOpt, "auto", "--dtype"))]
 
 
-def build_settings(step, values: dict):
-    """The settings from CLI values (each `parse`d field parsed), checked before any model loads."""
+def build(cls, values: dict):
+    """An instance of the dataclass `cls` from CLI values (each `parse`d field parsed), every
+    field's check run: before any model loads."""
     from ffkv.steps.settings import check
 
     kw = {}
-    for f in dataclasses.fields(step.settings):
-        v = values.get(f.name, _default(f))
+    for f in dataclasses.fields(cls):
+        v = values.get(f.name, cli_default(f))
         p = spec(f).parse
         if p is not None and isinstance(v, str):
             v = p(v)
         elif isinstance(v, list):  # a repeatable option
             v = tuple(v) if v else _default(f)
         kw[f.name] = v
-    s = step.settings(**kw)
+    s = cls(**kw)
     check(s)
     return s
 
 
-def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=False, model_name=None,
+def build_settings(step, values: dict):
+    """The step's settings from CLI values, checked before any model loads."""
+    return build(step.settings, values)
+
+
+def flags(cls, record: dict) -> list[str]:
+    """The command-line flags that give the fields of `record` (a recorded settings dict of the
+    dataclass `cls`) where they differ from the command's defaults: a switch as its on or off
+    flag, a list as comma-separated values (the form --layers and --dims parse)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if not spec(f).recorded or f.name not in record:
+            continue
+        v, d = record[f.name], cli_default(f)
+        if v is None or v == d or (isinstance(v, list) and not v):
+            continue
+        fl = flag(f)
+        if isinstance(v, bool):
+            on, _, off = fl.partition("/")
+            out.append(on if v else (off or "--no-" + on[2:]))
+        elif isinstance(v, (list, tuple)):
+            out += [flag_name(f), ",".join(str(x) for x in v)]
+        else:
+            out += [flag_name(f), str(v)]
+    return out
+
+
+def run_generated(step, run_dir: Path | None, values: dict, *, force=False, as_json=False, model_name=None,
                   device="auto", dtype="auto") -> None:
     from ffkv.cli.options import open_run, open_run_with_model
     from ffkv.steps.lifecycle import execute
 
     s = build_settings(step, values)
     mm = None
-    if step.requires:
+    if step.open is not None:  # the command's own options say where the run is (mine: --out)
+        opts = build(step.options, {**values, "force": force, "as_json": as_json, "model_name": model_name,
+                                    "device": device, "dtype": dtype})
+        run, mm = step.open(opts, s, model_name, device, dtype)
+    elif step.requires:
         run = open_run(run_dir)
     else:
         run, mm = open_run_with_model(run_dir, model_name, device, dtype)
@@ -114,16 +173,23 @@ def run_generated(step, run_dir: Path, values: dict, *, force=False, as_json=Fal
 
 
 def command(step):
-    """A typer command function for `step`, its signature made from the settings' fields."""
-    where = ("A run directory with a finished " + ", ".join(f"`{r}`" for r in step.requires) + " step."
-             if step.requires else "Run directory (created if it has no manifest).")
-    params = [inspect.Parameter("run_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
-                                default=typer.Argument(..., metavar="RUN", help=where))]
-    params += _options(step) + _common()
+    """A typer command function for `step`, its signature made from the settings' fields (and
+    the command's own options, `Step.options`)."""
+    params = []
+    if step.open is None:
+        where = ("A run directory with a finished " + ", ".join(f"`{r}`" for r in step.requires) + " step."
+                 if step.requires else "Run directory (created if it has no manifest).")
+        params.append(inspect.Parameter("run_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
+                                        default=typer.Argument(..., metavar="RUN", help=where)))
+    if step.options is not None:
+        params += _options(step.options, skip=COMMON)
+    params += _options(step.settings, skip=SHARED) + _common(step)
     names = {f.name for f in dataclasses.fields(step.settings)}
+    if step.options is not None:
+        names |= {f.name for f in dataclasses.fields(step.options)}
 
-    def cmd(run_dir: Path, **kw):
-        common = {k: kw.pop(k) for k in ("force", "as_json", "model_name", "device", "dtype")}
+    def cmd(run_dir: Path | None = None, **kw):
+        common = {k: kw.pop(k) for k in COMMON}
         values = {k: v for k, v in kw.items() if k in names}
         values.update({k: common[k] for k in SHARED if k in names})
         run_generated(step, run_dir, values, **common)

@@ -20,7 +20,7 @@ from ffkv.model import identity
 # Kept for callers that read them: the built-in steps' modules and commands. Where steps come
 # from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
 REGISTRY: dict[str, str] = {
-    "mine": "ffkv.mine.runner",
+    "mine": "ffkv.steps.mine",
     "values": "ffkv.steps.values",
     "compose": "ffkv.steps.compose",
     "mutate": "ffkv.steps.mutate",
@@ -49,11 +49,15 @@ class Step:
     # What the rest of ffkv reads from a step, so that nothing else names it (all optional):
     help: str = ""  # one paragraph: the generated command's --help, `reproduce`'s listing
     command: str | None = None  # "ffkv NAME {run}" by default; the "run `...` first" hint
-    cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli); built-ins have their own
+    cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli)
     summary: Callable[[Any, "Outcome", Any, bool], None] | None = None  # (run, outcome, settings, as_json): what the command prints
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
+    # A command that does not take its run as `ffkv NAME RUN` (mine: `--out`, created there):
+    options: type | None = None  # a dataclass of the command's own options (fields from `setting`)
+    open: Callable[..., tuple] | None = None  # (options, settings, model_name, device, dtype) -> (run, model)
+    rebuild: Callable[[Any], list[str]] | None = None  # run -> `ffkv NAME`'s arguments redoing it as it was
 
     def recorded(self, run, settings) -> dict:
         """The manifest's record of `settings`, after every field's own check (`ffkv.steps.setting`)."""
@@ -163,34 +167,16 @@ def check_tables(run, name: str, step: Step | None = None) -> None:
 
 
 def rebuild_command(run, name: str) -> str:
-    """The command that redoes step `name` from scratch with the run's own settings (mine: its
-    model, corpus and every flag that differs from the default; other steps: `--force`)."""
-    if name != "mine":
-        return f"{command(name, run)} --force"
+    """The command that redoes step `name` from scratch with the run's own settings: the step's
+    `rebuild` arguments (mine: its --out, model, corpus and every flag that differs from the
+    default), else `ffkv NAME RUN`; then `--force`."""
     import shlex
 
-    s = dict(run.settings("mine") or {})
-    flags = ["--out", str(run.path)]
-    model = run.model_arg()
-    if model:
-        flags += ["--model", str(model)]
-    if run.manifest.get("lens") not in (None, "norm"):
-        flags += ["--lens", str(run.manifest["lens"])]
-    opts = {"corpus": ("--corpus", "wikipedia:train"), "max_sentences": ("--max-sentences", None),
-            "seed": ("--seed", 0), "field": ("--field", "text"), "top_k": ("--top-k", 50),
-            "batch_tokens": ("--batch-tokens", 2048), "samples_per_bin": ("--samples-per-bin", 5)}
-    for k, (flag, default) in opts.items():
-        if s.get(k, default) != default:
-            flags += [flag, str(s[k])]
-    for k in ("layers", "dims"):
-        if s.get(k):
-            flags += [f"--{k}", ",".join(str(v) for v in s[k])]
-    for k, flag in (("negative", "--negative"), ("per_prefix", "--per-prefix")):
-        if s.get(k):
-            flags.append(flag)
-    if s.get("stats") is False:
-        flags.append("--no-stats")
-    return "ffkv mine " + " ".join(shlex.quote(f) for f in flags) + " --force"
+    step = get(name) if name in names() else None
+    if step is None or step.rebuild is None:
+        return f"{command(name, run)} --force"
+    return (f"ffkv {name.replace('_', '-')} " + " ".join(shlex.quote(a) for a in step.rebuild(run))
+            + " --force")
 
 
 def is_done(run, step: Step, record: dict) -> bool:

@@ -21,7 +21,7 @@ GROUP = "ffkv.steps"
 
 # name -> "module:attribute"; the order is the paper's (and a valid dependency order).
 BUILTIN: dict[str, str] = {
-    "mine": "ffkv.mine.runner:STEP",
+    "mine": "ffkv.steps.mine:STEP",
     "values": "ffkv.steps.values:STEP",
     "compose": "ffkv.steps.compose:STEP",
     "mutate": "ffkv.steps.mutate:STEP",
@@ -122,7 +122,7 @@ def extensions() -> list:
 
 def command(name: str, run) -> str:
     """The user-facing command that makes step `name` on `run`, for "run `...` first" messages."""
-    tmpl = "ffkv mine --out {run}" if name == "mine" else f"ffkv {name.replace('_', '-')} {{run}}"
-    if name not in BUILTIN and name in known():
+    tmpl = f"ffkv {name.replace('_', '-')} {{run}}"
+    if name in known():
         tmpl = getattr(_load(name), "command", None) or tmpl
     return tmpl.format(run=getattr(run, "path", run))

@@ -24,7 +24,7 @@ class Setting:
     flag: str | None = None  # the CLI flag, when not --field-name
     short: str | None = None  # e.g. "-n"
     parse: Callable[[str], Any] | None = None  # CLI text -> value (ranges, lists); the option is then a string
-    shown: str | None = None  # the CLI default as typed, for a parsed field (e.g. "+" for sign 1)
+    shown: Any = None  # the CLI default when it is not the field's (a parsed field: as typed, "+" for sign 1)
 
 
 def setting(default, help: str = "", *, check=None, recorded: bool = True, flag: str | None = None,
@@ -51,12 +51,14 @@ def flag_name(f: dataclasses.Field) -> str:
 def at_least(lo):
     def check(v):
         return None if v is None or v >= lo else f"must be at least {lo} (got {v})"
+    check.range = f"x>={lo}"  # shown in the command's --help
     return check
 
 
 def between(lo, hi):
     def check(v):
         return None if v is None or lo <= v <= hi else f"must be between {lo} and {hi} (got {v})"
+    check.range = f"{lo}<=x<={hi}"
     return check
 
 

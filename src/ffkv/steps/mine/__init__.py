@@ -1,0 +1,239 @@
+"""The `mine` step as one unit: its settings (from which `ffkv mine` is generated), the command's
+own options (--out, --overwrite, --lens) and how it opens its run, what the manifest records, its
+place in `reproduce`, the command that rebuilds it, and its summary. The pass itself (trackers,
+batching, checkpoints, Ray shards) is in `ffkv.mine`, imported only when the step runs, so that
+`ffkv --help` loads no torch.
+
+Tables: `sentences`, `triggers`, `vocab` always; `key_stats`, `key_hist`, `key_samples` unless
+--no-stats (columns: DEVELOPING.md and `ffkv.mine.stats`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ffkv.defs import LENSES
+from ffkv.errors import FfkvError
+from ffkv.parse import parse_int_list
+from ffkv.steps.lifecycle import Step
+from ffkv.steps.settings import at_least, between, setting
+
+DEFAULT_CORPUS = "wikipedia:train"
+
+
+def check_batch_tokens(v) -> int | str:
+    """'auto' or a whole number >= 16 (a budget below one short sentence makes no sense)."""
+    if v == "auto":
+        return v
+    if isinstance(v, str):
+        try:
+            v = int(v)
+        except ValueError:
+            v = None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 16:
+        raise FfkvError(f"--batch-tokens must be auto or a whole number of at least 16, not {v!r}")
+    return v
+
+
+def _batch_tokens(v) -> str | None:
+    try:
+        check_batch_tokens(v)
+    except FfkvError as e:
+        return str(e).split(" ", 1)[1]  # the field's check names the flag itself
+    return None
+
+
+def _layers(text: str) -> list[int] | None:
+    return parse_int_list(text, None, "layers")  # bounds: `fit` once the model is known
+
+
+def _dims(text: str) -> list[int] | None:
+    return parse_int_list(text, None, "dims")
+
+
+@dataclass(frozen=True)
+class MineSettings:
+    """What `ffkv mine` is asked for. `batch_tokens`, `checkpoint_every`, `ray` and `shards` change
+    how the pass runs, not what it finds (tests hold mining to that): none is recorded."""
+    corpus: str | None = setting(None, "Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's "
+                                       "train split (compose holds out wikipedia:valid).", short="-c",
+                                 shown=DEFAULT_CORPUS)
+    max_sentences: int | None = setting(None, "Cap on sentences (after a seeded shuffle of documents).",
+                                        check=at_least(1))
+    seed: int = setting(0, "Seed of the document order.")
+    field: str = setting("text", "JSONL field holding the text.")
+    layers: list[int] | None = setting(None, "Layers to mine, e.g. 0,5,10-12. Default: all.", parse=_layers)
+    dims: list[int] | None = setting(None, "Memory dims to mine, e.g. 0-99. Default: all.", parse=_dims)
+    top_k: int = setting(50, "Trigger examples kept per key.", check=between(1, 10000), short="-t")
+    negative: bool = setting(False, "Also keep the most negative coefficients (sign=-1).")
+    per_prefix: bool = setting(False, "Allow several prefixes of one sentence per key.")
+    batch_tokens: int | str = setting("auto", "Token budget per batch (length-packed; speed and memory only): auto "
+                                              "(2,048 on a CPU; on CUDA sized from free memory and the model's shape) "
+                                              "or a number >= 16.", check=_batch_tokens, parse=check_batch_tokens,
+                                      recorded=False)
+    stats: bool = setting(True, "Also keep every key's activation statistics (histogram, density, quantile "
+                                "samples, positions) from the same pass.", flag="--stats/--no-stats")
+    samples_per_bin: int = setting(5, "Quantile samples kept per key, sign and histogram bin.",
+                                   check=between(0, 1000))
+    checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
+    ray: str | None = setting(None, "Mine shards on Ray: auto, local, or a cluster ADDRESS.", recorded=False)
+    shards: int = setting(2, "Number of shards with --ray.", check=at_least(1), recorded=False)
+
+    # Fields added after runs were first recorded, with their defaults. The record (manifest
+    # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
+    # the field existed has the same record as the same command typed today: it resumes, or is
+    # skipped when done, instead of being refused as "other settings". Whether such a run has
+    # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
+    ADDED = {"stats": True, "samples_per_bin": 5}
+
+    def record(self) -> dict:
+        """The settings that decide the tables (the recorded fields). `batch_tokens` is not among
+        them: results do not depend on the batch layout, so a run mined with one budget counts as
+        done, or resumes, under any other (the step's record carries a budget that runs recorded
+        before issue 24 kept, `record` below)."""
+        from ffkv.steps.settings import record
+
+        check_batch_tokens(self.batch_tokens)
+        d = record(self)
+        for k, v in self.ADDED.items():
+            if d.get(k) == v:
+                d.pop(k)
+        return d
+
+    def key(self) -> str:
+        """The settings' identity (the sentences table's `settings_key`); batch-free."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fit(s: MineSettings, mm) -> None:
+    """--layers and --dims within the model (known only once it is open): one line otherwise."""
+    for what, vals, upper in (("layers", s.layers, mm.n_layers), ("dims", s.dims, mm.d_m)):
+        bad = [v for v in vals or () if not 0 <= v < upper]
+        if bad:
+            raise FfkvError(f"--{what} {bad[0]} out of range 0..{upper - 1}")
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    """A tracker of the mine step: the tables it writes, and whether the settings turn it on."""
+    name: str
+    tables: tuple[str, ...]
+    enabled: Callable[[MineSettings], bool]
+
+
+TRACKERS = (
+    TrackerSpec("topk", ("triggers",), lambda s: True),
+    TrackerSpec("stats", ("key_stats", "key_hist", "key_samples"), lambda s: s.stats),
+)
+TABLES = ("sentences", "triggers", "vocab")  # always written: the topk tracker's and the corpus
+STATS_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "stats")
+
+
+def _lens(v):
+    return None if v in LENSES else f"must be naive or norm (got {v!r})"
+
+
+@dataclass(frozen=True)
+class MineCommand:
+    """`ffkv mine`'s own options, beside the settings: where the run goes and how its model is read.
+    `force` and `dtype` give the command's common options their meaning for mining."""
+    out: Path = setting(..., "Run directory to create or resume.", short="-o")
+    overwrite: bool = setting(False, "Start afresh in --out although it holds a run (or a damaged one): its "
+                                     "manifest, checkpoint and tables are deleted first; annotations and files "
+                                     "that are not ffkv's are kept.", flag="--overwrite")
+    lens: str = setting("norm", "naive: h·E as in the paper; norm: through the final norm.", check=_lens)
+    force: bool = setting(False, "Mine again from scratch into the same run, with its own model and settings, "
+                                 "replacing the step's tables (e.g. one that was damaged); without it a killed run "
+                                 "resumes and a finished one is skipped.")
+    dtype: str = setting("auto", "auto (bfloat16 on a CUDA device that supports it, float32 on a CPU; the manifest "
+                                 "records the choice), float32, float16, bfloat16.")
+
+
+def open_mine(o: MineCommand, s: MineSettings, model_name: str | None, device: str, dtype: str):
+    """The run in --out (created, or resumed when it is a run of this model) and the model from
+    --model, whose lens the run keeps; --layers and --dims checked against it first."""
+    from ffkv.cli.options import model, open_run
+
+    out = Path(o.out)
+    if out.exists() and not out.is_dir():
+        raise FfkvError(f"--out {out} exists and is not a directory")
+    mm = model(model_name, device, dtype, o.lens)
+    fit(s, mm)
+    return open_run(out, create=True, overwrite=o.overwrite), mm
+
+
+def record(run, s: MineSettings) -> dict:
+    """The manifest's record of the mine step. A run recorded before issue 24 kept its
+    `batch_tokens` (then part of the record); the budget changes speed only, so that value is
+    carried over: such a run stays done, or resumes, under any budget."""
+    r = s.record()
+    prev = run.settings("mine") if run is not None else None
+    if prev and "batch_tokens" in prev:
+        r["batch_tokens"] = prev["batch_tokens"]
+    return r
+
+
+def compute(ctx) -> dict:
+    from ffkv.mine.runner import compute as run_pass
+
+    return run_pass(ctx)
+
+
+def done_info(run, st: dict) -> bool:
+    """Done also needs the tables of the optional trackers that the step says it wrote."""
+    stats = st.get("stats")
+    return not stats or all(run.table_problem(t) is None for t in stats.get("tables", STATS_TABLES))
+
+
+def rebuild(run) -> list[str]:
+    """`ffkv mine`'s arguments that mine `run` again from scratch: its --out, its model, its lens
+    and every recorded setting that differs from the command's default."""
+    from ffkv.steps.cli import flags
+
+    args = ["--out", str(run.path)]
+    model = run.model_arg()
+    if model:
+        args += ["--model", str(model)]
+    if run.manifest.get("lens") not in (None, "norm"):
+        args += ["--lens", str(run.manifest["lens"])]
+    return args + flags(MineSettings, run.settings("mine") or {})
+
+
+def summary(run, out, s=None, as_json: bool = False) -> None:
+    """What `ffkv mine` (and `reproduce`) prints: the corpus mined, the rows, the speed."""
+    if as_json:
+        print(json.dumps({"status": out.status, "info": out.info}, indent=2, default=str))
+        return
+    if out.skipped:
+        print(f"mine: {run.path} is already mined with these settings; nothing to do")
+    info = out.info
+    c = run.manifest.get("corpus", {}).get("counts", {})
+    print(f"mined {c.get('sentences')} sentences ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated) "
+          f"into {run.path}: {info.get('rows')} trigger rows, padding {info.get('padding_share', 0):.1%}, "
+          f"{info.get('tokens_per_s')} tok/s")
+
+
+def reproduce(r, mm) -> MineSettings:
+    """`ffkv reproduce`'s mining: its corpus, sentence count, seed and top-k; negatives when asked,
+    or by default when the FFN is gated."""
+    return MineSettings(corpus=r.corpus or DEFAULT_CORPUS, max_sentences=r.sentences, seed=r.seed,
+                        top_k=r.top_k, negative=bool(r.negative or (r.negative is None and mm.gated)))
+
+
+HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).\n\n"
+        "One forward pass per batch yields every prefix's coefficient (causal masking). "
+        "Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and "
+        "(unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder, "
+        "or a run of this model.")
+
+STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
+            refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
+            cli=True, summary=summary, reproduce=reproduce, options=MineCommand, open=open_mine,
+            rebuild=rebuild)
+
+__all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "TRACKERS", "check_batch_tokens",
+           "fit", "shlex"]
