@@ -308,6 +308,7 @@ def annotate(run: Path, kinds: dict[int, str]) -> None:
 def test_report_fig2_from_human_annotations(tiny_run, tmp_path):
     """Shallow labels in layer 0 and semantic ones in layer 2 are the paper's trend; the reverse differs."""
     from ffkv.report.build import Builder, build
+    from ffkv.steps.patterns.report import fig2_human
     from ffkv.store.run import Run
 
     runs = {}
@@ -321,7 +322,7 @@ def test_report_fig2_from_human_annotations(tiny_run, tmp_path):
     assert verdicts_in(page)["fig2_human"] == "same trend"
     assert (out.parent / "figures" / "fig2_human.png").exists()
     assert "prefixes covered" in page
-    sec = Builder(Run(runs["reversed"]), tmp_path / "figs").fig2_human()
+    sec = fig2_human(Builder(Run(runs["reversed"]), tmp_path / "figs"))
     assert sec.verdict.verdict == "differs"
 
 

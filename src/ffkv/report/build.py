@@ -1,11 +1,12 @@
 """`build_report(run)`: one self-contained HTML file (plus PNG/SVG figures) from a run's tables.
 
-Inputs are the public tables of the steps (see each step module's docstring): `patterns_fig2`,
-`pattern_keys`, `patterns`, `mutations_layers`, `values_layers`, `values_rank_hist`, `values_fig6`,
-`values_table2`, `compose_layers`, `compose_cases`, `triggers`, `sentences`, `vocab`, the
-manifest, and `annotations.sqlite` when it exists. A missing table leaves its section with a
-"not comparable" verdict and the command that creates it. Nothing is read from outside the run,
-nothing is fetched: the paper's results are embedded (`ffkv.report.paper`).
+The sections are the steps' (`Step.sections`, each built-in step's in `src/ffkv/steps/<name>/report.py`),
+asked for in the registry's order: the paper's figures first, in the paper's order, then the sections
+beyond it. Here: what they share (`Builder`: the run's tables, decoder, lens, the hint for a missing
+table), how this model differs from the paper's, and the page (overview, contents, manifest). A
+missing table leaves its section with a "not comparable" verdict and the command that creates it.
+Nothing is read from outside the run, nothing is fetched: the paper's results are embedded
+(`ffkv.report.paper`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from ffkv import __version__
@@ -24,17 +24,11 @@ from ffkv.display import show_token
 from ffkv.errors import FfkvError
 from ffkv.report import figures as F
 from ffkv.report import verdicts as V
-from ffkv.report.html import chip, code, esc, img, kv, table, template, tok, verdict_line
-from ffkv.report.paper import ORDER, PAPER, PAPER_MODEL
+from ffkv.report.html import chip, code, esc, img, kv, table, template, verdict_line
+from ffkv.report.paper import PAPER, PAPER_MODEL
 from ffkv.store import decode, query
 from ffkv.store.run import Run, atomic_write_bytes
 
-TABLE1_LAYERS = 4  # layers shown in Table 1, spread over the depth
-TABLE1_KEYS = 2  # keys per layer
-TABLE1_PREFIXES = 4  # trigger prefixes per key
-TABLE1_PATTERNS = 4  # patterns shown per key
-TABLE2_ROWS = 20
-CASES_ROWS = 20
 PREFIX_CHARS = 110  # characters of a prefix shown before its last token
 
 
@@ -97,8 +91,8 @@ def quantization(model: dict) -> str | None:
     return m.group(1) if m else None
 
 
-def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[str]]]:
-    """Rows (property, paper, this run, where it matters) and notes per section id."""
+def model_differences(manifest: dict, lens: str) -> tuple[list[list[str]], dict[str, list[str]]]:
+    """Rows (property, paper, this run, where it matters) and notes per section id; `lens`: the run's."""
     m = manifest.get("model") or {}
     notes: dict[str, list[str]] = {k: [] for k in PAPER}
     rows = [["model", PAPER_MODEL["name"], f"{m.get('model_id', '?')}", ""],
@@ -110,7 +104,7 @@ def model_differences(manifest: dict) -> tuple[list[list[str]], dict[str, list[s
     rows.append(_ffn_row(m, notes))
     rows += _weights_and_vocabulary_rows(m, notes)
     rows.append(_corpus_row(manifest))
-    rows.append(_lens_row(manifest.get("lens") or "norm", notes))
+    rows.append(_lens_row(lens, notes))
     rows += _settings_rows(manifest.get("settings") or {})
     return rows, notes
 
@@ -218,6 +212,10 @@ def _settings_rows(settings: dict) -> list[list[str]]:
 
 # ---- sections --------------------------------------------------------------------------------------------
 class Builder:
+    """What the steps' report sections share while a report is built: the run's tables (each read
+    once), its decoder and lens, the commands that make a missing table, drawing, and the problems
+    met. The sections themselves are the steps' (`src/ffkv/steps/<name>/report.py`)."""
+
     def __init__(self, run: Run, fig_dir: Path, log=None):
         self.run = run
         self.t = RunTables(run)
@@ -225,9 +223,10 @@ class Builder:
         self.log = log or (lambda *_: None)
         self.m = run.manifest.get("model") or {}
         self.L = int(self.m.get("layers") or 0) or None
-        self.lens = run.manifest.get("lens") or "norm"
+        self.lens = run.lens
         self.problems: list[str] = []
         self._decoder: Decoder | None = None
+        self._differences: tuple[list[list[str]], dict[str, list[str]]] | None = None
 
     @property
     def decoder(self) -> Decoder | None:
@@ -274,300 +273,76 @@ class Builder:
             s.extra += f" ({tag}: {said})"
         return s
 
-    # each returns a Section -----------------------------------------------------------------------------
-    def fig2(self) -> Section:
-        (df,), miss = self.need("fig2", "patterns_fig2")
-        ps = self.run.settings("patterns") or {}
-        v = V.fig2(df, self.L, semantic_ran=ps.get("semantic", True))
-        s = Section("fig2", v, missing=miss)
-        if df is not None:
-            s.figure = self.draw("fig2", F.fig2, df, title="Pattern kinds (automatic labels)")
-            scope = "semantic_sample" if (df["scope"] == "semantic_sample").any() else "all"
-            d = df[df["scope"] == scope].sort_values("layer")
-            s.html = (f"<p>Scope <code>{esc(scope)}</code>: {int(d['keys'].sum()):,} keys, "
-                      f"{int(d['prefixes'].sum()):,} prefixes; patterns per key "
-                      f"{np.average(d['patterns_per_key'], weights=d['keys']):.2f} (paper 3.6); keys with "
-                      f"≥1 pattern {np.average(d['keys_with_pattern'], weights=d['keys']):.0%} (paper: all).</p>")
-        return s
-
-    def fig2_human(self) -> Section:
-        path = self.run.path / "annotations.sqlite"
-        if not path.exists():
-            return Section("fig2_human", V.Verdict(V.NA, "needs human annotations", "no annotations.sqlite in the run"),
-                           missing=f"No human annotations yet: draw the sample with `ffkv annotate sample "
-                                   f"{self.run.path}`, then record labels with `ffkv annotate add` (or import "
-                                   f"them with `ffkv annotate import`).")
-        from ffkv.store.annotations import AnnotationStore
-
-        st = AnnotationStore(self.run).stats()
-        rows = pd.DataFrame(st.get("fig2") or [])
-        v = V.fig2(rows, self.L, source="human")
-        s = Section("fig2_human", v)
-        if rows.empty:
-            s.missing = f"annotations.sqlite has no annotations yet; add them with `ffkv annotate add {self.run.path} …`."
-            return s
-        s.figure = self.draw("fig2_human", F.fig2, rows, title="Pattern kinds (human labels)")
-        pairs = [("annotations", st.get("annotations")), ("annotators", ", ".join(st.get("annotators") or [])),
-                 ("keys", st.get("keys")), ("patterns per key", st.get("patterns_per_key")),
-                 ("keys with ≥1 pattern", st.get("keys_with_pattern")),
-                 ("prefixes covered", st.get("prefixes_covered"))]
-        avh = st.get("auto_vs_human") or {}
-        for k in ("annotations", "key_label_agreement", "key_label_kappa", "prefix_category_agreement",
-                  "prefix_covered_kappa"):
-            if k in avh:
-                pairs.append((f"automatic vs human: {k.replace('_', ' ')}", avh[k]))
-        s.html = kv(pairs)
-        return s
-
-    def table1(self) -> Section:
-        (pk, pt), miss = self.need("table1", "pattern_keys", "patterns")
-        s = Section("table1", V.table1(pk), missing=miss)
-        if miss or self.decoder is None or not self.run.has_table("triggers"):
-            s.missing = s.missing or "Needs the `triggers` and `vocab` tables of `ffkv mine`."
-            return s
-        cand = pk[pk["n_patterns"] > 0].copy()
-        if cand.empty:
-            s.html = "<p>No analysed key has an automatic pattern.</p>"
-            return s
-        # Like the paper's examples: prefer keys with a semantic pattern, then keys for which both
-        # analyses ran, then the best-covered ones.
-        cand["_sem"] = cand["n_semantic"] > 0
-        layers = sorted(cand["layer"].unique())
-        picks = sorted({layers[int(round(i))] for i in np.linspace(0, len(layers) - 1, min(TABLE1_LAYERS, len(layers)))})
-        keys = []
-        for l in picks:
-            c = cand[cand["layer"] == l].sort_values(["_sem", "semantic_done", "coverage", "n_patterns", "dim"],
-                                                     ascending=[False, False, False, False, True])
-            keys += c.head(TABLE1_KEYS)[["layer", "dim", "sign", "coverage", "label"]].to_dict("records")
-        trig = self.run.read_table(
-            "triggers", columns=["layer", "dim", "sign", "rank", "sentence_id", "position"],
-            filters=[("layer", "in", sorted({int(k["layer"]) for k in keys})),
-                     ("dim", "in", sorted({int(k["dim"]) for k in keys})),
-                     ("rank", "<=", TABLE1_PREFIXES)]).to_pandas()
-        sent = self.t.sentences(trig["sentence_id"])
-        rows = []
-        for k in keys:
-            pats = pt[(pt["layer"] == k["layer"]) & (pt["dim"] == k["dim"]) & (pt["sign"] == k["sign"])]
-            pats = pats.sort_values(["n_covered", "pattern_id"], ascending=[False, True])
-            ptxt = "<br>".join(f"{esc(p.description)} <small>({esc(p.kind)}, {int(p.n_covered)} prefixes)</small>"
-                               for p in pats.head(TABLE1_PATTERNS).itertuples())
-            if len(pats) > TABLE1_PATTERNS:
-                ptxt += f"<br><small>+{len(pats) - TABLE1_PATTERNS} more</small>"
-            tr = trig[(trig["layer"] == k["layer"]) & (trig["dim"] == k["dim"]) & (trig["sign"] == k["sign"])]
-            pre = []
-            for r in tr.sort_values("rank").itertuples():
-                ids = sent.get(int(r.sentence_id))
-                if ids is not None:
-                    pre.append(prefix_html(*self.decoder.marked(ids, int(r.position))))
-            key = f"layer {int(k['layer'])}, dim {int(k['dim'])}" + (" (−)" if k["sign"] < 0 else "")
-            rows.append([key, f"{ptxt}<br><small>label: {esc(k['label'])}, coverage {k['coverage']:.0%}</small>",
-                         "<br>".join(pre)])
-        s.html = (f"<p>In {len(picks)} layers spread over the depth, {TABLE1_KEYS} keys each, picked as the paper's "
-                  f"examples were, for illustration: keys with a semantic pattern first, then keys for which both "
-                  f"analyses ran, then the best coverage of their top-25 prefixes by automatic patterns. Their top "
-                  f"{TABLE1_PREFIXES} trigger prefixes, with the trigger token <mark>marked</mark>.</p>" + table(["key", "patterns", "top trigger prefixes"], rows, raw={1, 2}))
-        return s
-
-    def _plain(self, sid: str, name: str, verdict, *vargs) -> Section:
-        """A section that is one table's verdict and figure `F.<sid>`."""
-        (df,), miss = self.need(sid, name)
-        s = Section(sid, verdict(df, *vargs), missing=miss)
-        if df is not None:
-            s.figure = self.draw(sid, getattr(F, sid), df)
-        return s
-
-    def fig3(self) -> Section:
-        return self._plain("fig3", "mutations_layers", V.fig3, self.L)
-
-    def _values_lenses(self, s: Section, name: str, fn, *args) -> pd.DataFrame | None:
-        """Read a values section under each lens (`values_lenses`, `values_fig6_lenses`,
-        `values_table2_lenses`, from issue 14 on); returns that table, or None for older runs."""
-        df = self.t.get(name)
-        if df is None or "lens" not in df.columns:
-            return None
-        main = self.values_lens
-        self.read_lenses(s, fn, df, *args, main=main, detail=True)
-        s.notes.append(f"Verdict under the {main} lens; the paper projected with the naive lens v·E, whose "
-                       "verdict and numbers follow the measured line.")
-        return df
+    # ---- what a step's report module calls -------------------------------------------------------------
+    @classmethod
+    def of(cls, run: Run, fig_dir: Path) -> "Builder":
+        """The builder of the report being built for `run` into `fig_dir` (so every step's sections
+        share one read of each table, one decoder and one list of problems), else a new one."""
+        b = _building
+        if b is not None and b.run.path == run.path and Path(b.fig_dir) == Path(fig_dir):
+            return b
+        return cls(run, fig_dir)
 
     @property
-    def values_lens(self) -> str:
-        return (self.run.settings("values") or {}).get("lens") or self.lens
+    def differences(self) -> tuple[list[list[str]], dict[str, list[str]]]:
+        """How this model differs from the paper's (`model_differences`): the page's table, and the
+        notes per section of the paper's."""
+        if self._differences is None:
+            self._differences = model_differences(self.run.manifest, self.lens)
+        return self._differences
 
-    def _values_figure(self, sid: str, name: str, lens_name: str, fn, *args) -> Section:
-        """Figs 4-6: the run's lens's verdict, every lens's verdict, and one figure drawn with every lens."""
-        (df,), miss = self.need(sid, name)
-        s = Section(sid, fn(df, *args), missing=miss)
-        both = self._values_lenses(s, lens_name, fn, *args)
-        if df is not None:
-            s.figure = self.draw(sid, getattr(F, sid), df if both is None else both, primary=self.values_lens)
-        return s
+    def paper_section(self, make, place: float):
+        """One of the paper's figures as a `ReportSection`: `make(builder) -> Section` (named as the
+        section's id, e.g. `fig4`), placed at `place` (its number in the paper). A malformed table
+        does not sink the report: the section is then "not comparable" with the error."""
+        from ffkv.steps import ReportSection
 
-    def fig4(self) -> Section:
-        return self._values_figure("fig4", "values_layers", "values_lenses", V.fig4, self.L)
+        sid = make.__name__
+        try:
+            s = make(self)
+        except FfkvError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a malformed table must not sink the whole report
+            msg = f"{sid}: {type(e).__name__}: {e}"
+            self.problems.append(msg)
+            self.log(f"report: warning: {msg}")
+            s = Section(sid, V.Verdict(V.NA, "the section could not be built", str(e)), error=msg)
+        title = PAPER[s.id]["title"]
+        return ReportSection(s.id, title, section_html(s, self.differences[1].get(s.id, []) + s.notes, "figures"),
+                             (verdict_record(s),), short=title.split(" — ")[0], whole=True, paper=s, place=place)
 
-    def fig5(self) -> Section:
-        return self._values_figure("fig5", "values_layers", "values_lenses", V.fig5, self.L)
+    # ---- the report's sections: every step's, in the registry's order ----------------------------------
+    def sections(self) -> tuple[list, list]:
+        """(the paper's sections in the paper's order, the others in the registry's order), as
+        `ffkv.steps.ReportSection`s, from each step's `sections`. Built-in steps are always asked (a
+        section whose table is missing says which command makes it); an added step once it has run.
+        A step whose sections fail is shown as its error, like any other section."""
+        from ffkv.steps import ReportSection
+        from ffkv.steps.registry import BUILTIN, ordered
 
-    def fig6(self) -> Section:
-        return self._values_figure("fig6", "values_fig6", "values_fig6_lenses", V.fig6)
+        global _building
+        got = []
+        before, _building = _building, self
+        try:
+            for step in ordered():
+                if step.sections is None or (step.name not in BUILTIN and not self.run.step_done(step.name)):
+                    continue
+                try:
+                    got += list(step.sections(self.run, self.fig_dir))
+                except FfkvError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one step's bug must not sink the report
+                    msg = f"{step.name}: {type(e).__name__}: {e}"
+                    self.problems.append(msg)
+                    self.log(f"report: warning: {msg}")
+                    got.append(ReportSection(step.name, step.name, f'<p class="error">{esc(msg)}</p>'))
+        finally:
+            _building = before
+        paper = sorted((r for r in got if r.paper is not None), key=lambda r: r.place)
+        return paper, [r for r in got if r.paper is None]
 
-    def table2(self) -> Section:
-        (df,), miss = self.need("table2", "values_table2")
-        L2 = self.L or (int(df["layer"].max()) + 1 if df is not None and len(df) else 1)
-        s = Section("table2", V.table2(df, L2), missing=miss)
-        self._values_lenses(s, "values_table2_lenses", V.table2, L2)
-        if df is None or df.empty:
-            return s
-        d = df.sort_values("position").head(TABLE2_ROWS)
-        sent = self.t.sentences(d["example_sentence_id"])
-        rows = []
-        for r in d.itertuples():
-            ex = ""
-            ids = sent.get(int(r.example_sentence_id)) if not pd.isna(r.example_sentence_id) else None
-            if ids is not None and self.decoder is not None:
-                ex = prefix_html(*self.decoder.marked(ids, int(r.example_position)), chars=80)
-            elif isinstance(r.example_text, str):
-                ex = esc(r.example_text)
-            rows.append([int(r.position), int(r.layer), int(r.dim), r.kind, float(r.max_prob), tok(r.top_token_text),
-                         f"{int(r.n_agree)}/{int(r.n_examples)}", ex])
-        s.html = (f"<p>The {len(d)} values with the highest max probability (of {len(df)} in "
-                  f"<code>values_table2</code>), the share of their key's top triggers whose next token is the "
-                  f"value's top token, and the best-ranked agreeing trigger.</p>"
-                  + table(["#", "layer", "dim", "kind", "max p", "top token", "agreeing triggers", "example"],
-                          rows, num={0, 1, 2, 4}, raw={5, 7}))
-        return s
 
-    def _compose(self, sid: str, vfn, ffn, *vargs, with_L=True, **vkw) -> Section:
-        (df,), miss = self.need(sid, "compose_layers")
-        args = (self.L,) if with_L else ()
-        v = vfn(df, *vargs, *args, lens=self.lens, **vkw)
-        s = Section(sid, v, missing=miss)
-        if df is not None:
-            self.read_lenses(s, vfn, df, *vargs, *args, **vkw)
-            s.figure = self.draw(sid, ffn, df, primary=self.lens)
-        return s
-
-    def fig7(self) -> Section:
-        (df,), miss = self.need("fig7", "compose_layers")
-        v = V.fig7(df, self.m.get("activation"), bool(self.m.get("gated")), self.L, lens=self.lens)
-        s = Section("fig7", v, missing=miss)
-        if df is not None:
-            s.figure = self.draw("fig7", F.fig7, df, primary=self.lens)
-        return s
-
-    def fig8(self) -> Section:
-        return self._compose("fig8", V.fig8, F.fig8, with_L=False, gated=bool(self.m.get("gated")))
-
-    def fig9(self) -> Section:
-        return self._compose("fig9", V.fig9, F.fig9)
-
-    def fig10(self) -> Section:
-        return self._compose("fig10", V.fig10, F.fig10)
-
-    def fig11(self) -> Section:
-        return self._compose("fig11", V.fig11, F.fig11, with_L=False)
-
-    def cases(self) -> Section:
-        (df,), miss = self.need("cases", "compose_cases")
-        s = Section("cases", V.cases(df, self.lens), missing=miss)
-        if df is None or df.empty:
-            return s
-        d, lens = V._lens(df, self.lens)
-        d = d.sort_values("sample_order").head(CASES_ROWS)
-        rows = [[int(r.sample_order), esc("…" + r.prefix[-PREFIX_CHARS:] if len(r.prefix) > PREFIX_CHARS else r.prefix),
-                 tok(r.top_r_token), tok(r.top_o_token), tok(r.top_y_token), r.category, tok(r.target_token),
-                 float(r.p_final_in_r)] for r in d.itertuples()]
-        s.html = (f"<p>The first {len(d)} last-layer cases in the table's seeded random order ({lens} lens): "
-                  f"the residual's top token top(r), the layer output's top(o) (the model's prediction), the FFN's "
-                  f"own top(y), and the true next token.</p>"
-                  + table(["#", "prefix", "top(r)", "top(o)", "top(y)", "category", "target", "p(final | r)"],
-                          rows, num={0, 7}, raw={1, 2, 3, 4, 6}))
-        return s
-
-    def beyond_the_paper(self) -> tuple[list[tuple[str, str, str]], list[dict]]:
-        """Sections beyond the paper's figures: key activation profiles (`ffkv mine`'s key
-        statistics; absent in runs mined before them) and normalized memories (`ffkv normalize`,
-        only when the step ran). Returns ((id, title, html) sections, verdicts.json records)."""
-        import importlib
-
-        extra, records = [], []
-        for sid, build, mod in (("keystats", self._keystats, "ffkv.report.keystats"),
-                                ("normalize", self._normalize, "ffkv.report.normalize")):
-            try:
-                module = importlib.import_module(mod)
-            except ImportError:  # an installation without that section's module: no section
-                continue
-            try:
-                got = build(module)
-            except Exception as e:  # noqa: BLE001 - a malformed table must not sink the whole report
-                msg = f"{sid}: {type(e).__name__}: {e}"
-                self.problems.append(msg)
-                self.log(f"report: warning: {msg}")
-                got = (sid, sid, f'<section id="{sid}"><h2>{esc(sid)}</h2><p class="error">{esc(msg)}</p></section>'), []
-            if got is not None:
-                extra.append(got[0])
-                records += got[1]
-        for got in self._step_sections():
-            extra.append(got[0])
-            records += got[1]
-        return extra, records
-
-    def _step_sections(self):
-        """The sections of registered steps beyond the built-in ones (`Step.sections`), for the
-        steps this run has done; one that fails is shown as its error, like any other section."""
-        from ffkv.steps.registry import extensions
-
-        for step in extensions():
-            if step.sections is None or not self.run.step_done(step.name):
-                continue
-            try:
-                secs = step.sections(self.run, self.fig_dir)
-            except Exception as e:  # noqa: BLE001 - a plugin's bug must not sink the report
-                msg = f"{step.name}: {type(e).__name__}: {e}"
-                self.problems.append(msg)
-                self.log(f"report: warning: {msg}")
-                yield ((step.name, step.name, f'<section id="{esc(step.name)}"><h2>{esc(step.name)}</h2>'
-                        f'<p class="error">{esc(msg)}</p></section>'), [])
-                continue
-            for sec in secs:
-                html = (f'<section id="{esc(sec.id)}" class="figure-section beyond" data-section="{esc(sec.id)}">'
-                        f"<h2>{esc(sec.title)}</h2>{sec.html}</section>")
-                yield (sec.id, sec.title, html), [dict(v) for v in sec.verdicts]
-
-    def _keystats(self, keystats):
-        sec = keystats.section(self.run, self.fig_dir)
-        if sec is None:
-            return None
-        figs = "".join(f'<figure>{img(f["png"], alt_text(sec["title"], f))}<figcaption class="files">Files: '
-                       f'<a href="figures/{f["png"].name}">{esc(f["png"].name)}</a>, '
-                       f'<a href="figures/{f["svg"].name}">{esc(f["svg"].name)}</a></figcaption></figure>'
-                       for f in sec["figures"])
-        html = (f'<section id="keystats" class="figure-section beyond" data-section="keystats"><h2>{esc(sec["title"])}</h2>'
-                f"{figs}{sec['html']}</section>")
-        return ("keystats", "Key activations", html), []
-
-    def _normalize(self, N):
-        if not self.run.step_done("normalize"):
-            return None
-        its = N.items(lambda name: self.t.get(name), self.fig_dir, gated=bool(self.m.get("gated")),
-                      run_path=str(self.run.path))
-        return ("normalize", "Normalized memories", N.section_html(its, "figures")), N.verdict_records(its)
-
-    def sections(self) -> list[Section]:
-        out = []
-        for sid in ORDER:
-            try:
-                out.append(getattr(self, sid)())
-            except FfkvError:
-                raise
-            except Exception as e:  # a malformed table must not sink the whole report
-                msg = f"{sid}: {type(e).__name__}: {e}"
-                self.problems.append(msg)
-                self.log(f"report: warning: {msg}")
-                out.append(Section(sid, V.Verdict(V.NA, "the section could not be built", str(e)), error=msg))
-        return out
+_building: Builder | None = None  # the builder of the report under way (`Builder.of`)
 
 
 # ---- page -------------------------------------------------------------------------------------------------
@@ -577,15 +352,20 @@ def alt_text(title: str, figure: dict) -> str:
     return f"{title}. {what}" if what else title
 
 
+def figure_html(figure: dict, title: str, fig_rel: str = "figures") -> str:
+    """A saved figure (`figures.save`: PNG and SVG) embedded, with links to both files."""
+    return (f'<figure>{img(figure["png"], alt_text(title, figure))}<figcaption class="files">Files: '
+            f'<a href="{fig_rel}/{figure["png"].name}">{esc(figure["png"].name)}</a>, '
+            f'<a href="{fig_rel}/{figure["svg"].name}">{esc(figure["svg"].name)}</a></figcaption></figure>')
+
+
 def section_html(s: Section, notes: list[str], fig_rel: str) -> str:
     p = PAPER[s.id]
     parts = [f'<section id="{s.id}" class="figure-section" data-section="{s.id}">', f"<h2>{esc(p['title'])}</h2>"]
     paper = (f'<aside class="paper"><h3>The paper</h3><p>{esc(p["result"])}</p>'
              f'<p class="setup"><b>Measured:</b> {esc(p["measure"])}.<br><b>Setup:</b> {esc(p["setup"])}.</p></aside>')
     if s.figure:
-        fig = (f'<figure>{img(s.figure["png"], alt_text(p["title"], s.figure))}<figcaption class="files">Files: '
-               f'<a href="{fig_rel}/{s.figure["png"].name}">{esc(s.figure["png"].name)}</a>, '
-               f'<a href="{fig_rel}/{s.figure["svg"].name}">{esc(s.figure["svg"].name)}</a></figcaption></figure>')
+        fig = figure_html(s.figure, p["title"], fig_rel)
     elif s.missing or s.error:
         fig = (f'<div class="missing"><p>{code(s.missing or "")}</p>'
                f'{f"<p class=error>{esc(s.error)}</p>" if s.error else ""}</div>')
@@ -651,21 +431,23 @@ def manifest_html(run: Run) -> str:
             + esc(json.dumps(man, indent=2, default=str)) + "</pre></details>")
 
 
-def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, extra: list[tuple[str, str, str]] = (),
-           lens: str | None = None, beyond: list[dict] = ()) -> str:
-    """The page. `extra`: (id, title, html) sections beyond the paper's (key statistics, normalize),
-    placed after the paper's figures. `lens`: the run's; the overview gives each other lens a column.
-    `beyond`: the verdicts.json records of those sections (normalize's claims C1–C5, a plugin step's),
-    listed in the overview after the paper's sections."""
+def render(run: Run, paper: list, extra: list, diff_rows, lens: str | None = None) -> str:
+    """The page. `paper`: the sections of the paper's figures (`ffkv.steps.ReportSection`s with
+    `paper` set), in the paper's order; `extra`: the sections beyond the paper (key statistics,
+    normalize, an added step's), after them, their verdicts.json records (normalize's claims C1–C5,
+    an added step's) listed in the overview after the paper's sections. `lens`: the run's; the
+    overview gives each other lens a column."""
+    sections = [r.paper for r in paper]
+    beyond = [dict(v) for r in extra for v in r.verdicts]
     m = run.manifest.get("model") or {}
     counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
     others = [ln for ln in dict.fromkeys(k for s in sections for k in s.lenses) if ln != lens]
     claims = [r for r in beyond if r.get("id") and r.get("verdict")]
     short = lambda r: str(r.get("title") or r["id"]).split(" — ")[0]  # noqa: E731  "C1 — …" -> "C1"
     overview = table(["section", f"verdict ({lens} lens)" if others else "verdict"] + [lens_name(ln) for ln in others] + ["measured"],
-                     [[f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>', chip(s.verdict.verdict),
+                     [[f'<a href="#{s.id}">{esc(r.short or r.title)}</a>', chip(s.verdict.verdict),
                        *[chip(s.lenses[ln]) if ln in s.lenses else "" for ln in others], s.verdict.measured]
-                      for s in sections]
+                      for r, s in zip(paper, sections)]
                      + [[f'<a href="#{esc(r["id"])}">{esc(short(r))}</a>', chip(str(r["verdict"]), r.get("report_verdict")),
                          *[""] * len(others), r.get("measured") or ""] for r in claims],
                      raw=set(range(2 + len(others))))
@@ -677,8 +459,8 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
         claims_line = (f" Beyond the paper, {len(claims)} claim{'s' if len(claims) > 1 else ''} "
                        f"({', '.join(esc(short(r)) for r in claims)}): "
                        + ", ".join(f"{n} {esc(v)}" for v, n in said.items()) + ".")
-    toc = " ".join(f'<a href="#{s.id}">{esc(PAPER[s.id]["title"].split(" — ")[0])}</a>' for s in sections)
-    toc += "".join(f' <a href="#{xid}">{esc(xtitle)}</a>' for xid, xtitle, _ in extra)
+    toc = " ".join(f'<a href="#{r.id}">{esc(r.short or r.title)}</a>' for r in paper)
+    toc += "".join(f' <a href="#{esc(r.id)}">{esc(r.short or r.title)}</a>' for r in extra)
     body = [
         f'<nav class="toc">{toc} <a href="#model">Model</a> <a href="#manifest">Manifest</a></nav>',
         '<section id="overview"><h2>Overview</h2>'
@@ -691,8 +473,9 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
         '<section id="model"><h2>How this model differs from the paper\'s</h2>'
         + table(["", "paper", "this run", "where it matters"], diff_rows) + "</section>",
     ]
-    body += [section_html(s, notes.get(s.id, []) + s.notes, fig_rel) for s in sections]
-    body += [xhtml for _, _, xhtml in extra]
+    body += [r.html if r.whole else
+             (f'<section id="{esc(r.id)}" class="figure-section beyond" data-section="{esc(r.id)}">'
+              f"<h2>{esc(r.title)}</h2>{r.html}</section>") for r in paper + extra]
     body.append('<section id="manifest"><h2>Manifest</h2>' + manifest_html(run) + "</section>")
     return template().substitute(
         title=esc(f"ffkv report — {m.get('model_id', run.path.name)}"),
@@ -701,12 +484,12 @@ def render(run: Run, sections: list[Section], diff_rows, notes, fig_rel: str, ex
         version=esc(__version__), body="\n".join(body))
 
 
-def verdicts_json(sections: list[Section]) -> list[dict]:
-    """The verdicts as data (verdicts.json beside the HTML): one record per section, in report order."""
-    return [{"id": s.id, "title": PAPER[s.id]["title"], "verdict": s.verdict.verdict,
-             "criterion": s.verdict.criterion, "measured": s.verdict.measured,
-             "other_lens": s.extra.strip(" ()") or None, "lenses": s.lenses or None, "figure": s.figure["png"].name if s.figure else None,
-             "missing": s.missing, "error": s.error} for s in sections]
+def verdict_record(s: Section) -> dict:
+    """A section of the paper's as data: its record in verdicts.json."""
+    return {"id": s.id, "title": PAPER[s.id]["title"], "verdict": s.verdict.verdict,
+            "criterion": s.verdict.criterion, "measured": s.verdict.measured,
+            "other_lens": s.extra.strip(" ()") or None, "lenses": s.lenses or None,
+            "figure": s.figure["png"].name if s.figure else None, "missing": s.missing, "error": s.error}
 
 
 def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list[str]]:
@@ -724,12 +507,11 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
     except OSError as e:
         raise FfkvError(f"cannot write the report to {html_path.parent}: {e.strerror}") from None
     b = Builder(run, fig_dir, log=log)
-    sections = b.sections()
-    extra, records = b.beyond_the_paper()
-    diff_rows, notes = model_differences(run.manifest)
-    page = render(run, sections, diff_rows, notes, fig_rel="figures", extra=extra, lens=b.lens, beyond=records)
+    paper, extra = b.sections()
+    page = render(run, paper, extra, b.differences[0], lens=b.lens)
+    records = [dict(v) for r in paper + extra for v in r.verdicts]  # in report order
     atomic_write_bytes(html_path, page.encode("utf-8"))
-    atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(verdicts_json(sections) + records, indent=2,
+    atomic_write_bytes(html_path.parent / "verdicts.json", json.dumps(records, indent=2,
                                                                       ensure_ascii=False).encode("utf-8"))
     return html_path, b.problems
 

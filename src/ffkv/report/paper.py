@@ -7,7 +7,8 @@ Embedded in the package so that `ffkv report` never reads anything outside the r
 - `result`: the paper's finding, paraphrased.
 - `step`: the ffkv command whose tables the figure needs (for the "how to create it" hint).
 - `tables`: the run tables it reads.
-Layer numbers in `result` are the paper's (1-based, 16 layers).
+Layer numbers in `result` are the paper's (1-based, 16 layers). Which step shows an entry, and where
+in the report, is that step's (`src/ffkv/steps/<name>/report.py`: `Builder.paper_section(make, place)`).
 """
 from __future__ import annotations
 
@@ -167,10 +168,6 @@ PAPER: dict[str, dict] = {
         "tables": ["pattern_keys", "patterns", "triggers", "sentences", "vocab"],
     },
 }
-
-# Order of the sections in the report.
-ORDER = ["fig2", "fig2_human", "table1", "fig3", "fig4", "fig5", "fig6", "table2", "fig7", "fig8",
-         "fig9", "fig10", "fig11", "cases"]
 
 # The levels the paper states in numbers, drawn on the run's figure (`ffkv.report.figures.reference`):
 # a dashed line ("line", in the figure's y units) or a shaded band ("band": low, high). Only what the

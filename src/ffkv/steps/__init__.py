@@ -8,7 +8,7 @@ registry, so adding a step edits no other file. See DEVELOPING.md, "How to add a
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ffkv.steps.registry import get, known, ordered, register  # noqa: F401
 from ffkv.steps.settings import at_least, between, setting  # noqa: F401
@@ -16,12 +16,39 @@ from ffkv.steps.lifecycle import Context, Outcome, Step, execute  # noqa: F401
 
 
 class ReportSection(NamedTuple):
-    """A report section a step adds after the paper's figures. `html` is trusted markup made by the
-    step (escape corpus text with `ffkv.report.html.esc`); `verdicts` go into verdicts.json."""
+    """A section of the report, from a step's `sections(run, fig_dir)`. `html` is trusted markup made
+    by the step (escape corpus text with `ffkv.report.html.esc`; embed a figure saved into fig_dir
+    with `ffkv.report.build.figure_html`): the section's body under the heading `title`, or, with
+    `whole`, the whole `<section>`, heading included. `verdicts` go into verdicts.json (and, with
+    a verdict, into the overview); `short` is the contents' link when shorter than `title`.
+
+    A section reproducing one of the paper's figures carries it as `paper` (a
+    `ffkv.report.build.Section`: verdict, lens readings, figure; `Builder.paper_section` makes the
+    whole thing) and `place`, its number in the paper: those come first, in the paper's order, the
+    other sections after them in the registry's order."""
     id: str
     title: str
     html: str
     verdicts: tuple = ()
+    short: str = ""
+    whole: bool = False
+    paper: Any = None
+    place: float | None = None
+
+
+def lazy(target: str):
+    """"module:function" as a callable that imports its module when first called: a step's report
+    (pandas, matplotlib) loads only when a report is built, never for `ffkv --help`."""
+    mod, attr = target.split(":")
+
+    def call(*args, **kw):
+        import importlib
+
+        return getattr(importlib.import_module(mod), attr)(*args, **kw)
+
+    call.__qualname__ = call.__name__ = attr
+    call.__module__ = mod
+    return call
 
 
 class Panel(NamedTuple):

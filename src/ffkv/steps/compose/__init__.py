@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ffkv.defs import LENSES
 from ffkv.steps.settings import at_least, setting
 from ffkv.steps.lifecycle import Step
+from ffkv.steps import lazy
 
 DEFAULT_CORPUS = "wikipedia:valid"
 DEFAULT_EPS = 0.1
@@ -83,4 +84,4 @@ def reproduce(r, mm) -> ComposeSettings:
 STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES, compute=compute, record=record,
             help="Figs 7-11: active memories, compositional layers, the residual's share of the decision, "
                  "confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases.",
-            cli=True, summary=summary, reproduce=reproduce)
+            cli=True, summary=summary, reproduce=reproduce, sections=lazy("ffkv.steps.compose.report:sections"))

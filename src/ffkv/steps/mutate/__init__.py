@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ffkv.parse import parse_sign
 from ffkv.steps.settings import a_sign, at_least, setting
 from ffkv.steps.lifecycle import Step
+from ffkv.steps import lazy
 
 DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
 DEFAULT_EXAMPLES = 50
@@ -75,6 +76,7 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
 
 STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",), tables=("mutations", "mutations_layers"),
             compute=compute, record=record, cli=True, summary=summary,
+            sections=lazy("ffkv.steps.mutate.report:sections"),
             reproduce=lambda r, mm: MutateSettings(keys_per_layer=r.keys_per_layer, seed=r.seed, dtype=r.dtype),
             help="Fig 3: remove the first, last or a random token of each key's top trigger examples and report "
                  "the relative change of the key's coefficient per layer (tables `mutations`, `mutations_layers`).")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ffkv.errors import FfkvError
 from ffkv.steps.settings import at_least, setting
 from ffkv.steps.lifecycle import Step
+from ffkv.steps import lazy
 
 DEFAULT_CORPUS = "wikipedia:valid"
 TABLES = ("normalize_sentences", "normalize_layers", "normalize_capacity", "normalize_variance")
@@ -134,6 +135,7 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
 
 STEP = Step(name="normalize", settings=NormalizeSettings, requires=(), tables=TABLES, compute=compute,
             record=record, cli=True, summary=summary, reproduce=reproduce,
+            sections=lazy("ffkv.steps.normalize.report:sections"),
             help="Softmax vs ReLU memories on the model's own FFNs: how concentrated the weights are (C1), the "
                  "held-out loss with one layer's FFN replaced by a softmax memory or a scaled ReLU (C2, C5), a "
                  "capacity sweep over n slots (C2), and the output variance against n, synthetic and on the "

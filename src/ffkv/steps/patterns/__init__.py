@@ -10,6 +10,7 @@ from ffkv.parse import parse_sign
 from ffkv.steps.settings import a_sign, at_least, between, setting
 from ffkv.store.labels import TOP
 from ffkv.steps.lifecycle import Step
+from ffkv.steps import lazy
 
 DEFAULT_SEMANTIC_KEYS = 10
 MIN_COVER = 3
@@ -87,7 +88,7 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
 
 
 STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
-            record=record, cli=True, summary=summary,
+            record=record, cli=True, summary=summary, sections=lazy("ffkv.steps.patterns.report:sections"),
             reproduce=lambda r, mm: PatternsSettings(semantic_keys_per_layer=r.semantic_keys_per_layer, seed=r.seed,
                                                      device=r.device),
             help="Automatic patterns in each key's top-25 prefixes: shallow (shared last words, suffixes, n-grams) "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ffkv.defs import LENSES
 from ffkv.steps.settings import at_least, setting
 from ffkv.steps.lifecycle import Step
+from ffkv.steps import lazy
 
 TABLES = ("values", "values_agreement", "values_layers", "values_rank_hist", "values_fig6",
           "values_table2", "values_lenses", "values_fig6_lenses", "values_table2_lenses", "value_index")
@@ -67,6 +68,6 @@ def _has_summary(run, info: dict) -> bool:
 
 
 STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES, compute=compute, record=record,
-            done_info=_has_summary, cli=True, summary=summary,
+            done_info=_has_summary, cli=True, summary=summary, sections=lazy("ffkv.steps.values.report:sections"),
             reproduce=lambda r, mm: ValuesSettings(dtype=r.dtype),
             help="Project every value to the vocabulary; agreement with its key's triggers (Fig 4–6, Table 2).")

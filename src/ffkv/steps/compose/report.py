@@ -1,0 +1,71 @@
+"""The `compose` step's report sections: Figs 7-11 (how the memories of a layer compose, and how the
+layers refine the prediction) and the last layer's cases, judged under the run's lens with the other
+lens's verdict beside it. Read from `compose_layers` and `compose_cases` (`ffkv.experiments.compose`)."""
+from __future__ import annotations
+
+from ffkv.report import figures as F
+from ffkv.report import verdicts as V
+from ffkv.report.build import PREFIX_CHARS, Builder, Section
+from ffkv.report.html import esc, table, tok
+
+CASES_ROWS = 20
+
+
+def sections(run, fig_dir) -> list:
+    b = Builder.of(run, fig_dir)
+    return [b.paper_section(fig7, 7), b.paper_section(fig8, 8), b.paper_section(fig9, 9),
+            b.paper_section(fig10, 10), b.paper_section(fig11, 11), b.paper_section(cases, 11.5)]
+
+
+def _compose(b: Builder, sid: str, vfn, ffn, *vargs, with_L=True, **vkw) -> Section:
+    (df,), miss = b.need(sid, "compose_layers")
+    args = (b.L,) if with_L else ()
+    v = vfn(df, *vargs, *args, lens=b.lens, **vkw)
+    s = Section(sid, v, missing=miss)
+    if df is not None:
+        b.read_lenses(s, vfn, df, *vargs, *args, **vkw)
+        s.figure = b.draw(sid, ffn, df, primary=b.lens)
+    return s
+
+
+def fig7(b: Builder) -> Section:
+    (df,), miss = b.need("fig7", "compose_layers")
+    v = V.fig7(df, b.m.get("activation"), bool(b.m.get("gated")), b.L, lens=b.lens)
+    s = Section("fig7", v, missing=miss)
+    if df is not None:
+        s.figure = b.draw("fig7", F.fig7, df, primary=b.lens)
+    return s
+
+
+def fig8(b: Builder) -> Section:
+    return _compose(b, "fig8", V.fig8, F.fig8, with_L=False, gated=bool(b.m.get("gated")))
+
+
+def fig9(b: Builder) -> Section:
+    return _compose(b, "fig9", V.fig9, F.fig9)
+
+
+def fig10(b: Builder) -> Section:
+    return _compose(b, "fig10", V.fig10, F.fig10)
+
+
+def fig11(b: Builder) -> Section:
+    return _compose(b, "fig11", V.fig11, F.fig11, with_L=False)
+
+
+def cases(b: Builder) -> Section:
+    (df,), miss = b.need("cases", "compose_cases")
+    s = Section("cases", V.cases(df, b.lens), missing=miss)
+    if df is None or df.empty:
+        return s
+    d, lens = V._lens(df, b.lens)
+    d = d.sort_values("sample_order").head(CASES_ROWS)
+    rows = [[int(r.sample_order), esc("…" + r.prefix[-PREFIX_CHARS:] if len(r.prefix) > PREFIX_CHARS else r.prefix),
+             tok(r.top_r_token), tok(r.top_o_token), tok(r.top_y_token), r.category, tok(r.target_token),
+             float(r.p_final_in_r)] for r in d.itertuples()]
+    s.html = (f"<p>The first {len(d)} last-layer cases in the table's seeded random order ({lens} lens): "
+              f"the residual's top token top(r), the layer output's top(o) (the model's prediction), the FFN's "
+              f"own top(y), and the true next token.</p>"
+              + table(["#", "prefix", "top(r)", "top(o)", "top(y)", "category", "target", "p(final | r)"],
+                      rows, num={0, 7}, raw={1, 2, 3, 4, 6}))
+    return s
