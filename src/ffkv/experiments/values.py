@@ -2,7 +2,8 @@
 
 p^ℓ_i = softmax(v^ℓ_i · E) through the run's lens (`Lens.direction_logits`: the paper's naive E,
 or E after the final norm's gain). Values are processed in chunks of rows, so nothing of size
-L × d_m × V is ever held: peak extra memory is a few (chunk × V) float32 buffers.
+L × d_m × V is ever held: peak extra memory is one (chunk × V) float32 buffer (at most
+`MAX_LOGIT_BYTES`) and two (128 × V) ones.
 
 Definitions used here
 - top-1 trigger of key (ℓ, i): the `triggers` row with rank == 1. With both lists present
@@ -124,6 +125,10 @@ def _no_nan(x):
 
 # ---- the vocabulary projection of one chunk ---------------------------------------------------
 WORK_ROWS = 128  # rows of softmax work at a time: (128 × |V|) float32 buffers, whatever the chunk
+# A chunk's logits are held at most this big: --chunk 1024 stays 1024 on SmolLM2 (49,152 tokens) and
+# becomes 512 on Gemma 3 (262,144). The logits, and so every result, do not depend on the chunk
+# (Gemma 3's are bit-identical at 128, 512 and 1024 rows; `test_chunk_and_seed_invariance`).
+MAX_LOGIT_BYTES = 512 * 2 ** 20
 
 
 def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
@@ -390,7 +395,7 @@ def _project(mm, lens: str, top_k: int, trig: dict, perms: list, chunk: int, sho
 
     L, d_m = mm.n_layers, mm.d_m
     ln = lens_for(mm, lens)
-    chunk = max(1, min(chunk, d_m))
+    chunk = max(1, min(chunk, d_m, max(WORK_ROWS, MAX_LOGIT_BYTES // (4 * mm.vocab_size))))
     out = Projections.empty(L, d_m, top_k)
     proj = _Projector(mm, ln, chunk)
     with progress(disable=None if show_progress is None else not show_progress) as bar:

@@ -30,7 +30,7 @@ class ValuesSettings:
     lens: str | None = setting(None, "naive: v·E as in the paper; norm: with the final norm's gain. Default: "
                                      "the run's lens.", check=_lens)
     top_k: int = setting(10, "Tokens stored per value/key distribution.", check=at_least(1))
-    chunk: int = setting(1024, "Values projected at a time (memory ≈ 3 × chunk × |V| × 4 B).", check=at_least(1),
+    chunk: int = setting(1024, "Values projected at a time (memory ≈ chunk × |V| × 4 B, at most 512 MB, + 2 × 128 × |V| × 4 B).", check=at_least(1),
                          recorded=False)
     permutations: int = setting(100, "Shuffled pairings per layer for the baseline.", check=at_least(0))
     seed: int = setting(0, "Seed of the shuffled pairings.")
