@@ -116,11 +116,46 @@ def smollm2():
     return open_model(None, device="cpu")
 
 
-def run_cli(*args, env=None, cwd=None, timeout=600):
-    """Run the real `ffkv` entry point in a subprocess."""
-    e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ffkv.cli", *map(str, args)], capture_output=True,
-                          text=True, env=e, cwd=cwd, timeout=timeout)
+def run_cli(*args, env=None, cwd=None, timeout=600, fresh=False) -> subprocess.CompletedProcess:
+    """The real `ffkv` entry point (`ffkv.cli.main`, what the console script calls), with its exit
+    code, stdout and stderr. It runs in this process, which saves a torch and transformers import
+    (about 3 s) a call; a test that needs a process of its own (another environment or working
+    directory, a kill, what gets imported) passes `env`, `cwd` or `fresh=True`.
+    FFKV_TEST_CLI=subprocess runs every call in a process of its own, as before."""
+    args = [str(a) for a in args]
+    fresh = fresh or os.environ.get("FFKV_TEST_CLI") == "subprocess"
+    if fresh or env is not None or cwd is not None:
+        e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        return subprocess.run([sys.executable, "-m", "ffkv.cli", *args], capture_output=True,
+                              text=True, env=e, cwd=cwd, timeout=timeout)
+    return _run_in_process(args)
+
+
+def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`main(args)` with stdout and stderr captured; an exception that escapes `main` becomes what
+    the process would have shown: its traceback on stderr and exit code 1."""
+    import io
+    import traceback
+
+    from ffkv.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, ["ffkv", *args]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001  (what the interpreter prints for an uncaught error)
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["ffkv", *args], code, out.getvalue(), err.getvalue())
 
 
 def wikitext_sentences(n: int, split: str = "valid", seed: int = 0) -> list[str]:

@@ -19,24 +19,11 @@ from ffkv.model import identity
 
 
 def cli_inproc(*args) -> tuple[int, str, str]:
-    """The `ffkv` entry point in this process (fast: no re-import); (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-    import sys
+    """The `ffkv` entry point in this process: (exit code, stdout, stderr)."""
+    from conftest import run_cli
 
-    from ffkv.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    argv, sys.argv = sys.argv, ["ffkv", *map(str, args)]
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = argv
-    return code, out.getvalue(), err.getvalue()
+    r = run_cli(*args)
+    return r.returncode, r.stdout, r.stderr
 
 
 # ---- a run with brute-force triggers (independent of the miner) --------------------------------
