@@ -316,8 +316,8 @@ class Builder:
         """(the paper's sections in the paper's order, the others in the registry's order), as
         `ffkv.steps.ReportSection`s, from each step's `sections`. Built-in steps are always asked (a
         section whose table is missing says which command makes it); an added step once it has run.
-        A step whose sections fail is shown as its error, like any other section."""
-        from ffkv.steps import ReportSection
+        A step whose sections fail is shown as its error, like any other section; a user's error
+        (FfkvError, e.g. a damaged table) in a built-in step's stops the report with its one line."""
         from ffkv.steps.registry import BUILTIN, ordered
 
         global _building
@@ -330,16 +330,27 @@ class Builder:
                 try:
                     got += list(step.sections(self.run, self.fig_dir))
                 except FfkvError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - one step's bug must not sink the report
-                    msg = f"{step.name}: {type(e).__name__}: {e}"
-                    self.problems.append(msg)
-                    self.log(f"report: warning: {msg}")
-                    got.append(ReportSection(step.name, step.name, f'<p class="error">{esc(msg)}</p>'))
+                    if step.name in BUILTIN:  # e.g. a damaged table: one line naming the command that rebuilds it
+                        raise
+                    got.append(self._failed(step.name))
+                except Exception:  # noqa: BLE001 - one step's bug must not sink the report
+                    got.append(self._failed(step.name))
         finally:
             _building = before
         paper = sorted((r for r in got if r.paper is not None), key=lambda r: r.place)
         return paper, [r for r in got if r.paper is None]
+
+    def _failed(self, name: str):
+        """The section of a step whose sections failed: its error (the exception being handled)."""
+        import sys
+
+        from ffkv.steps import ReportSection
+
+        e = sys.exc_info()[1]
+        msg = f"{name}: {type(e).__name__}: {e}"
+        self.problems.append(msg)
+        self.log(f"report: warning: {msg}")
+        return ReportSection(name, name, f'<p class="error">{esc(msg)}</p>')
 
 
 _building: Builder | None = None  # the builder of the report under way (`Builder.of`)
