@@ -276,6 +276,33 @@ def test_cli_mine_and_show(tmp_path, tiny_dirs):
     assert res.returncode == 2 and "no triggers" in res.stderr
 
 
+def test_rebuild_flags_type_back_the_record():
+    """The flags a rebuild command names (`ffkv.steps.cli.flags`), parsed by the generated `ffkv mine`,
+    give the very record they came from: for settings away from every default, and none for the
+    defaults. Every check of the settings runs before a model loads (the CLI's usage errors)."""
+    import typer
+
+    from ffkv.errors import FfkvError
+    from ffkv.steps.cli import build, command, flags
+    from ffkv.steps.mine import STEP
+
+    app = typer.Typer()
+    app.command()(command(STEP))
+    parse = typer.main.get_command(app)
+    s = MineSettings(corpus="c.txt", max_sentences=7, seed=3, field="body", layers=[0, 2, 3], dims=[5],
+                     top_k=9, negative=True, per_prefix=True, stats=False, samples_per_bin=2)
+    args = flags(MineSettings, s.record())
+    assert "--no-stats" in args and "--negative" in args and args[args.index("--layers") + 1] == "0,2,3"
+    back = build(MineSettings, parse.make_context("mine", ["--out", "x", *args]).params)
+    assert back.record() == s.record()
+    assert flags(MineSettings, MineSettings(corpus="wikipedia:train").record()) == []
+    assert build(MineSettings, parse.make_context("mine", ["--out", "x"]).params).record() == \
+        MineSettings(corpus="wikipedia:train").record()
+    for bad in (["--top-k", "0"], ["--batch-tokens", "8"], ["--samples-per-bin", "1001"], ["--dims", "3-1"]):
+        with pytest.raises(FfkvError, match=bad[0]):
+            build(MineSettings, parse.make_context("mine", ["--out", "x", *bad]).params)
+
+
 def test_resume_after_sigkill(tmp_path, tiny_dirs):
     args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 800,
             "--top-k", 5, "--batch-tokens", 64, "--checkpoint-every", 0]
