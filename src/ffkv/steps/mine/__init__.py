@@ -1,8 +1,8 @@
 """The `mine` step as one unit: its settings (from which `ffkv mine` is generated), the command's
 own options (--out, --overwrite, --lens) and how it opens its run, what the manifest records, its
-place in `reproduce`, the command that rebuilds it, and its summary. The pass itself (trackers,
-batching, checkpoints, Ray shards) is in `ffkv.mine`, imported only when the step runs, so that
-`ffkv --help` loads no torch.
+place in `reproduce`, the command that rebuilds it, its summary and its report section
+(`report.py`: key activations). The pass itself (trackers, batching, checkpoints, Ray shards) is
+in `ffkv.mine`, imported only when the step runs, so that `ffkv --help` loads no torch.
 
 Tables: `sentences`, `triggers`, `vocab` always; `key_stats`, `key_hist`, `key_samples` unless
 --no-stats (columns: DEVELOPING.md and `ffkv.mine.stats`).
@@ -17,6 +17,7 @@ from typing import Callable
 from ffkv.defs import LENSES
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
+from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step
 from ffkv.steps.settings import at_least, between, setting
 
@@ -233,7 +234,7 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
             cli=True, summary=summary, reproduce=reproduce, options=MineCommand, open=open_mine,
-            rebuild=rebuild)
+            rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"))
 
 __all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "TRACKERS", "check_batch_tokens",
            "fit", "shlex"]
