@@ -344,3 +344,30 @@ def test_normalize_substitution_and_another_activation(moe_model):
     want = _brute_coefficients(name, mm.hf.model.layers[0].mlp, x, f=torch.relu)
     assert torch.allclose(mm.coefficients(0, x, act=torch.relu), want, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(mm.coefficients(0, x), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe", "olmoe-top1"], indirect=True)
+def test_report_counts_all_experts_and_those_a_token_reaches(moe_model):
+    """The report's model table and Fig 7 note: d_m counts every expert; a token reaches its
+    top-k experts' memories (and the shared expert's), numbers from the config written here."""
+    from ffkv.report.build import experts_text, model_differences
+
+    name, mm = moe_model
+    cfg = mm.hf.config
+    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    de = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    ds = getattr(cfg, "shared_expert_intermediate_size", 0) if name == "qwen2_moe" else 0
+    k = cfg.num_experts_per_tok
+    manifest = {"model": mm.info()}
+    text = experts_text(manifest["model"])
+    assert text.startswith(f"{E} experts × {de}" + (f" + a shared expert of {ds}" if ds else "")
+                           + f" = {E * de + ds} memories per layer")
+    assert f"; {k * de + ds} active per token ({k} routed expert{'s' if k > 1 else ''}" in text
+    rows, notes = model_differences(manifest, "norm")
+    assert ["mixture of experts", "no (one dense FFN per layer)", text] == next(r for r in rows if r[0] == "mixture of experts")[:3]
+    assert any(f"reaches {k * de + ds} of a layer's {E * de + ds} memories" in n for n in notes["fig7"])
+    # a dense model has neither
+    dense = {"model": {k_: v for k_, v in mm.info().items() if k_ not in ("experts", "d_expert", "experts_per_token",
+                                                                        "memories_per_token", "d_shared_expert")}}
+    assert experts_text(dense["model"]) is None
+    assert not any(r[0] == "mixture of experts" for r in model_differences(dense, "norm")[0])

@@ -101,12 +101,31 @@ def model_differences(manifest: dict, lens: str) -> tuple[list[list[str]], dict[
     rows.append(["d / d_m", f"{PAPER_MODEL['d']} / {PAPER_MODEL['d_m']}", f"{m.get('d', '?')} / {m.get('d_m', '?')}",
                  "fewer memories per layer: counts in Fig 7 are shares of d_m"])
     rows.append(["memories", f"{PAPER_MODEL['memories']:,}", f"{m.get('memories', 0):,}", ""])
+    if experts_text(m):
+        rows.append(["mixture of experts", "no (one dense FFN per layer)", experts_text(m),
+                     "a token reaches only its routed experts' memories (m = 0 elsewhere): "
+                     "Fig 7's shares are of d_m, all experts counted"])
+        notes["fig7"].append(f"Mixture of experts: a token reaches {m['memories_per_token']:,} of a layer's "
+                             f"{m['d_m']:,} memories (its routed experts'), so at most "
+                             f"{m['memories_per_token'] / m['d_m']:.0%} of d_m can be active on it.")
     rows.append(_ffn_row(m, notes))
     rows += _weights_and_vocabulary_rows(m, notes)
     rows.append(_corpus_row(manifest))
     rows.append(_lens_row(lens, notes))
     rows += _settings_rows(manifest.get("settings") or {})
     return rows, notes
+
+
+def experts_text(m: dict) -> str | None:
+    """A mixture of experts' memories per layer, all experts counted, and how many a token reaches
+    (the manifest's `ffkv.model.arch.MoE.moe_info`); None for a dense FFN."""
+    if not m.get("experts"):
+        return None
+    E, de, ds, k = m["experts"], m.get("d_expert") or 0, m.get("d_shared_expert") or 0, m.get("experts_per_token")
+    shared = f" + a shared expert of {ds:,}" if ds else ""
+    return (f"{E} experts × {de:,}{shared} = {m.get('d_m', E * de + ds):,} memories per layer (all experts "
+            f"counted); {m.get('memories_per_token', 0):,} active per token ({k} routed expert{'s' if k != 1 else ''}"
+            f"{' and the shared one' if ds else ''})")
 
 
 def _depth_rows(L: int, notes: dict) -> list[list[str]]:
@@ -418,6 +437,7 @@ def manifest_html(run: Run) -> str:
              ("revision / file hash", (m.get("revision") or "")[:16]),
              ("architecture", f"{m.get('architecture')} ({m.get('class')})"),
              ("layers × d_m = memories", f"{m.get('layers')} × {m.get('d_m')} = {m.get('memories', 0):,}"),
+             *([("experts", experts_text(m))] if experts_text(m) else []),
              ("d, vocabulary", f"{m.get('d')}, {m.get('vocab_size', 0):,}"),
              ("activation", f"{m.get('activation')}{', gated' if m.get('gated') else ''}"),
              ("dtype, device", f"{m.get('dtype')}, {m.get('device')}"), ("lens", man.get("lens")),
