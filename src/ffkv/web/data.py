@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.defs import LENSES
 from ffkv.display import read_token
 from ffkv.errors import FfkvError
 from ffkv.store import query
@@ -973,7 +974,7 @@ class Browser:
         """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
         the value's probability of the token first."""
         lens = lens or self.lens
-        if lens not in ("naive", "norm"):
+        if lens not in LENSES:
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
         if direction not in ("promote", "suppress"):
             raise BadQuery(f"dir must be promote or suppress (got {direction!r})")

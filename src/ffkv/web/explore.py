@@ -45,6 +45,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from markupsafe import Markup
 
+from ffkv.defs import LENSES
 from ffkv.display import read_token
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_interventions
@@ -62,7 +63,6 @@ MAX_TOP = 20  # memories per layer
 MAX_EDIT = 1e6  # largest |F| of a scale and |V| of a set (see the module docstring)
 CONTINUE = 20  # tokens of continuation the form asks for
 MAX_CONTINUE = 100
-LENSES = ("naive", "norm")
 EXAMPLES = ("The Eiffel Tower is in the city of", "The capital of Japan is the city of",
             "She poured herself a cup of hot")
 
