@@ -326,6 +326,19 @@ def test_report_fig2_from_human_annotations(tiny_run, tmp_path):
     assert sec.verdict.verdict == "differs"
 
 
+def test_every_builtin_step_declares_its_report_sections():
+    """The report's sections are the steps' own (steps/<name>/report.py), loaded only when a report
+    is built: asking the registry for the steps imports neither pandas nor matplotlib."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ffkv; from ffkv.steps import registry as r; "
+            "print([n for n in r.BUILTIN if r.get(n).sections is None], "
+            "[m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
+
+
 def test_report_cli_errors(tmp_path):
     r = run_cli("report", tmp_path / "nope")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
