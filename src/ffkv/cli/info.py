@@ -114,7 +114,7 @@ def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help
            model_name: Optional[str] = ModelOpt,
            max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
            field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
-           seed: int = typer.Option(0, "--seed", help="Seed of the document order."),
+           seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the document order."),
            head: int = typer.Option(5, "--head", help="Sentences to print."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
     """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""

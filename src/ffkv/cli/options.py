@@ -14,7 +14,8 @@ DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device
 LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
 RunArg = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN`.")
 SignOpt = typer.Option("+", "--sign", help="Which triggers: + (top positive, the paper) or - (most negative).")
-SeedOpt = typer.Option(0, "--seed", help="Seed of the key sample (and of the random mutation).")
+SeedOpt = typer.Option(0, "--seed", min=0, max=2**32 - 1,
+                       help="Seed of the key sample (and of the random mutation).")
 JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts.")
 
 

@@ -21,7 +21,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
               keys_per_layer: Optional[int] = typer.Option(None, "--keys-per-layer", min=1, help="Keys per layer for mutate (default 3; the paper: 100)."),
               semantic_keys_per_layer: Optional[int] = typer.Option(None, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns (default 10, as the paper)."),
               negative: Optional[bool] = typer.Option(None, "--negative/--no-negative", help="Mine most-negative triggers too (default: when the FFN is gated)."),
-              seed: int = typer.Option(0, "--seed", help="Seed of every sample."),
+              seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of every sample."),
               device: str = DeviceOpt, dtype: str = DtypeOpt):
     """Run every experiment of the paper (mine, values, compose, mutate, patterns, normalize) and build
     the report. The defaults take about 9 minutes on a 2-core CPU; a killed run resumes where it

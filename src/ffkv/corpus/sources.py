@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from ffkv.corpus.wikitext import detokenize, is_heading
+from ffkv.display import printable
 from ffkv.errors import FfkvError
 
 EMBEDDED = "wikipedia"
@@ -44,8 +46,8 @@ class CorpusStats:
 
 
 def _read_text(path: Path, stats: CorpusStats) -> str:
-    if not path.exists():
-        raise FfkvError(f"corpus file {path} does not exist")
+    if not os.path.exists(path):  # unlike Path.exists, False (not OSError) for a name too long
+        raise FfkvError(f"corpus file {printable(str(path)[:200], newlines=False)} does not exist")
     if path.is_dir():
         raise FfkvError(f"corpus {path} is a folder; pass a file")
     try:
@@ -90,9 +92,9 @@ class CorpusSource:
             parts = ds.split("/")
             # owner/name/config or name/config: the config is the part after the dataset id
             ds, cfg = ("/".join(parts[:2]), "/".join(parts[2:])) if len(parts) > 2 else (
-                (parts[0], parts[1]) if len(parts) == 2 and not Path(ds).exists() else (ds, ""))
+                (parts[0], parts[1]) if len(parts) == 2 and not os.path.exists(ds) else (ds, ""))
             return self._hf(ds, cfg or None, split or "train")
-        if Path(spec).exists():
+        if os.path.exists(spec):
             path, arg = Path(spec), ""
         else:
             name, _, arg = spec.partition(":")

@@ -62,6 +62,16 @@ def between(lo, hi):
     return check
 
 
+SEED_MAX = 2**32 - 1  # numpy's SeedSequence refuses negatives; torch's seeds stop at 2**64
+
+
+def a_seed(v):
+    return between(0, SEED_MAX)(v)
+
+
+a_seed.range = f"0<=x<={SEED_MAX}"
+
+
 def check(settings) -> None:
     """Every field's own check, before any model loads: the first failure as one line."""
     if not dataclasses.is_dataclass(settings):

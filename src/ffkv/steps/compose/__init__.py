@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
-from ffkv.steps.settings import at_least, setting
+from ffkv.steps.settings import a_seed, at_least, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -31,7 +31,7 @@ class ComposeSettings:
                                        "hf:NAME[:SPLIT].")
     n_prefixes: int = setting(4000, "Prefixes to sample, one per sentence (the paper: 4,000).", check=at_least(1),
                               flag="--prefixes", short="-n")
-    seed: int = setting(0, "Seed of the document order, the sentence sample and the positions.")
+    seed: int = setting(0, "Seed of the document order, the sentence sample and the positions.", check=a_seed)
     eps: float = setting(DEFAULT_EPS, "Also count a memory active when |m_i| > eps (SiLU/GELU are rarely exactly 0).",
                          check=at_least(0))
     max_sentences: int | None = setting(None, "Read at most this many sentences of the corpus.", check=at_least(1))

@@ -19,7 +19,7 @@ from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
 from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step
-from ffkv.steps.settings import at_least, between, setting
+from ffkv.steps.settings import a_seed, at_least, between, setting
 
 DEFAULT_CORPUS = "wikipedia:train"
 
@@ -63,7 +63,7 @@ class MineSettings:
                                  shown=DEFAULT_CORPUS)
     max_sentences: int | None = setting(None, "Cap on sentences (after a seeded shuffle of documents).",
                                         check=at_least(1))
-    seed: int = setting(0, "Seed of the document order.")
+    seed: int = setting(0, "Seed of the document order.", check=a_seed)
     field: str = setting("text", "JSONL field holding the text.")
     layers: list[int] | None = setting(None, "Layers to mine, e.g. 0,5,10-12. Default: all.", parse=_layers)
     dims: list[int] | None = setting(None, "Memory dims to mine, e.g. 0-99. Default: all.", parse=_dims)

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
-from ffkv.steps.settings import a_sign, at_least, setting
+from ffkv.steps.settings import a_seed, a_sign, at_least, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -24,7 +24,7 @@ class MutateSettings:
     examples: int = setting(DEFAULT_EXAMPLES, "Top trigger examples per key.", check=at_least(1))
     sign: int = setting(1, "Which triggers: + (top positive, the paper) or - (most negative).", parse=parse_sign,
                         shown="+", check=a_sign)
-    seed: int = setting(0, "Seed of the key sample and of the random mutation.")
+    seed: int = setting(0, "Seed of the key sample and of the random mutation.", check=a_seed)
     layers: tuple[int, ...] | None = setting(None, "Only these layers (repeatable).", flag="--layer")
     batch_tokens: int = setting(2048, "Padded tokens per re-scoring batch.", check=at_least(16), recorded=False)
     dtype: str = setting("auto", "The model's dtype (the command's --dtype).")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.errors import FfkvError
-from ffkv.steps.settings import at_least, setting
+from ffkv.steps.settings import a_seed, at_least, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -67,7 +67,7 @@ class NormalizeSettings:
                                     check=at_least(2))
     synthetic_draws: int = setting(2_000, "Samples per n of the synthetic variance check.", check=at_least(10))
     gamma: float = setting(1.0, "γ of the scaled ReLU in the variance measures.", check=_positive)
-    seed: int = setting(0, "Seed of the document order and of the random slot draws.")
+    seed: int = setting(0, "Seed of the document order and of the random slot draws.", check=a_seed)
     batch_tokens: int = setting(1024, "Token budget of one forward batch (speed and memory only).",
                                 check=at_least(1), recorded=False)
     dtype: str = setting("auto", "The model's dtype (the command's --dtype).")

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
-from ffkv.steps.settings import a_sign, at_least, between, setting
+from ffkv.steps.settings import a_seed, a_sign, at_least, between, setting
 from ffkv.store.labels import TOP
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
@@ -35,7 +35,7 @@ class PatternsSettings:
     top: int = setting(TOP, "Top prefixes per key (the paper: 25).", check=between(1, 32767))
     sign: int = setting(1, "Which triggers: + (top positive, the paper) or - (most negative).", parse=parse_sign,
                         shown="+", check=a_sign)
-    seed: int = setting(0, "Seed of the key sample.")
+    seed: int = setting(0, "Seed of the key sample.", check=a_seed)
     min_cover: int = setting(MIN_COVER, "Prefixes a pattern must cover (the paper: 3).", check=at_least(1))
     alpha: float = setting(ALPHA, "Significance of a shallow pattern against random corpus prefixes; 1 = keep all.",
                            check=_alpha)
