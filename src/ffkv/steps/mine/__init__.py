@@ -199,8 +199,8 @@ def rebuild(run) -> list[str]:
     model = run.model_arg()
     if model:
         args += ["--model", str(model)]
-    if run.manifest.get("lens") not in (None, "norm"):
-        args += ["--lens", str(run.manifest["lens"])]
+    if run.lens != "norm":
+        args += ["--lens", run.lens]
     return args + flags(MineSettings, run.settings("mine") or {})
 
 
