@@ -206,6 +206,36 @@ def test_binom_tail_equals_hand_written():
         assert P.binom_tail(n, c, df, B) == pytest.approx(_old_binom_tail(n, c, df, B), rel=1e-9, abs=1e-300)
 
 
+def test_binom_tail_is_scipys_binom_sf_exactly():
+    """binom_tail calls the kernel binom.sf evaluates (speed, issue 24): the same float, bit for bit."""
+    from scipy.stats import binom
+
+    rng = np.random.default_rng(12)
+    for _ in range(400):
+        n, B = int(rng.integers(1, 60)), int(rng.integers(1, 5000))
+        c, df = int(rng.integers(0, n + 2)), int(rng.integers(0, B + 1))
+        want = 1.0 if c <= 0 else float(binom.sf(c - 1, n, (df + 0.5) / (B + 1)))
+        assert P.binom_tail(n, c, df, B) == want, (n, c, df, B)
+
+
+def test_equal_prefixes_are_read_and_split_once(tiny_models, tiny_dirs, tmp_path):
+    """prefix_texts gives one Prefix per distinct (sentence, position), in the order asked, with
+    the texts of the read API; its words and endings are computed once."""
+    from ffkv.store import query
+
+    mm = tiny_models["gpt2"]
+    run = make_run(tmp_path / "r", tiny_dirs["gpt2"], n_sentences=5, k=3, mm=mm)
+    n_tok = run.read_table("sentences", columns=["n_tokens"]).column("n_tokens").to_numpy()
+    sids = np.array([0, 1, 0, 2, 1, 0])
+    pos = np.minimum(np.array([1, 0, 1, 2, 0, 0]), n_tok[sids] - 1)
+    px = P.prefix_texts(run, mm.tok, sids, pos)
+    assert [(p.text, p.last_token) for p in px] == query.prefix_texts(run, mm.tok, sids, pos)
+    assert px[0] is px[2] and px[1] is px[4] and px[0] is not px[5]
+    assert px[0].words is px[2].words and px[0].ends == P.end_features(px[0].words, px[0].last_token)
+    assert px[0].norm_words == [P.norm_word(w) for w in P.words_of(px[0].text)]
+    assert P.prefix_texts(run, mm.tok, [], []) == []
+
+
 def _unit(rng, n, d, dtype=np.float64):
     E = rng.normal(size=(n, d)).astype(dtype)
     return E / np.linalg.norm(E, axis=1, keepdims=True)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ffkv.experiments.patterns.words import (ALPHA, MIN_COVER, STOP, Background, Pattern, Prefix, binom_tail,
-                                             end_features, norm_word)
+from ffkv.experiments.patterns.words import ALPHA, MIN_COVER, STOP, Background, Pattern, Prefix, binom_tail
 
 # on equal coverage and length, the more specific family wins
 SPECIFICITY = {"end": 3, "tok": 2, "shape": 1, "has": 0}
@@ -40,12 +39,12 @@ def _surface_ngram(ws: list[str], nw: list[str], g: tuple) -> str:
     return " ".join(g)
 
 
-def _end_cover(words: list[list[str]], prefixes: list[Prefix]) -> tuple[dict, dict]:
+def _end_cover(prefixes: list[Prefix]) -> tuple[dict, dict]:
     """Ending features (end / tok / shape) -> prefixes having them, and their surface forms."""
     cover: dict = {}
     surf: dict = {}
-    for i, (ws, p) in enumerate(zip(words, prefixes)):
-        for f, s in end_features(ws, p.last_token):  # distinct features per prefix
+    for i, p in enumerate(prefixes):
+        for f, s in p.ends:  # distinct features per prefix (`end_features`)
             cover.setdefault(f, []).append(i)
             surf.setdefault(f, []).append(s)
     return cover, surf
@@ -53,18 +52,24 @@ def _end_cover(words: list[list[str]], prefixes: list[Prefix]) -> tuple[dict, di
 
 def _runs(nw: list[str], frequent: set) -> set:
     """1–3 word n-grams inside runs of consecutive frequent words."""
-    feats = set()
+    feats: set = set()
     run: list[str] = []
-    for w in nw + [None]:
-        if w is not None and w in frequent:
+    for w in nw:
+        if w in frequent:
             run.append(w)
-            continue
-        L = len(run)
-        for a in range(L):
-            for m in range(1, min(3, L - a) + 1):
-                feats.add(tuple(run[a:a + m]))
-        run = []
+        elif run:
+            _grams(run, feats)
+            run = []
+    if run:
+        _grams(run, feats)
     return feats
+
+
+def _grams(run: list[str], feats: set) -> None:
+    """Add run's 1-, 2- and 3-word n-grams (as tuples) to feats."""
+    feats.update(zip(run))
+    feats.update(zip(run, run[1:]))
+    feats.update(zip(run, run[1:], run[2:]))
 
 
 def _has_cover(nws: list[list[str]], min_cover: int) -> dict:
@@ -77,7 +82,7 @@ def _has_cover(nws: list[list[str]], min_cover: int) -> dict:
     has_cover: dict = {}
     for i, nw in enumerate(nws):
         for g in _runs(nw, frequent):
-            if not all(w in STOP for w in g):
+            if not STOP.issuperset(g):
                 has_cover.setdefault(("has", g), set()).add(i)
     return has_cover
 
@@ -143,8 +148,8 @@ def shallow_patterns(prefixes: list[Prefix], bg: Background, min_cover: int = MI
     if n < min_cover:
         return []
     words = [p.words for p in prefixes]
-    nws = [[norm_word(w) for w in ws] for ws in words]
-    cover, surf = _end_cover(words, prefixes)
+    nws = [p.norm_words for p in prefixes]
+    cover, surf = _end_cover(prefixes)
     covers = list(cover.items()) + list(_has_cover(nws, min_cover).items())
     kept = _drop_redundant(_candidates(covers, words, nws, surf, n, bg, min_cover, alpha), min_cover)
     for p in kept:
