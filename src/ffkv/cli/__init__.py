@@ -39,6 +39,21 @@ def _add_step_commands() -> None:
         print(f"ffkv: warning: {_one_line(e)}", file=sys.stderr)
 
 
+def _user_os_error(e: OSError) -> str | None:
+    """An OSError the user's own paths cause (a name too long, no permission, a full disk), as one
+    line; None for any other, which is a bug and keeps its traceback."""
+    import errno
+
+    from ffkv.atomic import USER_ERRNOS
+    from ffkv.display import printable
+
+    if e.errno not in USER_ERRNOS | {errno.ENAMETOOLONG, errno.ELOOP}:
+        return None
+    name = printable(str(e.filename), newlines=False) if e.filename else ""
+    name = name if len(name) <= 80 else name[:77] + "..."
+    return f"{os.strerror(e.errno).lower()}" + (f": {name}" if name else "")
+
+
 def _click_errors() -> tuple[type, ...]:
     """click's usage-error base classes: typer ≥ 0.20 vendors its own copy beside click's."""
     out = []
@@ -71,6 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         _interrupted()
     except SystemExit:
         raise
+    except OSError as e:
+        why = _user_os_error(e)
+        if why is None:
+            raise
+        print(f"ffkv: error: {why}", file=sys.stderr)
+        sys.exit(2)
     except Exception as e:  # click's and typer's own exceptions arrive here in non-standalone mode
         kind = type(e).__name__
         if kind == "NoArgsIsHelpError" and getattr(e, "ctx", None) is not None:

@@ -328,13 +328,14 @@ def locate(model: str | None) -> tuple[str, Path | str]:
     if model == GEMMA3_MODEL:
         return "gguf", resolve_gemma3()
     p = Path(model).expanduser()
-    if p.suffix == ".gguf" or p.is_file():
-        if not p.exists():
+    # os.path's tests, unlike Path's, answer False (not OSError) for a name the system refuses
+    if p.suffix == ".gguf" or os.path.isfile(p):
+        if not os.path.exists(p):
             raise FfkvError(f"model file {p} does not exist")
         if p.suffix != ".gguf":
             raise FfkvError(f"{p} is a file but not a .gguf model; pass a folder, a GGUF or a hub id")
         return "gguf", p.resolve()
-    if p.is_dir():
+    if os.path.isdir(p):
         if not (p / "config.json").exists():
             raise FfkvError(f"{p} has no config.json; it is not a Hugging Face model folder")
         return "local", p

@@ -62,6 +62,7 @@ def between(lo, hi):
     return check
 
 
+INT_LIMIT = 2**53  # no count, size or index of ffkv's comes near it; numpy and torch overflow past 2**63
 SEED_MAX = 2**32 - 1  # numpy's SeedSequence refuses negatives; torch's seeds stop at 2**64
 
 
@@ -78,6 +79,9 @@ def check(settings) -> None:
         return
     for f in dataclasses.fields(settings):
         s = spec(f)
+        v = getattr(settings, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_LIMIT:
+            raise FfkvError(f"{flag_name(f)} is too large (got {v}; at most {INT_LIMIT:,})")
         if s.check is not None:
             err = s.check(getattr(settings, f.name))
             if err:
