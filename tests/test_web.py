@@ -814,3 +814,27 @@ def test_token_index_same_from_a_shuffled_table(llama):
         pa_, pb = a.parts[key], b.parts[key]
         assert np.array_equal(pa_["mem"][pa_["by_token"]], pb["mem"][pb["by_token"]])
         assert np.array_equal(pa_["rank"][pa_["by_token"]], pb["rank"][pb["by_token"]])
+
+
+def test_serve_loads_the_model_before_the_first_explorer_request(web_run, tmp_path):
+    """`ffkv serve` loads the model in the background as it starts (issue 26): its log says so
+    while no request but the overview's has been made; the explorer then answers at once."""
+    import httpx
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(web_run), "--port", str(port)],
+                             stderr=err, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(1200):
+            if "model loaded in" in log.read_text():
+                break
+            assert p.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert "model loaded in" in log.read_text(), log.read_text()
+        r = httpx.get(f"http://127.0.0.1:{port}/api/explore", params={"text": "The river"}, timeout=60)
+        assert r.status_code == 200 and log.read_text().count("model loaded in") == 1
+    finally:
+        p.terminate()
+        p.wait(10)

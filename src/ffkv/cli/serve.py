@@ -47,7 +47,12 @@ def serve(run: str = typer.Argument(..., metavar="RUN", help="A run directory ma
                                            "loads the model) when the run has no `value_index` table, "
                                            "instead of on the first token search."),
           index_k: Optional[int] = typer.Option(None, "--index-k", min=1, max=1000,
-                                                help="Ranks kept by an index built in memory (default 20).")):
+                                                help="Ranks kept by an index built in memory (default 20)."),
+          load_model: bool = typer.Option(True, "--load-model/--lazy-model",
+                                          help="Load the model and the trigger-text index in the background as "
+                                               "the server starts, so that the explorer's, verify's and text "
+                                               "search's first answer does not wait for them; --lazy-model: on "
+                                               "first use.")):
     """Browse every memory as a page: triggers, value distributions, agreement, patterns,
     mutations, annotations; search by token, trigger text or measure. Writes only the run's
     annotations.sqlite (the annotation form)."""
@@ -100,6 +105,10 @@ def serve(run: str = typer.Argument(..., metavar="RUN", help="A run directory ma
     b = app.state.browser
     print(f"ffkv serve: {run} ({b.L} layers × {b.d_m} memories, {b.trig.table.num_rows:,} trigger rows, "
           f"loaded in {b.load_seconds} s) at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+    if load_model:
+        import threading
+
+        threading.Thread(target=_preload, args=(b,), name="ffkv-preload", daemon=True).start()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
@@ -118,6 +127,21 @@ def serve(run: str = typer.Argument(..., metavar="RUN", help="A run directory ma
 
         threading.Thread(target=opener, daemon=True).start()
     server.run()
+
+
+def _preload(b) -> None:
+    """What the first explorer request or text search would otherwise wait for (SmolLM2: ~20 s on
+    a 2-core CPU). A failure is only a warning: the page that needs the model says why."""
+    try:
+        from ffkv.web import textindex
+
+        b.model()
+        ti = textindex.get(b)
+        if ti is not None:
+            ti.text()
+    except Exception as e:  # noqa: BLE001  (a broken model must not stop the browser)
+        print(f"ffkv serve: warning: could not preload the model ({type(e).__name__}: {e}); "
+              "pages that need it will say why", file=sys.stderr, flush=True)
 
 
 def register(app: typer.Typer) -> None:
