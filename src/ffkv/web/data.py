@@ -96,7 +96,7 @@ class Browser(RunTables):
     # ---- what is built on first use -----------------------------------------------------------
     @property
     def memories(self) -> pa.Table:
-        """One row per memory of the model: the measures searched by (see `_memories_table`)."""
+        """One row per memory of the model: the measures searched by (`ffkv.web.measures.memories_table`)."""
         return self._lazy("_memories", lambda: memories_table(self))
 
     @property
@@ -139,10 +139,6 @@ class Browser(RunTables):
 
         self.check_key(layer, dim)
         return similar(self, layer, dim)
-
-    # ---- per-memory measures -----------------------------------------------------------------
-    def measures(self, layer: int, dim: int) -> dict:
-        return self.memories.slice(self.code(layer, dim), 1).to_pylist()[0]
 
     # ---- the token index and the model -------------------------------------------------------
     def token_index(self, start: bool = True) -> TokenIndex | None:

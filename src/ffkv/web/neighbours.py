@@ -96,7 +96,7 @@ class Neighbours:
             self._take(query.table(b.run, "neighbours"), "run")
 
     def _take(self, t: pa.Table, source: str) -> None:
-        from ffkv.web.data import ByKey
+        from ffkv.web.tables import ByKey
 
         by = {}
         kinds = np.asarray(t.column("kind").to_pylist(), object)

@@ -48,7 +48,8 @@ class Notes:
         idx = self.b.trig.indices(layer, dim)
         return int(((self.b.trig_sign[idx] == sign) & (self.b.trig_rank[idx] <= ANNOTATE_TOP)).sum())
 
-    def _annotation_parts(self) -> dict[int, dict]:
+    def annotation_parts(self) -> dict[int, dict]:
+        """Per memory code, the annotations part of its one-line summary (`ffkv.web.summary.annotation_part`)."""
         from ffkv.web.summary import annotation_part
 
         by: dict[int, list[dict]] = {}
@@ -58,11 +59,11 @@ class Notes:
 
     def summary(self, layer: int, dim: int) -> str:
         """A memory's one-line summary of measurements (`ffkv.web.summary.summary_line`)."""
-        return self.b.summaries.line(self.b.code(layer, dim), self._annotation_parts().get(self.b.code(layer, dim)))
+        return self.b.summaries.line(self.b.code(layer, dim), self.annotation_parts().get(self.b.code(layer, dim)))
 
     def add_summaries(self, rows: list[dict]) -> list[dict]:
         """Set `summary` on rows that carry layer and dim (search results, layer lists)."""
-        ann = self._annotation_parts() if rows else {}
+        ann = self.annotation_parts() if rows else {}
         for r in rows:
             c = self.b.code(r["layer"], r["dim"])
             r["summary"] = self.b.summaries.line(c, ann.get(c))

@@ -279,7 +279,7 @@ class Search:
         lines = self.b._lazy("_summary_lines", lambda: {
             int(c): sm.line(int(c)).casefold()
             for c in np.union1d(self.b.keys, np.asarray(sorted(sm.value), np.int64))})
-        ann = self.b._annotation_parts()
+        ann = self.b.notes.annotation_parts()
         hits = []
         for c, text in lines.items():
             if c in ann:
