@@ -68,7 +68,7 @@ def base_args(name: str, run: Path, model: Path, corpus: Path, out: Path) -> lis
         "mine": ["--out", out, "--model", model, "--corpus", corpus, "--max-sentences", "6", "--top-k", "2"],
         "show": [run, "-l", "0", "-d", "0"],
         "values": [run, "--permutations", "2"],
-        "compose": [run, "--prefixes", "4", "--max-sentences", "4"],
+        "compose": [run, "--prefixes", "4", "--max-sentences", "4", "--corpus", corpus],
         "mutate": [run, "--keys-per-layer", "1", "--examples", "2"],
         "patterns": [run, "--keys-per-layer", "1", "--semantic-keys-per-layer", "0"],
         "annotate add": [run, "-a", "prop", "-l", "0", "-d", "0"],
@@ -99,7 +99,7 @@ def test_the_cli_is_read_whole():
     assert len(CASES) > 80
 
 
-@settings(max_examples=250, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=st.sampled_from(CASES),
        value=st.one_of(st.sampled_from(GARBAGE), st.text(max_size=12), st.integers(-10**30, 10**30).map(str)))

@@ -70,7 +70,8 @@ def sample(run_dir: Path = RunArg,
 
 def add(run_dir: Path = RunArg,
         annotator: str = typer.Option(..., "--annotator", "-a", help="Who annotates."),
-        layer: int = typer.Option(..., "--layer", "-l"), dim: int = typer.Option(..., "--dim", "-d"),
+        layer: int = typer.Option(..., "--layer", "-l", min=0, max=2**31 - 1),
+        dim: int = typer.Option(..., "--dim", "-d", min=0, max=2**31 - 1),
         pattern: Optional[List[str]] = typer.Option(None, "--pattern", "-p",
                                                     help="KIND:PREFIXES:DESCRIPTION, e.g. "
                                                          "'shallow:0,3,7-9:ends with \"base\"' (repeatable; "

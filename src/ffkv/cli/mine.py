@@ -10,8 +10,8 @@ from ffkv.errors import FfkvError
 
 
 def show(run_dir: Path = typer.Argument(..., metavar="RUN", help="A mined run directory."),
-         layer: int = typer.Option(..., "--layer", "-l", help="Layer of the key."),
-         dim: int = typer.Option(..., "--dim", "-d", help="Index of the key in its layer."),
+         layer: int = typer.Option(..., "--layer", "-l", min=0, max=2**31 - 1, help="Layer of the key."),
+         dim: int = typer.Option(..., "--dim", "-d", min=0, max=2**31 - 1, help="Index of the key in its layer."),
          sign: str = typer.Option("both", "--sign", help="+1, -1 or both."),
          top: int = typer.Option(10, "--top", "-n", min=1, help="Prefixes to print."),
          context: int = typer.Option(12, "--context", help="Tokens of the prefix shown before the trigger token (0: all)."),
