@@ -131,6 +131,14 @@ def run_cli(*args, env=None, cwd=None, timeout=600, fresh=False) -> subprocess.C
     return _run_in_process(args)
 
 
+def mine_tiny(out: Path, model: Path, sentences: int, top_k: int, *extra) -> Path:
+    """`ffkv mine` of the first `sentences` WikiText-2 valid sentences into `out`, which must work."""
+    res = run_cli("mine", "--out", out, "--model", model, "--corpus", WT2 / "wiki.valid.tokens",
+                  "--max-sentences", str(sentences), "--top-k", str(top_k), *extra)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
 def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     """`main(args)` with stdout and stderr captured; an exception that escapes `main` becomes what
     the process would have shown: its traceback on stderr and exit code 1."""

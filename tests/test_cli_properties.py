@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import WT2, run_cli
+from conftest import WT2, mine_tiny, run_cli
 
 # Commands that serve forever or run the whole paper with a real model are checked elsewhere
 # (test_server_hardening, test_reproduce); their options are still parsed here with --help.
@@ -54,11 +54,7 @@ CASES = sorted((name, opt) for name, cmd in COMMANDS.items() if name not in LONG
 
 @pytest.fixture(scope="module")
 def mined(tiny_dirs, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("props") / "run"
-    res = run_cli("mine", "--out", out, "--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens",
-                  "--max-sentences", "12", "--top-k", "3")
-    assert res.returncode == 0, res.stderr
-    return out
+    return mine_tiny(tmp_path_factory.mktemp("props") / "run", tiny_dirs["gpt2"], 12, 3)
 
 
 def base_args(name: str, run: Path, model: Path, corpus: Path, out: Path) -> list:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import WT2, run_cli
+from conftest import WT2, mine_tiny, run_cli
 from ffkv.errors import FfkvError
 from ffkv.model.context import fit_context
 
@@ -217,11 +217,7 @@ def test_cli_explain_long_text(tiny_dirs, tiny_models):
 @pytest.fixture(scope="module")
 def long_run(tiny_dirs, tmp_path_factory) -> Path:
     """A tiny GPT-2 run (128 positions) whose corpus has sentences cut at the context."""
-    out = tmp_path_factory.mktemp("refusals") / "run"
-    res = run_cli("mine", "--out", out, "--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens",
-                  "--max-sentences", "300", "--top-k", "5")
-    assert res.returncode == 0, res.stderr
-    return out
+    return mine_tiny(tmp_path_factory.mktemp("refusals") / "run", tiny_dirs["gpt2"], 300, 5)
 
 
 def test_values_bins_checked_against_the_column(long_run):
