@@ -102,12 +102,21 @@ def synthetic_run(path: Path, mm, k: int, seed: int = 0):
     return n
 
 
-def linked_copy(src: Path, dst: Path):
+def linked_copy(src: Path, dst: Path) -> None:
+    """dst: src's manifest, and links to every table the mine step wrote (the values step's inputs)."""
+    import json
+
     dst.mkdir(parents=True)
     shutil.copy(src / "manifest.json", dst / "manifest.json")
-    for t in ("triggers", "sentences"):
-        if (src / f"{t}.parquet").exists():
-            os.symlink((src / f"{t}.parquet").resolve(), dst / f"{t}.parquet")
+    tables = json.loads((src / "manifest.json").read_text()).get("tables") or {}
+    for name, rec in tables.items():
+        p = src / f"{name}.parquet"
+        if (rec or {}).get("step") in (None, "mine") and p.exists():
+            os.symlink(p.resolve(), dst / p.name)
+    for name in ("triggers", "sentences", "vocab"):  # runs recorded before table records
+        p = src / f"{name}.parquet"
+        if p.exists() and not (dst / p.name).exists():
+            os.symlink(p.resolve(), dst / p.name)
 
 
 def main():

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (ffkv before torch; offline)
-from bench_values import Sampler, reset_hwm, status_kb
+from bench_values import Sampler, linked_copy, reset_hwm, status_kb
 
 GOAL_GB = 2.0
 
@@ -37,23 +37,6 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def linked_copy(src: Path, dst: Path) -> None:
-    """dst: src's manifest, and links to every table the mine step wrote (the values step's inputs)."""
-    import json
-
-    dst.mkdir(parents=True)
-    shutil.copy(src / "manifest.json", dst / "manifest.json")
-    tables = json.loads((src / "manifest.json").read_text()).get("tables") or {}
-    for name, rec in tables.items():
-        p = src / f"{name}.parquet"
-        if (rec or {}).get("step") in (None, "mine") and p.exists():
-            os.symlink(p.resolve(), dst / p.name)
-    for name in ("triggers", "sentences", "vocab"):  # runs recorded before table records
-        p = src / f"{name}.parquet"
-        if p.exists() and not (dst / p.name).exists():
-            os.symlink(p.resolve(), dst / p.name)
 
 
 def main() -> int:
