@@ -17,19 +17,6 @@ from ffkv.atomic import sweep_temps
 from ffkv.errors import FfkvError
 from ffkv.model import identity
 
-# Kept for callers that read them: the built-in steps' modules and commands. Where steps come
-# from (built-in, entry points, `register()`) is `ffkv.steps.registry`.
-REGISTRY: dict[str, str] = {
-    "mine": "ffkv.steps.mine",
-    "values": "ffkv.steps.values",
-    "compose": "ffkv.steps.compose",
-    "mutate": "ffkv.steps.mutate",
-    "patterns": "ffkv.steps.patterns",
-    "normalize": "ffkv.steps.normalize",
-}
-COMMANDS: dict[str, str] = {n: ("ffkv mine --out {run}" if n == "mine" else f"ffkv {n} {{run}}") for n in REGISTRY}
-
-
 @dataclass(frozen=True)
 class Step:
     """One step of a run.
@@ -197,10 +184,8 @@ def refuse_other(run, step: Step, record: dict) -> None:
     prev = run.settings(step.name)
     if step.refuse_other_settings and prev is not None and prev != record:
         diff = {k: (prev.get(k), v) for k, v in record.items() if prev.get(k) != v}
-        raise FfkvError(f"{run.path} was {step.name}d with other settings {diff} (run, new); "
-                        f"use a new --out, or repeat the run's own settings to resume"
-                        if step.name == "mine" else
-                        f"{run.path} has `{step.name}` with other settings {diff} (run, new)")
+        raise FfkvError(f"{run.path} has `{step.name}` with other settings {diff} (run, new); a run keeps "
+                        f"its `{step.name}` settings: make a new run, or repeat them to resume")
 
 
 def execute(run, name: str, settings, *, mm=None, model_name: str | None = None, device: str = "auto",
