@@ -472,3 +472,15 @@ def test_explorer_layer_table_prints_every_probability_it_has(client):  # noqa: 
     for text, p in zip(shown, want):
         assert float(text) == pytest.approx(p, rel=0.06, abs=0 if p else 1e-12), (text, p)
     assert "contribution (logits)" in page
+
+
+def test_every_marked_trigger_is_shown_in_the_one_token_notation():
+    """A trigger token inside <mark> goes through the `trig` filter on every page, so a trigger
+    that is only whitespace shows as ␣ or ↵ instead of an empty highlight (reverify.html did not)."""
+    import re
+
+    from ffkv.web.common import TEMPLATES_DIR
+
+    for page in sorted(TEMPLATES_DIR.glob("*.html")):
+        for expr in re.findall(r"<mark>\{\{(.*?)\}\}</mark>", page.read_text()):
+            assert "| trig" in expr, (page.name, expr)
