@@ -278,9 +278,7 @@ def test_norm_lens_reproduces_logits(family_model):
 
     name, mm = family_model
     ids, mask = _texts_batch(mm)
-    cap = mm.capture(ids, mask, what=("o",), logits=True)
-    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
-    assert torch.allclose(z, cap.logits, rtol=1e-5, atol=1e-5), name
+    cap = assert_norm_lens_logits(mm, ids, mask, name)
     cfg = getattr(mm.hf.config, "text_config", None) or mm.hf.config
     cap_at = getattr(cfg, "final_logit_softcapping", None)
     if cap_at and name != "gemma3":  # the soft-cap bites: logits stay within it
@@ -293,6 +291,16 @@ def test_norm_lens_reproduces_logits(family_model):
     h = h - h.mean(-1, keepdim=True)
     ratio = (mm.lens.final_norm(h) - mm.lens.final_norm(torch.zeros_like(h))) / h / mm.lens.gain
     assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-3), name
+
+
+def assert_norm_lens_logits(mm, ids, mask, label):
+    """The norm lens at the last layer's output equals the model's own logits; returns the capture."""
+    from ffkv.model.memories import lens_for
+
+    cap = mm.capture(ids, mask, what=("o",), logits=True)
+    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
+    assert torch.allclose(z, cap.logits, rtol=1e-5, atol=1e-5), label
+    return cap
 
 
 def _brute_m(mm, fam: Family, token_lists):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import wikitext_sentences
-from test_families import Family, _own_ffn_writes, _rel, assert_replace_ffn, open_tiny
+from test_families import Family, _own_ffn_writes, _rel, assert_norm_lens_logits, assert_replace_ffn, open_tiny
 
 
 def _moe_shape(vocab, top_k=2):
@@ -158,13 +158,8 @@ def test_moe_block_is_sum_of_memories(moe_model):
 
 @pytest.mark.parametrize("moe_model", _supported(), indirect=True)
 def test_norm_lens_reproduces_logits(moe_model):
-    from ffkv.model.memories import lens_for
-
     name, mm = moe_model
-    ids, mask = _batch(mm)
-    cap = mm.capture(ids, mask, what=("o",), logits=True)
-    z = lens_for(mm, "norm").logits(cap[mm.n_layers - 1]["o"])
-    assert torch.allclose(z, cap.logits, rtol=1e-5, atol=1e-5), name
+    assert_norm_lens_logits(mm, *_batch(mm), name)
 
 
 @pytest.mark.parametrize("moe_model", _supported(), indirect=True)
