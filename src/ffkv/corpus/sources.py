@@ -223,7 +223,9 @@ def open_corpus(spec: str | None = None, field: str = "text", seed: int = 0) -> 
 
 
 def tokenize(tokenizer, sentences: list[Sentence], max_length: int) -> tuple[list[list[int]], int]:
-    """Token ids per sentence, truncated to the model's context; returns (ids, n_truncated)."""
-    enc = tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"]
-    n_trunc = sum(len(e) > max_length for e in enc)
-    return [list(e[:max_length]) for e in enc], n_trunc
+    """Token ids per sentence, cut to the model's context by the corpus rule
+    (`ffkv.model.context.fit_sentences`); returns (ids, n_truncated)."""
+    from ffkv.model.context import fit_sentences
+
+    ids, cut = fit_sentences(tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"], max_length)
+    return ids, cut["sentences"]

@@ -1,5 +1,6 @@
 """How a text meets a model's context: the one rule for every reader of a user's text (`ffkv
-explain`, the web explorer through `ffkv.experiments.explain`).
+explain`, the web explorer through `ffkv.experiments.explain`), and for a corpus's sentences
+(`fit_sentences`: cut at the end, said aloud, never refused).
 
 A text longer than the limit is refused (FfkvError, one line), never cut silently. Only an
 explicit `truncate` cuts it: "left" drops tokens from the start and keeps the end (the prediction
@@ -50,3 +51,31 @@ def truncation_note(truncated: dict | None) -> str | None:
     kept = "end" if truncated["side"] == "left" else "start"
     return (f"ffkv: the text was cut to the model's context: dropped {truncated['dropped_tokens']:,} "
             f"tokens at its {'start' if kept == 'end' else 'end'} (--truncate {truncated['side']})")
+
+
+def fit_sentences(id_lists, max_len: int) -> tuple[list[list[int]], dict]:
+    """Corpus sentences as the model holds them: (ids, cut), each longer than `max_len` cut to its
+    first `max_len` tokens (`fit_context`'s "right"), cut = {sentences, dropped_tokens, context}.
+
+    The rule for a corpus (mine, compose, normalize, `ffkv corpus`), unlike a user's one text: it is
+    cut, never refused (one run-on sentence must not stop a pass over thousands), and always on the
+    right, so no --truncate. A prefix's coefficients do not depend on the tokens after it, so every
+    prefix kept is exactly what the model computes; only the prefixes past the context are not
+    read. Cutting the start would change every prefix. The cut is said aloud: the steps' manifests
+    keep the count (`counts.truncated`) and the lifecycle says it on stderr (`sentences_note`)."""
+    out, n, dropped = [], 0, 0
+    for ids in id_lists:
+        kept, d = fit_context(ids, max_len, "right")
+        out.append(kept)
+        n, dropped = n + (d > 0), dropped + d
+    return out, {"sentences": n, "dropped_tokens": dropped, "context": max_len}
+
+
+def sentences_note(table: str, n_cut: int, n: int | None = None, context: int | None = None) -> str | None:
+    """The stderr line for corpus sentences cut to the model's context (None when none was)."""
+    if not n_cut:
+        return None
+    of = f" of {n:,}" if n is not None else ""
+    cut = f"to their first {context:,} tokens" if context else "to it"
+    return (f"ffkv: {n_cut:,}{of} sentence(s) of `{table}` were longer than the model's context and were "
+            f"cut {cut} (at their end: the prefixes past the context are not read)")
