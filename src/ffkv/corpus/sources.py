@@ -7,6 +7,9 @@ A source string is one of:
   PATH (anything else)          plain text; blank lines separate documents
   hf:NAME[/CONFIG][:SPLIT]      a Hugging Face dataset (needs the network and `datasets`)
   wikitext-2 | wikitext-103[:SPLIT]  shortcuts for the Hugging Face WikiText sets
+Pre-tokenized (token ids, no splitter, one row one sequence; `ffkv.corpus.tokens`):
+  PATH.parquet[:COLUMN] | PATH.npy | PATH.u16 | PATH.u32 | PATH.bin:u16|u32, and an hf: dataset
+  whose column is input_ids or tokens.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ffkv.corpus.tokens import DEFAULT_CONTEXT, TokenRows, from_hf, kind_of, read_tokens
 from ffkv.corpus.wikitext import detokenize, is_heading
 from ffkv.display import printable
 from ffkv.errors import FfkvError
@@ -33,6 +37,13 @@ class Sentence:
     sentence_id: int
     doc_id: int
     text: str
+    token_ids: list[int] | None = None  # a pre-tokenized row's ids (its text: decoded by `tokenize`)
+
+
+class Sentences(list):
+    """The sentences of a source; `tokens` holds a pre-tokenized source's rows (None for text),
+    so that `tokenize` can check them against the model's tokenizer."""
+    tokens: TokenRows | None = None
 
 
 @dataclass
@@ -56,7 +67,7 @@ def _read_text(path: Path, stats: CorpusStats) -> str:
         raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
     if b"\x00" in data[:1 << 16]:
         raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
-                        f".tokens or .jsonl file")
+                        f".tokens or .jsonl file (a token stream: name it .u16 or .u32, or PATH.bin:u16)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -81,8 +92,11 @@ class CorpusSource:
     spec: str
     text_field: str = "text"
     seed: int = 0
+    context: int = DEFAULT_CONTEXT  # window of a flat token stream
     stats: CorpusStats = dc_field(default_factory=CorpusStats)
     _sha: str | None = None
+    _kind: str | None = None
+    _tokens: TokenRows | None = None
 
     # -- documents ------------------------------------------------------------------------
     def _documents(self) -> list[str]:
@@ -104,16 +118,26 @@ class CorpusSource:
                 return self._hf("Salesforce/wikitext", f"{name}-raw-v1", arg or "validation",
                                 wikitext=True)
             path = Path(name)
+        kind = kind_of(path, arg)
+        if kind:
+            col = arg if kind == "parquet" and arg else (self.text_field if self.text_field != "text" else None)
+            self._tokens = read_tokens(path, kind, col, self.context)
+            self._sha, self._kind = self._tokens.sha256, kind
+            return []
         if path.suffix == ".tokens":
+            self._kind = "wikitext"
             return self._wikitext(path)
         if path.suffix in (".jsonl", ".ndjson"):
+            self._kind = "jsonl"
             return self._jsonl(path, arg or self.text_field)
+        self._kind = "text"
         return self._plain(path)
 
     def _embedded(self, split: str) -> list[str]:
         if split not in ("all", "train", "valid"):
             raise FfkvError(f"unknown split {split!r} of the embedded corpus; use train, valid or all")
         p = embedded_corpus_path()
+        self._kind = "embedded"
         self._sha = _sha256(p.read_bytes())
         data = json.loads(_read_text(p, self.stats))
         docs = [v.get("extract", "") for _, v in sorted(data.items())]
@@ -159,6 +183,12 @@ class CorpusSource:
         except Exception as e:  # noqa: BLE001
             raise FfkvError(f"could not load dataset {name!r} ({cfg}, {split}): "
                             f"{str(e).splitlines()[0][:160]}") from None
+        self._kind = "hf"
+        if not wikitext:
+            self._tokens = from_hf(ds, self.text_field, self.spec)
+            if self._tokens is not None:
+                self._sha, self._kind = self._tokens.sha256, "hf-tokens"
+                return []
         col = self.text_field if self.text_field in ds.column_names else ds.column_names[0]
         lines = ds[col]
         self._sha = _sha256("\n".join(lines).encode())
@@ -168,13 +198,32 @@ class CorpusSource:
 
     # -- sentences ------------------------------------------------------------------------
     def sentences(self, max_sentences: int | None = None, shuffle: bool = True) -> list[Sentence]:
-        """Documents in a seeded order, split into sentences, capped at max_sentences."""
+        """Documents in a seeded order, split into sentences, capped at max_sentences. A
+        pre-tokenized source's rows are its documents and its sentences (empty rows skipped)."""
         docs = self._documents()
-        self.stats.documents = len(docs)
-        order = (np.random.default_rng(self.seed).permutation(len(docs)) if shuffle
-                 else np.arange(len(docs)))
+        rows = self._tokens
+        n_docs = rows.n_rows if rows is not None else len(docs)
+        self.stats.documents = n_docs
+        order = (np.random.default_rng(self.seed).permutation(n_docs) if shuffle
+                 else np.arange(n_docs))
+        out = Sentences()
+        out.tokens = rows
+        if rows is not None:
+            for d in order:
+                if rows.offsets[d + 1] > rows.offsets[d]:
+                    out.append(Sentence(len(out), int(d), "", rows.row(d)))
+                    if max_sentences and len(out) >= max_sentences:
+                        break
+        else:
+            self._split(docs, order, max_sentences, out)
+        if not out:
+            raise FfkvError(f"corpus {self.spec or EMBEDDED!r} is empty: no sentences found")
+        self.stats.sentences = len(out)
+        return out
+
+    def _split(self, docs: list[str], order, max_sentences: int | None, out: list[Sentence]) -> None:
+        """Documents in `order` split into sentences, appended to `out` up to max_sentences."""
         nlp = _sentencizer()
-        out: list[Sentence] = []
         batch = 256
         for start in range(0, len(order), batch):
             idx = order[start:start + batch]
@@ -189,14 +238,21 @@ class CorpusSource:
                     break
             if max_sentences and len(out) >= max_sentences:
                 break
-        if not out:
-            raise FfkvError(f"corpus {self.spec or EMBEDDED!r} is empty: no sentences found")
-        self.stats.sentences = len(out)
-        return out
 
     @property
     def sha256(self) -> str | None:
         return self._sha
+
+    @property
+    def kind(self) -> str | None:
+        """What the source was (embedded, wikitext, jsonl, text, hf; pre-tokenized: parquet, npy,
+        u16, u32, hf-tokens), once read."""
+        return self._kind
+
+    @property
+    def details(self) -> dict:
+        """A pre-tokenized source's column, shape or window, for the manifest's record."""
+        return dict(self._tokens.details) if self._tokens is not None else {}
 
 
 def _sha256(b: bytes) -> str:
@@ -218,14 +274,26 @@ def _sentencizer():
     return _NLP
 
 
-def open_corpus(spec: str | None = None, field: str = "text", seed: int = 0) -> CorpusSource:
-    return CorpusSource(spec or EMBEDDED, text_field=field, seed=seed)
+def open_corpus(spec: str | None = None, field: str = "text", seed: int = 0,
+                context: int = DEFAULT_CONTEXT) -> CorpusSource:
+    return CorpusSource(spec or EMBEDDED, text_field=field, seed=seed, context=context)
 
 
-def tokenize(tokenizer, sentences: list[Sentence], max_length: int) -> tuple[list[list[int]], int]:
+def tokenize(tokenizer, sentences: list[Sentence], max_length: int,
+             vocab_size: int | None = None) -> tuple[list[list[int]], int]:
     """Token ids per sentence, cut to the model's context by the corpus rule
-    (`ffkv.model.context.fit_sentences`); returns (ids, n_truncated)."""
+    (`ffkv.model.context.fit_sentences`); returns (ids, n_truncated). A pre-tokenized source's ids
+    are taken as they are (no special tokens added), once checked against the model
+    (`TokenRows.check`: vocabulary, tokenizer, window), and their text is decoded from them."""
     from ffkv.model.context import fit_sentences
 
-    ids, cut = fit_sentences(tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"], max_length)
+    rows = getattr(sentences, "tokens", None)
+    if rows is not None:
+        rows.check(tokenizer, vocab_size, max_length)
+        enc = [s.token_ids for s in sentences]
+        for s, text in zip(sentences, tokenizer.batch_decode(enc, skip_special_tokens=True)):
+            s.text = text
+    else:
+        enc = tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"]
+    ids, cut = fit_sentences(enc, max_length)
     return ids, cut["sentences"]

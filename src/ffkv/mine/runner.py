@@ -68,7 +68,7 @@ def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
     run.save()
     if force or run.table_problem("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
             "settings_key") != s.key():
-        prepare_sentences(run, mm, s.corpus, s.max_sentences, seed=s.seed, field=s.field)
+        prepare_sentences(run, mm, s.corpus, s.max_sentences, seed=s.seed, field=s.field, context=s.context)
         run.manifest["corpora"]["sentences"]["settings_key"] = s.key()
         run.manifest["corpus"] = run.manifest["corpora"]["sentences"]
         run.manifest["counts"] = run.manifest["corpus"]["counts"]

@@ -64,7 +64,9 @@ class MineSettings:
     max_sentences: int | None = setting(None, "Cap on sentences (after a seeded shuffle of documents).",
                                         check=at_least(1))
     seed: int = setting(0, "Seed of the document order.", check=a_seed)
-    field: str = setting("text", "JSONL field holding the text.")
+    field: str = setting("text", "JSONL field holding the text (a Parquet corpus: the column of token ids).")
+    context: int = setting(128, "Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into.",
+                           check=between(1, 1 << 20))
     layers: list[int] | None = setting(None, "Layers to mine, e.g. 0,5,10-12. Default: all.", parse=_layers)
     dims: list[int] | None = setting(None, "Memory dims to mine, e.g. 0-99. Default: all.", parse=_dims)
     top_k: int = setting(50, "Trigger examples kept per key.", check=between(1, 10000), short="-t")
@@ -87,7 +89,7 @@ class MineSettings:
     # the field existed has the same record as the same command typed today: it resumes, or is
     # skipped when done, instead of being refused as "other settings". Whether such a run has
     # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
-    ADDED = {"stats": True, "samples_per_bin": 5}
+    ADDED = {"stats": True, "samples_per_bin": 5, "context": 128}
 
     def record(self) -> dict:
         """The settings that decide the tables (the recorded fields). `batch_tokens` is not among
