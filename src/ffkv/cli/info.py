@@ -46,7 +46,6 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     import sys
 
     from ffkv.defs import check_lens
-    from ffkv.experiments.explain import explain as run_explain
     from ffkv.model.context import check_truncate, truncation_note
     from ffkv.model.load import model_shape
     from ffkv.parse import parse_interventions
@@ -59,6 +58,8 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     shape = model_shape(model_name) or {}  # its shape from the config: no weight loaded yet
     parse_interventions(suppress, shape.get("layers"), shape.get("d_m"), scale=scale)
     mm = model(model_name, lens=lens)
+    from ffkv.experiments.explain import explain as run_explain  # torch: after the model's checks
+
     edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
     res = run_explain(mm, text, top, edits, at=at, contrast=contrast, truncate=truncate)
     note = truncation_note(res["truncated"])

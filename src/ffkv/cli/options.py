@@ -21,7 +21,9 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts.")
 
 def model(model: str | None, device: str = "auto", dtype: str = "auto", lens: str = "norm"):
     """Open a model for commands that work on a model rather than a run."""
-    from ffkv.model.load import quiet_hf
+    from ffkv.model.load import check_gguf, quiet_hf
+
+    check_gguf(model)  # before torch and transformers load
     from ffkv.model.memories import open_model
 
     quiet_hf()

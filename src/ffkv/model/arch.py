@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ffkv.errors import FfkvError
+
+if TYPE_CHECKING:  # torch is imported where a method needs it, so that the table of families
+    import torch   # (`supported`, a GGUF's refusal) loads without it
 
 
 def get_path(obj, path: str):
@@ -155,7 +156,11 @@ class Architecture:
     def head(self, cfg, z: torch.Tensor) -> torch.Tensor:
         """What the CausalLM does to the unembedded final state, here a soft-cap if any."""
         cap = getattr(text_config(cfg), self.softcap, None) if self.softcap else None
-        return torch.tanh(z / cap) * cap if cap else z
+        if not cap:
+            return z
+        import torch
+
+        return torch.tanh(z / cap) * cap
 
     # ---- hook sites --------------------------------------------------------------------------
     def _tokens(self, t: torch.Tensor, shape) -> torch.Tensor:
@@ -282,6 +287,8 @@ class PostNorm(Architecture):
 
     def inv_scale(self, blk, u: torch.Tensor) -> torch.Tensor:
         """1/s (..., 1) for the FFN's raw output u (..., d), as the post-FFN RMSNorm computes it."""
+        import torch
+
         uf = u.float()
         eps = self._eps(self.module(blk, self.post_norm))
         return torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps).to(u.dtype)
@@ -463,6 +470,8 @@ class MoE(Architecture):
 
     # ---- weights, all as (d_m, d) rows -------------------------------------------------------
     def _cat(self, routed: torch.Tensor, blk, shared: str) -> torch.Tensor:
+        import torch
+
         rows = routed.reshape(-1, routed.shape[-1])
         if self.shared:
             rows = torch.cat([rows, getattr(self.module(blk, self.shared), shared).weight])
@@ -489,6 +498,8 @@ class MoE(Architecture):
         return None
 
     def value_weight(self, blk):
+        import torch
+
         rows = self.experts(blk).down_proj.transpose(1, 2).reshape(-1, self.experts(blk).down_proj.shape[1])
         if self.shared:
             rows = torch.cat([rows, self.module(blk, self.shared).down_proj.weight.T])
@@ -511,6 +522,8 @@ class MoE(Architecture):
         """The router's choice for tokens x2 (N, d): weights (N, k) float32 and experts (N, k), as
         the family computes them: softmax over all experts, top-k, renormalised to sum 1 where
         the family does."""
+        import torch
+
         logits = torch.nn.functional.linear(x2, self.module(blk, self.router).weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, idx = torch.topk(probs, self.top_k(blk), dim=-1)
@@ -520,6 +533,8 @@ class MoE(Architecture):
 
     def coefficients(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
         """m (..., d_m) from the MoE block's input x (..., d), batched by expert."""
+        import torch
+
         ex = self.experts(blk)
         f = act or ex.act_fn
         E, de, ds = self.n_experts(blk), self.d_expert(blk), self.d_shared(blk)
@@ -541,6 +556,8 @@ class MoE(Architecture):
 
     def rebuild(self, blk, m):
         """Σ_(e,i) m_(e,i)·v_(e,i), expert by expert from the fused weights (no V formed)."""
+        import torch
+
         E, de = self.n_experts(blk), self.d_expert(blk)
         dn = self.experts(blk).down_proj  # (E, d, d_e)
         y = torch.einsum("...ei,edi->...d", m[..., :E * de].unflatten(-1, (E, de)), dn.to(m.dtype))
@@ -560,6 +577,8 @@ class MoE(Architecture):
         hook on the layer shares); fn runs at the block's output, where an edit m' adds
         Σ (m' − m)·v over the dims it changed. Hooks on one module run in the order registered, so
         a later fn (a capture) sees an earlier one's edit (an intervention)."""
+        import torch
+
         def on_in(mod, args):
             if "m" not in state:
                 state["m"] = self.coefficients(blk, args[0])
@@ -665,6 +684,7 @@ def _skeleton(cfg):
     try:
         import warnings
 
+        import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"), warnings.catch_warnings():

@@ -229,6 +229,14 @@ def gguf_metadata(path: Path, _memo: dict = {}) -> dict:
     return dict(out)
 
 
+def check_gguf(model: str | None) -> None:
+    """Refuse (FfkvError) an unsupported, broken or truncated GGUF from its header alone: callers
+    run it before importing torch or transformers (~1.5 s), so that such a file is refused at once."""
+    kind, where = locate(model)
+    if kind == "gguf":
+        gguf_metadata(where)
+
+
 @contextmanager
 def _quiet_gguf_bar():
     """transformers dequantizes a GGUF under its own tqdm bar, which `disable_progress_bar`
@@ -404,9 +412,8 @@ def model_shape(model: str | None) -> dict | None:
 def load_model(model: str | None = None, device: str = "auto", dtype: str = "auto"):
     """Returns (hf_model, tokenizer, ModelSpec). Never reaches the network unless allowed.
     A GGUF is checked from its header (`gguf_metadata`) before torch or transformers is imported."""
+    check_gguf(model)
     kind, where = locate(model)
-    if kind == "gguf":
-        gguf_metadata(where)
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
