@@ -112,6 +112,9 @@ def test_stream_windows_are_the_hand_cut(tiny_dirs, tmp_path):
     assert got.column("n_tokens").to_pylist() == [4, 4, 2]
     assert got.schema.names == ["sentence_id", "doc_id", "text", "token_ids", "n_tokens"]
     assert _manifest(out)["settings"]["mine"]["context"] == 4
+    res = run_cli("corpus", tmp_path / "t.u16", "--context", "3", "--model", tiny_dirs["gpt2"], "--json")
+    c = json.loads(res.stdout)
+    assert (c["kind"], c["context"], c["documents"], c["sentences"], c["tokens"]) == ("u16", 3, 4, 4, 10)
 
 
 def test_max_sentences_and_seed_pick_rows_as_for_documents(tmp_path):

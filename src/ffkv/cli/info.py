@@ -111,10 +111,11 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
 
 
 
-def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]. Default: embedded Wikipedia."),
+def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]; token ids: .parquet[:COLUMN], .npy (N, T), .u16/.u32 (or .bin:u16|u32). Default: embedded Wikipedia."),
            model_name: Optional[str] = ModelOpt,
            max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
-           field: str = typer.Option("text", "--field", help="JSONL field holding the text."),
+           field: str = typer.Option("text", "--field", help="JSONL field holding the text (a Parquet corpus: the column of token ids)."),
+           context: int = typer.Option(128, "--context", min=1, max=1 << 20, help="Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into."),
            seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the document order."),
            head: int = typer.Option(5, "--head", help="Sentences to print."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
@@ -123,10 +124,10 @@ def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help
     from ffkv.display import printable
 
     mm = model(model_name)
-    src = open_corpus(source, field=field, seed=seed)
+    src = open_corpus(source, field=field, seed=seed, context=context)
     sents = src.sentences(max_sentences=max_sentences)
-    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length)
-    counts = {"source": src.spec, "sha256": src.sha256, **src.stats.as_dict(),
+    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length, mm.vocab_size)
+    counts = {"source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, **src.stats.as_dict(),
               "tokens": sum(map(len, ids)), "truncated": n_trunc}
     if as_json:
         print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
