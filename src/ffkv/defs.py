@@ -8,6 +8,9 @@ from ffkv.errors import FfkvError
 LENSES = ("naive", "norm")
 PAPER_LENS = "naive"
 
+# The window, in tokens, that a flat token stream corpus is cut into (--context; ffkv.corpus.tokens).
+CORPUS_CONTEXT = 128
+
 
 def other_lens(lens: str) -> str:
     return LENSES[1 - LENSES.index(check_lens(lens))]

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from ffkv.cli.options import LensOpt, ModelOpt, model
+from ffkv.defs import CORPUS_CONTEXT
 from ffkv.errors import FfkvError
 
 
@@ -111,11 +112,11 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
 
 
 
-def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia[:train|valid], a .tokens/.jsonl/.txt file, hf:NAME[/CONFIG][:SPLIT]; token ids: .parquet[:COLUMN], .npy (N, T), .u16/.u32 (or .bin:u16|u32). Default: embedded Wikipedia."),
+def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help="wikipedia (or wikipedia:train, wikipedia:valid), a .tokens/.jsonl/.txt file, hf:NAME (hf:NAME/CONFIG:SPLIT); token ids: a .parquet (PATH.parquet:COLUMN), an (N, T) .npy, a .u16/.u32 stream (PATH.bin:u16). Default: embedded Wikipedia."),
            model_name: Optional[str] = ModelOpt,
            max_sentences: Optional[int] = typer.Option(None, "--max-sentences", min=1, help="Cap on sentences."),
            field: str = typer.Option("text", "--field", help="JSONL field holding the text (a Parquet corpus: the column of token ids)."),
-           context: int = typer.Option(128, "--context", min=1, max=1 << 20, help="Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into."),
+           context: int = typer.Option(CORPUS_CONTEXT, "--context", min=1, max=1 << 20, help="Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into."),
            seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the document order."),
            head: int = typer.Option(5, "--head", help="Sentences to print."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):

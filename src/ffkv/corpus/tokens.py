@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ffkv.defs import CORPUS_CONTEXT as DEFAULT_CONTEXT
 from ffkv.display import printable
 from ffkv.errors import FfkvError
 
 META_KEY = "tokenizer"
-DEFAULT_CONTEXT = 128
 STREAMS = {".u16": "<u2", ".u32": "<u4"}  # suffix -> dtype of a flat token stream
 WIDTHS = {"u16": "<u2", "u32": "<u4"}  # PATH.bin:WIDTH
 HF_COLUMNS = ("input_ids", "tokens")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ffkv.defs import LENSES
+from ffkv.defs import CORPUS_CONTEXT, LENSES
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
 from ffkv.steps import lazy
@@ -65,7 +65,7 @@ class MineSettings:
                                         check=at_least(1))
     seed: int = setting(0, "Seed of the document order.", check=a_seed)
     field: str = setting("text", "JSONL field holding the text (a Parquet corpus: the column of token ids).")
-    context: int = setting(128, "Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into.",
+    context: int = setting(CORPUS_CONTEXT, "Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into.",
                            check=between(1, 1 << 20))
     layers: list[int] | None = setting(None, "Layers to mine, e.g. 0,5,10-12. Default: all.", parse=_layers)
     dims: list[int] | None = setting(None, "Memory dims to mine, e.g. 0-99. Default: all.", parse=_dims)
@@ -89,7 +89,7 @@ class MineSettings:
     # the field existed has the same record as the same command typed today: it resumes, or is
     # skipped when done, instead of being refused as "other settings". Whether such a run has
     # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
-    ADDED = {"stats": True, "samples_per_bin": 5, "context": 128}
+    ADDED = {"stats": True, "samples_per_bin": 5, "context": CORPUS_CONTEXT}
 
     def record(self) -> dict:
         """The settings that decide the tables (the recorded fields). `batch_tokens` is not among
