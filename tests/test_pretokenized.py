@@ -253,3 +253,40 @@ def test_any_bytes_are_read_or_one_line(tiny_dirs, tmp_path, data, suffix):
             return
     if res.returncode != 0 or suffix in (".u16", ".u32"):
         one_line_error(res)
+
+
+LIST_TYPES = st.sampled_from(["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                              "float32", "string"])
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_parquet_list_column_is_read_or_one_line(tiny_dirs, tmp_path, data):
+    """Rows of any list type, with null rows and null ids: accepted exactly when the lists hold
+    integers, nothing is null, at least one id, all in the vocabulary."""
+    vocab = len(_tok(tiny_dirs))
+    kind = data.draw(LIST_TYPES)
+    item = st.text(max_size=3) if kind == "string" else (
+        st.floats(-2, vocab + 2, allow_nan=False) if kind == "float32" else st.integers(
+            max(-3, int(np.iinfo(kind).min)), min(vocab + 3, int(np.iinfo(kind).max))))
+    rows = data.draw(st.lists(st.none() | st.lists(st.none() | item, max_size=5), max_size=5))
+    f = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"ids": pa.array(rows, pa.list_(pa.from_numpy_dtype(np.dtype(kind))
+                                                            if kind != "string" else pa.string()))}), f)
+    ids = [v for r in rows if r is not None for v in r]
+    ok = (kind not in ("string", "float32") and all(r is not None for r in rows) and len(ids) > 0
+          and None not in ids and min(ids) >= 0 and max(ids) < vocab)
+    res = run_cli("corpus", f, "--model", tiny_dirs["gpt2"], "--json")
+    if ok:
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["tokens"] == len(ids)
+    else:
+        one_line_error(res)
+
+
+def test_context_enters_the_record_only_when_set():
+    """Runs mined before --context existed keep their record (so they resume, or are done)."""
+    from ffkv.steps.mine import MineSettings
+
+    assert "context" not in MineSettings().record()
+    assert MineSettings(context=64).record()["context"] == 64
