@@ -17,6 +17,9 @@ top(h) = argmax of `Lens.logits(h)` (ties: lowest token id, torch's argmax).
 
 Definitions and choices
 - Active memory: `is_active(m)` (m_i > 0, the paper's) and `is_active(m, eps)` (|m_i| > eps).
+  On a mixture of experts d_m counts every expert's memories and m is 0 on experts a token is
+  not routed to, so the active share is of all of them, at most memories_per_token / d_m (the
+  report says so beside Fig 7).
 - Mass: c_i = |m_i|·‖v_i‖₂. mass_top{1,10,50} = share of Σ c_i carried by the k largest c_i with
   k = ceil(p·d_m) for p = 1%, 10%, 50%.
 - Value tops: top(v_i) = argmax `Lens.direction_logits(v_i)`; top(-v_i) = argmin of the same

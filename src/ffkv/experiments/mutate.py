@@ -21,6 +21,9 @@ Conventions (documented because they are choices):
   negative ones (`sign=-1`) alike, −0.5 means the coefficient lost half of its value in the
   trigger's own direction, and a value below −1 means it changed sign. `rel_change` is NaN when
   old == 0 (left out of the summaries).
+- A mixture of experts: the coefficient carries the router's weight, so a mutation that routes the
+  token to other experts gives exactly 0 (rel_change −1): the key no longer fires. Nothing here
+  is specific to it (tests/test_moe_steps.py holds every coefficient to a brute force).
 
 Speed (the whole point of the engine below, `rescore`):
 - A re-scoring pass stops at the deepest layer its batch needs (`MemoryModel.capture`).
