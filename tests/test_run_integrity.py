@@ -10,6 +10,7 @@ import json
 import re
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,175 @@ def test_older_runs_without_table_records_still_count_as_done(mined, tiny_dirs, 
     res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
     assert res.returncode == 0 and "nothing to do" not in res.stdout, (res.stdout, res.stderr)
     assert run_cli("show", run, "-l", "0", "-d", "0").returncode == 0
+
+
+# ---- 1b. every step's tables, damaged: serve names them, the named command repairs them ---------------
+LATER_STEPS = ("values", "compose", "mutate", "patterns", "normalize")
+SMALL_STEPS = {"values": [], "compose": ["--corpus", VALID, "--prefixes", "5"], "mutate": ["--keys-per-layer", "1"],
+               "patterns": ["--semantic-keys-per-layer", "0"],
+               "normalize": ["--tokens", "200", "--fit-tokens", "100", "--sweep-tokens", "100"]}
+
+
+@pytest.fixture(scope="module")
+def full(mined, tmp_path_factory) -> Path:
+    """The mined run with every later step done, small."""
+    run = copy_run(mined, tmp_path_factory.mktemp("full") / "run")
+    for step in LATER_STEPS:
+        res = run_cli(step, run, *SMALL_STEPS[step])
+        assert res.returncode == 0, (step, res.stderr)
+    return run
+
+
+def tables_of(run: Path, step: str) -> list[str]:
+    return sorted(t for t, r in mine_manifest(run)["tables"].items() if r["step"] == step)
+
+
+def serve_error(run: Path) -> str:
+    """What `ffkv serve` meets first, in process: the app refuses to load a damaged run (FfkvError)."""
+    from ffkv.errors import FfkvError
+    from ffkv.web.app import create_app
+
+    with pytest.raises(FfkvError) as e:
+        create_app(run)
+    return str(e.value)
+
+
+def step_is_done(run: Path, step: str) -> bool:
+    from ffkv.steps.lifecycle import get, is_done
+    from ffkv.store.run import Run
+
+    r = Run(run)
+    return is_done(r, get(step), r.settings(step))
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "replace"])
+@pytest.mark.parametrize("step", ("mine", *LATER_STEPS))
+def test_every_table_damaged_is_named_by_serve(full, tmp_path, step, how):
+    """Each table of each step, damaged: serve refuses in one line naming it and the rebuild with
+    the run's own settings, and the step that wrote it no longer counts as done (so rerunning it
+    redoes it instead of answering "already done"). Serve used to start on a cut values table and
+    fail at the first page, and took a missing one for a step never run."""
+    from ffkv.steps.lifecycle import rebuild_command as expected
+    from ffkv.store.run import Run
+
+    tables = tables_of(full, step)
+    assert tables
+    want = expected(Run(full), step)
+    for table in tables:
+        run = copy_run(full, tmp_path / table)
+        damage(run, table, how)
+        line = serve_error(run)
+        assert "\n" not in line and f"the `{table}` table of" in line, line
+        assert line.endswith(f"rebuild it with `{want.replace(str(full), str(run))}`"), line
+        assert not step_is_done(run, step), table
+        shutil.rmtree(run)
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "replace"])
+def test_serve_command_refuses_a_damaged_run_in_one_line(full, tmp_path, how):
+    run = copy_run(full, tmp_path / "run")
+    damage(run, {"delete": "values", "truncate": "compose_layers", "replace": "mutations"}[how], how)
+    res = run_cli("serve", run, "--port", "0", fresh=True, timeout=120)
+    assert "rebuild it with `ffkv" in one_line_error(res, needle="table of")
+
+
+@pytest.mark.parametrize("step", LATER_STEPS)
+def test_the_named_command_repairs_each_step(full, tmp_path, step):
+    """The command serve names rebuilds the step with the settings it ran with (not the
+    command's defaults), and the run serves again."""
+    run = copy_run(full, tmp_path / "run")
+    tables = tables_of(run, step)
+    how = ("delete", "truncate", "replace")[LATER_STEPS.index(step) % 3]
+    damage(run, tables[0], how)
+    line = serve_error(run)
+    before = mine_manifest(run)["settings"][step]
+    res = run_cli(*rebuild_command(line))
+    assert res.returncode == 0, res.stderr
+    assert "already" not in res.stdout + res.stderr
+    assert mine_manifest(run)["settings"][step] == before
+    assert step_is_done(run, step)
+    from ffkv.web.app import create_app
+
+    create_app(run)
+
+
+# ---- 1c. a step checks its own outputs before it says done -----------------------------------------
+@dataclass(frozen=True)
+class NoSettings:
+    pass
+
+
+@pytest.fixture
+def plugin_steps():
+    """Steps registered in this process for one test (then forgotten)."""
+    from ffkv.steps import registry
+    from ffkv.steps import Step, register
+
+    made = []
+
+    def make(name, compute, tables=()):
+        made.append(name)
+        return register(Step(name, NoSettings, requires=("mine",), tables=tables, compute=compute))
+
+    yield make
+    for n in made:
+        registry._registered.pop(n, None)
+
+
+def lost_half(ctx):  # the write returns, the disk keeps half of it
+    p = ctx.run.write_table("t_out", {"x": list(range(5000))})
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def swapped(ctx):  # another table's file lands in its place after the write
+    p = ctx.run.write_table("t_out", {"x": list(range(100))})
+    shutil.copyfile(ctx.run.table_path("key_hist"), p)
+
+
+def miscounted(ctx):  # the record says other rows than the file holds
+    ctx.run.write_table("t_out", {"x": list(range(100))})
+    ctx.run.manifest["tables"]["t_out"]["rows"] = 99
+
+
+def never_written(ctx):  # declares t_out, writes nothing
+    return {}
+
+
+@pytest.mark.parametrize("compute, says", [
+    (lost_half, "is unreadable"), (swapped, "is not the table this run wrote"),
+    (miscounted, "holds 100 rows, not the 99 written"), (never_written, "is missing")])
+def test_a_step_checks_its_tables_before_done(mined, tmp_path, plugin_steps, compute, says):
+    from ffkv.errors import FfkvError
+    from ffkv.steps.lifecycle import execute, get, is_done
+    from ffkv.store.run import Run
+
+    name = f"t_{compute.__name__}"
+    plugin_steps(name, compute, tables=("t_out",))
+    run = Run(copy_run(mined, tmp_path / "run"))
+    with pytest.raises(FfkvError) as e:
+        execute(run, name, NoSettings(), log=lambda m: None)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"`{name}` did not finish: the `t_out` table of") and says in line, line
+    assert line.endswith(f"rerun `ffkv {name.replace('_', '-')} {run.path} --force`"), line
+    again = Run(run.path)  # what the manifest on disk says
+    assert again.step(name)["status"] == "failed" and says in again.step(name)["error"]
+    assert not is_done(again, get(name), {})
+
+
+def test_a_step_checks_its_inputs_before_it_starts(mined, tmp_path, plugin_steps):
+    from ffkv.errors import FfkvError
+    from ffkv.steps.lifecycle import execute
+    from ffkv.store.run import Run
+
+    called = []
+    plugin_steps("t_reads", lambda ctx: called.append(1) or {}, tables=())
+    run = copy_run(mined, tmp_path / "run")
+    damage(run, "key_samples", "truncate")
+    with pytest.raises(FfkvError, match="the `key_samples` table of .* rebuild it with `ffkv mine --out"):
+        execute(Run(run), "t_reads", NoSettings(), log=lambda m: None)
+    assert not called
+    assert execute(Run(copy_run(mined, tmp_path / "whole")), "t_reads", NoSettings(), log=lambda m: None).status == "done"
+    assert called == [1]
 
 
 # ---- 2. a run is one model's ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 import socket
 import subprocess
@@ -101,6 +102,15 @@ def index(web_app):
     return web_app.state.browser.wait_index(timeout=300)
 
 
+def as_older_run(run: Path) -> None:
+    """A copy left without some tables, made as a run of an older ffkv that never wrote them: its
+    manifest records none of them (a recorded table that is missing is damage, refused)."""
+    p = run / "manifest.json"
+    m = json.loads(p.read_text())
+    m["tables"] = {t: r for t, r in (m.get("tables") or {}).items() if (run / f"{t}.parquet").exists()}
+    p.write_text(json.dumps(m))
+
+
 @pytest.fixture(scope="session")
 def memory_client(web_run, tmp_path_factory):
     """The server on a copy of the run without `value_index` (a run made before the values step
@@ -113,6 +123,7 @@ def memory_client(web_run, tmp_path_factory):
 
     run = tmp_path_factory.mktemp("web-old") / "run"
     shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("value_index.parquet", "annotations.sqlite*"))
+    as_older_run(run)
     app = create_app(run, log_fn=lambda m: None)
     assert app.state.browser.index_status()["status"] == "absent"
     app.state.browser.wait_index(timeout=300)
@@ -391,6 +402,7 @@ def test_key_statistics(client, web_run, tmp_path):
     assert "Activation statistics" in page and 'class="hist"' in page and "Samples by activation level" in page
     bare = tmp_path / "bare"  # a run without them: no section, nothing breaks
     shutil.copytree(web_run, bare, ignore=shutil.ignore_patterns("key_*", "annotations.sqlite*"))
+    as_older_run(bare)
     c = TestClient(create_app(bare, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
     assert c.get("/api/memory/1/5").json()["stats"] is None
     r = c.get("/memory/1/5")
@@ -409,6 +421,7 @@ def test_a_run_with_only_mine(web_run, tmp_path):
     run.mkdir()
     for name in ("manifest.json", "sentences.parquet", "triggers.parquet", "vocab.parquet"):
         shutil.copy(web_run / name, run / name)
+    as_older_run(run)
     c = TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
     for url in ("/", "/memory/1/5", "/memory/1/5?top=50&annotate_sign=-1", "/search", "/search?sort=precision",
                 "/search?text=river", "/search?text=the&mode=token", "/annotations", "/sentence/3",
@@ -524,6 +537,7 @@ def test_overview(client, web_run, tmp_path):
     if (web_run / "key_stats.parquet").exists():  # without compose, the active share is key_stats' density
         bare = tmp_path / "no-compose"
         shutil.copytree(web_run, bare, ignore=shutil.ignore_patterns("compose_*", "annotations.sqlite*"))
+        as_older_run(bare)
         c = TestClient(create_app(bare, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
         act = duckdb.sql(f"select layer, avg(frac_active) from '{web_run}/key_stats.parquet' where sign = 1 "
                          f"group by layer order by layer").fetchall()

@@ -72,10 +72,11 @@ def fit_sentences(id_lists, max_len: int) -> tuple[list[list[int]], dict]:
 
 
 def sentences_note(table: str, n_cut: int, n: int | None = None, context: int | None = None) -> str | None:
-    """The stderr line for corpus sentences cut to the model's context (None when none was)."""
+    """The note (a step's `warn`: stderr) for corpus sentences cut to the model's context (None when
+    none was)."""
     if not n_cut:
         return None
     of = f" of {n:,}" if n is not None else ""
     cut = f"to their first {context:,} tokens" if context else "to it"
-    return (f"ffkv: {n_cut:,}{of} sentence(s) of `{table}` were longer than the model's context and were "
+    return (f"{n_cut:,}{of} sentence(s) of `{table}` were longer than the model's context and were "
             f"cut {cut} (at their end: the prefixes past the context are not read)")

@@ -125,12 +125,14 @@ def build_settings(step, values: dict):
 def flags(cls, record: dict) -> list[str]:
     """The command-line flags that give the fields of `record` (a recorded settings dict of the
     dataclass `cls`) where they differ from the command's defaults: a switch as its on or off
-    flag, a list as comma-separated values (the form --layers and --dims parse)."""
+    flag, a list as comma-separated values (the form --layers and --dims parse). A field recorded
+    under its flag's name (compose's n_prefixes as "prefixes") is found by it."""
     out = []
     for f in dataclasses.fields(cls):
-        if not spec(f).recorded or f.name not in record:
+        key = f.name if f.name in record else flag_name(f).lstrip("-").replace("-", "_")
+        if not spec(f).recorded or key not in record:
             continue
-        v, d = record[f.name], cli_default(f)
+        v, d = record[key], cli_default(f)
         if v is None or v == d or (isinstance(v, list) and not v):
             continue
         fl = flag(f)

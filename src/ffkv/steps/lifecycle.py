@@ -136,14 +136,18 @@ def step_tables(run, name: str, step: Step | None = None) -> list[str]:
     return list(dict.fromkeys([*(step.tables if step is not None else ()), *extra]))
 
 
-def table_problems(run, name: str, step: Step | None = None) -> list[tuple[str, str]]:
-    """(table, what is wrong) for each table of step `name` that is missing, cut short or foreign."""
-    return [(t, pr) for t in step_tables(run, name, step) if (pr := run.table_problem(t)) is not None]
+def table_problems(run, name: str, step: Step | None = None, known: bool = False) -> list[tuple[str, str]]:
+    """(table, what is wrong) for each table of step `name` that is missing, cut short or foreign.
+    `known`: only the tables the manifest records or the folder holds (a table an older ffkv never
+    wrote is missing to the step, which redoes itself, but no damage to a reader)."""
+    recs = run.manifest.get("tables") or {}
+    return [(t, pr) for t in step_tables(run, name, step) if not known or t in recs or run.has_table(t)
+            if (pr := run.table_problem(t)) is not None]
 
 
-def check_tables(run, name: str, step: Step | None = None) -> None:
+def check_tables(run, name: str, step: Step | None = None, known: bool = False) -> None:
     """One line naming the first damaged table of step `name` and the command that rebuilds it."""
-    bad = table_problems(run, name, step)
+    bad = table_problems(run, name, step, known)
     if bad:
         t, pr = bad[0]
         others = ", ".join(f"`{u}`" for u, _ in bad[1:])
@@ -153,17 +157,61 @@ def check_tables(run, name: str, step: Step | None = None) -> None:
                         f"`{rebuild_command(run, name)}`")
 
 
+def check_run(run) -> None:
+    """Every finished step's tables that the run records or holds, whole (`check_tables`): what a
+    reader of the whole run (`ffkv serve`) checks before it starts, so a damaged table is one line
+    naming its rebuild. An older run's table that was never written is left to the reader."""
+    for name, st in (run.manifest.get("steps") or {}).items():
+        if isinstance(st, dict) and st.get("status") == "done":
+            check_tables(run, name, get(name) if name in names() else None, known=True)
+
+
 def rebuild_command(run, name: str) -> str:
     """The command that redoes step `name` from scratch with the run's own settings: the step's
     `rebuild` arguments (mine: its --out, model, corpus and every flag that differs from the
-    default), else `ffkv NAME RUN`; then `--force`."""
+    default), else `ffkv NAME RUN` and the flags of its recorded settings that differ from the
+    command's defaults (`ffkv.steps.cli.flags`); then `--force`."""
+    import dataclasses
     import shlex
 
     step = get(name) if name in names() else None
-    if step is None or step.rebuild is None:
-        return f"{command(name, run)} --force"
-    return (f"ffkv {name.replace('_', '-')} " + " ".join(shlex.quote(a) for a in step.rebuild(run))
-            + " --force")
+    if step is not None and step.rebuild is not None:
+        args = [f"ffkv {name.replace('_', '-')}", *map(shlex.quote, step.rebuild(run))]
+    else:
+        args = [command(name, run)]
+        if step is not None and step.cli and dataclasses.is_dataclass(step.settings):
+            from ffkv.steps.cli import flags
+
+            args += map(shlex.quote, flags(step.settings, run.settings(name) or {}))
+    return " ".join([*args, "--force"])
+
+
+def verify_outputs(run, name: str, step: Step) -> None:
+    """Before a step says done: every table it wrote is what it recorded (`Run.verify_table`: the
+    footer reads, its digest, bytes and rows as written), else FfkvError, one line, and the step is
+    not done. A disk that lost a write, or a step that never wrote a table it declares, stops here
+    and not at the next reader."""
+    for t in step_tables(run, name, step):
+        pr = run.verify_table(t)
+        if pr is not None:
+            raise FfkvError(f"`{name}` did not finish: the `{t}` table of {run.path} {pr}; "
+                            f"rerun `{rebuild_command(run, name)}`")
+
+
+def corpus_notes(run, name: str, step: Step) -> list[str]:
+    """The notes for corpus sentences the step's tables hold cut to the model's context (the
+    manifest's `corpora.<table>.counts.truncated`; `ffkv.model.context.fit_sentences`)."""
+    from ffkv.model.context import sentences_note
+
+    corpora = run.manifest.get("corpora") or {}
+    context = (run.manifest.get("model") or {}).get("context")
+    notes = []
+    for t in step_tables(run, name, step):
+        c = (corpora.get(t) or {}).get("counts") or {}
+        n = (c.get("sentences") or 0) + (c.get("dropped_short") or 0)
+        if note := sentences_note(t, c.get("truncated") or 0, n or None, context):
+            notes.append(note)
+    return notes
 
 
 def is_done(run, step: Step, record: dict) -> bool:
@@ -220,8 +268,11 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
         run.start_step(name, record)
         try:
             info = step.compute(ctx) or {}
+            verify_outputs(run, name, step)
         except FfkvError as e:
             run.fail_step(name, str(e))
             raise
+        for note in corpus_notes(run, name, step):
+            ctx.warn(note)
         run.finish_step(name, **info)
     return Outcome(name, "done", dict(run.step(name)), ctx.result)

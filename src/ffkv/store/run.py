@@ -306,6 +306,21 @@ class Run:
                     f"cut short, or replaced by another file")
         return None
 
+    def verify_table(self, name: str) -> str | None:
+        """`table_problem`, then what a step checks before it says done: the footer parses as
+        Parquet and holds the rows recorded when it was written. None when whole."""
+        pr = self.table_problem(name)
+        if pr is not None:
+            return pr
+        try:
+            rows = pq.read_metadata(self.table_path(name)).num_rows
+        except (pa.ArrowException, OSError):
+            return "is unreadable (not a whole Parquet file: cut short, or another file)"
+        rec = (self.manifest.get("tables") or {}).get(name)
+        if rec is not None and rows != rec.get("rows"):
+            return f"holds {rows:,} rows, not the {rec.get('rows') or 0:,} written"
+        return None
+
     def read_table(self, name: str, columns=None, filters=None) -> pa.Table:
         from ffkv.store import query
 

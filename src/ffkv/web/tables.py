@@ -112,12 +112,14 @@ class RunTables:
     (a memory's code, a token's text, a sentence's row and tokens, a prefix, a permalink)."""
 
     def __init__(self, run_path, *, index_k: int | None = None, log=None):
+        from ffkv.steps.lifecycle import check_run
         from ffkv.store.run import Run
 
         self.log = log or (lambda msg: None)
         self.run = Run(run_path)
         self.path = Path(self.run.path)
         self.name = str(run_path)
+        check_run(self.run)  # every finished step's tables whole, or one line naming the rebuild
         query.check_triggers(self.run)
         man = self.run.manifest
         model = man.get("model") or {}

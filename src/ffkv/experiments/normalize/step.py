@@ -5,6 +5,7 @@ import time
 import pyarrow as pa
 
 from ffkv.errors import FfkvError
+from ffkv.model.context import sentences_note
 
 from ffkv.steps.normalize import (CAPACITY_DEPTHS, DEFAULT_CORPUS, STEP, TABLES,  # noqa: F401
                                   NormalizeSettings, default_capacity_layers, default_capacity_n, record,
@@ -36,9 +37,9 @@ def _sentences(mm, spec: str, seed: int, need: int):
     k = max(64, need // 10)
     while True:
         sents = src.sentences(max_sentences=k)
-        ids, _ = tokenize(mm.tok, sents, mm.max_length)
+        ids, n_cut = tokenize(mm.tok, sents, mm.max_length)
         if sum(map(len, ids)) >= 1.5 * need or len(sents) < k:
-            return src, sents, ids
+            return src, sents, ids, n_cut
         k *= 2
 
 
@@ -47,7 +48,9 @@ def split(mm, s: NormalizeSettings, warn=print) -> tuple[list, list, int, pa.Tab
     (2+ tokens) first, up to `tokens`; the fit split starts at the next document, up to
     `fit_tokens`; the sweep is the first sentences of the evaluation split, up to `sweep_tokens`."""
     spec = s.corpus or DEFAULT_CORPUS
-    src, sents, ids = _sentences(mm, spec, s.seed, s.tokens + s.fit_tokens)
+    src, sents, ids, n_cut = _sentences(mm, spec, s.seed, s.tokens + s.fit_tokens)
+    if note := sentences_note("normalize_sentences", n_cut, len(sents), mm.max_length):
+        warn(note)  # cut at their end, as every corpus's sentences (`ffkv.model.context.fit_sentences`)
     ev, fi, n_ev, n_fi, n_sw, n_sweep = [], [], 0, 0, 0, 0
     for i, t in enumerate(ids):
         if n_ev < s.tokens:
