@@ -1,6 +1,7 @@
 """Issue 26, Deliver 1 and 2 against the tiny Llama run of tests/test_web.py (`web_run`):
 
-- every example of a memory page (top, negative, samples) and of a sentence page opened with
+- every example of a memory page (top, negative, samples), of a search row (token and text search,
+  each row its own memory) and of a sentence page opened with
   `?memory=L/D` shows its sentence around the trigger, each token tinted by the memory's m, and
   those colours (read from `data-m` in Debian's chromium, and from the JSON endpoint) equal an
   independent forward of the model with a hook on the MLP's down projection input, written here;
@@ -157,6 +158,52 @@ def test_memory_page_examples_show_both_sides(client, web_run):  # noqa: F811
     assert after > 0
 
 
+# ---- Deliver 1: search rows -----------------------------------------------------------------------
+SEARCH_PAGES = ("/search?token=the", "/search?token=the&dir=suppress", "/search?text=the", "/search?text=the&mode=token")
+SEARCH_EXAMPLE = re.compile(r'<span class="ex prefix" data-sid="(\d+)" data-pos="(\d+)" data-memory="(\d+)/(\d+)">')
+
+
+def test_search_rows_examples_and_their_colours(client, web_run, hf):  # noqa: F811
+    """Token and text search rows each show an example of the row's memory (token search: its
+    top trigger; text search: the best-ranked matching prefix), and the page's colours (the JSON
+    its `data-act-src` names) equal a hooked forward, per memory."""
+    model, _ = hf
+    sents = sentences(web_run)
+    t = triggers(web_run)
+    best = t.sort_values(["layer", "dim", "sign", "rank"], ascending=[True, True, False, True]).groupby(
+        ["layer", "dim"]).first()
+    checked = 0
+    for url in SEARCH_PAGES:
+        html = client.get(url).text
+        exs = [tuple(int(x) for x in g) for g in SEARCH_EXAMPLE.findall(html)]
+        assert exs, url
+        api = client.get("/api" + url).json()["results"]
+        assert [(e[2], e[3], e[0], e[1]) for e in exs] == [
+            (r["layer"], r["dim"], r["sentence_id"], r["position"]) for r in api if r.get("sentence_id") is not None]
+        for r in api:
+            if "token=" in url:  # the memory's top trigger
+                b = best.loc[(r["layer"], r["dim"])]
+                assert (r["sentence_id"], r["position"]) == (int(b.sentence_id), int(b.position))
+        src = re.search(r'data-act-src="([^"]+)"', html).group(1).replace("&amp;", "&")
+        assert src.startswith("/api/activations?examples=")
+        j = client.get(src).json()
+        for sid, pos, layer, dim in exs:
+            g = j["memories"][f"{layer}/{dim}"]
+            e = g["examples"][str(sid)]
+            assert e["start"] <= pos < e["start"] + len(e["m"])
+        for key, g in j["memories"].items():
+            assert key == f"{g['layer']}/{g['dim']}"
+            assert g["scale"] == pytest.approx(max(abs(x) for e in g["examples"].values() for x in e["m"]))
+            checked += check_against_hook(model, sents, g["layer"], g["dim"], g["examples"])
+        for r in api:  # text search: the coefficient at the row's trigger is its best coefficient
+            if "best_coef" in r:
+                e = j["memories"][f"{r['layer']}/{r['dim']}"]["examples"][str(r["sentence_id"])]
+                assert e["m"][r["position"] - e["start"]] == pytest.approx(r["best_coef"], abs=ATOL, rel=RTOL)
+        again = client.get(src).json()
+        assert again["computed"] == 0 and again["memories"] == j["memories"]
+    assert checked > 0
+
+
 # ---- Deliver 1: in a browser ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(web_run):  # noqa: F811
@@ -231,6 +278,47 @@ def test_memory_page_colours_in_chromium(served, chromium, web_run, hf):  # noqa
     page.goto(f"{served}/memory/{layer}/{dim}")
     page.wait_for_selector("[data-act-src][data-state=done]", timeout=30_000)
     assert "from the cache" in page.locator("[data-act-src]").first.text_content()
+    page.close()
+
+
+READ_ROW_TOKENS = """() => Array.from(document.querySelectorAll('.ex[data-memory] .tk[data-i]')).map(t => [
+  t.closest('.ex').dataset.memory, +t.closest('.ex').dataset.sid, +t.dataset.i,
+  t.dataset.m === undefined ? null : +t.dataset.m, t.className, t.title])"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("url", ["/search?token=the", "/search?text=the"])
+def test_search_rows_colour_in_chromium(served, chromium, web_run, hf, url):  # noqa: F811
+    """Every token of every search row is tinted by its own row's memory: the `data-m` values read
+    in chromium equal a hooked forward of that memory, and each row's strongest tint is its
+    memory's largest |m| shown."""
+    model, _ = hf
+    sents = sentences(web_run)
+    page = chromium.new_page()
+    page.goto(served + url)
+    page.wait_for_selector("[data-act-src][data-state=done]", timeout=120_000)
+    toks = page.evaluate(READ_ROW_TOKENS)
+    assert toks and all(m is not None for *_, m, _, _ in toks), "every token shown is coloured"
+    assert len({mem for mem, *_ in toks}) > 1, "rows of several memories"
+    last: dict[tuple[str, int], int] = {}
+    for mem, sid, i, *_ in toks:
+        last[(mem, sid)] = max(last.get((mem, sid), 0), i)
+    top: dict[str, float] = {}
+    for (mem, sid), n in last.items():
+        layer, dim = (int(x) for x in mem.split("/"))
+        ref = hooked_m(model, layer, dim, sents[sid][: n + 1])
+        for mem2, sid2, i, m, cls, title in toks:
+            if (mem2, sid2) == (mem, sid):
+                assert m == pytest.approx(ref[i], abs=ATOL, rel=RTOL), (mem, sid, i)
+                assert "m = " in title
+                lv = re.search(r"\bm([pn])(\d)\b", cls)
+                if lv:
+                    assert (lv.group(1) == "p") == (m > 0)
+                top[mem] = max(top.get(mem, 0.0), abs(m))
+    for mem, big in top.items():  # each memory's own scale: its largest |m| carries the top tint
+        if big > 0:
+            assert any(m2 == mem and abs(m) == big and re.search(r"\bm[pn]8\b", cls) for m2, _, _, m, cls, _ in toks), mem
+    assert "each row's memory" in page.locator("[data-act-src]").first.text_content()
     page.close()
 
 
@@ -364,7 +452,8 @@ NUMBERISH = st.one_of(st.integers(-10**12, 10**12).map(str), st.floats(allow_nan
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(v=NUMBERISH, which=st.sampled_from(["continue", "top", "sentence", "sign", "samples", "memory", "pos"]))
+@given(v=NUMBERISH, which=st.sampled_from(["continue", "top", "sentence", "sign", "samples", "memory", "pos",
+                                            "examples", "example_pos"]))
 def test_parameters_never_500(client, web_run, v, which):  # noqa: F811
     layer, dim = 0, 0
     urls = {
@@ -375,6 +464,8 @@ def test_parameters_never_500(client, web_run, v, which):  # noqa: F811
         "samples": (f"/api/memory/{layer}/{dim}/activations", {"samples": v, "top": "3"}),
         "memory": ("/sentence/0", {"memory": v}),
         "pos": ("/sentence/0", {"memory": "0/0", "pos": v}),
+        "examples": ("/api/activations", {"examples": v}),
+        "example_pos": ("/api/activations", {"examples": f"0/0/0/{v}"}),
     }
     path, params = urls[which]
     r = client.get(path, params=params)
@@ -384,11 +475,14 @@ def test_parameters_never_500(client, web_run, v, which):  # noqa: F811
         one_line_4xx(r)
     elif path.startswith("/api/"):
         j = r.json()
-        assert all(x is None or np.isfinite(x) for e in j["examples"].values() for x in e["m"])
+        for g in j.get("memories", {"": j}).values():
+            assert all(x is None or np.isfinite(x) for e in g["examples"].values() for x in e["m"])
 
 
 def test_memory_out_of_range_is_404(client):  # noqa: F811
-    for u in ("/api/memory/99/0/activations", "/api/memory/0/99999/activations", "/sentence/0?memory=99/0"):
+    for u in ("/api/memory/99/0/activations", "/api/memory/0/99999/activations", "/sentence/0?memory=99/0",
+              "/api/activations?examples=99/0/0/0", "/api/activations?examples=0/0/99999999/0",
+              "/api/activations?examples=0/0/0/99999", "/api/activations?examples=" + ",".join(["0/0/0/0"] * 501)):
         r = client.get(u)
         assert r.status_code in (404, 422), (u, r.status_code)
         one_line_4xx(r)

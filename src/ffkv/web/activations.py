@@ -5,19 +5,24 @@ with `?memory=L/D`, show each example as a window of its sentence around the tri
 `<span class="tk" data-i=…>` per token (`example_html`): the page needs no model and works
 without JavaScript. `static/app.js` then fetches `/api/memory/L/D/activations?…` and tints
 every token by the memory's coefficient m at that position (signed: two hues), with the value
-in `data-m` and the token's title (hover) and shown on focus.
+in `data-m` and the token's title (hover) and shown on focus. Search rows show one example
+each, of the row's own memory (`data-memory="L/D"` on the example), and their page fetches
+`/api/activations?examples=L/D/SID/POS,…` (`act_src`) the same way: one colouring path,
+one scale per memory.
 
 The coefficients come from the run's model (`Browser.model()`, the one verify and the explorer
 use): the page's sentences in a few padded batches, each forward stopped after the memory's
 layer (`MemoryModel.capture(layers=[L])` raises its private stop from a hook on that block, so
 the later layers never run), reduced to the one dim at once by the capture's callback. m at
 token j depends only on tokens ≤ j (a causal model; right padding is masked), so one forward
-over a sentence gives every window of it. Results are cached per (layer, dim, sentence), up to
-`CACHE_FLOATS` numbers in all: a page seen before is coloured at once.
+over a sentence gives every window of it, and one forward gives every memory a page asks of
+that sentence (each layer's few dims picked at once). Results are cached per (layer, dim,
+sentence), up to `CACHE_FLOATS` numbers in all: a page seen before is coloured at once.
 
-JSON (`activations()`): {layer, dim, scale (largest |m| returned, what the tint is relative
-to), examples: {sentence_id: {start, m: [m at tokens start, start+1, …]}}, computed (sentences
-computed now), seconds}.
+JSON of one memory (`activations()`): {layer, dim, scale (largest |m| returned, what the tint
+is relative to), examples: {sentence_id: {start, m: [m at tokens start, start+1, …]}}, computed
+((memory, sentence) pairs computed now), seconds}. Of several (`activations_many()`):
+{memories: {"L/D": {layer, dim, scale, examples}}, computed, seconds}.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ BATCH_TOKENS = 4096  # padded tokens per forward
 CACHE_FLOATS = 4_000_000  # numbers kept in the cache (16 MB)
 LEVELS = 8  # tint steps per sign (classes mp1..mp8, mn1..mn8 in style.css)
 MEMORY = re.compile(r"\s*(\d{1,6})\s*[/:]\s*(\d{1,9})\s*")
+EXAMPLE = re.compile(r"(\d{1,6})/(\d{1,9})/(\d{1,19})/(\d{1,9})")  # L/D/SID/POS of `act_src`
+MAX_EXAMPLES = 500  # examples of one /api/activations request (a search page's rows)
 
 
 # ---- the markup ---------------------------------------------------------------------------------
@@ -48,9 +55,10 @@ def window(n: int, position: int) -> tuple[int, int]:
     return max(0, position + 1 - BEFORE), min(n, position + 1 + AFTER)
 
 
-def example_html(b, sentence_id: int, position: int) -> Markup:
+def example_html(b, sentence_id: int, position: int, layer: int | None = None, dim: int | None = None) -> Markup:
     """A trigger's example: its sentence's tokens from `window`, each `<span class="tk"
-    data-i=…>` (the trigger a `<mark>`), an ellipsis where the sentence goes on."""
+    data-i=…>` (the trigger a `<mark>`), an ellipsis where the sentence goes on. With layer and
+    dim (a search row), the example names its memory, which the page's colours follow."""
     try:
         row = b.sentence_row(int(sentence_id))
     except NotFound:
@@ -59,7 +67,8 @@ def example_html(b, sentence_id: int, position: int) -> Markup:
     position = int(position)
     start, end = window(len(toks), position)
     vocab = b.vocab
-    out = [f'<span class="ex prefix" data-sid="{int(sentence_id)}" data-pos="{position}">']
+    mem = f' data-memory="{int(layer)}/{int(dim)}"' if layer is not None and dim is not None else ""
+    out = [f'<span class="ex prefix" data-sid="{int(sentence_id)}" data-pos="{position}"{mem}>']
     if start > 0:
         out.append('<span class="muted">…</span>')
     for i in range(start, end):
@@ -108,7 +117,32 @@ def explore_links(m: dict, b) -> list[dict] | None:
                                             "url": Query(text=text).url(**{"continue": CONTINUE})}]
 
 
-templates.globals.update(example=example_html, with_memory=with_memory, explore_links=explore_links)
+def act_src(rows) -> str | None:
+    """The colours' URL of a search page: one example per row that has one (layer, dim,
+    sentence_id, position), at most MAX_EXAMPLES; None when no row has one."""
+    ex = [f"{int(r['layer'])}/{int(r['dim'])}/{int(r['sentence_id'])}/{int(r['position'])}"
+          for r in rows if r.get("sentence_id") is not None and r.get("position") is not None]
+    return "/api/activations?examples=" + ",".join(ex[:MAX_EXAMPLES]) if ex else None
+
+
+def parse_examples(v: str | None) -> list[tuple[int, int, int, int]]:
+    """`L/D/SID/POS,…` of /api/activations: a BadQuery (one line) unless 1..MAX_EXAMPLES of them."""
+    parts = [x for x in str(v or "").split(",") if x.strip()]
+    if not parts:
+        raise BadQuery("examples: give LAYER/DIM/SENTENCE/POSITION, comma-separated, e.g. 2/17/40/3")
+    if len(parts) > MAX_EXAMPLES:
+        raise BadQuery(f"examples: at most {MAX_EXAMPLES} (got {len(parts)})")
+    out = []
+    for x in parts:
+        mt = EXAMPLE.fullmatch(x.strip())
+        if not mt:
+            raise BadQuery(f"examples: each is LAYER/DIM/SENTENCE/POSITION, e.g. 2/17/40/3 (got {x.strip()[:40]!r})")
+        out.append(tuple(int(g) for g in mt.groups()))
+    return out
+
+
+templates.globals.update(example=example_html, with_memory=with_memory, explore_links=explore_links,
+                         act_src=act_src)
 
 
 # ---- the cache ----------------------------------------------------------------------------------
@@ -182,60 +216,91 @@ def spans(b, examples) -> dict[int, tuple[int, int]]:
 
 
 # ---- the forward --------------------------------------------------------------------------------
-def compute(mm, layer: int, dim: int, seqs: list[list[int]], lock=None) -> list[np.ndarray]:
-    """m of memory (layer, dim) at every token of each sequence: batched, padded on the right,
-    each forward stopped after `layer`."""
+def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=None) -> list[dict]:
+    """m at every token of each sequence, for the memories `jobs[i]` ((layer, dim) pairs) asks
+    of sequence i: {(layer, dim): m}. Batched, padded on the right, each forward stopped after
+    the deepest layer its batch needs, each captured layer reduced to its asked dims at once."""
     import torch
 
     from ffkv.corpus.batching import pack
 
-    out: list[np.ndarray | None] = [None] * len(seqs)
+    out: list[dict] = [{} for _ in seqs]
     for idx in pack([len(s) for s in seqs], batch_tokens=BATCH_TOKENS, max_batch=64):
         idx = [int(i) for i in idx]
+        dims: dict[int, list[int]] = {}
+        for i in idx:
+            for layer, dim in jobs[i]:
+                dims.setdefault(layer, []).append(dim)
+        dims = {layer: sorted(set(ds)) for layer, ds in dims.items()}
         got = {}
 
-        def keep(l, name, t):  # (B, T, d_m) -> (B, T) of the one dim, at once
-            got["m"] = t[..., dim].float().cpu()
+        def keep(l, name, t):  # (B, T, d_m) -> (B, T, the layer's asked dims), at once
+            got[l] = t[..., dims[l]].float().cpu().numpy()
 
         ids, mask = mm.batch([seqs[i] for i in idx])
         with (lock or threading.Lock()), torch.no_grad():
-            mm.capture(ids, mask, layers=[layer], what=("m",), callback=keep)
-        m = got["m"].numpy()
+            mm.capture(ids, mask, layers=sorted(dims), what=("m",), callback=keep)
         for j, i in enumerate(idx):
-            out[i] = m[j, :len(seqs[i])].astype(np.float32)
+            for layer, dim in jobs[i]:
+                out[i][(layer, dim)] = got[layer][j, :len(seqs[i]), dims[layer].index(dim)].astype(np.float32)
     return out
 
 
-def activations(b, app_state, layer: int, dim: int, examples) -> dict:
-    """The JSON the page's script reads (the module docstring lists its fields)."""
+def activations_many(b, app_state, items) -> dict:
+    """m at the tokens of each example `items` names ((layer, dim, sentence_id, position), the
+    position None for a whole sentence), from the cache or one batched computation; the JSON
+    of several memories (the module docstring lists its fields)."""
     t0 = time.time()
-    b.check_key(layer, dim)
-    need = spans(b, examples)
+    asked: dict[tuple[int, int], list] = {}
+    for layer, dim, sid, pos in items:
+        asked.setdefault((int(layer), int(dim)), []).append((int(sid), pos))
+    for layer, dim in asked:
+        b.check_key(layer, dim)
+    need = {k: spans(b, ex) for k, ex in asked.items()}  # memory -> {sid: (start, end)}
     c = cache(app_state)
-    key = lambda sid: (layer, dim, sid)  # noqa: E731
-    have = {sid: c.get(key(sid), e) for sid, (s, e) in need.items()}
-    missing = [sid for sid, v in have.items() if v is None]
+
+    def look():
+        return [(k, sid) for k, sp in need.items() for sid in sp if have.get((k, sid)) is None]
+
+    have = {(k, sid): c.get((*k, sid), e) for k, sp in need.items() for sid, (s, e) in sp.items()}
+    missing = look()
     computed = 0
     if missing:
         with c.compute:
-            for sid in missing:  # another request may have computed them meanwhile
-                have[sid] = c.get(key(sid), need[sid][1])
-            missing = [sid for sid, v in have.items() if v is None]
+            for k, sid in missing:  # another request may have computed them meanwhile
+                have[(k, sid)] = c.get((*k, sid), need[k][sid][1])
+            missing = look()
             if missing:
                 mm = b.model()
-                seqs = [b.sentence_tokens(b.sentence_row(sid))[:need[sid][1]].tolist() for sid in missing]
-                for sid, m in zip(missing, compute(mm, layer, dim, seqs, b.model_lock)):
-                    c.put(key(sid), m)
-                    have[sid] = m
+                end: dict[int, int] = {}
+                jobs: dict[int, list] = {}
+                for k, sid in missing:
+                    end[sid] = max(end.get(sid, 0), need[k][sid][1])
+                    jobs.setdefault(sid, []).append(k)
+                sids = list(jobs)
+                seqs = [b.sentence_tokens(b.sentence_row(sid))[:end[sid]].tolist() for sid in sids]
+                for sid, ms in zip(sids, compute(mm, seqs, [jobs[sid] for sid in sids], b.model_lock)):
+                    for k, m in ms.items():
+                        c.put((*k, sid), m)
+                        have[(k, sid)] = m
                 computed = len(missing)
-    ex, scale = {}, 0.0
-    for sid, (s, e) in need.items():
-        m = have[sid][s:e]
-        vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in m.tolist()]
-        scale = max([scale] + [abs(x) for x in vals if x is not None])
-        ex[str(sid)] = {"start": s, "m": vals}
-    return {"layer": layer, "dim": dim, "scale": scale, "examples": ex, "computed": computed,
-            "seconds": round(time.time() - t0, 3)}
+    memories = {}
+    for (layer, dim), sp in need.items():
+        ex, scale = {}, 0.0
+        for sid, (s, e) in sp.items():
+            vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in have[((layer, dim), sid)][s:e].tolist()]
+            scale = max([scale] + [abs(x) for x in vals if x is not None])
+            ex[str(sid)] = {"start": s, "m": vals}
+        memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": scale, "examples": ex}
+    return {"memories": memories, "computed": computed, "seconds": round(time.time() - t0, 3)}
+
+
+def activations(b, app_state, layer: int, dim: int, examples) -> dict:
+    """The JSON of one memory's page (the module docstring lists its fields)."""
+    b.check_key(layer, dim)
+    j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples])
+    one = j["memories"].get(f"{layer}/{dim}") or {"layer": layer, "dim": dim, "scale": 0.0, "examples": {}}
+    return {**one, "computed": j["computed"], "seconds": j["seconds"]}
 
 
 def parse_memory(v: str | None) -> tuple[int, int] | None:

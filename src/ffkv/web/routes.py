@@ -16,7 +16,8 @@ Public URLs (links get shared; keep them):
   (`ffkv.web.neighbours`).
 - `/api/memory/{layer}/{dim}/activations?top=&sign=&samples=` (or `?sentence=N`): the memory's
   coefficient m at every token of the examples its page shows (`ffkv.web.activations`; the pages'
-  script tints the tokens with it).
+  script tints the tokens with it); `/api/activations?examples=L/D/SID/POS,…`: the same for
+  several memories at once (a search page's rows, each its own memory).
 More: `/sentence/{id}` (a trigger's provenance; permalink; `?memory=L/D` tints it by that memory), `/annotations` (who annotated what;
 the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
 model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs checked by
@@ -242,6 +243,10 @@ def api_index(request: Request):
         "/api/search?…&format=csv": "every row of a search as CSV (also ?format=csv|json on /, /search, "
                                     "/layer/N, /annotations; /memory/L/D/triggers.csv|json)",
         "/api/search?text=…&mode=summary": "memories whose one-line summary of measurements contains the words",
+        "/api/memory/{layer}/{dim}/activations?top=25": "the memory's coefficient m at every token of its "
+                                                        "page's examples (or ?sentence=N: of one sentence)",
+        "/api/activations?examples=L/D/SENTENCE/POSITION,…": "m of each example's memory at every token around "
+                                                              "its trigger (a search page's rows)",
     }})
 
 
@@ -663,6 +668,20 @@ def api_activations(request: Request, layer: int, dim: int, top: str | None = No
         examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
                                              samples != "none", opt_sign(sign))
     return api(activations.activations(b, request.app.state, layer, dim, examples))
+
+
+@router.get("/api/activations", dependencies=[Depends(no_cross_site_fetch)])
+def api_activations_many(request: Request, examples: str | None = None):
+    """m of each example's memory at every token of its window (`examples`: LAYER/DIM/SENTENCE/
+    POSITION, comma-separated; a search page asks for its rows)."""
+    b = state(request)
+    items = activations.parse_examples(examples)
+    for layer, dim, sid, pos in items:
+        b.check_key(layer, dim)
+        n = len(b.sentence_tokens(b.sentence_row(sid)))  # 404 for a sentence not in the run
+        if pos >= n:
+            raise BadQuery(f"examples: sentence {sid} has {n} tokens, so no position {pos}")
+    return api(activations.activations_many(b, request.app.state, items))
 
 
 @router.get("/api/sentence/{sid}")

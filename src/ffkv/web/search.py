@@ -162,9 +162,21 @@ class Search:
                     "token_text": self.b.tok(cols["token"][i]), "rank": int(cols["rank"][i]),
                     "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
                     "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]])} for i in sel]
+        for r in results:  # each row's example: its memory's top trigger (the page colours it by m)
+            r["sentence_id"], r["position"] = self.top_trigger(r["layer"], r["dim"])
         return {**base, "status": "ready", "total": total, "memories": int(len(np.unique(mem))),
                 "results": results, "index_k": idx.k,
                 "index_source": idx.source}
+
+    def top_trigger(self, layer: int, dim: int) -> tuple[int | None, int | None]:
+        """(sentence_id, position) of a memory's best trigger: rank 1 of its top list, else of its
+        most negative one; (None, None) for a memory not mined."""
+        rows = self.b.trig.indices(layer, dim)
+        if not len(rows):
+            return None, None
+        best = min(rows.tolist(), key=lambda i: (-int(self.b.trig_sign[i]), int(self.b.trig_rank[i])))
+        t = self.b.trig.table
+        return int(t.column("sentence_id")[best].as_py()), int(t.column("position")[best].as_py())
 
     def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
                     sort: str | None = None, order: str | None = None, page: int = 1,

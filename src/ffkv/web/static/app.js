@@ -83,9 +83,11 @@
 })();
 
 // ---- Per-token coefficients (issue 26; ffkv.web.activations) -------------------------------------
-// A page with an element [data-act-src] (a memory page, a sentence page opened with ?memory=L/D)
-// fetches that JSON and tints every token `.ex[data-sid] .tk[data-i]` by the memory's coefficient
-// m there: classes mp1..mp8 (positive) and mn1..mn8 (negative), relative to the largest |m| shown.
+// A page with an element [data-act-src] (a memory page, a sentence page opened with ?memory=L/D,
+// a search page) fetches that JSON and tints every token `.ex[data-sid] .tk[data-i]` by the
+// memory's coefficient m there: classes mp1..mp8 (positive) and mn1..mn8 (negative), relative to
+// the largest |m| shown of that memory. One memory's JSON has {scale, examples}; a search page's
+// has {memories: {"L/D": {scale, examples}}}, and each example names its memory (data-memory).
 // The value goes into data-m and the token's title (hover); a focused token shows it (style.css),
 // and the arrow keys move between an example's tokens. Without this script the page shows the
 // same examples, uncoloured.
@@ -102,10 +104,12 @@
     return (a !== 0 && (a < 1e-3 || a >= 1e4)) ? x.toExponential(3) : x.toFixed(4);
   }
   function paint(j) {
-    var scale = j.scale || 0, n = 0;
+    var n = 0, many = !!j.memories;
     document.querySelectorAll(".ex[data-sid]").forEach(function (ex) {
-      var e = j.examples[ex.dataset.sid];
+      var g = many ? j.memories[ex.dataset.memory] : j;
+      var e = g && g.examples[ex.dataset.sid];
       if (!e) return;
+      var scale = g.scale || 0;
       var first = null, anchor = null;
       ex.querySelectorAll(".tk[data-i]").forEach(function (t) {
         var i = parseInt(t.dataset.i, 10), k = i - e.start;
@@ -126,10 +130,15 @@
     });
     status.dataset.state = "done";
     status.textContent = "";
-    var how = j.computed ? "computed now for " + j.computed + " sentence" + (j.computed === 1 ? "" : "s") +
+    var what = many ? " example" : " sentence";
+    var how = j.computed ? "computed now for " + j.computed + what + (j.computed === 1 ? "" : "s") +
       " in " + j.seconds + " s" : "from the cache";
-    status.append("Tokens tinted by m of memory " + j.layer + "/" + j.dim + " (" + n + " tokens, " + how + "): ");
-    [["mp" + LEVELS, "+" + show(scale)], ["mn" + LEVELS, "−" + show(scale)]].forEach(function (p) {
+    var scale = j.scale || 0;
+    status.append(many ? "Tokens tinted by m of each row's memory, relative to its largest |m| shown (" + n +
+                  " tokens, " + how + "): " : "Tokens tinted by m of memory " + j.layer + "/" + j.dim + " (" + n +
+                  " tokens, " + how + "): ");
+    [["mp" + LEVELS, many ? "+ largest" : "+" + show(scale)],
+     ["mn" + LEVELS, many ? "− largest" : "−" + show(scale)]].forEach(function (p) {
       var s = document.createElement("span");
       s.className = "act-key " + p[0];
       s.textContent = p[1];
