@@ -115,3 +115,20 @@ def test_corpus_steps_take_no_truncate_side(cmd, tmp_path):
     args = ["mine", "--out", tmp_path / "r"] if cmd == "mine" else [cmd, tmp_path / "r"]
     line = one_line_error(run_cli(*args, "--truncate", "left"), needle="--truncate")
     assert "No such option" in line
+
+
+def test_pre_tokenized_rows_past_the_context_are_cut_and_said(tiny_dirs, tmp_path):
+    """Rows of ids (an (N, T) .npy) meet the same rule: cut at their end, counted, said."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    rows = np.random.default_rng(0).integers(1, 500, size=(4, 200)).astype(np.int32)
+    src = tmp_path / "ids.npy"
+    np.save(src, rows)
+    run = tmp_path / "run"
+    res = run_cli("mine", "--out", run, "--model", tiny_dirs["gpt2"], "--corpus", src, "--top-k", "3")
+    assert res.returncode == 0, res.stderr
+    assert "4 of 4 sentence(s) of `sentences` were longer than the model's context" in res.stderr, res.stderr
+    stored = {r["sentence_id"]: r["token_ids"] for r in pq.read_table(run / "sentences.parquet").to_pylist()}
+    assert sorted(map(tuple, stored.values())) == sorted(tuple(r[:CONTEXT]) for r in rows.tolist())
+    assert json.loads((run / "manifest.json").read_text())["corpora"]["sentences"]["counts"]["truncated"] == 4
