@@ -132,3 +132,61 @@ def test_pre_tokenized_rows_past_the_context_are_cut_and_said(tiny_dirs, tmp_pat
     stored = {r["sentence_id"]: r["token_ids"] for r in pq.read_table(run / "sentences.parquet").to_pylist()}
     assert sorted(map(tuple, stored.values())) == sorted(tuple(r[:CONTEXT]) for r in rows.tolist())
     assert json.loads((run / "manifest.json").read_text())["corpora"]["sentences"]["counts"]["truncated"] == 4
+
+
+# ---- the sentence encoder of semantic patterns: its own, shorter context -----------------------------
+@pytest.fixture(scope="module")
+def embedder():
+    from ffkv.experiments.patterns.semantic import Embedder
+
+    return Embedder()
+
+
+def mean_pooled(emb, enc):
+    """all-MiniLM-L6-v2's embedding, computed here: mean over the mask, then unit length."""
+    import torch
+
+    with torch.no_grad():
+        h = emb.model(**enc).last_hidden_state
+    m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy()
+
+
+def test_a_long_prefix_is_embedded_by_its_end(embedder):
+    """The encoder holds 256 tokens: a longer prefix keeps its end, where its trigger is (it used to
+    keep its start, so two prefixes differing only in their trigger got one embedding)."""
+    import numpy as np
+
+    short = ["The cat sat on the mat.", "A much longer sentence about rivers and mills, with many words."]
+    hf = embedder.tok(short, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    ours = embedder.encode(short)
+    assert ours["input_ids"].tolist() == hf["input_ids"].tolist()
+    assert np.allclose(embedder.embed(short), mean_pooled(embedder, hf), atol=1e-6)
+    assert embedder.cut == 0
+
+    body = "The mill by the river ground wheat and barley and rye, " * 30
+    a, b = body + "and then the football match began", body + "and then the chemistry lecture began"
+    ea, eb = embedder.embed([a, b])
+    assert embedder.cut == 2
+    assert float(ea @ eb) < 0.999  # the ends differ, so do the embeddings
+    tok = type(embedder.tok).from_pretrained(embedder.tok.name_or_path, truncation_side="left")
+    ref = mean_pooled(embedder, tok([a], truncation=True, max_length=256, return_tensors="pt"))[0]
+    assert np.allclose(ea, ref, atol=1e-5)
+
+
+def test_patterns_says_prefixes_cut_for_the_encoder(tiny_dirs, tmp_path):
+    """With an encoder context of 8 tokens every prefix is cut: the step says so and counts them."""
+    from conftest import mine_tiny
+    from ffkv.experiments.patterns import PatternsSettings
+    from ffkv.experiments.patterns.semantic import Embedder
+    from ffkv.steps.lifecycle import execute
+    from ffkv.store.run import Run
+
+    run = Run(mine_tiny(tmp_path / "run", tiny_dirs["gpt2"], 40, 5))
+    notes = []
+    out = execute(run, "patterns", PatternsSettings(keys_per_layer=2, semantic_keys_per_layer=1, top=5),
+                  embedder=Embedder(max_length=8), show_progress=False, warn=notes.append, log=lambda m: None)
+    assert out.info["embedded_cut"] > 0
+    assert [n for n in notes if "longer than the sentence encoder's context" in n] == [
+        f"{out.info['embedded_cut']:,} prefix text(s) were longer than the sentence encoder's context and were "
+        f"embedded by their end (where the trigger is)"]

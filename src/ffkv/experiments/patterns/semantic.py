@@ -38,7 +38,21 @@ class Embedder:
         self.model = AutoModel.from_pretrained(path).to(device).eval()
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
         self.cache: dict[str, np.ndarray] = {}
+        self.cut = 0  # distinct texts longer than max_length, embedded by their end
         self._torch = torch
+
+    def encode(self, texts: list[str]):
+        """The encoder's input for `texts`: a text past `max_length` tokens keeps its end (a
+        prefix's end is its trigger) through `ffkv.model.context.fit_context`, its [CLS] and [SEP]
+        kept; counted in `cut`."""
+        from ffkv.model.context import fit_context
+
+        ids = []
+        for e in self.tok(texts, add_special_tokens=True)["input_ids"]:
+            body, dropped = fit_context(e[1:-1], self.max_length - 2, "left")
+            ids.append([e[0], *body, e[-1]])
+            self.cut += dropped > 0
+        return self.tok.pad({"input_ids": ids}, return_tensors="pt")
 
     def embed(self, texts: list[str], bar=None) -> np.ndarray:
         """(N, 384) float32 unit vectors; each distinct text is embedded once per Embedder."""
@@ -46,8 +60,7 @@ class Embedder:
         todo = sorted({t for t in texts if t not in self.cache}, key=len)
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
-            enc = self.tok(chunk, padding=True, truncation=True, max_length=self.max_length,
-                           return_tensors="pt").to(self.device)
+            enc = self.encode(chunk).to(self.device)
             with torch.no_grad():
                 h = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)

@@ -188,6 +188,7 @@ def patterns(run, tok, keys_per_layer: int | None = None,
     stats = {"keys": ktable.num_rows, "semantic_keys": int(sum(out.K["semantic_done"])),
              "patterns": ptable.num_rows, "prefixes": len(prefixes), "background": bg.n,
              "semantic_null": _null_stats(null), "embedded_texts": len(embedder.cache) if embedder else 0,
+             "embedded_cut": int(getattr(embedder, "cut", 0)),
              "embedding_seconds": round(emb_sec, 2), "seconds": round(time.perf_counter() - t0, 2)}
     if write:
         run.write_table("patterns", ptable)
@@ -209,6 +210,9 @@ def compute(ctx) -> dict:
                    min_cover=s.min_cover, alpha=s.alpha, background=s.background, semantic=s.semantic,
                    embedder=ctx.embedder, show_progress=ctx.show_progress, device=device)
     ctx.result = res
+    if res.stats["embedded_cut"]:  # said, as every cut to a model's context (ffkv.model.context)
+        ctx.warn(f"{res.stats['embedded_cut']:,} prefix text(s) were longer than the sentence encoder's "
+                 f"context and were embedded by their end (where the trigger is)")
     return {k: v for k, v in res.stats.items() if k != "seconds"}
 
 
