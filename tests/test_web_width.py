@@ -1,7 +1,8 @@
-"""The memory browser at any width (issue 26 item 8) and its comfort features (item 10), in Debian's
-chromium: no page scrolls sideways at 390 px (wide tables scroll inside their own box), words of a
-prefix never break mid-word, the two-column memory layout holds at 1920 px, and the `?` overlay
-lists the keyboard shortcuts."""
+"""The memory browser and the report at any width (issue 26 item 8) and the browser's comfort
+features (item 10), in Debian's chromium: no page of the browser, nor the report (served at
+`/report/` and opened as a file), scrolls sideways at 390 px (wide tables scroll inside their own
+box), words of a prefix never break mid-word, layouts hold at 1920 px, and the `?` overlay lists
+the keyboard shortcuts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -87,6 +88,46 @@ def test_no_page_scrolls_sideways_at_390px(chromium_pages, web_run):  # noqa: F8
             broken[u] = b
     page.close()
     assert not wide and not broken, f"pages wider than 390 px: {wide}; words broken between letters: {broken}"
+
+
+@pytest.fixture(scope="module")
+def report_pages(web_run, tmp_path_factory, chromium_pages):  # noqa: F811
+    """The report of a copy of the web run (every step but normalize), served by the browser at
+    `/report/` and as a file: the URLs of its every page (the report is one page)."""
+    import shutil
+
+    from conftest import serving
+    from ffkv.report import build_report
+    from ffkv.web.app import create_app
+
+    run = tmp_path_factory.mktemp("web-report") / "run"
+    shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("annotations.sqlite*"))
+    index = build_report(run)
+    with serving(create_app(run, log_fn=lambda m: None)) as base:
+        yield [base + "/report/", index.resolve().as_uri()]
+
+
+@pytest.mark.parametrize("width", [390, 1920])
+def test_the_report_fits_the_screen(chromium_pages, report_pages, width):
+    _, browser = chromium_pages
+    page = browser.new_page(viewport={"width": width, "height": 844})
+    wide, broken = {}, {}
+    for u in report_pages:
+        page.goto(u)
+        assert page.locator("main section").count() > 5, u  # the report itself, not an error page
+        w = page.evaluate("document.documentElement.scrollWidth")
+        if w > width:
+            wide[u] = w
+        b = page.evaluate(BROKEN_WORDS_JS)
+        if b:
+            broken[u] = b
+    # its tables wider than the screen scroll inside their own box
+    boxes = page.evaluate("""() => [...document.querySelectorAll('table')].filter(t => t.scrollWidth > innerWidth)
+      .map(t => { let box = t.parentElement; while (box && getComputedStyle(box).overflowX === 'visible') box = box.parentElement;
+                  return box ? box.clientWidth <= innerWidth && box.scrollWidth > box.clientWidth : false; })""")
+    page.close()
+    assert not wide and not broken, f"report wider than {width} px: {wide}; words broken between letters: {broken}"
+    assert all(boxes), boxes
 
 
 def test_wide_tables_scroll_in_their_own_box(chromium_pages, web_run):  # noqa: F811

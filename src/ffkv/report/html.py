@@ -78,7 +78,8 @@ def fmt(x, digits: int = 3) -> str:
 
 def table(headers: list[str], rows: list[list], num: set[int] | None = None, raw: set[int] | None = None,
           cls: str = "") -> str:
-    """An HTML table. Cells are escaped unless their column index is in `raw` (already HTML)."""
+    """An HTML table in its own box (`.tablewrap`: a table wider than a phone's screen scrolls
+    there, not the page). Cells are escaped unless their column index is in `raw` (already HTML)."""
     num, raw = num or set(), raw or set()
     th = "".join(f'<th class="num">{esc(h)}</th>' if i in num else f"<th>{esc(h)}</th>"
                  for i, h in enumerate(headers))
@@ -89,7 +90,8 @@ def table(headers: list[str], rows: list[list], num: set[int] | None = None, raw
             content = c if i in raw else esc(fmt(c))
             tds.append(f'<td class="num">{content}</td>' if i in num else f"<td>{content}</td>")
         body.append("<tr>" + "".join(tds) + "</tr>")
-    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    return (f'<div class="tablewrap"><table class="{cls}"><thead><tr>{th}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
 def kv(pairs: list[tuple[str, object]]) -> str:
