@@ -239,6 +239,19 @@ def test_the_named_command_repairs_each_step(full, tmp_path, step):
     create_app(run)
 
 
+@pytest.mark.parametrize("how", ["delete", "truncate", "replace"])
+def test_a_damaged_value_tops_cache_is_made_again(full, tmp_path, how):
+    """compose reads the value_tops cache the values step filled: a damaged one is computed again
+    and rewritten (a cut one used to stop compose, and its rerun, with "rerun the step that writes it")."""
+    from ffkv.store.run import Run
+
+    run = copy_run(full, tmp_path / "run")
+    damage(run, "value_tops", how)
+    res = run_cli("compose", run, *SMALL_STEPS["compose"])
+    assert res.returncode == 0, res.stderr
+    assert Run(run).table_problem("value_tops") is None and step_is_done(run, "compose")
+
+
 # ---- 1c. a step checks its own outputs before it says done -----------------------------------------
 @dataclass(frozen=True)
 class NoSettings:

@@ -52,10 +52,11 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
 
 
 def _cached_value_tops(run, mm, lenses, digest: str) -> dict | None:
-    """The run's `value_tops` for these lenses, if made for this unembedding and shape."""
+    """The run's `value_tops` for these lenses, if made for this unembedding and shape, and whole (a
+    cut or swapped cache is made again, not read)."""
     L, dm = mm.n_layers, mm.d_m
     cached = (run.manifest.get("tables") or {}).get("value_tops") or {}
-    if not (run.has_table("value_tops") and cached.get("unembed_sha256") == digest):
+    if not (cached.get("unembed_sha256") == digest and run.table_problem("value_tops") is None):
         return None
     t = run.read_table("value_tops")
     have = set(t.column("lens").to_pylist())
