@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from test_web import client, llama, no_traceback, triggers, web_app, web_run  # noqa: F401  (fixtures)
+from test_web import as_older_run, client, llama, no_traceback, triggers, web_app, web_run  # noqa: F401  (fixtures)
 
 
 def table(run, name):
@@ -35,6 +35,7 @@ def bare_client(web_run, tmp_path_factory):  # noqa: F811
     shutil.copytree(web_run, run, ignore=lambda d, names: [n for n in names if n.endswith(".parquet")
                                                            and n[:-8] not in keep] + [n for n in names
                                                                                       if n.startswith("annotations")])
+    as_older_run(run)
     app = create_app(run, log_fn=lambda m: None)
     return TestClient(app, base_url="http://127.0.0.1:8000")
 
