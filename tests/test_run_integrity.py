@@ -409,6 +409,14 @@ def test_overwrite_starts_afresh_in_a_damaged_run(mined, tiny_dirs, tmp_path):
     assert mine_manifest(run)["settings"]["mine"]["top_k"] == 4
 
 
+# ---- 7. a parameter against its real limit, before work starts -------------------------------------
+def test_min_cover_past_top_is_refused(mined):
+    """A pattern covers at most --top prefixes: more was an IndexError in the semantic null
+    (found by test_cli_properties)."""
+    line = one_line_error(run_cli("patterns", mined, "--top", "5", "--min-cover", "6"), needle="--min-cover 6")
+    assert "--top 5" in line
+
+
 # ---- 8. text from a corpus is shown, never executed ---------------------------------------------
 def test_show_escapes_terminal_controls(tiny_dirs, tmp_path):
     corpus = tmp_path / "evil.txt"

@@ -37,6 +37,9 @@ def check_settings(top: int, min_cover: int, alpha: float) -> None:
         raise FfkvError("--top must be between 1 and 32767")
     if min_cover < 1:
         raise FfkvError("--min-cover must be at least 1")
+    if min_cover > top:
+        raise FfkvError(f"--min-cover {min_cover} is more than --top {top}: a pattern covers at most a key's "
+                        f"{top} prefixes")
     if not 0 < alpha <= 1:
         raise FfkvError("--alpha must be in (0, 1]")
 

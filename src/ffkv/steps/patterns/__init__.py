@@ -47,8 +47,9 @@ class PatternsSettings:
 
 
 def record(run, s: PatternsSettings) -> dict:
-    from ffkv.experiments.patterns.step import settings_for
+    from ffkv.experiments.patterns.step import check_settings, settings_for
 
+    check_settings(s.top, s.min_cover, s.alpha)  # before any model loads
     return settings_for(s.keys_per_layer, s.semantic_keys_per_layer, s.top, s.sign, s.seed, s.min_cover,
                         s.alpha, s.background, s.semantic)
 
