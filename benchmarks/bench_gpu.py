@@ -123,7 +123,7 @@ def tracker_ops(mm, toks, batch_idx, settings) -> float:
 
 def main(a) -> dict:
     from ffkv.corpus.batching import layout, pack
-    from ffkv.mine.engine import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import MineSettings, group_for, mine_batches, new_state
     from ffkv.mine.runner import resolve_batch_tokens
 
     cuda = torch.cuda.is_available()
@@ -158,8 +158,8 @@ def main(a) -> dict:
         f"padding {lay['padding_share']:.1%}")
     ops_bare = tracker_ops(mm, toks, batches[0], bare_s)
     ops_full = tracker_ops(mm, toks, batches[0], full_s)
-    out(f"tracker aten ops per layer and batch (torch.profiler, leaf ops): {ops_bare:.1f} top-k only, "
-        f"{ops_full:.1f} with key statistics (goal <= 20)")
+    out(f"tracker aten ops per layer and batch (torch.profiler, leaf ops; {group_for(mm, full_s)} layers per "
+        f"update): {ops_bare:.1f} top-k only, {ops_full:.1f} with key statistics (goal <= 20)")
     states = {"bare": new_state(mm, bare_s), "stats": new_state(mm, full_s)}
     sids = list(range(len(toks)))
     secs = {"plain": 0.0, "bare": 0.0, "stats": 0.0}

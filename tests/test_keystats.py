@@ -234,7 +234,7 @@ def test_update_runs_on_meta_device(monkeypatch):
     for negative in (False, True):
         state, batch, m = _update_all("meta", negative=negative)
         state.update(0, m, batch)
-        assert state.stats.hist[0].device.type == "meta"
+        assert state.stats.hist[(0,)].device.type == "meta"
         # a batch with a hole in the mask (the masked path) too
         b2 = Batch(mask=batch.mask.clone(), sids=batch.sids, lengths=batch.lengths, runs=None,
                    tokens=batch.tokens, padded=True)

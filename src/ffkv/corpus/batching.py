@@ -68,20 +68,24 @@ TRACKER_BYTES_PER_KEY = 32  # per token and mined key: m in float32 (4), its bin
 # int64 (12), m² (4), the best-position masks (2-3) and a masked copy (4), rounded up
 
 
-def token_bytes(d: int, d_m: int, elem_bytes: int, keys: int | None = None) -> int:
+def token_bytes(d: int, d_m: int, elem_bytes: int, keys: int | None = None, group: int = 1) -> int:
     """Device memory one token of a batch takes at the peak of a mining pass, logits-free
     (mining stops after the last mined layer, and no gradient keeps a layer's activations):
     one layer's working set, elem_bytes × (6·d + 3·d_m) (residual, norm, q, k, v, attention
-    output; gate, up and their product), plus the trackers' float32 temporaries of the mined keys,
-    TRACKER_BYTES_PER_KEY × keys (keys: d_m when every key of a layer is mined)."""
+    output; gate, up and their product), the captures a tracker update waits for,
+    elem_bytes × keys × (group − 1), plus the trackers' float32 temporaries of the group's keys,
+    TRACKER_BYTES_PER_KEY × keys × group (keys: d_m when every key of a layer is mined; group:
+    layers per tracker update, `ffkv.mine.trackers.group_size`)."""
     keys = d_m if keys is None else keys
-    return elem_bytes * (6 * d + 3 * d_m) + TRACKER_BYTES_PER_KEY * keys
+    return (elem_bytes * (6 * d + 3 * d_m) + elem_bytes * keys * (group - 1)
+            + TRACKER_BYTES_PER_KEY * keys * group)
 
 
 def auto_batch_tokens(device: str, free_bytes: int | None = None, *, d: int = 0, d_m: int = 0,
-                      elem_bytes: int = 4, keys: int | None = None, state_bytes: int = 0) -> int:
+                      elem_bytes: int = 4, keys: int | None = None, state_bytes: int = 0,
+                      group: int = 1) -> int:
     """--batch-tokens auto: CPU_BATCH_TOKENS on a CPU; on CUDA
-    MEM_SHARE × (free_bytes − state_bytes) / token_bytes(d, d_m, elem_bytes, keys),
+    MEM_SHARE × (free_bytes − state_bytes) / token_bytes(d, d_m, elem_bytes, keys, group),
     rounded down to a multiple of 256 and held within [MIN_AUTO, MAX_AUTO].
 
     free_bytes is the device's free memory with the model loaded (`torch.cuda.mem_get_info`),
@@ -89,5 +93,5 @@ def auto_batch_tokens(device: str, free_bytes: int | None = None, *, d: int = 0,
     if not str(device).startswith("cuda") or not free_bytes:
         return CPU_BATCH_TOKENS
     room = MEM_SHARE * max(0, int(free_bytes) - int(state_bytes))
-    n = int(room // token_bytes(d, d_m, elem_bytes, keys)) // 256 * 256
+    n = int(room // token_bytes(d, d_m, elem_bytes, keys, group)) // 256 * 256
     return max(MIN_AUTO, min(MAX_AUTO, n))

@@ -3,8 +3,11 @@
 
 Shards are contiguous slices of the single-process batch plan, so every batch has the same
 composition as in a single-process run and the coefficients are bit-identical: float noise
-between differently shaped batches cannot reorder near-ties. Each finished shard's state is
-saved in the run, so a killed distributed run redoes only unfinished shards.
+between differently shaped batches cannot reorder near-ties. Actors (one per GPU, or per share
+of the CPUs) load the model once and read their shards' rows of the `sentences` table
+themselves: the driver sends row indices, not tokens (the rows themselves only to a node that
+cannot see the run's folder). Each finished shard's state is saved in the run, so a killed
+distributed run redoes only unfinished shards.
 """
 from __future__ import annotations
 
@@ -46,70 +49,130 @@ def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def mine_shard(model_arg, device, dtype, settings: dict, batch_tokens, batch_sids, threads: int | None = None):
-    """Runs inside a Ray worker: load the model, mine its batches, return plain arrays."""
-    import torch
-
-    from ffkv.mine.engine import MineSettings, mine_batches, new_state
-    from ffkv.model.memories import open_model
-
-    if threads:
-        torch.set_num_threads(threads)
-    mm = open_model(model_arg, device=device, dtype=dtype)
-    s = MineSettings(**settings)
-    state = new_state(mm, s)
-    token_lists = [t for b in batch_tokens for t in b]
-    sids = [x for b in batch_sids for x in b]
-    starts = np.cumsum([0] + [len(b) for b in batch_tokens])
-    batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(batch_tokens))]
-    mine_batches(mm, state, token_lists, sids, batches)
-    return state.arrays()
+DEFAULT_CPU_SHARDS = 2  # --shards on a cluster without GPUs, as before shards followed the GPUs
 
 
-def mine_ray(run, mm, s, token_lists, sids, batches, address: str, shards: int, log=print):
+def default_shards(gpus: int) -> int:
+    """--shards left out: one shard per GPU of the cluster (one actor each), else 2."""
+    return int(gpus) if gpus else DEFAULT_CPU_SHARDS
+
+
+def read_rows(sentences_path, batch_rows):
+    """Token lists and sentence ids of the sentences table's rows, batch by batch: what a shard
+    reads for itself (None when the run's folder is not visible from this node)."""
+    import pyarrow.parquet as pq
+
+    if not Path(sentences_path).is_file():
+        return None
+    t = pq.read_table(sentences_path, columns=["sentence_id", "token_ids"])
+    out = []
+    for rows in batch_rows:
+        part = t.take(np.asarray(rows, np.int64))
+        out.append((part.column("token_ids").to_pylist(), part.column("sentence_id").to_pylist()))
+    return out
+
+
+class ShardMiner:
+    """A Ray actor: one per GPU (or per CPU share); loads the model once and mines shard after
+    shard of the batch plan, each from the rows it reads itself."""
+
+    def __init__(self, model_arg, device, dtype, settings: dict, threads: int | None = None):
+        import torch
+
+        from ffkv.mine.engine import MineSettings
+        from ffkv.model.memories import open_model
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.mm = open_model(model_arg, device=device, dtype=dtype)
+        self.s = MineSettings(**settings)
+
+    def mine(self, k: int, sentences_path, batch_rows, sent=None):
+        """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
+        rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays),
+        or (k, None) when the table is out of this node's reach."""
+        from ffkv.mine.engine import mine_batches, new_state
+
+        got = sent if sent is not None else read_rows(sentences_path, batch_rows)
+        if got is None:
+            return k, None
+        token_lists = [t for toks, _ in got for t in toks]
+        sids = [x for _, ids in got for x in ids]
+        starts = np.cumsum([0] + [len(toks) for toks, _ in got])
+        batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
+        state = mine_batches(self.mm, new_state(self.mm, self.s), token_lists, sids, batches)
+        return k, state.arrays()
+
+
+def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
+    """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
+    run redoes only the others. Returns the merged state and the number of shards."""
     from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
-    if shards < 1:
+    if shards is not None and shards < 1:
         raise FfkvError("--shards must be at least 1")
     ray = _init_ray(address)
     res = ray.cluster_resources()
     gpus = int(res.get("GPU", 0))
     cpus = max(1, int(res.get("CPU", 1)))
+    shards = default_shards(gpus) if shards is None else int(shards)
     per_task_cpu = max(1, cpus // min(shards, cpus)) if not gpus else 1
     device = "cuda" if gpus else "cpu"
-    remote = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0)(mine_shard)
     shard_dir = Path(run.path) / ".mine_shards"
     shard_dir.mkdir(exist_ok=True)
     key = s.key()
-    pending, state = {}, new_state(mm, s)
-    dtype = str(mm.dtype).replace("torch.", "")
+    todo, state = [], new_state(mm, s)
     for k, (a, b) in enumerate(shard_bounds(len(batches), shards)):
         f = shard_dir / f"{key}_{k}_of_{shards}.npz"
         if f.exists():
             with np.load(f, allow_pickle=False) as z:
                 state.merge(new_state(mm, s).load_arrays(z))
-            continue
-        if a == b:
-            continue
-        bt = [[token_lists[i] for i in batches[j]] for j in range(a, b)]
-        bs = [[sids[i] for i in batches[j]] for j in range(a, b)]
-        ref = remote.remote(run.model_arg(), device, dtype, asdict(s), bt, bs, None if gpus else per_task_cpu)
-        pending[ref] = (k, f)
-    log(f"mine: {len(pending)} shard(s) on Ray ({cpus} CPU, {gpus} GPU)")
-    with progress() as bar:
-        task = bar.add_task("mine shards", total=len(pending))
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            k, f = pending.pop(done[0])
-            try:
-                arrs = ray.get(done[0])
-            except Exception as e:  # noqa: BLE001
-                raise FfkvError(f"shard {k} failed on Ray: {str(e).splitlines()[0][:200]}") from None
-            save_npz(f, arrs)
-            state.merge(new_state(mm, s).load_arrays(arrs))
-            bar.advance(task)
+        elif a < b:
+            todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)]))
+    n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
+    log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
+    if todo:
+        actor = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0)(ShardMiner)
+        args = (run.model_arg(), device, str(mm.dtype).replace("torch.", ""), asdict(s),
+                None if gpus else per_task_cpu)
+        actors = [actor.remote(*args) for _ in range(n_actors)]
+        sent_path = str(run.table_path("sentences"))
+        try:
+            _drain(ray, actors, todo, sent_path, run, state, mm, s, save_npz, progress)
+        finally:
+            for a in actors:
+                ray.kill(a)
     for f in shard_dir.glob("*.npz"):
         f.unlink()
     shard_dir.rmdir()
-    return state
+    return state, shards
+
+
+def _drain(ray, actors, todo, sent_path, run, state, mm, s, save_npz, progress) -> None:
+    """Hand shards to idle actors until all are merged; a shard whose actor could not read the
+    run's sentences (another node's disk) is sent again with its rows."""
+    from ffkv.mine.engine import new_state
+
+    files = {k: (f, rows) for k, f, rows in todo}
+    queue = [(k, None) for k, _, _ in todo]
+    idle, pending = list(actors), {}
+    with progress() as bar:
+        task = bar.add_task("mine shards", total=len(todo))
+        while queue or pending:
+            while queue and idle:
+                k, sent = queue.pop(0)
+                a = idle.pop()
+                pending[a.mine.remote(k, sent_path, files[k][1], sent)] = a
+            done, _ = ray.wait(list(pending), num_returns=1)
+            idle.append(pending.pop(done[0]))
+            try:
+                k, arrs = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001
+                raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
+            if arrs is None:
+                queue.append((k, read_rows(sent_path, files[k][1])))
+                continue
+            save_npz(files[k][0], arrs)
+            state.merge(new_state(mm, s).load_arrays(arrs))
+            bar.advance(task)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ffkv.mine.topk import TopKState
 from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-exported)
-from ffkv.mine.trackers import Batch, MineState
+from ffkv.mine.trackers import Batch, MineState, group_size
 
 
 PACK_VERSION = 2  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24)
@@ -27,18 +27,26 @@ def layout_key(s: MineSettings, batch_tokens: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def group_for(mm, s: MineSettings) -> int:
+    """Layers per tracker update (`ffkv.mine.trackers.group_size`) for this model and settings."""
+    layers = s.layers if s.layers is not None else list(range(mm.n_layers))
+    return group_size(len(s.dims) if s.dims is not None else mm.d_m, len(layers))
+
+
 def new_state(mm, s: MineSettings) -> MineState:
     """The trackers of one mining pass, on the model's device: top-k, and key statistics unless off."""
     from ffkv.mine.stats import KeyStats
 
     layers = s.layers if s.layers is not None else list(range(mm.n_layers))
     dev = getattr(mm, "device", None)
+    group = group_for(mm, s)
     trackers = {"topk": TopKState(layers, s.dims, mm.d_m, s.top_k, negative=s.negative,
-                                  per_prefix=s.per_prefix, device=dev)}
+                                  per_prefix=s.per_prefix, device=dev, group=group)}
     if s.stats:
         trackers["stats"] = KeyStats(layers, s.dims, mm.d_m, signs=(1, -1) if s.negative else (1,),
                                      samples=s.samples_per_bin, device=dev,
-                                     max_position=int(getattr(mm, "max_length", 1 << 15) or 1 << 15))
+                                     max_position=int(getattr(mm, "max_length", 1 << 15) or 1 << 15),
+                                     group=group)
     return MineState(trackers, layers, s.dims, device=dev)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from ffkv.corpus.batching import auto_batch_tokens, layout as batch_layout, pack, padding_share
-from ffkv.mine.engine import (checkpoint_batch_tokens, layout_key, load_checkpoint,  # noqa: F401
+from ffkv.mine.engine import (checkpoint_batch_tokens, group_for, layout_key, load_checkpoint,  # noqa: F401
                               mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
@@ -40,14 +40,15 @@ class _FinishContext:
 def vocab_table(tok, n: int) -> pa.Table:
     """Token id -> display string, so readers (show, report, web) need no tokenizer."""
     ids = list(range(n))
-    text = [tok.decode([i]) if i < len(tok) else "" for i in ids]
-    raw = tok.convert_ids_to_tokens([i if i < len(tok) else 0 for i in ids])
+    size = len(tok)  # O(vocab) on a fast tokenizer: once, not once per id (a 262k vocabulary: 197 s)
+    text = [tok.decode([i]) if i < size else "" for i in ids]
+    raw = tok.convert_ids_to_tokens([i if i < size else 0 for i in ids])
     return pa.table({"token_id": pa.array(ids, pa.int32()), "text": text,
                      "token": [str(r) for r in raw]})
 
 
 def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: str | None = None,
-         shards: int = 1, show_progress: bool | None = None, log=print, force: bool = False) -> dict:
+         shards: int | None = None, show_progress: bool | None = None, log=print, force: bool = False) -> dict:
     """Mine top-k triggers (and key statistics) into `run`; resumes a killed run with the same
     settings. `force`: mine again from scratch (the corpus split and the whole pass), replacing
     every table of the step."""
@@ -111,7 +112,7 @@ def resolve_batch_tokens(mm, s: MineSettings, ckpt=None) -> int:
     elem = dtype.itemsize if dtype is not None else 4
     return auto_batch_tokens(dev, free, d=mm.d, d_m=mm.d_m, elem_bytes=elem,
                              keys=len(s.dims) if s.dims is not None else mm.d_m,
-                             state_bytes=state_bytes(mm, s))
+                             state_bytes=state_bytes(mm, s), group=group_for(mm, s))
 
 
 def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, lengths,
@@ -153,21 +154,21 @@ def compute(ctx) -> dict:
     if ctx.force:
         (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
     _prepare(run, mm, s, force=ctx.force)
-    sent = run.read_table("sentences", columns=["sentence_id", "token_ids", "n_tokens"])
-    token_lists = sent.column("token_ids").to_pylist()
-    sids = sent.column("sentence_id").to_pylist()
-    lengths = np.asarray(sent.column("n_tokens"))
+    lengths = np.asarray(run.read_table("sentences", columns=["n_tokens"]).column("n_tokens"))
     bt = resolve_batch_tokens(mm, s, run.path / CKPT)
     batches = pack(lengths, bt)  # no row cap: bounded by the budget alone
     t0 = time.time()
     state = new_state(mm, s)
-    if ray_address:
+    if ray_address:  # the shards read their own rows
         from ffkv.mine.distributed import mine_ray
 
         _shards_of_this_plan(run, layout_key(s, bt))
-        state = mine_ray(run, mm, s, token_lists, sids, batches, ray_address, shards, log=ctx.log)
+        state, shards = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
         mined_tokens = int(lengths.sum())
     else:
+        sent = run.read_table("sentences", columns=["sentence_id", "token_ids"])
+        token_lists = sent.column("token_ids").to_pylist()
+        sids = sent.column("sentence_id").to_pylist()
         state, mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
                                           checkpoint_every, ctx.show_progress, ctx.log, bt)
     secs = time.time() - t0

@@ -237,50 +237,74 @@ def hist_share_above(counts: np.ndarray, maxabs: np.ndarray, frac: float = STRON
 class KeyStats:
     """Histogram, summary sums, extremes, positions and quantile samples of every mined key.
 
-    State per layer (on `device`): hist (NB, n) int64 and sum limbs (2, 3, n) int64; per sign
-    and layer: max (n,) float32, positions (n, NPOS) int64 and the sample slots (n, SIDE, k)
-    (hash int32, sorted ascending with EMPTY last; position int16/int32; coef float32): 408 bytes
-    per key plus 1,232 per key and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with
-    --negative), and one 6 MB scratch histogram reused by every layer."""
+    State per group of layers (`ffkv.mine.trackers.layer_groups`; its G·n keys side by side, on
+    `device`): hist (NB, G·n) int64 and sum limbs (2, 3, G·n) int64; per sign: max (G·n,) float32,
+    positions (G·n, NPOS) int64 and the sample slots (G·n, SIDE, k) (hash int32, sorted ascending
+    with EMPTY last; position int16/int32; coef float32): 408 bytes per key plus 1,232 per key
+    and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with --negative), and one scratch
+    histogram of 4 KB per key of a group. Dicts are keyed by the group (a tuple of layers)."""
 
     name = "stats"
 
     def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, signs=(1,), samples: int = 5,
-                 device=None, max_position: int = 32767):
+                 device=None, max_position: int = 32767, group: int = 1):
+        from ffkv.mine.trackers import layer_groups, unit_of
+
         self.layers, self.signs, self.k = list(layers), tuple(signs), int(samples)
         self.dims = None if dims is None else list(dims)
+        self.d_m, self.max_position, self.group = d_m, max_position, int(group)
         self.dim_ids = np.arange(d_m) if dims is None else np.asarray(self.dims, np.int64)
         n = self.n = len(self.dim_ids)
         dev = self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pos_dtype = torch.int16 if max_position < (1 << 15) else torch.int32
         self.tokens = 0
         self.sentences = 0
-        self.hist = {l: torch.zeros((NB, n), dtype=torch.long, device=dev) for l in self.layers}
-        self.limbs = {l: torch.zeros((2, 3, n), dtype=torch.long, device=dev) for l in self.layers}
-        keys = [(s, l) for s in self.signs for l in self.layers]
-        self.max = {sl: torch.full((n,), -math.inf, device=dev) for sl in keys}
-        self.pos = {sl: torch.zeros((n, NPOS), dtype=torch.long, device=dev) for sl in keys}
+        self.groups = layer_groups(self.layers, group)
+        self._unit = unit_of(self.groups)
+        W = {g: n * len(g) for g in self.groups}
+        self.hist = {g: torch.zeros((NB, W[g]), dtype=torch.long, device=dev) for g in self.groups}
+        self.limbs = {g: torch.zeros((2, 3, W[g]), dtype=torch.long, device=dev) for g in self.groups}
+        keys = [(s, g) for s in self.signs for g in self.groups]
+        self.max = {sg: torch.full((W[sg[1]],), -math.inf, device=dev) for sg in keys}
+        self.pos = {sg: torch.zeros((W[sg[1]], NPOS), dtype=torch.long, device=dev) for sg in keys}
         k = max(self.k, 1)
-        self.sh = {sl: torch.full((n, SIDE, k), EMPTY, dtype=torch.int32, device=dev) for sl in keys}
-        self.sp = {sl: torch.zeros((n, SIDE, k), dtype=self.pos_dtype, device=dev) for sl in keys}
-        self.sc = {sl: torch.full((n, SIDE, k), math.nan, device=dev) for sl in keys}
+        self.sh = {sg: torch.full((W[sg[1]], SIDE, k), EMPTY, dtype=torch.int32, device=dev) for sg in keys}
+        self.sp = {sg: torch.zeros((W[sg[1]], SIDE, k), dtype=self.pos_dtype, device=dev) for sg in keys}
+        self.sc = {sg: torch.full((W[sg[1]], SIDE, k), math.nan, device=dev) for sg in keys}
         lut, side = _raw_luts()
         self._lut, self._side = lut.to(dev), side.to(dev)
-        self._offs = torch.arange(n, dtype=torch.int32, device=dev) + 256 * n  # raw index (r, key), bin-major
-        self._poffs = torch.arange(n, dtype=torch.int32, device=dev) * NPOS
-        self._goffs = torch.arange(n, dtype=torch.long, device=dev) * SIDE
-        self._salt = {l: torch.as_tensor(key_salt(l, self.dim_ids), device=dev) for l in self.layers}
-        self._raw = torch.zeros(n * 512, dtype=torch.long, device=dev)
+        self._salt = {g: torch.as_tensor(np.concatenate([key_salt(l, self.dim_ids) for l in g]), device=dev)
+                      for g in self.groups}
         self._one = torch.ones(1, dtype=torch.long, device=dev)
+        self._scratch: dict[int, tuple] = {}
+
+    def _offsets(self, w: int):
+        """Per group width w: raw histogram offsets (r, key; bin-major), position-bucket and
+        sample-group offsets, and the scratch histogram, made once per width."""
+        if w not in self._scratch:
+            dev = self.device
+            self._scratch[w] = (torch.arange(w, dtype=torch.int32, device=dev) + 256 * w,
+                                torch.arange(w, dtype=torch.int32, device=dev) * NPOS,
+                                torch.arange(w, dtype=torch.long, device=dev) * SIDE,
+                                torch.zeros(w * 512, dtype=torch.long, device=dev))
+        return self._scratch[w]
+
+    def _at(self, l: int) -> tuple[tuple[int, ...], slice]:
+        """Layer l's group and its keys' slice of the group's key axis."""
+        g, i = self._unit[l]
+        return g, slice(i * self.n, (i + 1) * self.n)
 
     # ---- update -----------------------------------------------------------------------------------
     @torch.no_grad()
     def update(self, batch, cap) -> None:
-        l, n = cap.layer, self.n
-        if l == self.layers[0]:
+        g = self._unit[cap.layers[0]][0]
+        if g != cap.layers:
+            raise ValueError(f"layers {list(cap.layers)} arrived where the statistics hold {list(g)}")
+        if g == self.groups[0]:
             self.tokens += batch.tokens
             self.sentences += len(batch.lengths)
-        raw = self._raw
+        n = cap.m.shape[-1]
+        offs, poffs, _, raw = self._offsets(n)
         raw.zero_()
         blocks, pad_zeros = cap.blocks()
         for v in blocks:
@@ -288,7 +312,7 @@ class KeyStats:
             # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
             # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
             idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
-            idx = torch.add(self._offs, idx, alpha=n, out=idx).reshape(-1)
+            idx = torch.add(offs, idx, alpha=n, out=idx).reshape(-1)
             raw.index_add_(0, idx, self._one.expand(idx.numel()))
         # Sums over valid tokens as a masked matrix product: BLAS under MKL_CBWR=STRICT gives the
         # same bits for any thread count (Ray shards run 1 thread), which torch's own reductions
@@ -299,34 +323,34 @@ class KeyStats:
         s2 = (w @ (m2 * m2)).squeeze(0).double()
         if pad_zeros:
             raw.view(512, n)[256] -= pad_zeros
-        self.hist[l].index_add_(0, self._lut, raw.view(512, n))
-        self.limbs[l] += torch.stack([to_limbs(s1), to_limbs(s2)])
+        self.hist[g].index_add_(0, self._lut, raw.view(512, n))
+        self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
         for s in self.signs:
             score, pos = cap.best(s)
-            mx = self.max[(s, l)]
+            mx = self.max[(s, g)]
             torch.maximum(mx, score.amax(0), out=mx)
             pb = torch.bitwise_right_shift(pos.float().view(torch.int32), 23) - 126  # 1 + floor(log2 pos)
-            pb = pb.clamp_(0, NPOS - 1) + self._poffs
+            pb = pb.clamp_(0, NPOS - 1) + poffs
             pb = pb.reshape(-1)
-            self.pos[(s, l)].view(-1).index_add_(0, pb, self._one.expand(pb.numel()))
+            self.pos[(s, g)].view(-1).index_add_(0, pb, self._one.expand(pb.numel()))
             if self.k:
-                self._sample(s, l, score, pos, batch.sids)
+                self._sample(s, g, score, pos, batch.sids)
 
-    def _sample(self, s: int, l: int, score, pos, sids) -> None:
-        """Offer each row's best (score (B, n) = s·m, pos) to its (key, bin)'s k smallest hashes."""
+    def _sample(self, s: int, g, score, pos, sids) -> None:
+        """Offer each row's best (score (B, w) = s·m, pos) to its (key, bin)'s k smallest hashes."""
         k = self.k
-        j = self._side[torch.bitwise_right_shift(score.view(torch.int32), 23).long() + 256]  # (B, n), -1: none
-        h = sample_hash(sids.unsqueeze(1), self._salt[l].unsqueeze(0))  # (B, n) int64
-        H = self.sh[(s, l)].view(-1, k)
-        g = self._goffs.unsqueeze(0) + j.clamp(min=0)
-        enter = (j >= 0) & (h < H[:, k - 1][g])
+        j = self._side[torch.bitwise_right_shift(score.view(torch.int32), 23).long() + 256]  # (B, w), -1: none
+        h = sample_hash(sids.unsqueeze(1), self._salt[g].unsqueeze(0))  # (B, w) int64
+        H = self.sh[(s, g)].view(-1, k)
+        gi = self._offsets(score.shape[-1])[2].unsqueeze(0) + j.clamp(min=0)
+        enter = (j >= 0) & (h < H[:, k - 1][gi])
         bi, ki = enter.nonzero(as_tuple=True)
         if bi.numel() == 0:
             return
-        self._insert(s, l, g[bi, ki], h[bi, ki], pos[bi, ki], score[bi, ki] * s)
+        self._insert(s, g, gi[bi, ki], h[bi, ki], pos[bi, ki], score[bi, ki] * s)
 
-    def _insert(self, s: int, l: int, g, hh, pp, cc) -> None:
-        """Merge N candidates (group g = key·SIDE + bin, hash, position, coef) into the slots.
+    def _insert(self, s: int, grp, g, hh, pp, cc) -> None:
+        """Merge N candidates (sample group g = key·SIDE + bin, hash, position, coef) into the slots.
 
         Static shapes (no unique): each candidate merges its whole group's k first candidates
         with the group's slots; candidates of one group compute the same row and write it alike.
@@ -340,7 +364,7 @@ class KeyStats:
         ok = win < N
         win = win.clamp(max=N - 1)
         ok &= g[win] == g.unsqueeze(1)
-        H, P, C = (t.view(-1, k) for t in (self.sh[(s, l)], self.sp[(s, l)], self.sc[(s, l)]))
+        H, P, C = (t.view(-1, k) for t in (self.sh[(s, grp)], self.sp[(s, grp)], self.sc[(s, grp)]))
         allh = torch.cat([H[g].long(), torch.where(ok, hh[win], EMPTY)], 1)
         idx = torch.topk(allh, k, 1, largest=False, sorted=True).indices
         H[g] = allh.gather(1, idx).to(H.dtype)
@@ -355,63 +379,84 @@ class KeyStats:
 
     def merge(self, other: "KeyStats") -> "KeyStats":
         self._check(other)
+        if other.groups != self.groups:  # another layout: through its per-layer arrays
+            other = KeyStats(self.layers, self.dims, self.d_m, self.signs, self.k, self.device,
+                             self.max_position, self.group).load_arrays(other.arrays())
         self.tokens += other.tokens
         self.sentences += other.sentences
         dev = self.device
-        for l in self.layers:
-            self.hist[l] += other.hist[l].to(dev)
-            self.limbs[l] += other.limbs[l].to(dev)
-        for sl in self.max:
-            torch.maximum(self.max[sl], other.max[sl].to(dev), out=self.max[sl])
-            self.pos[sl] += other.pos[sl].to(dev)
+        for g in self.groups:
+            self.hist[g] += other.hist[g].to(dev)
+            self.limbs[g] += other.limbs[g].to(dev)
+        for sg in self.max:
+            torch.maximum(self.max[sg], other.max[sg].to(dev), out=self.max[sg])
+            self.pos[sg] += other.pos[sg].to(dev)
             if self.k:
-                allh = torch.cat([self.sh[sl].long(), other.sh[sl].to(dev).long()], 2)
+                allh = torch.cat([self.sh[sg].long(), other.sh[sg].to(dev).long()], 2)
                 idx = torch.topk(allh, self.k, 2, largest=False, sorted=True).indices
-                self.sh[sl] = allh.gather(2, idx).to(torch.int32)
-                self.sp[sl] = torch.cat([self.sp[sl], other.sp[sl].to(dev)], 2).gather(2, idx)
-                self.sc[sl] = torch.cat([self.sc[sl], other.sc[sl].to(dev)], 2).gather(2, idx)
+                self.sh[sg] = allh.gather(2, idx).to(torch.int32)
+                self.sp[sg] = torch.cat([self.sp[sg], other.sp[sg].to(dev)], 2).gather(2, idx)
+                self.sc[sg] = torch.cat([self.sc[sg], other.sc[sg].to(dev)], 2).gather(2, idx)
         return self
 
     @staticmethod
     def _tag(s: int, l: int) -> str:
         return f"{'p' if s == 1 else 'n'}{l}"
 
+    def _per_layer(self):
+        """(name, dict, key axis, tag-maker) of every state array: one set per layer in files."""
+        yield "hist", self.hist, 1, None
+        yield "limbs", self.limbs, 2, None
+        yield "max", self.max, 0, True
+        yield "pos", self.pos, 0, True
+        if self.k:
+            for a in ("sh", "sp", "sc"):
+                yield a, getattr(self, a), 0, True
+
     def arrays(self) -> dict[str, np.ndarray]:
+        """One set of arrays per layer (and sign), whatever the grouping: checkpoints and Ray
+        results load into a state of any layout."""
         out = {"tokens": np.array([self.tokens], np.int64), "sentences": np.array([self.sentences], np.int64)}
-        for l in self.layers:
-            out[f"hist_{l}"] = self.hist[l].cpu().numpy()
-            out[f"limbs_{l}"] = self.limbs[l].cpu().numpy()
-        for (s, l) in self.max:
-            t = self._tag(s, l)
-            out[f"max_{t}"] = self.max[(s, l)].cpu().numpy()
-            out[f"pos_{t}"] = self.pos[(s, l)].cpu().numpy()
-            if self.k:
-                for a, d in (("sh", self.sh), ("sp", self.sp), ("sc", self.sc)):
-                    out[f"{a}_{t}"] = d[(s, l)].cpu().numpy()
+        for name, d, axis, signed in self._per_layer():
+            for s in (self.signs if signed else (None,)):
+                for l in self.layers:
+                    g, sl = self._at(l)
+                    t = d[(s, g) if signed else g]
+                    part = t[(slice(None),) * axis + (sl,)]
+                    out[f"{name}_{self._tag(s, l) if signed else l}"] = part.cpu().numpy()
         return out
 
     def load_arrays(self, arrs) -> "KeyStats":
         dev = self.device
-
-        def get(name, like):
-            a = torch.from_numpy(np.array(arrs[name]))
-            if a.shape != like.shape or a.dtype != like.dtype:
-                raise KeyError(f"stats array {name} has shape {tuple(a.shape)}, not {tuple(like.shape)}")
-            return a.to(dev)
-
+        new = {}
+        for name, d, axis, signed in self._per_layer():
+            for key, like in d.items():
+                s, g = key if signed else (None, key)
+                parts = []
+                for l in g:
+                    nm = f"{name}_{self._tag(s, l) if signed else l}"
+                    a = torch.from_numpy(np.array(arrs[nm]))
+                    want = list(like.shape)
+                    want[axis] = self.n
+                    if list(a.shape) != want or a.dtype != like.dtype:
+                        raise KeyError(f"stats array {nm} has shape {tuple(a.shape)}, not {tuple(want)}")
+                    parts.append(a)
+                new[(name, key)] = torch.cat(parts, axis).to(dev)
         self.tokens = int(np.asarray(arrs["tokens"])[0])
         self.sentences = int(np.asarray(arrs["sentences"])[0])
-        for l in self.layers:
-            self.hist[l] = get(f"hist_{l}", self.hist[l])
-            self.limbs[l] = get(f"limbs_{l}", self.limbs[l])
-        for (s, l) in self.max:
-            t = self._tag(s, l)
-            self.max[(s, l)] = get(f"max_{t}", self.max[(s, l)])
-            self.pos[(s, l)] = get(f"pos_{t}", self.pos[(s, l)])
-            if self.k:
-                for a, d in (("sh", self.sh), ("sp", self.sp), ("sc", self.sc)):
-                    d[(s, l)] = get(f"{a}_{t}", d[(s, l)])
+        for (name, key), t in new.items():
+            getattr(self, name)[key] = t
         return self
+
+    def layer_arrays(self, l: int, s: int | None = None) -> dict[str, np.ndarray]:
+        """Layer l's state on the host: hist (NB, n) and limbs (2, 3, n); with a sign also max,
+        pos and the sample slots (sh, sp, sc)."""
+        g, sl = self._at(l)
+        out = {"hist": self.hist[g][:, sl].cpu().numpy(), "limbs": self.limbs[g][:, :, sl].cpu().numpy()}
+        if s is not None:
+            for a in ("max", "pos", "sh", "sp", "sc"):
+                out[a] = getattr(self, a)[(s, g)][sl].cpu().numpy()
+        return out
 
     # ---- tables -----------------------------------------------------------------------------------
     def finish(self, ctx=None) -> dict:
@@ -423,7 +468,7 @@ class KeyStats:
 
         cols = {"layer": [], "dim": [], "bin": [], "count": []}
         for l in sorted(self.layers):
-            h = self.hist[l].cpu().numpy().T
+            h = self.layer_arrays(l)["hist"].T
             d, b = np.nonzero(h)
             cols["layer"].append(np.full(len(d), l, np.int16))
             cols["dim"].append(self.dim_ids[d].astype(np.int32))
@@ -437,19 +482,20 @@ class KeyStats:
         parts = []
         N = self.tokens
         for l in sorted(self.layers):
-            hist = self.hist[l].cpu().numpy().T
-            limbs = self.limbs[l].cpu().numpy()
+            own = self.layer_arrays(l)
+            hist, limbs = own["hist"].T, own["limbs"]
             s1, s2 = from_limbs(limbs[0]), from_limbs(limbs[1])
             mean = s1 / N if N else np.full(self.n, np.nan)
             std = np.sqrt(np.maximum(s2 / N - mean ** 2, 0.0)) if N else np.full(self.n, np.nan)
             for s in sorted(self.signs, reverse=True):
-                mx = self.max[(s, l)].cpu().numpy().astype(np.float64)
+                side = self.layer_arrays(l, s)
+                mx = side["max"].astype(np.float64)
                 maxabs = np.where(np.isfinite(mx) & (mx > 0), mx, 0.0)
                 cnt = side_counts(hist, s)
                 on_side = cnt.sum(1)
                 q = hist_quantiles(cnt, maxabs)
                 strong = hist_share_above(cnt, maxabs)
-                ph = self.pos[(s, l)].cpu().numpy()
+                ph = side["pos"]
                 parts.append({
                     "layer": np.full(self.n, l, np.int16), "dim": self.dim_ids.astype(np.int32),
                     "sign": np.full(self.n, s, np.int8), "count": np.full(self.n, N, np.int64),
@@ -483,7 +529,8 @@ class KeyStats:
             for l in sorted(self.layers):
                 salt = key_salt(l, self.dim_ids)
                 for s in sorted(self.signs, reverse=True):
-                    h = self.sh[(s, l)].cpu().numpy().astype(np.int64)  # (n, SIDE, k)
+                    side = self.layer_arrays(l, s)
+                    h = side["sh"].astype(np.int64)  # (n, SIDE, k)
                     d, j, r = np.nonzero(h != EMPTY)  # row-major: dim, bin, hash order
                     if s == -1:  # bins ascend by value: the negative side's j runs downwards
                         o = np.lexsort((r, -j, d))
@@ -493,8 +540,8 @@ class KeyStats:
                     cols["sign"].append(np.full(len(d), s, np.int8))
                     cols["bin"].append(side_bin(s, j).astype(np.int16))
                     cols["sentence_id"].append(sample_sid(h[d, j, r], salt[d]).astype(np.int64))
-                    cols["position"].append(self.sp[(s, l)].cpu().numpy()[d, j, r].astype(np.int32))
-                    cols["coef"].append(self.sc[(s, l)].cpu().numpy()[d, j, r].astype(np.float32))
+                    cols["position"].append(side["sp"][d, j, r].astype(np.int32))
+                    cols["coef"].append(side["sc"][d, j, r].astype(np.float32))
         types = {"layer": np.int16, "dim": np.int32, "sign": np.int8, "bin": np.int16, "sentence_id": np.int64,
                  "position": np.int32, "coef": np.float32}
         return pa.table({k: (np.concatenate(v) if v else np.zeros(0, types[k])) for k, v in cols.items()})

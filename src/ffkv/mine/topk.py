@@ -204,26 +204,54 @@ def row_best(m: torch.Tensor, mask: torch.Tensor, sign: int, runs=False) -> tupl
     return score, pos
 
 
+class LayerSlice:
+    """One layer's lists inside its group's `LayerTopK`: rows [a, b) of the group's key axis."""
+
+    def __init__(self, unit: LayerTopK, a: int, b: int):
+        self.unit, self.a, self.b = unit, a, b
+
+    def __getattr__(self, name):  # key, pos, sid, score: the group's, this layer's rows
+        if name not in ("key", "pos", "sid", "score"):
+            raise AttributeError(name)
+        return getattr(self.unit, name)[self.a:self.b]
+
+
 class TopKState:
     """Top-t trigger lists of all layers and signs: a tracker (`ffkv.mine.trackers`).
 
-    Lists are (n_dims, t) per (sign, layer), kept on `device`, the captures' device.
+    Lists are (G·n, t) per sign and group of layers (`layer_groups`), kept on `device`, the
+    captures' device; `lists[(sign, layer)]` reads one layer's rows.
     """
 
     name = "topk"
 
     def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, t: int,
-                 negative: bool = False, per_prefix: bool = False, device=None):
+                 negative: bool = False, per_prefix: bool = False, device=None, group: int = 1):
+        from ffkv.mine.trackers import layer_groups, unit_of
+
         self.layers, self.t, self.negative, self.per_prefix = list(layers), t, negative, per_prefix
         self.dims = None if dims is None else list(dims)
-        n = d_m if dims is None else len(self.dims)
+        self.d_m, self.device, self.group = d_m, device, int(group)
+        n = self.n = d_m if dims is None else len(self.dims)
         self.signs = (1, -1) if negative else (1,)
-        self.lists = {(s, l): LayerTopK(t, n, per_prefix, device) for s in self.signs for l in self.layers}
+        self.groups = layer_groups(self.layers, group)
+        self._unit = unit_of(self.groups)
+        self.units = {(s, g): LayerTopK(t, n * len(g), per_prefix, device) for s in self.signs for g in self.groups}
+
+    @property
+    def lists(self) -> dict:
+        """(sign, layer) -> that layer's lists (`LayerSlice`: key, pos, sid, score of (n, t))."""
+        n = self.n
+        return {(s, l): LayerSlice(self.units[(s, g)], i * n, (i + 1) * n)
+                for s in self.signs for l, (g, i) in self._unit.items()}
 
     @torch.no_grad()
     def update(self, batch, cap) -> None:
-        """Fold one layer of one batch in: `cap.m` (B, T, n) on the lists' device, `batch` its rows."""
-        m, mask, sids, layer = cap.m, batch.mask, batch.sids, cap.layer
+        """Fold one group of one batch in: `cap.m` (B, T, G·n) on the lists' device, `batch` its rows."""
+        m, mask, sids = cap.m, batch.mask, batch.sids
+        g = self._unit[cap.layers[0]][0]
+        if g != cap.layers:
+            raise ValueError(f"layers {list(cap.layers)} arrived where the lists hold {list(g)}")
         B, T, n = m.shape
         if self.per_prefix:
             dev = m.device
@@ -237,20 +265,25 @@ class TopKState:
                 sc = m if s == 1 else -m
                 if batch.runs is None or batch.padded:
                     sc = sc.masked_fill(~mask.unsqueeze(-1), -float("inf"))
-                self.lists[(s, layer)].update(sc.reshape(B * T, n), sid, pos, local)
+                self.units[(s, g)].update(sc.reshape(B * T, n), sid, pos, local)
             else:
                 score, p = cap.best(s)
-                self.lists[(s, layer)].update_rows(score, sids, p)
+                self.units[(s, g)].update_rows(score, sids, p)
+
+    def _settings(self):
+        return (self.layers, self.dims, self.t, self.signs, self.per_prefix)
 
     def merge(self, other: "TopKState") -> "TopKState":
-        if (other.layers, other.dims, other.t, other.signs, other.per_prefix) != (
-                self.layers, self.dims, self.t, self.signs, self.per_prefix):
+        if other._settings() != self._settings():
             raise ValueError("cannot merge top-k states mined with different settings")
-        for k, v in self.lists.items():
-            v.merge(other.lists[k])
+        if other.groups != self.groups:  # another layout: through its per-layer arrays
+            other = TopKState(self.layers, self.dims, self.d_m, self.t, self.negative, self.per_prefix,
+                              self.device, self.group).load_arrays(other.arrays())
+        for k, v in self.units.items():
+            v.merge(other.units[k])
         return self
 
-    # ---- persistence: plain numeric arrays, no pickles -------------------------------------
+    # ---- persistence: plain numeric arrays, one set per layer, whatever the grouping ----------
     def arrays(self) -> dict[str, np.ndarray]:
         out = {}
         for (s, l), v in self.lists.items():
@@ -261,9 +294,10 @@ class TopKState:
         return out
 
     def load_arrays(self, arrs) -> "TopKState":
-        for (s, l), v in self.lists.items():
-            tag = f"{'p' if s == 1 else 'n'}{l}"
-            v.set_arrays(*(torch.from_numpy(np.array(arrs[f"{a}_{tag}"])) for a in ("key", "sid", "pos")))
+        for (s, g), v in self.units.items():
+            tags = [f"{'p' if s == 1 else 'n'}{l}" for l in g]
+            v.set_arrays(*(torch.cat([torch.from_numpy(np.array(arrs[f"{a}_{t}"])) for t in tags])
+                           for a in ("key", "sid", "pos")))
         return self
 
     def rows(self):

@@ -4,8 +4,9 @@ A tracker is a mergeable state fed by the one captured forward pass of `ffkv min
 (`ffkv.mine.topk.TopKState`: top-t triggers; `ffkv.mine.stats.KeyStats`: histograms,
 summaries, quantile samples, positions). Its verbs:
 
-- ``update(batch, cap)``: fold one layer of one batch in. `cap.m` is that layer's (B, T, n)
-  coefficients on the captures' device, and the state lives on the same device: no (B, T, n)
+- ``update(batch, cap)``: fold one group of layers of one batch in (`layer_groups`: the layers
+  a tracker's state is laid out by). `cap.m` is their (B, T, G·n) coefficients side by side on
+  the key axis, on the captures' device, and the state lives on the same device: no (B, T, n)
   tensor leaves it, and nothing reads device data on the host (a test runs `update` on the
   "meta" device). What the host knows of a batch (lengths, runs of equal length, sentence ids)
   comes in `Batch`, built once per batch before the forward pass.
@@ -28,6 +29,33 @@ import torch
 from ffkv.mine.topk import length_runs, mask_runs, row_best
 
 SID_LIMIT = (1 << 31) - 1  # sentence ids must be < 2^31 - 1 (top-k keys and sample hashes pack them)
+
+
+def layer_groups(layers, size: int = 1) -> list[tuple[int, ...]]:
+    """The mined layers in runs of `size`, each fed to the trackers as one update.
+
+    Every tracker works key by key, so G layers side by side on the key axis are one update of
+    G·n keys: the same work in 1/G of the kernel launches (issue 24; a small model is
+    launch-bound on a GPU). Results do not depend on the grouping."""
+    layers, size = list(layers), max(1, int(size))
+    return [tuple(layers[i:i + size]) for i in range(0, len(layers), size)]
+
+
+GROUP_KEYS = 16384  # keys per tracker update: SmolLM2's 30 layers of 1,536 in 3 updates of 10 layers
+
+
+def group_size(keys: int, n_layers: int) -> int:
+    """Layers per update for `keys` mined keys a layer: up to GROUP_KEYS keys side by side, the
+    layers split into groups of near-equal size. Memory per token of a batch grows with it
+    (`ffkv.corpus.batching.token_bytes`); the kernel launches per layer fall as 1/size."""
+    most = max(1, min(max(1, n_layers), GROUP_KEYS // max(1, keys)))
+    parts = -(-max(1, n_layers) // most)
+    return -(-max(1, n_layers) // parts)
+
+
+def unit_of(groups) -> dict[int, tuple[tuple[int, ...], int]]:
+    """layer -> (its group, its index in the group): where a layer's keys sit in a tracker's state."""
+    return {l: (g, i) for g in groups for i, l in enumerate(g)}
 
 
 @dataclass
@@ -80,12 +108,13 @@ class Batch:
 
 
 class LayerCapture:
-    """One layer's coefficients m (B, T, n) in one batch, with what several trackers share:
-    each row's best coefficient per key and sign (`best`, computed once) and the valid tokens
-    as views (`blocks`)."""
+    """One group of layers' coefficients m (B, T, G·n) in one batch (layer by layer on the key
+    axis), with what several trackers share: each row's best coefficient per key and sign
+    (`best`, computed once) and the valid tokens as views (`blocks`)."""
 
-    def __init__(self, layer: int, m: torch.Tensor, batch: Batch):
-        self.layer, self.m, self.batch = layer, m, batch
+    def __init__(self, layers, m: torch.Tensor, batch: Batch):
+        self.layers = tuple(layers) if isinstance(layers, (tuple, list)) else (int(layers),)
+        self.layer, self.m, self.batch = self.layers[0], m, batch
         self._best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def best(self, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +138,10 @@ class LayerCapture:
 class MineState:
     """The trackers of one mining pass, fed from one capture per batch.
 
-    `update(layer, m, batch)` takes the raw capture (B, T, d_m), keeps the mined dims, casts to
-    float32 on its device and hands the same `LayerCapture` to every tracker.
+    `update(layer, m, batch)` takes the raw capture (B, T, d_m) of one layer and keeps the mined
+    dims. At the last layer of a group (`layer_groups`, the trackers' layout) it sets the group's
+    captures side by side, casts to float32 on their device and hands one `LayerCapture` to every
+    tracker.
     """
 
     def __init__(self, trackers: dict, layers: list[int], dims: list[int] | None, device=None):
@@ -118,6 +149,12 @@ class MineState:
         self.layers = list(layers)
         self.dims = None if dims is None else list(dims)
         self._dim_idx = None if dims is None else torch.as_tensor(self.dims, dtype=torch.long, device=device)
+        layouts = {tuple(getattr(t, "groups", [(l,) for l in self.layers])) for t in self.trackers.values()}
+        if len(layouts) > 1:
+            raise ValueError("the trackers of one pass must group their layers alike")
+        self.groups = list(layouts.pop()) if layouts else [(l,) for l in self.layers]
+        self._last = {g[-1]: g for g in self.groups}
+        self._held: list[tuple[int, torch.Tensor]] = []
 
     @property
     def topk(self):
@@ -129,10 +166,17 @@ class MineState:
 
     @torch.no_grad()
     def update(self, layer: int, m: torch.Tensor, batch: Batch) -> None:
-        m = m.float()
         if self._dim_idx is not None:
             m = m.index_select(-1, self._dim_idx)
-        cap = LayerCapture(layer, m, batch)
+        self._held.append((layer, m))
+        g = self._last.get(layer)
+        if g is None:
+            return
+        held, self._held = self._held, []
+        if tuple(l for l, _ in held) != g:
+            raise RuntimeError(f"layers {[l for l, _ in held]} captured where the trackers expect {list(g)}")
+        m = held[0][1] if len(held) == 1 else torch.cat([x for _, x in held], -1)
+        cap = LayerCapture(g, m.float(), batch)
         for t in self.trackers.values():
             t.update(batch, cap)
 

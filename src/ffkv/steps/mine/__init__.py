@@ -82,7 +82,9 @@ class MineSettings:
                                    check=between(0, 1000))
     checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
     ray: str | None = setting(None, "Mine shards on Ray: auto, local, or a cluster ADDRESS.", recorded=False)
-    shards: int = setting(2, "Number of shards with --ray.", check=at_least(1), recorded=False)
+    shards: int | None = setting(None, "Number of shards with --ray (default: one per GPU of the cluster, each "
+                                       "on its own actor; 2 on a cluster without GPUs).", check=at_least(1),
+                                 recorded=False)
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
     # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
