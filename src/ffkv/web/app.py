@@ -198,7 +198,8 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
     if "*" in hosts or any(not h or "*" in h[1:] for h in hosts):
         raise FfkvError(f"allowed hosts {hosts}: give the names clients use, not a wildcard")
     from ffkv.web import routes
-    from ffkv.web.data import BadQuery, Browser, NotFound
+    from ffkv.web.data import Browser
+    from ffkv.web.tables import BadQuery, NotFound
 
     say = log_fn or (lambda msg: print(f"ffkv serve: {msg}", file=sys.stderr))
     app = FastAPI(title="ffkv memory browser", docs_url=None, redoc_url=None, openapi_url=None)

@@ -13,8 +13,9 @@ of parts, each its own module:
 Every table comes through the read API (`ffkv.store.query`). The token index (`value_index`, see
 `ffkv.experiments.value_index`) is read from the run when present, else built in memory in a
 background thread on first use; so is the model (`model()`), loaded lazily the first time
-something needs it (re-verify, the index, the explorer). This module keeps the names the routes
-import (`NotFound`, `BadQuery`, `parse_token`, the sort tables, …).
+something needs it (re-verify, the index, the explorer). This module re-exports, for callers
+outside the browser, names its parts define (`NotFound`, `BadQuery`, `parse_token`, the sort
+tables, …); the web modules import each from its owner.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def to_csv(rows: list[dict], columns: list[str]) -> str:
 
 def check_format(fmt: str | None) -> str | None:
     """None for the HTML page; csv or json; anything else is a BadQuery."""
-    from ffkv.web.data import BadQuery
+    from ffkv.web.tables import BadQuery
 
     if fmt is None or str(fmt).strip() in ("", "html"):
         return None

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ffkv.store import query
+from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
 DENSITY_BINS = 20  # histogram of the keys' density, bins of 1/20
@@ -123,8 +124,6 @@ def _patterns(b, layer: int) -> dict | None:
 
 def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
     """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is)."""
-    from ffkv.web.data import BadQuery, NotFound
-
     if not 0 <= layer < b.L:
         raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
     if not 1 <= per_page <= 1000:
