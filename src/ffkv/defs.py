@@ -6,6 +6,7 @@ from ffkv.errors import FfkvError
 # The lens: "naive" projects with the unembedding alone (the paper); "norm" applies the
 # model's final norm first (and reproduces the logits at the last layer).
 LENSES = ("naive", "norm")
+LENS_HELP = "naive: h·E as in the paper; norm: through the final norm."  # --lens of every command that opens a model
 PAPER_LENS = "naive"
 
 # The window, in tokens, that a flat token stream corpus is cut into (--context; ffkv.corpus.tokens).

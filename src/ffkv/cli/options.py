@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import typer
 
+from ffkv.defs import LENS_HELP
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_sign  # noqa: F401  (kept importable from here)
 from ffkv.model import identity
@@ -11,7 +12,7 @@ ModelOpt = typer.Option(None, "--model", "-m", help="HF id, local folder, .gguf 
                         "Default: the embedded SmolLM2-135M-Instruct GGUF.")
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda, cuda:N.")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA device that supports it, else float32), float32, float16, bfloat16.")
-LensOpt = typer.Option("norm", "--lens", help="naive: h·E as in the paper; norm: through the final norm.")
+LensOpt = typer.Option("norm", "--lens", help=LENS_HELP)
 RunArg = typer.Argument(..., metavar="RUN", help="A run directory made by `ffkv mine --out RUN`.")
 SignOpt = typer.Option("+", "--sign", help="Which triggers: + (top positive, the paper) or - (most negative).")
 SeedOpt = typer.Option(0, "--seed", min=0, max=2**32 - 1,

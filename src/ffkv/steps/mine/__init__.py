@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ffkv.defs import CORPUS_CONTEXT, LENSES
+from ffkv.defs import CORPUS_CONTEXT, LENS_HELP, LENSES
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
 from ffkv.steps import lazy
@@ -150,7 +150,7 @@ class MineCommand:
     overwrite: bool = setting(False, "Start afresh in --out although it holds a run (or a damaged one): its "
                                      "manifest, checkpoint and tables are deleted first; annotations and files "
                                      "that are not ffkv's are kept.", flag="--overwrite")
-    lens: str = setting("norm", "naive: h·E as in the paper; norm: through the final norm.", check=_lens)
+    lens: str = setting("norm", LENS_HELP, check=_lens)
     force: bool = setting(False, "Mine again from scratch into the same run, with its own model and settings, "
                                  "replacing the step's tables (e.g. one that was damaged); without it a killed run "
                                  "resumes and a finished one is skipped.")
