@@ -16,49 +16,21 @@ is printed beside it as a cross-check.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import resource
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import _common  # noqa: F401  (ffkv before torch; offline)
 import numpy as np
+from _common import PeakAbove, page_in, status_kb
 from ffkv.model import identity
 
 PAPER_GB = 150.0
 GOAL_S, GOAL_GB = 120.0, 2.0
-
-
-def status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_hwm() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-class Sampler(threading.Thread):
-    def __init__(self, dt=0.05):
-        super().__init__(daemon=True)
-        import psutil
-
-        self.p, self.dt, self.peak, self.stop = psutil.Process(), dt, 0, False
-
-    def run(self):
-        while not self.stop:
-            self.peak = max(self.peak, self.p.memory_info().rss)
-            time.sleep(self.dt)
 
 
 def synthetic_run(path: Path, mm, k: int, seed: int = 0):
@@ -150,26 +122,17 @@ def main():
             mm = open_model(None, device="cpu")
             n_rows = synthetic_run(tmp / "run", mm, args.triggers_k)
             run = Run(tmp / "run")
-        for p in mm.hf.parameters():  # page in every weight, so the baseline holds the whole model
-            float(p.detach().float().sum())
-        gc.collect()
+        page_in(mm)
         model_mb = (status_kb("VmRSS") - rss0) / 1024
-        base_kb = status_kb("VmRSS")
-        ok = reset_hwm()
-        sampler = Sampler()
-        sampler.start()
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
-        s = compute_values(run, mm, chunk=args.chunk, permutations=args.permutations,
-                           show_progress=False, force=True)
-        wall = time.perf_counter() - t0
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        with PeakAbove() as peak:
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            s = compute_values(run, mm, chunk=args.chunk, permutations=args.permutations,
+                               show_progress=False, force=True)
+            wall = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu_user, cpu_sys = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
-        sampler.stop = True
-        sampler.join()
-        hwm_kb = status_kb("VmHWM")
-        peak_gb = (hwm_kb - base_kb) / 1024 ** 2 if ok else float("nan")
-        sampled_gb = (sampler.peak / 1024 - base_kb) / 1024 ** 2
+        peak_gb, sampled_gb = peak.gb, peak.sampled_gb
         load1 = os.getloadavg()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

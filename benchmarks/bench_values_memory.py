@@ -14,8 +14,6 @@ psutil sampling every 50 ms is printed beside it as a cross-check. Prints one li
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import shutil
 import sys
 import tempfile
@@ -23,7 +21,8 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (ffkv before torch; offline)
-from bench_values import Sampler, linked_copy, reset_hwm, status_kb
+from _common import PeakAbove, page_in, status_kb
+from bench_values import linked_copy
 
 GOAL_GB = 2.0
 
@@ -62,24 +61,16 @@ def main() -> int:
         linked_copy(src, tmp / "run")
         run = Run(tmp / "run")
         mm = identity.open_model(run, device="cpu")
-        for p in mm.hf.parameters():  # page in every weight: the baseline holds the whole model
-            float(p.detach().float().sum())
-        gc.collect()
+        page_in(mm)
         release_free_heap()
         model_gb = (status_kb("VmRSS") - rss0) / 1024 ** 2
-        base_kb = status_kb("VmRSS")
-        print(f"  baseline (model loaded, free heap returned): {base_kb / 1024 ** 2:.2f} GB RSS", flush=True)
-        ok = reset_hwm()
-        sampler = Sampler()
-        sampler.start()
-        t0 = time.perf_counter()
+        print(f"  baseline (model loaded, free heap returned): {status_kb('VmRSS') / 1024 ** 2:.2f} GB RSS", flush=True)
         kw = {"chunk": args.chunk} if args.chunk else {}
-        compute_values(run, mm, show_progress=False, force=True, both_lenses=not args.one_lens, **kw)
-        wall = time.perf_counter() - t0
-        sampler.stop = True
-        sampler.join()
-        peak_gb = (status_kb("VmHWM") - base_kb) / 1024 ** 2 if ok else float("nan")
-        sampled_gb = (sampler.peak / 1024 - base_kb) / 1024 ** 2
+        with PeakAbove() as peak:
+            t0 = time.perf_counter()
+            compute_values(run, mm, show_progress=False, force=True, both_lenses=not args.one_lens, **kw)
+            wall = time.perf_counter() - t0
+        peak_gb, sampled_gb = peak.gb, peak.sampled_gb
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
