@@ -21,6 +21,21 @@ def write(run, recs):
     return run
 
 
+def verdicts(*args, env=None):
+    """`ffkv verdicts ARGS` through the CLI app."""
+    from typer.testing import CliRunner
+
+    from ffkv.cli import app
+
+    return CliRunner().invoke(app, ["verdicts", *map(str, args)], env=env)
+
+
+def verdicts_json(*runs):
+    res = verdicts(*runs, "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
 def test_side_by_side_marks_verdict_and_lens_changes():
     a = [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
          rec("fig5", "inconclusive", {"norm": "inconclusive", "naive": "same trend"}),
@@ -79,20 +94,14 @@ def test_load_on_any_file_returns_records_or_one_line(tmp_path, data):
 
 
 def test_verdicts_cli(tmp_path):
-    from typer.testing import CliRunner
-
-    from ffkv.cli import app
-
     a = write(tmp_path / "default", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
                                      rec("fig8", "inconclusive")])
     b = write(tmp_path / "full", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
                                   rec("fig8", "differs")])
-    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--json"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = verdicts_json(a, b)
     assert [(v["id"], v["changed"]) for v in out["verdicts"]] == [("fig4", False), ("fig8", True)]
     assert out["verdicts"][1]["runs"] == [{"verdict": "inconclusive", "lenses": {}}, {"verdict": "differs", "lenses": {}}]
-    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--changed"])
+    res = verdicts(a, b, "--changed")
     assert res.exit_code == 0 and "fig8" in res.output and "fig4" not in res.output
     assert "1 of 2 verdicts differ" in res.output
 
@@ -133,29 +142,23 @@ def test_holds_on_each_run_and_lens():
 
 
 def test_verdicts_cli_two_models_by_lens(tmp_path):
-    from typer.testing import CliRunner
-
-    from ffkv.cli import app
-
     a = write(tmp_path / "default", [rec("fig4", "same trend", {"norm": "same trend", "naive": "same trend"}),
                                      rec("fig3", "same trend")])
     b = write(tmp_path / "gemma", [rec("fig4", "same trend", {"norm": "same trend", "naive": "differs"}),
                                    rec("fig3", "inconclusive")])
-    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--json"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = verdicts_json(a, b)
     assert out["names"] == ["default", "gemma"] and out["lenses"] == ["norm", "naive"]
     v = {x["id"]: x for x in out["verdicts"]}
     assert v["fig4"]["holds_on"] == "both" and v["fig3"]["holds_on"] == "default only"
     assert v["fig4"]["by_lens"]["naive"] == {"verdicts": ["same trend", "differs"], "holds_on": "default only"}
     assert v["fig4"]["by_lens"]["norm"] == {"verdicts": ["same trend", "same trend"], "holds_on": "both"}
-    res = CliRunner().invoke(app, ["verdicts", str(a), str(b), "--by-lens"], env={"COLUMNS": "200"})
+    res = verdicts(a, b, "--by-lens", env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     lines = [l for l in res.output.splitlines() if l.startswith("│")]
     assert len(lines) == 3  # fig4 under norm and naive, fig3 once (its verdict is the same under any lens)
     assert "naive" in lines[1] and "differs" in lines[1] and "default only" in lines[1]
     assert "any" in lines[2] and "inconclusive" in lines[2]
     # one run: unchanged (no holds-on column, no by-lens keys)
-    one = json.loads(CliRunner().invoke(app, ["verdicts", str(a), "--json"]).output)
+    one = verdicts_json(a)
     assert set(one) == {"runs", "verdicts"} and set(one["verdicts"][0]) == {"id", "title", "changed", "runs"}
-    assert "holds on" not in CliRunner().invoke(app, ["verdicts", str(a)], env={"COLUMNS": "200"}).output
+    assert "holds on" not in verdicts(a, env={"COLUMNS": "200"}).output
