@@ -42,6 +42,7 @@ AFTER = 12  # tokens shown after the trigger
 MAX_TOP = 200  # trigger rows per sign, as the memory page allows
 MAX_SENTENCE = 1024  # tokens of one sentence read for the sentence page
 BATCH_TOKENS = 4096  # padded tokens per forward
+RATIO = 1.5  # a batch ends where a length passes 1.5× its shortest: on a CPU padding costs in full
 CACHE_FLOATS = 4_000_000  # numbers kept in the cache (16 MB)
 LEVELS = 8  # tint steps per sign (classes mp1..mp8, mn1..mn8 in style.css)
 MEMORY = re.compile(r"\s*(\d{1,6})\s*[/:]\s*(\d{1,9})\s*")
@@ -186,16 +187,18 @@ def cache(app_state) -> Cache:
 
 
 # ---- which examples a page shows ----------------------------------------------------------------
-def page_examples(b, layer: int, dim: int, top: int = 25, samples: bool = True,
+def page_examples(b, layer: int, dim: int, top: int = 25, samples: str = "first",
                   sign: int | None = None) -> list[tuple[int, int]]:
     """(sentence_id, position) of the memory page's trigger rows (rank ≤ top, of `sign` or both)
-    and, with `samples`, its quantile samples."""
+    and its quantile samples as the page shows them (`samples`: first, one per activation level
+    as by default; all, as with ?samples=all; none), so that no sentence is computed in vain."""
     out = []
     for r in b.trig.rows(layer, dim):
         if r["rank"] <= top and (sign is None or r["sign"] == sign):
             out.append((int(r["sentence_id"]), int(r["position"])))
-    if samples and sign is None and getattr(b, "key_samples", None) is not None:
-        for r in b.key_samples.rows(layer, dim):
+    if samples != "none" and sign is None and getattr(b, "key_samples", None) is not None:
+        st = b.key_statistics(layer, dim, samples == "all") or {}
+        for r in st.get("samples") or []:
             out.append((int(r["sentence_id"]), int(r["position"])))
     return out
 
@@ -225,7 +228,7 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
     from ffkv.corpus.batching import pack
 
     out: list[dict] = [{} for _ in seqs]
-    for idx in pack([len(s) for s in seqs], batch_tokens=BATCH_TOKENS, max_batch=64):
+    for idx in pack([len(s) for s in seqs], batch_tokens=BATCH_TOKENS, max_batch=64, ratio=RATIO):
         idx = [int(i) for i in idx]
         dims: dict[int, list[int]] = {}
         for i in idx:

@@ -655,7 +655,8 @@ def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: st
 def api_activations(request: Request, layer: int, dim: int, top: str | None = None, samples: str | None = None,
                     sign: str | None = None, sentence: str | None = None):
     """m of memory layer/dim at every token of the examples its page shows (`top` trigger rows
-    of each sign, or of `sign`; the quantile samples unless samples=none), or of one `sentence`."""
+    of each sign, or of `sign`; the quantile samples the page shows: one per level, or every one
+    with samples=all, or none), or of one `sentence`."""
     b = state(request)
     b.check_key(layer, dim)
     if samples not in (None, "", "all", "first", "none"):
@@ -666,7 +667,7 @@ def api_activations(request: Request, layer: int, dim: int, top: str | None = No
         examples = [(sid, None)]
     else:
         examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
-                                             samples != "none", opt_sign(sign))
+                                             samples or "first", opt_sign(sign))
     return api(activations.activations(b, request.app.state, layer, dim, examples))
 
 
