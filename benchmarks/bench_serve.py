@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_serve.py --run runs/default [--pages 500] [--direct]
     .venv/bin/python benchmarks/bench_serve.py --run runs/default --text-load [--clients 20] [--text-requests 10]
+    .venv/bin/python benchmarks/bench_serve.py --run runs/default --base /tmp/base [--clients 20] [--requests 10]
+    .venv/bin/python benchmarks/bench_serve.py --run runs/default --colour [--pages 20]
 
 It starts `ffkv serve RUN` as a user would (a subprocess on a free localhost port) and reads the
 server's own time of each response from its `Server-Timing` header (the client's wall time is
@@ -22,6 +24,23 @@ time is printed). Each of `--clients` concurrent clients sends `--text-requests`
 (`/api/search?text=WORD`, words from TOKENS, each client starting at another word); the first answer
 to each word is compared between the two servers (the same JSON, or the run stops). p50 and p99 of the
 client's wall time and the server's time, and their ratios, are printed.
+With `--base TREE` (issue 26: warm pages under load, before and after), two servers on the same run,
+one after the other: `ffkv serve` from TREE (PYTHONPATH=TREE/src, checked as bench_reproduce.py
+does) and from `--new` (default: this checkout). Each side first requests every URL once and
+waits until the server is idle (what it builds in the background on first use, e.g. similar
+memories from the model's weights, is done: warm), then `--clients` concurrent clients send `--requests` requests each of every kind in turn: memory
+pages (`--pages` random mined memories), layer pages (every layer) and search pages (text search,
+and token search when the run has `value_index`; TOKENS as queries). p50 and p99 of the client's
+wall time and the server's time per kind and side, and the ratios new/base, are printed; a kind
+the base does not serve (404: no layer page before issue 26) is said so, with no ratio.
+
+With `--colour` (issue 26's goal: a memory page of the default run fully coloured within 3 s of a
+cold request, at once when cached), one server of this checkout: after the model is loaded (one
+colouring request for another memory), for each of `--pages` random mined memories not asked
+before, the page and then the colours' JSON its `data-act-src` names, as the page's script asks
+for them; the time from sending the page request to the last byte of the colours is that memory's
+"fully coloured" time (the script's painting is not counted: a few hundred class changes). Then
+the same again, cached.
 Speeds are goals, never timed assertions in tests.
 """
 from __future__ import annotations
@@ -147,6 +166,161 @@ def text_load(run: Path, clients: int, per_client: int) -> None:
             f"(goal: p99 ≤ 0.2)")
 
 
+def wait_idle(pid: int, timeout: float = 1200, busy: float = 0.1) -> float:
+    """Seconds until the server's own work in the background (the model, similar memories, text
+    and token indexes, whatever its version starts) is done: its CPU under `busy` of a core over
+    two seconds."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        c = cpu_seconds(pid)
+        time.sleep(2)
+        if cpu_seconds(pid) - c < 2 * busy:
+            break
+    return time.perf_counter() - t0
+
+
+def load_side(url: str, pid: int, kinds: dict[str, list[str]], clients: int, per_client: int) -> dict:
+    """Every URL once (warm; its status kept), the server left to finish what it does in the
+    background, then for each kind `clients` concurrent clients × `per_client` requests (URLs in
+    turn, each client starting elsewhere): {kind: {wall, server, codes, warm_status}}."""
+    import httpx
+
+    res = {}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        warm = {k: [c.get(u).status_code for u in us] for k, us in kinds.items()}
+    out(f"  warm: every URL once, then {wait_idle(pid):.0f} s until the server was idle")
+    for kind, urls in kinds.items():
+        if not all(code == 200 for code in warm[kind]):
+            res[kind] = {"warm_status": warm[kind]}
+            continue
+
+        async def one(c, i, urls=urls):
+            rows = []
+            for j in range(per_client):
+                t = time.perf_counter()
+                r = await c.get(urls[(i * per_client + j) % len(urls)])
+                rows.append((1000 * (time.perf_counter() - t), server_ms(r), r.status_code))
+            return rows
+
+        async def load():
+            async with httpx.AsyncClient(base_url=url, timeout=600,
+                                         limits=httpx.Limits(max_connections=clients)) as c:
+                rs = await asyncio.gather(*(one(c, i) for i in range(clients)))
+                return [x for r in rs for x in r]
+
+        w_ms, s_ms, codes = zip(*asyncio.run(load()))
+        res[kind] = {"wall": w_ms, "server": s_ms, "codes": codes, "warm_status": warm[kind]}
+    return res
+
+
+def base_load(run: Path, a) -> None:
+    """Warm pages under load, the base tree's server then the new one's (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_reproduce import check_tree, env_for
+
+    import pyarrow.parquet as pq
+
+    trees = {"base": a.base.resolve(), "new": a.new.resolve()}
+    for t in trees.values():
+        check_tree(t, sys.executable)
+    man = __import__("json").loads((run / "manifest.json").read_text())
+    L, D = int(man["model"]["layers"]), int(man["model"]["d_m"])
+    trig = pq.read_table(run / "triggers.parquet", columns=["layer", "dim"])
+    codes = np.unique(trig.column("layer").to_numpy().astype(np.int64) * D + trig.column("dim").to_numpy())
+    rng = random.Random(a.seed)
+    mems = [divmod(int(c), D) for c in rng.sample(list(codes), min(a.pages, len(codes)))]
+    kinds = {"memory page": [f"/memory/{l}/{d}" for l, d in mems],
+             "layer page": [f"/layer/{l}" for l in range(L)],
+             "text search": [f"/search?text={w}" for w in TOKENS]}
+    if (run / "value_index.parquet").exists():
+        kinds["token search"] = [f"/search?token={w}" for w in TOKENS]
+    out(f"run {run}: {trig.num_rows:,} trigger rows, {len(codes):,} mined memories; {a.clients} concurrent "
+        f"clients × {a.requests} requests per kind; machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    res = {}
+    for side, tree in trees.items():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "serve", str(run), "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tree,
+                             env=env_for(tree))
+        try:
+            import httpx
+
+            with httpx.Client(timeout=600) as client:
+                startup = wait_first_page(client, url, p, t0)
+            out(f"{side} ({tree}): first page {startup:.1f} s after start")
+            res[side] = load_side(url, p.pid, kinds, a.clients, a.requests)
+        finally:
+            p.terminate()
+            p.wait(10)
+        for kind, r in res[side].items():
+            if "wall" not in r:
+                out(f"  {kind}: not served (status {sorted(set(r['warm_status']))})")
+                continue
+            out(f"  {kind}: {sum(c == 200 for c in r['codes'])}/{len(r['codes'])} × 200; client wall p50 "
+                f"{pct(r['wall'], 50):.0f} ms, p99 {pct(r['wall'], 99):.0f} ms; server p50 {pct(r['server'], 50):.1f} ms, "
+                f"p99 {pct(r['server'], 99):.1f} ms")
+    out(f"\n{'kind':<14}{'time':<8}{'base p50':>10}{'new p50':>10}{'ratio':>7}{'base p99':>10}{'new p99':>10}{'ratio':>7}  (ms; ratio new/base)")
+    for kind in kinds:
+        b, n = res["base"][kind], res["new"][kind]
+        for k in ("wall", "server"):
+            if "wall" not in n:
+                out(f"{kind:<14}{k:<8}  new side not served: {sorted(set(n['warm_status']))}")
+                continue
+            nb = [pct(n[k], 50), pct(n[k], 99)]
+            if "wall" not in b:
+                out(f"{kind:<14}{k:<8}{'–':>10}{nb[0]:>10.1f}{'–':>7}{'–':>10}{nb[1]:>10.1f}{'–':>7}  (base: not served)")
+                continue
+            bb = [pct(b[k], 50), pct(b[k], 99)]
+            out(f"{kind:<14}{k:<8}{bb[0]:>10.1f}{nb[0]:>10.1f}{nb[0] / bb[0]:>7.2f}{bb[1]:>10.1f}{nb[1]:>10.1f}{nb[1] / bb[1]:>7.2f}")
+
+
+def colour_times(run: Path, pages: int, seed: int) -> None:
+    """Cold and cached 'fully coloured' times of memory pages (module docstring)."""
+    import html as html_mod
+
+    import httpx
+    import pyarrow.parquet as pq
+
+    man = __import__("json").loads((run / "manifest.json").read_text())
+    D = int(man["model"]["d_m"])
+    trig = pq.read_table(run / "triggers.parquet", columns=["layer", "dim"])
+    codes = np.unique(trig.column("layer").to_numpy().astype(np.int64) * D + trig.column("dim").to_numpy())
+    rng = random.Random(seed)
+    mems = [divmod(int(c), D) for c in rng.sample(list(codes), min(pages + 1, len(codes)))]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    p, t0 = start(run, port)
+    rows = {"cold": [], "cached": []}
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            wait_first_page(c, url, p, t0)
+            t = time.perf_counter()
+            c.get(f"/api/memory/{mems[0][0]}/{mems[0][1]}/activations")  # loads the model (if not yet)
+            out(f"run {run}: first colouring (model load included) {time.perf_counter() - t:.1f} s; "
+                f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+            for kind in ("cold", "cached"):
+                for l, d in mems[1:]:
+                    t = time.perf_counter()
+                    page = c.get(f"/memory/{l}/{d}")
+                    src = re.search(r'data-act-src="([^"]+)"', page.text)
+                    if page.status_code != 200 or not src:
+                        raise SystemExit(f"/memory/{l}/{d}: {page.status_code}, colours {'found' if src else 'absent'}")
+                    j = c.get(html_mod.unescape(src.group(1))).json()
+                    total = time.perf_counter() - t
+                    n = sum(len(e["m"]) for e in j["examples"].values())
+                    rows[kind].append((total, j["seconds"], j["computed"], n))
+    finally:
+        p.terminate()
+        p.wait(10)
+    for kind, r in rows.items():
+        tot, comp, sents, toks = (np.array(x, dtype=np.float64) for x in zip(*r))
+        out(f"{kind}: {len(r)} memory pages fully coloured in p50 {np.median(tot):.2f} s, max {tot.max():.2f} s "
+            f"(goal ≤ 3 s cold; colours computed in p50 {np.median(comp):.2f} s for a median {np.median(sents):.0f} "
+            f"sentences, {np.median(toks):.0f} tokens); within 3 s: {int((tot <= 3).sum())}/{len(r)}")
+
+
 def wait_first_page(client, url: str, p, t0: float) -> float:
     import httpx
 
@@ -172,11 +346,21 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true", help="time the direct projection of one token too")
     ap.add_argument("--text-load", action="store_true",
                     help="only text search under load: the reference scan, then the text index, side by side")
-    ap.add_argument("--clients", type=int, default=20, help="concurrent clients of --text-load")
+    ap.add_argument("--clients", type=int, default=20, help="concurrent clients of --text-load and --base")
     ap.add_argument("--text-requests", type=int, default=10, help="searches per client of --text-load")
+    ap.add_argument("--base", type=Path, help="warm pages under load: this source tree (has src/ffkv) vs --new")
+    ap.add_argument("--new", type=Path, default=ROOT, help="the other tree of --base (default: this checkout)")
+    ap.add_argument("--requests", type=int, default=10, help="requests per client and kind of --base")
+    ap.add_argument("--colour", action="store_true", help="cold and cached per-token colouring of memory pages")
     a = ap.parse_args()
     if not (a.run / "manifest.json").exists():
         raise SystemExit(f"{a.run} is not a run; make one with `ffkv reproduce runs/default` (or pass --run)")
+    if a.base:
+        base_load(a.run.resolve(), a)
+        return
+    if a.colour:
+        colour_times(a.run.resolve(), a.pages, a.seed)
+        return
     if a.text_load:
         import pyarrow.parquet as pq
 

@@ -139,7 +139,7 @@ class Neighbours:
 def coactivation(b, layer: int, dim: int, top: int = TOP) -> list[dict]:
     """Memories whose top trigger list (sign +1) shares the most sentences with this memory's."""
     pos = b._lazy("_pos_by_sentence", lambda: _pos_index(b))
-    rows, order, sorted_sent, n_of = pos
+    sorted_sent, sorted_code, n_of = pos
     mine = b.trig.indices(layer, dim)
     mine = mine[b.trig_sign[mine] == 1]
     sents = np.unique(b.trig_row[mine])
@@ -147,13 +147,13 @@ def coactivation(b, layer: int, dim: int, top: int = TOP) -> list[dict]:
         return []
     a = np.searchsorted(sorted_sent, sents, "left")
     e = np.searchsorted(sorted_sent, sents, "right")
-    hit = np.concatenate([order[x:y] for x, y in zip(a, e)])
-    codes = b.trig.code[rows[hit]].astype(np.int64)
-    me = b.code(layer, dim)
-    codes = codes[codes != me]
-    if not len(codes):
+    counts = np.bincount(np.concatenate([sorted_code[x:y] for x, y in zip(a, e)]),
+                         minlength=b.L * b.d_m)  # O(rows), not a sort of them
+    counts[b.code(layer, dim)] = 0
+    u = np.nonzero(counts)[0]
+    if not len(u):
         return []
-    u, shared = np.unique(codes, return_counts=True)
+    shared = counts[u]
     jac = shared / (len(sents) + n_of[u] - shared)
     o = np.lexsort((u, -jac, -shared))[:top]
     return [{"layer": int(u[i] // b.d_m), "dim": int(u[i] % b.d_m), "shared": int(shared[i]),
@@ -161,12 +161,14 @@ def coactivation(b, layer: int, dim: int, top: int = TOP) -> list[dict]:
 
 
 def _pos_index(b):
-    """Positive trigger rows, ordered by sentence row; and each memory's number of such rows."""
+    """Positive trigger rows ordered by sentence row (their sentence rows and memory codes); and
+    each memory's number of such rows."""
     rows = np.nonzero(b.trig_sign == 1)[0]
     sent = b.trig_row[rows]
     order = np.argsort(sent, kind="stable")
-    n_of = np.bincount(b.trig.code[rows].astype(np.int64), minlength=b.L * b.d_m)
-    return rows, order, sent[order], n_of
+    code = b.trig.code[rows]
+    n_of = np.bincount(code.astype(np.int64), minlength=b.L * b.d_m)
+    return sent[order], code[order], n_of
 
 
 def similar(b, layer: int, dim: int) -> dict:
