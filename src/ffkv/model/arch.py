@@ -192,6 +192,19 @@ class Architecture:
             return None if new is None else (new.reshape(m.shape), *args[1:])
         return [self.module(blk, self.value).register_forward_pre_hook(pre)]
 
+    @staticmethod
+    def edit_after(state: dict, fn: Callable, out: torch.Tensor, write: Callable):
+        """fn(m) at an output `out` that m (kept in `state`) has already made: an edit m' adds
+        write(m' − m) = Σ_i (m'_i − m_i)·v_i to it (None: out stays). The edit replaces m in
+        `state`, so a later fn on the same output (a capture) sees it (an intervention's)."""
+        m = state["m"]
+        new = fn(m)
+        if new is None:
+            return None
+        state["m"] = new
+        add = write(new - m)
+        return None if add is None else out + add.reshape(out.shape).to(out.dtype)
+
     def hook_y(self, blk, fn: Callable, shape) -> list:
         """fn(y) on what the FFN adds to the residual stream, y (B, T, d)."""
         return [self.y_site(blk).register_forward_hook(
@@ -309,12 +322,7 @@ class PostNorm(Architecture):
             state["m"] = args[0] * self.inv_scale(blk, out)
 
         def on_norm(mod, args, out):
-            m = state["m"]
-            new = fn(m)
-            if new is None:
-                return None
-            state["m"] = new
-            return out + ((new - m) @ self.values(blk)).to(out.dtype)
+            return self.edit_after(state, fn, out, lambda delta: delta @ self.values(blk))
 
         return [self.module(blk, self.value).register_forward_hook(on_value),
                 self.module(blk, self.post_norm).register_forward_hook(on_norm),
@@ -583,18 +591,15 @@ class MoE(Architecture):
             if "m" not in state:
                 state["m"] = self.coefficients(blk, args[0])
 
-        def on_out(mod, args, out):
-            m = state["m"]
-            new = fn(m)
-            if new is None:
-                return None
-            state["m"] = new
-            delta = (new - m).reshape(-1, m.shape[-1])
+        def write(delta):  # only the dims the edit changed
+            delta = delta.reshape(-1, delta.shape[-1])
             dims = torch.nonzero(delta.ne(0).any(0), as_tuple=True)[0]
             if len(dims) == 0:
                 return None
-            add = delta[:, dims] @ self.value_rows(blk, dims).to(delta.dtype)
-            return out + add.view(out.shape).to(out.dtype)
+            return delta[:, dims] @ self.value_rows(blk, dims).to(delta.dtype)
+
+        def on_out(mod, args, out):
+            return self.edit_after(state, fn, out, write)
 
         def done(mod, args, out):  # returns None: the block's output stays
             state.pop("m", None)
