@@ -68,6 +68,7 @@ def example_html(b, sentence_id: int, position: int, layer: int | None = None, d
     position = int(position)
     start, end = window(len(toks), position)
     vocab = b.vocab
+    shown = b._lazy("_vocab_html", lambda: [str(escape(v)) for v in vocab])  # escaped once per server
     mem = f' data-memory="{int(layer)}/{int(dim)}"' if layer is not None and dim is not None else ""
     out = [f'<span class="ex prefix" data-sid="{int(sentence_id)}" data-pos="{position}"{mem}>']
     if start > 0:
@@ -78,7 +79,8 @@ def example_html(b, sentence_id: int, position: int, layer: int | None = None, d
         if i == position:
             out.append(f'<mark class="tk" data-i="{i}">{escape(show_trigger(text))}</mark>')
         else:
-            out.append(f'<span class="tk{" after" if i > position else ""}" data-i="{i}">{escape(text)}</span>')
+            out.append(f'<span class="tk{" after" if i > position else ""}" data-i="{i}">'
+                       f'{shown[t] if 0 <= t < len(shown) else escape(text)}</span>')
     if end < len(toks):
         out.append('<span class="muted">…</span>')
     out.append("</span>")

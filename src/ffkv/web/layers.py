@@ -44,9 +44,10 @@ def _col(t, name) -> np.ndarray:
     return t.column(name).to_numpy(zero_copy_only=False)
 
 
-def layer_memories(b, layer: int) -> list[dict]:
+def layer_memories(b, layer: int, summaries: bool = True) -> list[dict]:
     """Every memory of the layer that was mined or has a value row, by dim, with its measures and
-    one-line summary (the rows of the layer page's list and of its CSV)."""
+    (unless `summaries` is off: the page adds them to the rows it shows) its one-line summary
+    (the rows of the layer page's list and of its CSV)."""
     t = b.memories.slice(layer * b.d_m, b.d_m)
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
@@ -54,7 +55,7 @@ def layer_memories(b, layer: int) -> list[dict]:
     for r in rows:
         r["top_token_text"] = b.tok(r["top_token"])
         r["top_token_neg_text"] = b.tok(r["top_token_neg"])
-    return b.add_summaries(rows)
+    return b.add_summaries(rows) if summaries else rows
 
 
 def _density(b, layer: int) -> dict | None:
@@ -130,7 +131,7 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
         raise BadQuery("per_page must be in 1..1000")
     if page < 1:
         raise BadQuery("page must be ≥ 1")
-    mems = layer_memories(b, layer)
+    mems = layer_memories(b, layer, summaries=False)
     last = max(1, -(-len(mems) // per_page))
     if page > last:
         raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
@@ -147,4 +148,4 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
             "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer),
             "patterns": _patterns(b, layer), "missing": missing,
             "memories": {"total": len(mems), "page": page, "per_page": per_page, "pages": last,
-                         "rows": mems[(page - 1) * per_page: page * per_page]}}
+                         "rows": b.add_summaries(mems[(page - 1) * per_page: page * per_page])}}
