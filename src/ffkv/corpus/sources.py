@@ -279,6 +279,9 @@ def open_corpus(spec: str | None = None, field: str = "text", seed: int = 0,
     return CorpusSource(spec or EMBEDDED, text_field=field, seed=seed, context=context)
 
 
+TOKENIZE_CHUNK = 2048  # sentences per tokenizer call
+
+
 def tokenize(tokenizer, sentences: list[Sentence], max_length: int,
              vocab_size: int | None = None) -> tuple[list[list[int]], int]:
     """Token ids per sentence, cut to the model's context by the corpus rule
@@ -294,6 +297,9 @@ def tokenize(tokenizer, sentences: list[Sentence], max_length: int,
         for s, text in zip(sentences, tokenizer.batch_decode(enc, skip_special_tokens=True)):
             s.text = text
     else:
-        enc = tokenizer([s.text for s in sentences], add_special_tokens=True)["input_ids"]
+        enc = []  # in chunks: a fast tokenizer's encodings of one call take ~150 bytes a token
+        for i in range(0, len(sentences), TOKENIZE_CHUNK):
+            part = sentences[i:i + TOKENIZE_CHUNK]
+            enc += tokenizer([s.text for s in part], add_special_tokens=True)["input_ids"]
     ids, cut = fit_sentences(enc, max_length)
     return ids, cut["sentences"]

@@ -177,6 +177,17 @@ def _int_list_column(schema, column: str | None, where: str) -> str:
                     f"{printable(', '.join(f'{f.name} {f.type}' for f in schema)[:160] or 'none', newlines=False)}")
 
 
+def flat_lists(col) -> tuple[np.ndarray, np.ndarray]:
+    """A list-of-integers Arrow column as its flat values and row offsets (row i:
+    values[offsets[i]:offsets[i+1]]): 4-8 bytes a token, where Python lists take about 36."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    lengths = np.asarray(pc.list_value_length(arr), dtype=np.int64)
+    return pc.list_flatten(arr).to_numpy(zero_copy_only=False), np.concatenate([[0], np.cumsum(lengths)])
+
+
 def _from_arrow(col, kind: str, meta: str | None, where: str, details: dict) -> TokenRows:
     """A list-of-integers Arrow column as flat values and row offsets; no null rows or ids."""
     import pyarrow as pa
@@ -187,13 +198,12 @@ def _from_arrow(col, kind: str, meta: str | None, where: str, details: dict) -> 
         raise FfkvError(f"{where} is empty: no rows")
     if arr.null_count:
         raise FfkvError(f"{where}: row {int(np.argmax(np.asarray(arr.is_null())))} is null, not a list of token ids")
-    lengths = np.asarray(pc.list_value_length(arr), dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
     flat = arr.flatten()
     if flat.null_count:
+        offsets = flat_lists(arr)[1]
         at = int(np.argmax(np.asarray(flat.is_null())))
         raise FfkvError(f"{where}: row {int(np.searchsorted(offsets, at, side='right')) - 1} holds a null token id")
-    values = flat.to_numpy(zero_copy_only=False)
+    values, offsets = flat_lists(arr)
     _ids_checked(values, offsets, where)
     return TokenRows(kind, values, offsets, "", meta, details)
 

@@ -50,6 +50,22 @@ def new_state(mm, s: MineSettings) -> MineState:
     return MineState(trackers, layers, s.dims, device=dev)
 
 
+class FlatTokens:
+    """The sentences table's token_ids as one flat array and offsets (`ffkv.corpus.tokens.flat_lists`):
+    row i is a view, so the host holds 4-8 bytes a token, not a Python int list per sentence."""
+
+    def __init__(self, column):
+        from ffkv.corpus.tokens import flat_lists
+
+        self.values, self.offsets = flat_lists(column)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+
 def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None) -> MineState:
     """Feed batches (lists of indices into token_lists) through one captured pass each."""
     for bi, idx in batches:

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from ffkv.corpus.batching import auto_batch_tokens, layout as batch_layout, pack, padding_share
-from ffkv.mine.engine import (checkpoint_batch_tokens, group_for, layout_key, load_checkpoint,  # noqa: F401
-                              mine_batches, new_state, save_checkpoint)
+from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key,  # noqa: F401
+                              load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
 from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
 from ffkv.steps.lifecycle import execute
@@ -167,8 +167,9 @@ def compute(ctx) -> dict:
         mined_tokens = int(lengths.sum())
     else:
         sent = run.read_table("sentences", columns=["sentence_id", "token_ids"])
-        token_lists = sent.column("token_ids").to_pylist()
-        sids = sent.column("sentence_id").to_pylist()
+        token_lists = FlatTokens(sent.column("token_ids"))
+        sids = sent.column("sentence_id").to_numpy()
+        del sent
         state, mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
                                           checkpoint_every, ctx.show_progress, ctx.log, bt)
     secs = time.time() - t0
