@@ -238,6 +238,9 @@ def copy_run(src: Path, dst: Path, tables: list[str], steps: list[str]) -> Path:
         shutil.copy(src / f"{t}.parquet", dst / f"{t}.parquet")
     man = json.loads((src / "manifest.json").read_text())
     man["steps"] = {k: v for k, v in man["steps"].items() if k in steps}
+    # the records of the tables left out go too, as in a run that never wrote them (a damaged
+    # run keeps them, and the report refuses it)
+    man["tables"] = {k: v for k, v in (man.get("tables") or {}).items() if k in tables}
     (dst / "manifest.json").write_text(json.dumps(man))
     return dst
 

@@ -219,6 +219,18 @@ def test_serve_command_refuses_a_damaged_run_in_one_line(full, tmp_path, how):
     assert "rebuild it with `ffkv" in one_line_error(res, needle="table of")
 
 
+@pytest.mark.parametrize("how", ["delete", "truncate", "replace"])
+def test_report_refuses_a_damaged_run_in_one_line(full, tmp_path, how):
+    """A report drawn from a damaged table was written with exit 0 (a cut triggers table gave no
+    word at all); it is refused like serve, naming the table and its rebuild, and writes nothing."""
+    run = copy_run(full, tmp_path / "run")
+    shutil.rmtree(run / "report", ignore_errors=True)
+    damage(run, {"delete": "triggers", "truncate": "values", "replace": "compose_layers"}[how], how)
+    res = run_cli("report", run)
+    assert "rebuild it with `ffkv" in one_line_error(res, needle="table of")
+    assert not (run / "report" / "index.html").exists()
+
+
 @pytest.mark.parametrize("step", LATER_STEPS)
 def test_the_named_command_repairs_each_step(full, tmp_path, step):
     """The command serve names rebuilds the step with the settings it ran with (not the

@@ -525,8 +525,11 @@ def verdict_record(s: Section) -> dict:
 
 def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list[str]]:
     """`build_report`, also returning the problems met (sections that could not be built)."""
+    from ffkv.steps.lifecycle import check_run
+
     run = Run(run_path)
     run.require("mine", f"ffkv mine --out {run.path}")
+    check_run(run)  # a damaged table is one line naming its rebuild, not a report drawn from it
     if out is None:
         html_path = run.path / "report" / "index.html"
     else:
