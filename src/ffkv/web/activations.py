@@ -35,7 +35,7 @@ import numpy as np
 from markupsafe import Markup, escape
 
 from ffkv.web.common import show_trigger, templates
-from ffkv.web.data import PREFIX_TOKENS, BadQuery, NotFound
+from ffkv.web.tables import PREFIX_TOKENS, BadQuery, NotFound
 
 BEFORE = PREFIX_TOKENS  # tokens shown up to and including the trigger, as the prefix column did
 AFTER = 12  # tokens shown after the trigger

@@ -39,8 +39,8 @@ from ffkv.errors import FfkvError
 from ffkv.store.annotations import LIMITS, MAX_JSON_DEPTH, MAX_NAME, MAX_NOTE, MAX_PATTERNS, MAX_RECORD_BYTES
 from ffkv.web import activations, plots
 from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, show_trigger, state
-from ffkv.web.data import (ANNOTATE_TOP, LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS, BadQuery,
-                           NotFound)
+from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
+from ffkv.web.tables import ANNOTATE_TOP, BadQuery, NotFound
 
 router = APIRouter()
 
