@@ -354,6 +354,32 @@ def test_another_model_is_refused_naming_both(mined, tok_dir, tmp_path):
     assert snapshot(run) == before
 
 
+def test_a_fine_tune_with_the_same_embeddings_is_refused(mined, tiny_dirs, tmp_path):
+    """Same shape, vocabulary and unembedding (embeddings frozen), one FFN weight of one layer
+    moved: another model. It was taken for the run's own (only E was digested)."""
+    import json as _json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = Path(tiny_dirs["gpt2"])
+    tuned = tmp_path / "tuned"
+    shutil.copytree(src, tuned)
+    w = load_file(str(src / "model.safetensors"))
+    name = next(k for k in sorted(w) if "mlp.c_proj.weight" in k)  # a value matrix of one layer
+    w[name] = w[name].clone()
+    w[name][0] += 0.5
+    save_file(w, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    assert _json.loads((tuned / "config.json").read_text()) == _json.loads((src / "config.json").read_text())
+    run = copy_run(mined, tmp_path / "run")
+    before = snapshot(run)
+    line = one_line_error(run_cli(*mine_args(run, tuned)), needle="model mismatch")
+    assert "FFN weights" in line and "nothing to do" not in line, line
+    assert snapshot(run) == before
+    assert torch.equal(load_file(str(tuned / "model.safetensors"))["transformer.wte.weight"],
+                       w["transformer.wte.weight"])
+
+
 # ---- 3. never write into what is not ours ---------------------------------------------------------
 def test_a_folder_that_is_not_a_run_is_refused(tiny_dirs, tmp_path):
     d = tmp_path / "mine"

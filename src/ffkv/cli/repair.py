@@ -77,9 +77,7 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
         if "vocab" in found and found["vocab"][1]["rows"] != mm.vocab_size:
             raise FfkvError(f"{model_name} has {mm.vocab_size} tokens; the run's vocab table has "
                             f"{found['vocab'][1]['rows']}: not the run's model")
-        from ffkv.model.identity import unembed_digest
-
-        model = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(), "unembed_sha256": unembed_digest(mm)}
+        model = identity.model_record(mm)
     man["model"] = model
     lens = next((o.get("lens") for o in origins if o.get("lens")), None)
     if lens:

@@ -16,15 +16,38 @@ def unembed_digest(mm) -> str:
     return hashlib.sha256(np.ascontiguousarray(e).tobytes()).hexdigest()
 
 
+FFN_STRIDE = 16  # every 16th value vector of every layer: a fine-tune moves nearly all of them
+
+
+def ffn_digest(mm) -> str:
+    """sha256 of a strided sample of every layer's value vectors (rows 0, 16, 32, ... of V): a
+    fine-tune that kept the embeddings (the same unembedding, shape and vocabulary) is another
+    model all the same."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    for layer in range(mm.n_layers):
+        v = mm.values(layer)[::FFN_STRIDE].detach().float().cpu().numpy()
+        h.update(np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()
+
+
+def model_record(mm) -> dict:
+    """What a manifest records of its model: where it came from, its shape, and its unembedding's
+    and FFN's digests."""
+    return {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(),
+            "unembed_sha256": unembed_digest(mm), "ffn_sha256": ffn_digest(mm)}
+
+
 def record_model(run, mm) -> None:
-    """The manifest's `model`: where it came from, its shape, and its unembedding's digest."""
-    run.manifest["model"] = {**(mm.spec.as_dict() if mm.spec else {}), **mm.info(),
-                             "unembed_sha256": unembed_digest(mm)}
+    run.manifest["model"] = model_record(mm)
 
 
 def check_model(run, mm) -> None:
-    """Refuse a model that is not the run's: another shape, vocabulary or unembedding, or
-    another revision of the same model (one line naming both)."""
+    """Refuse a model that is not the run's: another shape, vocabulary, unembedding or FFN
+    weights, or another revision of the same model (one line naming both)."""
     rec = run.manifest.get("model")
     if not rec:
         return
@@ -42,6 +65,10 @@ def check_model(run, mm) -> None:
     if rec.get("unembed_sha256") and rec["unembed_sha256"] != unembed_digest(mm):
         raise FfkvError(f"model mismatch: {run.path} was made with {ours}, not {theirs} (their "
                         f"unembeddings differ); use a new run folder, or the run's own model")
+    if rec.get("ffn_sha256") and rec["ffn_sha256"] != ffn_digest(mm):  # runs recorded before it: not checked
+        raise FfkvError(f"model mismatch: {run.path} was made with {ours}, not {theirs} (the same shape and "
+                        f"unembedding, but other FFN weights: a fine-tune?); use a new run folder, or the "
+                        f"run's own model")
 
 
 def open_model(run, model: str | None = None, device: str = "auto", dtype: str = "auto", lens: str | None = None):
