@@ -137,9 +137,15 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
         args = (run.model_arg(), device, str(mm.dtype).replace("torch.", ""), asdict(s),
                 None if gpus else per_task_cpu)
         actors = [actor.remote(*args) for _ in range(n_actors)]
-        sent_path = str(run.table_path("sentences"))
+        files = {k: f for k, f, _ in todo}
         try:
-            _drain(ray, actors, todo, sent_path, run, state, mm, s, save_npz, progress)
+            with progress() as bar:
+                task = bar.add_task("mine shards", total=len(todo))
+                for k, arrs in _drain(ray, actors, {k: rows for k, _, rows in todo},
+                                      str(run.table_path("sentences"))):
+                    save_npz(files[k], arrs)
+                    state.merge(new_state(mm, s).load_arrays(arrs))
+                    bar.advance(task)
         finally:
             for a in actors:
                 ray.kill(a)
@@ -149,30 +155,24 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     return state, shards
 
 
-def _drain(ray, actors, todo, sent_path, run, state, mm, s, save_npz, progress) -> None:
-    """Hand shards to idle actors until all are merged; a shard whose actor could not read the
-    run's sentences (another node's disk) is sent again with its rows."""
-    from ffkv.mine.engine import new_state
-
-    files = {k: (f, rows) for k, f, rows in todo}
-    queue = [(k, None) for k, _, _ in todo]
+def _drain(ray, actors, jobs: dict, sent_path: str):
+    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays) as each
+    finishes. A shard whose actor could not read the run's sentences (another node's disk) is
+    sent again with its rows."""
+    queue = [(k, None) for k in jobs]
     idle, pending = list(actors), {}
-    with progress() as bar:
-        task = bar.add_task("mine shards", total=len(todo))
-        while queue or pending:
-            while queue and idle:
-                k, sent = queue.pop(0)
-                a = idle.pop()
-                pending[a.mine.remote(k, sent_path, files[k][1], sent)] = a
-            done, _ = ray.wait(list(pending), num_returns=1)
-            idle.append(pending.pop(done[0]))
-            try:
-                k, arrs = ray.get(done[0])
-            except Exception as e:  # noqa: BLE001
-                raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
-            if arrs is None:
-                queue.append((k, read_rows(sent_path, files[k][1])))
-                continue
-            save_npz(files[k][0], arrs)
-            state.merge(new_state(mm, s).load_arrays(arrs))
-            bar.advance(task)
+    while queue or pending:
+        while queue and idle:
+            k, sent = queue.pop(0)
+            a = idle.pop()
+            pending[a.mine.remote(k, sent_path, jobs[k], sent)] = a
+        done, _ = ray.wait(list(pending), num_returns=1)
+        idle.append(pending.pop(done[0]))
+        try:
+            k, arrs = ray.get(done[0])
+        except Exception as e:  # noqa: BLE001
+            raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
+        if arrs is None:
+            queue.append((k, read_rows(sent_path, jobs[k])))
+        else:
+            yield k, arrs
