@@ -62,9 +62,12 @@ class Notes:
         return self.b.summaries.line(self.b.code(layer, dim), self.annotation_parts().get(self.b.code(layer, dim)))
 
     def add_summaries(self, rows: list[dict]) -> list[dict]:
-        """Set `summary` on rows that carry layer and dim (search results, layer lists)."""
+        """Set `summary` on rows that carry layer and dim (search results, layer lists), and `expert`
+        in a mixture of experts (`RunTables.expert_of`)."""
         ann = self.annotation_parts() if rows else {}
         for r in rows:
             c = self.b.code(r["layer"], r["dim"])
             r["summary"] = self.b.summaries.line(c, ann.get(c))
+            if self.b.moe is not None:
+                r["expert"] = self.b.expert_of(r["dim"])
         return rows

@@ -81,7 +81,7 @@ class Pages:
         c = self.b.code(layer, dim)
         prec = {"k": PRECISION_K, "value": _f(self.b._precision[0][c]), "neg_value": _f(self.b._precision[1][c])}
         return {
-            "layer": layer, "dim": dim, "mined": mined, "lens": self.b.lens, "top": top,
+            "layer": layer, "dim": dim, "expert": self.b.expert_of(dim), "mined": mined, "lens": self.b.lens, "top": top,
             "model": self.b.model_id, "corpus_sha256": self.b.corpus_sha, "negative": self.b.negative,
             "triggers": triggers, "n_triggers": {"+": int(sum(1 for r in trig if r["sign"] == 1)),
                                                  "-": int(sum(1 for r in trig if r["sign"] == -1))},

@@ -810,11 +810,17 @@ def search_download(request: Request, p: dict, fmt: str):
         rows += more
     rows = rows[:DOWNLOAD_MAX]
     kind = res.get("text_mode") if res["mode"] == "text" and res.get("text_mode") == "summary" else res["mode"]
+    columns = list(SEARCH_COLUMNS[kind])
     for r in rows:
         if isinstance(r.get("prefix"), dict):
             r["prefix"] = r["prefix"].get("full")
+        if isinstance(r.get("expert"), dict):  # a mixture of experts: the expert and its own dim
+            ex = r["expert"]
+            r["expert"], r["expert_dim"], r["shared_expert"] = ex["expert"], ex["dim"], ex["shared"]
+    if state(request).moe is not None:
+        columns[2:2] = ["expert", "expert_dim", "shared_expert"]
     what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
-    return export.download(rows, list(SEARCH_COLUMNS[kind]), f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
+    return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
 
 
 TRIGGER_COLUMNS = ("layer", "dim", "sign", "rank", "coef", "sentence_id", "position", "prefix", "trigger_token",

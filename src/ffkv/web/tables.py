@@ -136,6 +136,10 @@ class RunTables:
         self.corpus_source = corpus.get("source")
         self.corpus_sha = corpus.get("sha256") or ""
         self.model_id = model.get("model_id") or model.get("model") or "?"
+        # a mixture of experts (the manifest's `ffkv.model.arch.MoE.moe_info`): dim = e·d_expert + i
+        self.moe = ({"experts": int(model["experts"]), "d_expert": int(model.get("d_expert") or 0),
+                     "d_shared": int(model.get("d_shared_expert") or 0)}
+                    if model.get("experts") and model.get("d_expert") else None)
         self.index_k = index_k
         self.has_report = (self.path / "report" / "index.html").exists()
 
@@ -249,6 +253,19 @@ class RunTables:
             raise NotFound(f"layer {layer} does not exist: the model has layers 0–{self.L - 1}")
         if not (0 <= dim < self.d_m):
             raise NotFound(f"dim {dim} does not exist: each layer has dims 0–{self.d_m - 1}")
+
+    def expert_of(self, dim: int) -> dict | None:
+        """A memory's expert in a mixture of experts, as `MemoryModel.expert_of` gives it
+        (dim = e·d_expert + i; the shared expert, when there is one, is expert E after the E routed
+        ones), with its label: {expert, dim, shared, label}; None for a dense FFN."""
+        if self.moe is None:
+            return None
+        E, de = self.moe["experts"], self.moe["d_expert"]
+        dim = int(dim)
+        e, i = (dim // de, dim % de) if dim < E * de else (E, dim - E * de)
+        shared = e >= E
+        return {"expert": e, "dim": i, "shared": shared,
+                "label": f"expert {e}, dim {i}" + (" (shared expert)" if shared else "")}
 
     def code(self, layer: int, dim: int) -> int:
         return int(layer) * self.d_m + int(dim)
