@@ -10,12 +10,16 @@ Adding a step: see `ffkv.steps` (one package, registered once by an entry point 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ffkv.atomic import sweep_temps
 from ffkv.errors import FfkvError
 from ffkv.model import identity
+
+HEARTBEAT_S = 10.0  # how often a working step says it is alive: a killed try's time is lost by at most this
 
 @dataclass(frozen=True)
 class Step:
@@ -236,6 +240,27 @@ def refuse_other(run, step: Step, record: dict) -> None:
                         f"its `{step.name}` settings: make a new run, or repeat them to resume")
 
 
+@contextlib.contextmanager
+def heartbeat(run, name: str, every: float | None = None):
+    """`run.beat(name)` every `every` (HEARTBEAT_S) seconds while the block runs, from a daemon
+    thread: if the process is killed, the last beat is when its work stopped (`Run.start_step`
+    counts a resumed step's time by it, not by the hours it lay dead)."""
+    stop = threading.Event()
+    period = HEARTBEAT_S if every is None else every
+
+    def beat():
+        while not stop.wait(period):
+            run.beat(name)
+
+    t = threading.Thread(target=beat, name=f"ffkv-heartbeat-{name}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def execute(run, name: str, settings, *, mm=None, model_name: str | None = None, device: str = "auto",
             dtype: str = "auto", force: bool = False, log: Callable[[str], None] = print,
             show_progress: bool | None = None, warn: Callable[[str], None] | None = None,
@@ -267,7 +292,8 @@ def execute(run, name: str, settings, *, mm=None, model_name: str | None = None,
             return Outcome(name, "skipped", dict(run.step(name)))
         run.start_step(name, record)
         try:
-            info = step.compute(ctx) or {}
+            with heartbeat(run, name):
+                info = step.compute(ctx) or {}
             verify_outputs(run, name, step)
         except FfkvError as e:
             run.fail_step(name, str(e))

@@ -80,9 +80,9 @@ def table_origin(path: Path) -> dict | None:
 
 def _ours(p: Path) -> bool:
     """ffkv's own bookkeeping in a run folder (not tables): manifest, locks, staged writes,
-    the mining checkpoint, annotations, the report."""
+    the mining checkpoint, annotations, the report, a step's heartbeat."""
     n = p.name
-    return (n in _OURS or n.startswith(".lock-") or bool(TMP_RE.match(n))
+    return (n in _OURS or n.startswith((".lock-", ".alive-")) or bool(TMP_RE.match(n))
             or n.startswith("annotations.sqlite"))
 
 
@@ -214,24 +214,58 @@ class Run:
         return self.step(name).get("status") == "done"
 
     def start_step(self, name: str, settings: dict | None = None) -> None:
-        """A killed step resumes its record (its time counts from the first start); a step done
-        or failed before starts a new one, so no figure of the old pass outlives it."""
+        """A killed step resumes its record (`started` stays the first try's, so the tables it
+        wrote before still count); a step done or failed before starts a new one, so no figure of
+        the old pass outlives it. A resumed step's working time adds the killed try's, from its
+        start to its last heartbeat (`beat`), not the time it lay dead."""
+        now = time.time()
         steps = self.manifest.setdefault("steps", {})
         if steps.get(name, {}).get("status") != "running":
             steps[name] = {}
         st = steps[name]
-        st.update(status="running", started=st.get("started") or time.time())
+        if st.get("status") == "running":  # a try killed before it could record its end
+            began = st.get("attempt_started") or st.get("started") or now
+            last = self._last_beat(name)
+            st["worked"] = round((st.get("worked") or 0) + max(0.0, min(last or began, now) - began), 2)
+            st["attempts"] = (st.get("attempts") or 1) + 1
+        st.update(status="running", started=st.get("started") or now, attempt_started=now)
         if settings is not None:
             self.manifest.setdefault("settings", {})[name] = settings
         self._writer = name
         self.save()
+        self.beat(name)
+
+    def _beat_path(self, name: str) -> Path:
+        return self.path / f".alive-{name}"
+
+    def beat(self, name: str) -> None:
+        """Step `name` is still working (its heartbeat: the mtime of a dot file, touched by the
+        lifecycle every `HEARTBEAT_S`); what a resume counts a killed try's work up to."""
+        p = self._beat_path(name)
+        try:
+            p.touch()
+            os.utime(p)
+        except OSError:  # a heartbeat is best effort: a lost one undercounts a killed try's time
+            pass
+
+    def _last_beat(self, name: str) -> float | None:
+        try:
+            return self._beat_path(name).stat().st_mtime
+        except OSError:
+            return None
 
     def finish_step(self, name: str, **info) -> None:
+        """`seconds`: the step's working time, summed over its tries; a resumed step also keeps
+        `attempts` and `wall_seconds` (from the first try's start to the finish)."""
         st = self.manifest["steps"][name]
         st.update(status="done", finished=time.time(), **info)
-        st["seconds"] = round(st["finished"] - st["started"], 2)
+        began = st.pop("attempt_started", None) or st["started"]
+        st["seconds"] = round((st.pop("worked", None) or 0) + st["finished"] - began, 2)
+        if (st.get("attempts") or 1) > 1:
+            st["wall_seconds"] = round(st["finished"] - st["started"], 2)
         self._writer = None
         self.save()
+        self._beat_path(name).unlink(missing_ok=True)
 
     def fail_step(self, name: str, error: str) -> None:
         """A step that stopped on an error: its settings are dropped, so a corrected rerun is not
