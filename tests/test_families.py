@@ -503,7 +503,7 @@ def test_coefficients_with_another_activation(family_model):
     assert not torch.allclose(mm.coefficients(0, x), a, atol=1e-3)
 
 
-@pytest.mark.parametrize("family_model", ["gemma", "gemma2", "olmo2", "granite"], indirect=True)
+@pytest.mark.parametrize("family_model", _supported(), indirect=True)
 def test_normalize_substitution_is_the_models_own(family_model):
     """`ffkv normalize`'s one-layer substitution and loss go through the family's own seams: the
     identity substitution (m rebuilt as it is) gives the model's own final state, and the loss

@@ -1,0 +1,245 @@
+"""Every step on every family: mine, values (both lenses), compose, mutate, patterns, normalize,
+explain and the memory page, through the CLI on each tiny model of `test_families.FAMILIES` (the
+mixtures of experts: values, normalize and explain here, the other steps in `test_moe_steps`).
+
+One number per step, each held to a computation of its own on the model, each prefix run alone
+(`test_families._brute_m`: m from hooks on the model's own value projection; for a mixture of
+experts `test_moe._brute_coefficients` from the raw fused weights):
+- mine: the top trigger's coefficient, both signs;
+- values: each layer's mean max-probability of v_i under both lenses, projected here (v_i and the
+  final norm's gain are ffkv's, which `test_families` holds to the model's residual stream);
+- compose: top(y) under both lenses and the final prediction, y read from the model's residual
+  stream and projected through the model's own final norm and unembedding;
+- mutate: coefficients before and after each kind of mutation, in every layer;
+- patterns: each key's prefixes are its mined triggers;
+- normalize: the intact loss is the model's own next-token loss on its evaluation sentences
+  (soft-cap and logit divisor included);
+- explain: the prediction and its logit are the model's own, and each shown memory's coefficient
+  is m at the last position;
+- the memory page: per-token coefficients and the re-verified trigger.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import WT2, run_cli
+from test_families import FAMILIES, _blocks, _brute_m, _own_ffn_writes, family_model  # noqa: F401
+from test_families import _supported as _dense
+from test_moe import _brute_coefficients, moe_model  # noqa: F401
+
+TEXT = "The cat sat on the"
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _close(got, want, rel=1e-4, atol=1e-5):
+    return abs(float(got) - float(want)) <= atol + rel * abs(float(want))
+
+
+def _cached(f):
+    """f(mm, ids) once per prefix."""
+    seen: dict = {}
+
+    def g(mm, ids):
+        key = tuple(ids)
+        if key not in seen:
+            seen[key] = f(mm, key)
+        return seen[key]
+    return g
+
+
+def _coefs_dense(name):
+    fam = FAMILIES[name]
+
+    @_cached
+    def coefs(mm, ids):
+        """m (L, T, d_m) of `ids` run alone."""
+        got = _brute_m(mm, fam, [list(ids)])
+        return torch.stack([got[(0, j)] for j in range(len(ids))], 1)
+    return coefs
+
+
+def _coefs_moe(name):
+    @_cached
+    def coefs(mm, ids):
+        x = {}
+        hs = [blk.mlp.register_forward_pre_hook(lambda mod, a, l=l: x.__setitem__(l, a[0][0]))
+              for l, blk in enumerate(mm.hf.model.layers)]
+        try:
+            mm.hf(input_ids=torch.tensor([list(ids)]), use_cache=False)
+        finally:
+            for h in hs:
+                h.remove()
+        return torch.stack([_brute_coefficients(name, mm.hf.model.layers[l].mlp, x[l]) for l in range(mm.n_layers)])
+    return coefs
+
+
+def _run_steps(mm, run, steps):
+    model = mm.spec.model_id
+    args = {
+        "mine": ("mine", "--out", run, "--model", model, "--corpus", WT2 / "wiki.valid.tokens",
+                 "--max-sentences", "24", "--top-k", "3", "--negative"),
+        "values": ("values", run, "--permutations", "2", "--table2", "5", "--precision-k", "3"),
+        "compose": ("compose", run, "--corpus", WT2 / "wiki.test.tokens", "--prefixes", "6",
+                    "--max-sentences", "60"),
+        "mutate": ("mutate", run, "--keys-per-layer", "2", "--examples", "2"),
+        "patterns": ("patterns", run, "--keys-per-layer", "2", "--no-semantic", "--background", "50"),
+        "normalize": ("normalize", run, "--corpus", WT2 / "wiki.test.tokens", "--tokens", "120",
+                      "--fit-tokens", "60", "--sweep-tokens", "0", "--synthetic-draws", "10"),
+    }
+    for s in steps:
+        res = run_cli(*args[s])
+        assert res.returncode == 0, (s, res.stderr[-3000:])
+    from ffkv.store.run import Run
+
+    return Run(run)
+
+
+def check_mine(mm, run, coefs, label):
+    trig = run.read_table("triggers").to_pandas()
+    sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
+    top = trig[trig["rank"] == 1]
+    rows = top.groupby(["layer", "sign"]).head(2)  # two keys per layer and sign
+    assert set(rows.sign) == {1, -1} and len(rows) == 4 * mm.n_layers, label
+    for t in rows.itertuples():
+        m = coefs(mm, sents[t.sentence_id][:t.position + 1])[t.layer, -1, t.dim]
+        assert _close(t.coef, m), (label, t)
+        assert t.sign * float(m) >= 0
+
+
+def check_values(mm, run, label):
+    E = mm.hf.get_output_embeddings().weight.double()
+    gain = mm.lens.gain.double()
+    lay = run.read_table("values_lenses").to_pandas().set_index(["lens", "layer"])
+    assert set(lay.index.get_level_values(0)) == {"naive", "norm"}, label
+    for l in range(mm.n_layers):
+        V = mm.values(l).double()
+        for ln, v in (("naive", V), ("norm", V * gain)):
+            p = torch.softmax(v @ E.T, -1).max(-1).values.mean()
+            assert _close(lay.loc[(ln, l), "value_max_prob_mean"], p, rel=1e-4), (label, ln, l)
+
+
+def check_compose(mm, run, label, fam):
+    from ffkv.model.arch import ARCHITECTURES, get_path
+
+    final_norm = get_path(mm.hf, ARCHITECTURES[mm.arch.name].final_norm)
+    unembed = mm.hf.get_output_embeddings()
+    lens = {"naive": lambda h: unembed(h), "norm": lambda h: unembed(final_norm(h))}
+    ex = run.read_table("compose_examples").to_pandas().set_index(["lens", "layer", "example_id"])
+    prefixes = run.read_table("compose_prefixes").column("token_ids").to_pylist()
+    assert len(prefixes) == 6
+    for e, ids in enumerate(prefixes):
+        t = torch.tensor([ids])
+        writes, logits = _own_ffn_writes(mm, fam, t, torch.ones_like(t))
+        for ln, f in lens.items():
+            for l in range(mm.n_layers):
+                row = ex.loc[(ln, l, e)]
+                z = f(writes[l][0, -1]).double()
+                assert float(z.max() - z[int(row.top_y)]) < 1e-5, (label, ln, e, l)  # argmax, ties aside
+            if ln == "norm":
+                z = logits[0, -1]
+                assert float(z.max() - z[int(ex.loc[(ln, 0, e)].top_final)]) < 1e-5, (label, e)
+
+
+def check_mutate(mm, run, coefs, label):
+    mut = run.read_table("mutations").to_pandas()
+    sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
+    assert len(mut) > 0, label
+    for t in mut.groupby(["layer", "mutation"]).head(2).itertuples():  # each layer and kind of mutation
+        prefix = sents[t.sentence_id][:t.position + 1]
+        mutated = prefix[:t.removed_position] + prefix[t.removed_position + 1:]
+        assert _close(t.old_coef, coefs(mm, prefix)[t.layer, -1, t.dim]), (label, t)
+        assert _close(t.new_coef, coefs(mm, mutated)[t.layer, -1, t.dim]), (label, t)
+
+
+def check_patterns(mm, run, label):
+    keys = run.read_table("pattern_keys").to_pandas()
+    trig = run.read_table("triggers").to_pandas()
+    assert len(keys) == 2 * mm.n_layers, label
+    for k in keys.itertuples():
+        assert k.n_prefixes == ((trig.layer == k.layer) & (trig.dim == k.dim) & (trig.sign == k.sign)).sum() == 3
+
+
+def check_normalize(mm, run, label):
+    lay = run.read_table("normalize_layers").to_pandas()
+    sents = run.read_table("normalize_sentences").to_pandas()
+    nll, n = 0.0, 0
+    for ids in sents[sents.split == "eval"].token_ids:
+        ids = list(ids)
+        z = mm.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+        nll += float((torch.logsumexp(z[:-1], -1) - z[torch.arange(len(ids) - 1), ids[1:]]).sum())
+        n += len(ids) - 1
+    assert int(lay.tokens.iloc[0]) == n, label
+    assert _close(lay.loss_intact.iloc[0], nll / n, rel=1e-4), label
+    assert lay.loss.notna().all() and math.isfinite(lay.loss.sum())
+
+
+def check_explain(mm, coefs, label):
+    res = run_cli("explain", TEXT, "--model", mm.spec.model_id, "--json", "--top", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    ids = mm.tok(TEXT)["input_ids"]
+    z = mm.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+    assert out["n_tokens"] == len(ids) and out["lens"] == "norm"
+    assert float(z.max() - z[out["prediction_id"]]) < 1e-5 and _close(out["logit"], z[out["prediction_id"]]), label
+    m = coefs(mm, ids)[:, -1]
+    shown = [mem for lay in out["layers"] for mem in lay["memories"] + lay["memories_down"]]
+    assert len(shown) >= 2 * mm.n_layers
+    for mem in shown:
+        assert _close(mem["coef"], m[mem["layer"], mem["dim"]]), (label, mem)
+
+
+def check_memory_page(mm, run, coefs, label):
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    client = TestClient(create_app(run.path, log_fn=lambda m: None), base_url="http://127.0.0.1:8000",
+                        headers={"sec-fetch-site": "same-origin"})
+    sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
+    layer, dim = mm.n_layers - 1, 5
+    assert client.get(f"/memory/{layer}/{dim}").status_code == 200
+    acts = client.get(f"/api/memory/{layer}/{dim}/activations", params={"top": 2, "samples": "none"}).json()
+    assert len(acts["examples"]) >= 2, label  # the top of each sign
+    for sid, a in acts["examples"].items():
+        want = coefs(mm, sents[int(sid)])[layer, :, dim]
+        shown = torch.tensor(a["m"], dtype=torch.float32)
+        assert torch.allclose(shown, want[a["start"]:a["start"] + len(shown)], atol=1e-4, rtol=1e-3), (label, sid)
+    rv = client.get(f"/api/memory/{layer}/{dim}/reverify").json()
+    want = coefs(mm, sents[rv["sentence_id"]][:rv["position"] + 1])[layer, -1, dim]
+    assert _close(rv["now"], want) and rv["rel_diff"] < 1e-4, label
+
+
+@pytest.mark.parametrize("family_model", _dense(), indirect=True)
+def test_every_step_on_a_dense_family(family_model, tmp_path):
+    name, mm = family_model
+    fam, coefs = FAMILIES[name], _coefs_dense(name)
+    run = _run_steps(mm, tmp_path / "run", ("mine", "values", "compose", "mutate", "patterns", "normalize"))
+    check_mine(mm, run, coefs, name)
+    check_values(mm, run, name)
+    check_compose(mm, run, name, fam)
+    check_mutate(mm, run, coefs, name)
+    check_patterns(mm, run, name)
+    check_normalize(mm, run, name)
+    check_explain(mm, coefs, name)
+    check_memory_page(mm, run, coefs, name)
+
+
+@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe"], indirect=True)
+def test_values_normalize_explain_on_a_mixture_of_experts(moe_model, tmp_path):
+    """The steps `test_moe_steps` leaves out (it holds compose, mutate, patterns and the page)."""
+    name, mm = moe_model
+    coefs = _coefs_moe(name)
+    run = _run_steps(mm, tmp_path / "run", ("mine", "values", "normalize"))
+    check_mine(mm, run, coefs, name)
+    check_values(mm, run, name)
+    check_normalize(mm, run, name)
+    check_explain(mm, coefs, name)
