@@ -443,7 +443,7 @@ def test_unknown_type_with_a_known_layout_names_it():
                            bos_token_id=0, eos_token_id=0)
     with pytest.raises(FfkvError) as e:
         find(cfg)
-    assert "'codegen'" in str(e.value) and "as 'gptj'" in str(e.value) and "\n" not in str(e.value)
+    assert "'codegen'" in str(e.value) and "layout of 'gptj'" in str(e.value) and "\n" not in str(e.value)
 
 
 def assert_replace_ffn(mm, fam: Family, ids, mask, l: int, label, atol: float = 1e-5) -> None:

@@ -158,6 +158,18 @@ def test_model_shape_refuses_an_unsupported_config(tmp_path):
     one_line_error(res, "unsupported architecture 'mamba'")
 
 
+def test_an_unknown_type_names_the_family_its_modules_match(tmp_path):
+    """CodeGen's config alone: every command that opens a model refuses it in one line, before any
+    weight loads, listing the supported types and naming GPT-J, whose module paths it has."""
+    import transformers as tf
+
+    tf.CodeGenConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, vocab_size=600, n_positions=64,
+                     bos_token_id=0, eos_token_id=0).to_json_file(tmp_path / "config.json")
+    for args in (("info", tmp_path), ("explain", "The cat", "--model", tmp_path)):
+        line = one_line_error(run_cli(*args), "unsupported architecture 'codegen'")
+        assert "layout of 'gptj'" in line and "supported: bloom, falcon, gemma" in line, line
+
+
 # ---- the context: one rule ------------------------------------------------------------------------
 def test_fit_context_rule():
     ids = list(range(10))

@@ -713,7 +713,7 @@ def find(cfg, model=None) -> Architecture:
         model = model if model is not None else _skeleton(cfg)
         layout = _layout_match(model)
         close = difflib.get_close_matches(mt, list(ARCHITECTURES), n=1, cutoff=0.6)
-        hint = (f" (its modules are laid out as {layout!r}'s; not checked)" if layout else
+        hint = (f" (its modules match the layout of {layout!r}; not checked)" if layout else
                 f" (closest name: {close[0]!r})" if close and model is None else "")
         raise FfkvError(f"unsupported architecture {mt!r}{hint}; supported: "
                         f"{', '.join(sorted(ARCHITECTURES))}")

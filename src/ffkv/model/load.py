@@ -386,15 +386,12 @@ def model_shape(model: str | None) -> dict | None:
     except Exception:  # noqa: BLE001 - the load that follows names the problem
         return None
     model_type = getattr(cfg, "model_type", "?")
-    check_model_type(model_type)
-    find = getattr(arch_module(), "find", None)  # the family's own checks, where it has them
-    if callable(find):
-        try:
-            find(cfg)
-        except FfkvError:
-            raise
-        except Exception:  # noqa: BLE001 - a check that needs the weights: loading tells
-            pass
+    try:  # the family's own checks; an unknown type's line names the family its modules match
+        arch_module().find(cfg)
+    except FfkvError:
+        raise
+    except Exception:  # noqa: BLE001 - a check that needs the weights: loading tells
+        check_model_type(model_type)
     get_text = getattr(cfg, "get_text_config", None)
     cfg = get_text() if callable(get_text) else cfg
 
