@@ -66,7 +66,7 @@ def test_progress_picks_lines_bar_or_nothing(monkeypatch):
     from rich.progress import Progress
 
     monkeypatch.delenv("FFKV_PROGRESS", raising=False)
-    assert not sys.stderr.isatty()  # pytest's capture
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
     assert isinstance(progress(), Lines)
     assert not isinstance(progress(disable=True), Lines) and progress(disable=True).disable
     monkeypatch.setenv("FFKV_PROGRESS", "0")
