@@ -340,3 +340,59 @@ def test_memory_page_shows_similar_memories(client, web_app):  # noqa: F811
     assert 'id="similar"' in html and "cosine similarity of the value vectors" in html
     for r in m["similar"]["value"][:3]:
         assert f'href="/memory/{r["layer"]}/{r["dim"]}"' in html
+
+
+def test_similar_memories_build_waits_while_a_person_waits(web_run, tmp_path, monkeypatch):  # noqa: F811
+    """The build of the cosine lists (minutes of CPU on a real model) pauses between its chunks
+    while a request a person waits on runs (a page's colours, the explorer, verify), and goes on
+    after; chunked with pauses, it gives the lists of one pass."""
+    import threading
+    import time
+
+    import torch
+
+    from ffkv.web.data import Browser
+    from ffkv.web.neighbours import nearest
+
+    monkeypatch.setenv("FFKV_CACHE", str(tmp_path / "cache"))  # nothing stored: it computes
+    b = Browser(web_run)
+    b.model()
+    nb = b.neighbours_state
+    with b.foreground.busy():
+        nb.start()
+        time.sleep(1.5)
+        assert nb.status == "building"  # it has not run a chunk
+    nb.wait(timeout=120)
+    assert nb.status == "ready"
+    x = torch.randn(50, 8)
+    calls = []
+    i1, c1 = nearest(x, 5, chunk=7, pause=lambda: calls.append(threading.get_ident()))
+    i2, c2 = nearest(x, 5, chunk=1000)
+    assert len(calls) == 8 and (i1 == i2).all() and np.allclose(c1, c2)
+
+
+def test_similar_memories_are_stored_once_outside_the_run(web_run, tmp_path, monkeypatch):  # noqa: F811
+    """Computed once, stored in ffkv's cache folder under a digest of the weights (not in the run,
+    which the server never writes but for annotations), and read back by the next server."""
+    from ffkv.web.data import Browser
+    from test_web import parquet_digest
+
+    monkeypatch.setenv("FFKV_CACHE", str(tmp_path / "cache"))
+    before = sorted(p.name for p in web_run.iterdir()), parquet_digest(web_run)
+    first = Browser(web_run)
+    first.neighbours_state.wait(timeout=300)
+    assert first.neighbours_state.source.startswith("computed")
+    stored = list((tmp_path / "cache" / "neighbours").glob("*.parquet"))
+    assert len(stored) == 1
+    second = Browser(web_run)
+    second.neighbours_state.wait(timeout=300)
+    assert second.neighbours_state.source.startswith("stored by an earlier server")
+    for code in range(0, first.L * first.d_m, 11):
+        layer, dim = divmod(code, first.d_m)
+        for kind in ("value", "key"):
+            assert second.neighbours_state.of(kind, layer, dim) == first.neighbours_state.of(kind, layer, dim)
+    assert (sorted(p.name for p in web_run.iterdir()), parquet_digest(web_run)) == before
+    stored[0].write_bytes(b"not parquet")  # a damaged file is computed again
+    third = Browser(web_run)
+    third.neighbours_state.wait(timeout=300)
+    assert third.neighbours_state.source.startswith("computed")

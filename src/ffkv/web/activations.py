@@ -30,6 +30,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import numpy as np
 from markupsafe import Markup, escape
@@ -271,7 +272,8 @@ def activations_many(b, app_state, items) -> dict:
     missing = look()
     computed = 0
     if missing:
-        with c.compute:
+        fg = getattr(b, "foreground", None)
+        with (fg.busy() if fg is not None else nullcontext()), c.compute:
             for k, sid in missing:  # another request may have computed them meanwhile
                 have[(k, sid)] = c.get((*k, sid), need[k][sid][1])
             missing = look()

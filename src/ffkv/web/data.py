@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +52,32 @@ class _Part:
         return self if obj is None else getattr(getattr(obj, self.part), self.name)
 
 
+class Foreground:
+    """Requests a person is waiting on (a page's colours, the explorer, re-verify) say so with
+    `busy()`; work in the background (similar memories from the model's weights) calls `wait()`
+    between its chunks and pauses while any such request runs, so that it does not halve the CPU
+    a page's colours get (at most `timeout` seconds per chunk: it never starves)."""
+
+    def __init__(self):
+        self.n = 0
+        self.cv = threading.Condition()
+
+    @contextmanager
+    def busy(self):
+        with self.cv:
+            self.n += 1
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.n -= 1
+                self.cv.notify_all()
+
+    def wait(self, timeout: float = 10.0) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.n == 0, timeout)
+
+
 class Browser(RunTables):
     """A run's tables in memory, with what the pages and searches need. Thread-safe for reads."""
 
@@ -68,6 +95,7 @@ class Browser(RunTables):
         self._mm = None
         self._mm_lock = threading.Lock()
         self.model_lock = threading.Lock()  # one forward pass at a time
+        self.foreground = Foreground()  # requests a person waits on; background builds yield to them
         self.load_seconds = round(time.time() - t0, 2)
 
     # ---- the parts' methods: `b.memory(...)` is `b.pages.memory(...)` ----------------------------

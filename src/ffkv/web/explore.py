@@ -280,7 +280,8 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
     from ffkv.experiments.explain import explain
 
     b = _browser(request)
-    with ex.run_lock:
+    fg = getattr(b, "foreground", None)
+    with ex.run_lock, (fg.busy() if fg is not None else nullcontext()):
         mm = _model(request)
         # the browser's lock too: its re-verification runs the same model
         with getattr(b, "model_lock", None) or nullcontext():

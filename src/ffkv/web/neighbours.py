@@ -9,19 +9,26 @@ measures, each named where it is shown:
   one's (count of shared trigger sentences, then their Jaccard index |A ∩ B| / |A ∪ B|).
 
 The two cosine lists need the model's weights: `nearest` computes the TOP best of every memory in
-row chunks (never the whole N × N matrix), once per server in a background thread
-(`Neighbours.start`), and keeps the table in memory (`neighbours_table`: layer, dim, kind, rank,
-n_layer, n_dim, cosine; TOP rows per memory and kind). A run that holds a `neighbours` table of
-that form is read instead. The server does not write it into the run: it writes only
-annotations. Co-activation is read from the triggers table on each request.
+row chunks (never the whole N × N matrix), in a background thread (`Neighbours.start`), and keeps
+the table in memory (`neighbours_table`: layer, dim, kind, rank, n_layer, n_dim, cosine; TOP rows
+per memory and kind). A run that holds a `neighbours` table of that form is read instead. The
+server does not write it into the run (it writes only annotations): it stores it once in ffkv's
+cache folder (`FFKV_CACHE`, default ~/.cache/ffkv), under `neighbours/` and a digest of every key
+and value vector of the model (`weights_digest`), so the next server of any run of the same
+weights reads it instead of spending minutes of CPU again (SmolLM2: about 4 minutes here).
+Co-activation is read from the triggers table on each request.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 TOP = 10
 KINDS = ("value", "key")
@@ -31,10 +38,11 @@ MEASURES = {"value": "cosine similarity of the value vectors v (what each memory
                             "Jaccard index)"}
 
 
-def nearest(x, top: int = TOP, chunk: int = 1024):
+def nearest(x, top: int = TOP, chunk: int = 256, pause=None):
     """(idx, cos): for each row of x (N, d), the `top` other rows of largest cosine similarity,
     largest first (float32; the order of cosines equal to rounding is torch.topk's). A zero row
-    has cosine 0 with every row."""
+    has cosine 0 with every row. `pause()`, when given, is called before each chunk of rows (the
+    server's background build waits there while a person's request runs)."""
     import torch
 
     x = torch.as_tensor(x).float()
@@ -47,6 +55,8 @@ def nearest(x, top: int = TOP, chunk: int = 1024):
     if k == 0:
         return idx, cos
     for a in range(0, n, chunk):
+        if pause is not None:
+            pause()
         b = min(a + chunk, n)
         s = u[a:b] @ u.T
         s[torch.arange(b - a), torch.arange(a, b)] = -torch.inf  # not itself
@@ -55,7 +65,7 @@ def nearest(x, top: int = TOP, chunk: int = 1024):
     return idx, cos
 
 
-def neighbours_table(mm, top: int = TOP, progress=None) -> pa.Table:
+def neighbours_table(mm, top: int = TOP, progress=None, pause=None) -> pa.Table:
     """The nearest memories of every memory by value and by key direction (cosine, all layers)."""
     import torch
 
@@ -65,7 +75,7 @@ def neighbours_table(mm, top: int = TOP, progress=None) -> pa.Table:
         for j, kind in enumerate(KINDS):
             mats = [(mm.values(l) if kind == "value" else mm.keys(l)).detach().float().cpu() for l in range(L)]
             d_m = mats[0].shape[0]
-            idx, cos = nearest(torch.cat(mats))
+            idx, cos = nearest(torch.cat(mats), top, pause=pause)
             n, k = idx.shape
             code = np.repeat(np.arange(n), k)
             cols["layer"].append((code // d_m).astype(np.int16))
@@ -79,6 +89,28 @@ def neighbours_table(mm, top: int = TOP, progress=None) -> pa.Table:
                 progress(j + 1, len(KINDS))
     return pa.table({c: pa.array(np.concatenate(v)) if c != "kind" else pa.array(np.concatenate(v).tolist(), pa.string())
                      for c, v in cols.items()})
+
+
+def weights_digest(mm) -> str:
+    """sha256 of what the cosine lists depend on: every key and value vector of every layer (in
+    float32), the list length and the measures."""
+    import torch
+
+    h = hashlib.sha256(f"neighbours v1|{TOP}|{','.join(KINDS)}|{mm.n_layers}|{mm.d_m}".encode())
+    with torch.no_grad():
+        for layer in range(mm.n_layers):
+            for w in (mm.keys(layer), mm.values(layer)):
+                h.update(np.ascontiguousarray(w.detach().float().cpu().numpy()).tobytes())
+    return h.hexdigest()
+
+
+def cache_path(mm) -> Path:
+    from ffkv.model.load import cache_dir
+
+    return cache_dir() / "neighbours" / f"{weights_digest(mm)[:32]}.parquet"
+
+
+COLUMNS = ["layer", "dim", "kind", "rank", "n_layer", "n_dim", "cosine"]
 
 
 class Neighbours:
@@ -115,10 +147,30 @@ class Neighbours:
     def _build(self) -> None:
         t0 = time.time()
         try:
-            t = neighbours_table(self.b.model())
-            self._take(t, "computed by the server from the model's weights")
+            mm = self.b.model()
+            path = cache_path(mm)
+            if path.exists():
+                try:
+                    t = pq.read_table(path)
+                    if t.column_names == COLUMNS:
+                        self._take(t, f"stored by an earlier server from the same weights ({path})")
+                        self.seconds = round(time.time() - t0, 1)
+                        self.b.log(f"similar memories read from {path} in {self.seconds} s")
+                        return
+                except Exception:  # noqa: BLE001 - a damaged cache file is computed again
+                    pass
+            fg = getattr(self.b, "foreground", None)
+            t = neighbours_table(mm, pause=fg.wait if fg is not None else None)
             self.seconds = round(time.time() - t0, 1)
             self.b.log(f"similar memories computed in {self.seconds} s ({t.num_rows:,} rows)")
+            try:  # written whole or not at all (temp file, then rename)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                pq.write_table(t, tmp)
+                os.replace(tmp, path)
+            except OSError as e:
+                self.b.log(f"similar memories not stored in {path.parent}: {e}")
+            self._take(t, "computed by the server from the model's weights")
         except Exception as e:  # noqa: BLE001 - shown on the memory page, logged
             self.status, self.error = "failed", " ".join(str(e).split())[:300] or type(e).__name__
             self.b.log(f"similar memories failed: {self.error}")
@@ -154,6 +206,9 @@ def coactivation(b, layer: int, dim: int, top: int = TOP) -> list[dict]:
     if not len(u):
         return []
     shared = counts[u]
+    if len(u) > top:  # only those that can be in the top: as many shared sentences as the top-th
+        keep = shared >= np.partition(shared, len(u) - top)[len(u) - top]
+        u, shared = u[keep], shared[keep]
     jac = shared / (len(sents) + n_of[u] - shared)
     o = np.lexsort((u, -jac, -shared))[:top]
     return [{"layer": int(u[i] // b.d_m), "dim": int(u[i] % b.d_m), "shared": int(shared[i]),

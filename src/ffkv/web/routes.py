@@ -33,7 +33,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from ffkv.errors import FfkvError
 from ffkv.store.annotations import LIMITS, MAX_JSON_DEPTH, MAX_NAME, MAX_NOTE, MAX_PATTERNS, MAX_RECORD_BYTES
@@ -254,8 +254,8 @@ def api_index(request: Request):
 def prefix_html(p: dict) -> Markup:
     """A prefix as HTML: its text escaped, the trigger token marked (built once per row here
     rather than in the template, which is the hot loop of a memory page)."""
-    return Markup('<span class="prefix">{}{}<mark>{}</mark></span>').format(
-        Markup('<span class="muted">…</span>') if p["cut"] else "", p["head"], show_trigger(p["trigger"]))
+    return Markup("".join(('<span class="prefix">', '<span class="muted">…</span>' if p["cut"] else "",
+                           str(escape(p["head"])), "<mark>", str(escape(show_trigger(p["trigger"]))), "</mark></span>")))
 
 
 def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
@@ -263,9 +263,10 @@ def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
     rows = m["triggers"]["+" if sign == 1 else "-"]
     if m["top"] < ANNOTATE_TOP:
         rows = state(request).memory(m["layer"], m["dim"], ANNOTATE_TOP)["triggers"]["+" if sign == 1 else "-"]
-        for r in rows:
-            r["prefix_html"] = prefix_html(r["prefix"])
-    return [r for r in rows if r["rank"] <= ANNOTATE_TOP]
+    rows = [r for r in rows if r["rank"] <= ANNOTATE_TOP]
+    for r in rows:  # only the rows the form shows
+        r["prefix_html"] = prefix_html(r["prefix"])
+    return rows
 
 
 def annotator_cookie(request: Request) -> str:
@@ -380,9 +381,6 @@ def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, s
                   all_samples: bool = False):
     b = state(request)
     m = memory_data(request, layer, dim, top, all_samples)
-    for rows in m["triggers"].values():
-        for r in rows:
-            r["prefix_html"] = prefix_html(r["prefix"])
     can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
     form = form or form_state(request, layer, dim, sign, slots)
     prefixes = annotation_prefixes(request, m, sign) if can_annotate else []
@@ -610,7 +608,7 @@ def reverify(request: Request, layer: int, dim: int, sign: int, rank: int) -> di
     loaded = b.model_loaded
     mm = b.model()
     t1 = time.time()
-    with b.model_lock:
+    with b.foreground.busy(), b.model_lock:
         import torch
 
         with torch.no_grad():
