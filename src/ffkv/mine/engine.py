@@ -17,13 +17,15 @@ from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-
 from ffkv.mine.trackers import Batch, MineState, group_size
 
 
-PACK_VERSION = 2  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24)
+PACK_VERSION = 3  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24);
+# 3: packed within each chunk of the sentence stream (`ffkv.corpus.stream.CHUNK` rows)
 
 
 def layout_key(s: MineSettings, batch_tokens: int) -> str:
     """Identity of a checkpoint or a Ray shard file: the settings plus the batch plan (a cursor
     counts batches, so it means something only under the same plan)."""
-    blob = json.dumps({"key": s.key(), "batch_tokens": int(batch_tokens), "pack": PACK_VERSION})
+    blob = json.dumps({"key": s.key(), "batch_tokens": int(batch_tokens), "pack": PACK_VERSION,
+                       "chunk": int(s.chunk_sentences)})
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -54,10 +56,12 @@ class FlatTokens:
     """The sentences table's token_ids as one flat array and offsets (`ffkv.corpus.tokens.flat_lists`):
     row i is a view, so the host holds 4-8 bytes a token, not a Python int list per sentence."""
 
-    def __init__(self, column):
-        from ffkv.corpus.tokens import flat_lists
+    def __init__(self, column=None, values=None, offsets=None):
+        if column is not None:
+            from ffkv.corpus.tokens import flat_lists
 
-        self.values, self.offsets = flat_lists(column)
+            values, offsets = flat_lists(column)
+        self.values, self.offsets = values, offsets
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -69,14 +73,43 @@ class FlatTokens:
 def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None) -> MineState:
     """Feed batches (lists of indices into token_lists) through one captured pass each."""
     for bi, idx in batches:
-        seqs = [token_lists[i] for i in idx]
-        ids, mask = mm.batch(seqs)
-        batch = Batch.from_lengths([len(x) for x in seqs], [sids[i] for i in idx], mask)
+        if isinstance(token_lists, FlatTokens):
+            ids, mask, lens = batch_tensors(mm, token_lists, idx)
+        else:
+            seqs = [token_lists[i] for i in idx]
+            ids, mask = mm.batch(seqs)
+            lens = [len(x) for x in seqs]
+        batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
         mm.capture(ids, mask, layers=state.layers, what=("m",),
                    callback=lambda l, name, m: state.update(l, m, batch))
         if on_batch is not None:
-            on_batch(bi, sum(map(len, seqs)))
+            on_batch(bi, int(sum(lens)))
     return state
+
+
+def batch_tensors(mm, tokens: FlatTokens, idx):
+    """`MemoryModel.batch` of flat rows, in numpy (no Python list per row): (ids, mask, lengths).
+    On CUDA the host tensors are pinned and copied without blocking, so the next batch's host work
+    overlaps this one's transfer."""
+    import torch
+
+    idx = np.asarray(idx, np.int64)
+    start = tokens.offsets[idx]
+    lens = tokens.offsets[idx + 1] - start
+    B, T = len(idx), int(lens.max())
+    ids = np.full((B, T), mm.pad_id(), np.int64)
+    mask = np.zeros((B, T), np.int64)
+    rows = np.repeat(np.arange(B), lens)
+    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    ids[rows, cols] = tokens.values[np.repeat(start, lens) + cols]
+    mask[rows, cols] = 1
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    dev = torch.device(getattr(mm, "device", "cpu"))
+    if dev.type == "cuda":
+        ids, mask = ids.pin_memory().to(dev, non_blocking=True), mask.pin_memory().to(dev, non_blocking=True)
+    elif dev.type != "cpu":
+        ids, mask = ids.to(dev), mask.to(dev)
+    return ids, mask, lens.tolist()
 
 
 def save_npz(path: Path, arrays: dict) -> None:

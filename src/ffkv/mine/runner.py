@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from ffkv.corpus.batching import auto_batch_tokens, layout as batch_layout, pack, padding_share
+from ffkv.corpus.batching import auto_batch_tokens, pack
 from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key,  # noqa: F401
                               load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
@@ -59,23 +59,49 @@ def mine(run, mm, s: MineSettings, checkpoint_every: float = 60.0, ray_address: 
     return out.info
 
 
-def _prepare(run, mm, s: MineSettings, force: bool = False) -> None:
-    """Record the model, split and tokenize the corpus (unless done for these settings and the
-    table is whole), vocab (unless whole)."""
-    from ffkv.corpus.prepare import prepare_sentences
-
+def _prepare(run, mm, s: MineSettings, force: bool = False) -> bool:
+    """Record the model and the vocab (unless whole); True when the `sentences` table of these
+    settings is already whole (a pass killed after writing it), so the pass reads it instead of
+    streaming the corpus again."""
     identity.record_model(run, mm)
     run.manifest["lens"] = mm.lens.name
     run.save()
-    if force or run.table_problem("sentences") or run.manifest.get("corpora", {}).get("sentences", {}).get(
-            "settings_key") != s.key():
-        prepare_sentences(run, mm, s.corpus, s.max_sentences, seed=s.seed, field=s.field, context=s.context)
-        run.manifest["corpora"]["sentences"]["settings_key"] = s.key()
-        run.manifest["corpus"] = run.manifest["corpora"]["sentences"]
-        run.manifest["counts"] = run.manifest["corpus"]["counts"]
-        run.save()
     if force or run.table_problem("vocab"):
         run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))
+    return not force and run.table_problem("sentences") is None and \
+        run.manifest.get("corpora", {}).get("sentences", {}).get("settings_key") == s.key()
+
+
+def _stream(mm, s: MineSettings):
+    """The corpus of these settings as a `ffkv.corpus.stream.SentenceStream`."""
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream, default_workers
+
+    src = open_corpus(s.corpus, field=s.field, seed=s.seed, context=s.context)
+    return SentenceStream(src, mm.tok, mm.max_length, getattr(mm, "vocab_size", None), s.max_sentences,
+                          chunk=s.chunk_sentences, workers=default_workers() if s.workers is None else s.workers)
+
+
+def _record_corpus(run, s: MineSettings, stream) -> None:
+    """The manifest's record of the corpus streamed into `sentences` (as `prepare_sentences` writes it)."""
+    src = stream.src
+    rec = {"source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, "seed": s.seed,
+           "field": s.field, "max_sentences": s.max_sentences, "counts": stream.counts, "settings_key": s.key()}
+    run.manifest.setdefault("corpora", {})["sentences"] = rec
+    run.manifest["corpus"] = rec
+    run.manifest["counts"] = rec["counts"]
+    run.save()
+
+
+def _write_sentences(run, mm, s: MineSettings) -> None:
+    """Stream the corpus into `sentences` without mining (Ray's shards read the table)."""
+    from ffkv.corpus.stream import SCHEMA
+
+    stream = _stream(mm, s)
+    with run.table_writer("sentences", SCHEMA) as write:
+        for chunk in stream:
+            write(chunk.table())
+    _record_corpus(run, s, stream)
 
 
 def state_bytes(mm, s: MineSettings) -> int:
@@ -115,34 +141,110 @@ def resolve_batch_tokens(mm, s: MineSettings, ckpt=None) -> int:
                              state_bytes=state_bytes(mm, s), group=group_for(mm, s))
 
 
-def _mine_local(run, mm, s: MineSettings, state, token_lists, sids, batches, lengths,
-                checkpoint_every: float, show_progress, log, batch_tokens: int):
-    """Mine the batches not yet in the checkpoint; returns the state and the tokens mined now."""
+class _Layout:
+    """`ffkv.corpus.batching.layout` of a plan that arrives chunk by chunk, summed as it goes."""
+
+    def __init__(self, batch_tokens: int):
+        self.bt, self.n, self.tokens, self.grid, self.max_rows = batch_tokens, 0, 0, 0, 0
+
+    def add(self, lengths, batches) -> None:
+        self.n += len(batches)
+        self.tokens += int(sum(int(lengths[b].sum()) for b in batches))
+        self.grid += sum(int(lengths[b].max()) * len(b) for b in batches)
+        self.max_rows = max([self.max_rows, *map(len, batches)])
+
+    def padding_share(self) -> float:
+        return 1.0 - self.tokens / self.grid if self.grid else 0.0
+
+    def record(self) -> dict:
+        n = self.n
+        return {"batches": n, "mean_tokens": round(self.tokens / n, 1) if n else 0.0,
+                "padding_share": round(self.padding_share(), 4), "max_rows": self.max_rows,
+                "fill": round(self.grid / n / self.bt, 4) if n else 0.0}
+
+
+def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: float, show_progress,
+                log, batch_tokens: int):
+    """Stream the corpus chunk by chunk: write each chunk as a row group of `sentences` and mine
+    its batches not yet in the checkpoint (a resumed run streams the chunks it had mined again,
+    for the table, and skips their batches). With the table already whole, its rows are the
+    chunks. Returns the state, the tokens mined now and the plan's layout."""
+    from contextlib import nullcontext
+
+    from ffkv.corpus.stream import SCHEMA, table_chunks
     from ffkv.progress import progress
 
     ckpt = run.path / CKPT
     lkey = layout_key(s, batch_tokens)
     cursor = load_checkpoint(ckpt, state, lkey, log=log)
     if cursor:
-        log(f"mine: resuming from checkpoint at batch {cursor}/{len(batches)}")
+        log(f"mine: resuming from checkpoint at batch {cursor}")
     elif ckpt.exists():
         state = new_state(mm, s)  # a checkpoint of other settings or trackers: maybe half loaded
-    done_tokens = int(sum(lengths[b].sum() for b in batches[:cursor]))
-    last = time.time()
-    with progress(None if show_progress is None else not show_progress) as bar:
-        task = bar.add_task("mine", total=len(lengths), completed=int(sum(len(b) for b in batches[:cursor])),
-                            tokens=0)
+    stream = None if whole else _stream(mm, s)
+    chunks = table_chunks(run.read_table("sentences"), s.chunk_sentences) if whole else iter(stream)
+    plan = _Layout(batch_tokens)
+    mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
+    _tune_malloc()
+    with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
+            progress(None if show_progress is None else not show_progress) as bar:
+        task = bar.add_task("mine", total=s.max_sentences, completed=0, tokens=0)
 
         def on_batch(bi, ntok):
-            nonlocal last
-            bar.update(task, advance=len(batches[bi]), tokens=bar.tasks[task].fields["tokens"] + ntok)
-            if time.time() - last >= checkpoint_every and bi + 1 < len(batches):
+            nonlocal last, mined
+            mined += ntok
+            bar.update(task, tokens=bar.tasks[task].fields["tokens"] + ntok)
+            if time.time() - last >= checkpoint_every:
                 save_checkpoint(ckpt, state, bi + 1, lkey, batch_tokens)
                 last = time.time()
 
-        mine_batches(mm, state, token_lists, sids, [(i, batches[i]) for i in range(cursor, len(batches))],
-                     on_batch)
-    return state, int(lengths.sum()) - done_tokens
+        for chunk in chunks:
+            if write is not None:
+                write(chunk.table())
+            lengths = chunk.lengths
+            batches = pack(lengths, batch_tokens)  # no row cap: bounded by the budget alone
+            todo = [(done + j, b) for j, b in enumerate(batches) if done + j >= cursor]
+            mine_batches(mm, state, FlatTokens(values=chunk.values, offsets=chunk.offsets), chunk.sentence_id,
+                         todo, on_batch)
+            done += len(batches)
+            plan.add(lengths, batches)
+            bar.update(task, advance=len(chunk))
+            del chunk, batches, todo
+            _trim_malloc()
+    if stream is not None:
+        _record_corpus(run, s, stream)
+    return state, mined, plan
+
+
+# glibc's malloc, tuned from Python (ctypes) because the pass's big buffers come and go:
+# M_MMAP_THRESHOLD fixed at 4 MiB (glibc otherwise raises it after each large free, up to 32 MiB,
+# so later batch-sized buffers land in the heap and fragment it; RSS then grows with the corpus),
+# and malloc_trim after each chunk returns the heap's free pages. No-ops off glibc.
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 4 << 20
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+    except OSError:
+        return None
+
+
+def _tune_malloc() -> None:
+    lib = _libc()
+    if lib is not None and "MALLOC_MMAP_THRESHOLD_" not in __import__("os").environ:
+        lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def _trim_malloc() -> None:
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
 
 
 def compute(ctx) -> dict:
@@ -153,25 +255,25 @@ def compute(ctx) -> dict:
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
     if ctx.force:
         (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
-    _prepare(run, mm, s, force=ctx.force)
-    lengths = np.asarray(run.read_table("sentences", columns=["n_tokens"]).column("n_tokens"))
+    whole = _prepare(run, mm, s, force=ctx.force)
     bt = resolve_batch_tokens(mm, s, run.path / CKPT)
-    batches = pack(lengths, bt)  # no row cap: bounded by the budget alone
     t0 = time.time()
     state = new_state(mm, s)
-    if ray_address:  # the shards read their own rows
+    if ray_address:  # the shards read their own rows of the whole table
         from ffkv.mine.distributed import mine_ray
 
+        if not whole:
+            _write_sentences(run, mm, s)
+        lengths = np.asarray(run.read_table("sentences", columns=["n_tokens"]).column("n_tokens"))
+        batches = pack(lengths, bt)
         _shards_of_this_plan(run, layout_key(s, bt))
         state, shards = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
         mined_tokens = int(lengths.sum())
+        plan = _Layout(bt)
+        plan.add(lengths, batches)
     else:
-        sent = run.read_table("sentences", columns=["sentence_id", "token_ids"])
-        token_lists = FlatTokens(sent.column("token_ids"))
-        sids = sent.column("sentence_id").to_numpy()
-        del sent
-        state, mined_tokens = _mine_local(run, mm, s, state, token_lists, sids, batches, lengths,
-                                          checkpoint_every, ctx.show_progress, ctx.log, bt)
+        state, mined_tokens, plan = _mine_local(run, mm, s, state, whole, checkpoint_every, ctx.show_progress,
+                                                ctx.log, bt)
     secs = time.time() - t0
     tables = state.finish(_FinishContext(run))
     trig = tables.pop("triggers")
@@ -179,13 +281,13 @@ def compute(ctx) -> dict:
     for name, t in tables.items():  # key_stats, key_hist, key_samples: sorted by layer, dim
         run.write_table(name, t, row_group_size=100_000)
     (run.path / CKPT).unlink(missing_ok=True)
-    info = {"rows": trig.num_rows, "padding_share": round(padding_share(lengths, batches), 4),
-            "tokens": int(lengths.sum()),
+    info = {"rows": trig.num_rows, "padding_share": round(plan.padding_share(), 4),
+            "tokens": plan.tokens,
             "tokens_per_s": round(mined_tokens / secs, 1) if secs > 0 else None,
             "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1,
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
-            "device": str(getattr(mm, "device", "")), "batches": batch_layout(lengths, batches, bt)}
+            "device": str(getattr(mm, "device", "")), "batches": plan.record()}
     if state.stats is not None:
         from ffkv.mine.stats import layout
 

@@ -305,19 +305,46 @@ class Run:
         settings and model wrote it (`table_origin`), for `ffkv repair`."""
         if isinstance(table, dict):
             table = pa.table(table)
-        origin = {"table": name, "step": self._writer, "ffkv_version": __version__,
-                  "settings": self.settings(self._writer) if self._writer else None,
-                  "model": self.manifest.get("model"), "lens": self.lens}
-        meta = dict(table.schema.metadata or {})
-        meta[TABLE_META] = json.dumps(origin, default=str).encode()
-        table = table.replace_schema_metadata(meta)
+        table = table.replace_schema_metadata(self._origin_meta(name, table.schema))
         p = self.table_path(name)
         with staged(p) as tmp:
             pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
             digest = table_digest(tmp)
-        self.manifest.setdefault("tables", {})[name] = {"rows": table.num_rows, **digest, "step": self._writer,
-                                                       "written": time.time()}
+        self._record_table(name, table.num_rows, digest)
         return p
+
+    def _origin_meta(self, name: str, schema: pa.Schema) -> dict:
+        origin = {"table": name, "step": self._writer, "ffkv_version": __version__,
+                  "settings": self.settings(self._writer) if self._writer else None,
+                  "model": self.manifest.get("model"), "lens": self.lens}
+        meta = dict(schema.metadata or {})
+        meta[TABLE_META] = json.dumps(origin, default=str).encode()
+        return meta
+
+    def _record_table(self, name: str, rows: int, digest: dict) -> None:
+        self.manifest.setdefault("tables", {})[name] = {"rows": rows, **digest, "step": self._writer,
+                                                       "written": time.time()}
+
+    @contextlib.contextmanager
+    def table_writer(self, name: str, schema: pa.Schema):
+        """`write_table` for a table that arrives in parts (the mine step's `sentences`, written as
+        mining goes): yields write(part), one row group per part; the file appears, whole, when the
+        block ends, and a failure or a kill leaves no table (the temp is swept)."""
+        schema = schema.with_metadata(self._origin_meta(name, schema))
+        p = self.table_path(name)
+        rows = 0
+        with staged(p) as tmp:
+            w = pq.ParquetWriter(tmp, schema, compression="zstd")
+            try:
+                def write(part: pa.Table) -> None:
+                    nonlocal rows
+                    w.write_table(part.cast(schema), row_group_size=max(part.num_rows, 1))
+                    rows += part.num_rows
+                yield write
+            finally:
+                w.close()
+            digest = table_digest(tmp)
+        self._record_table(name, rows, digest)
 
     def table_problem(self, name: str) -> str | None:
         """None when table `name` is what this run wrote; else what is wrong with it, as the end of

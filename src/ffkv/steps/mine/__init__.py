@@ -56,8 +56,9 @@ def _dims(text: str) -> list[int] | None:
 
 @dataclass(frozen=True)
 class MineSettings:
-    """What `ffkv mine` is asked for. `batch_tokens`, `checkpoint_every`, `ray` and `shards` change
-    how the pass runs, not what it finds (tests hold mining to that): none is recorded."""
+    """What `ffkv mine` is asked for. `batch_tokens`, `checkpoint_every`, `ray`, `shards`,
+    `workers` and `chunk_sentences` change how the pass runs, not what it finds (tests hold mining to that): none is
+    recorded."""
     corpus: str | None = setting(None, "Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's "
                                        "train split (compose holds out wikipedia:valid).", short="-c",
                                  shown=DEFAULT_CORPUS)
@@ -85,6 +86,12 @@ class MineSettings:
     shards: int | None = setting(None, "Number of shards with --ray (default: one per GPU of the cluster, each "
                                        "on its own actor; 2 on a cluster without GPUs).", check=at_least(1),
                                  recorded=False)
+    workers: int | None = setting(None, "Processes that split and tokenize the corpus while the model mines (0: in "
+                                        "this process; default: min(4, cores - 1), 0 on two cores or fewer).",
+                                  check=between(0, 256), recorded=False)
+    chunk_sentences: int = setting(4096, "Sentences streamed per chunk: each chunk is split, tokenized, written and "
+                                         "mined in turn, its batches packed within it (more: less padding, more "
+                                         "host memory).", check=between(1, 1 << 24), recorded=False)
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
     # settings, `key()`) leaves a field out while it holds its default, so a run recorded before

@@ -1,0 +1,246 @@
+"""Corpus -> sentences -> token ids as a stream of chunks, so that the host never holds every
+sentence: the mine step writes each chunk as a row group of `sentences` and mines it, then lets
+it go (issue 24).
+
+Splitting and tokenizing run in `workers` processes (spawned: torch and the tokenizers' thread
+pools do not survive a fork), a bounded number of tasks ahead of the consumer, which meanwhile
+runs the forward pass; with workers=0 they run inline. Results come back in submission order and
+sentence ids are numbered here, in the consumer, so the rows are the same for any number of
+workers, any task size and any chunk size (tests/test_streaming.py). A chunk holds CHUNK kept rows
+(the last one fewer): the unit the mining plan packs batches in, so its size is part of a
+checkpoint's layout key.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from ffkv.errors import FfkvError
+
+CHUNK = 4096  # kept rows per chunk, by default (`--chunk-sentences`)
+DOCS_PER_TASK = 32  # documents one worker task splits and tokenizes
+ROWS_PER_TASK = 2048  # pre-tokenized rows one task decodes
+
+SCHEMA = pa.schema([("sentence_id", pa.int64()), ("doc_id", pa.int64()), ("text", pa.string()),
+                    ("token_ids", pa.list_(pa.int32())), ("n_tokens", pa.int32())])
+
+
+def default_workers() -> int:
+    """min(4, cores − 1), and 0 (inline) on two cores or fewer, where a worker would take a core
+    from the forward pass."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if n <= 2 else min(4, n - 1)
+
+
+@dataclass
+class Chunk:
+    """Kept rows of the stream: ids flat (`values`, row i: values[offsets[i]:offsets[i+1]])."""
+    index: int
+    sentence_id: np.ndarray
+    doc_id: np.ndarray
+    text: list
+    values: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sentence_id)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def table(self) -> pa.Table:
+        ids = pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)),
+                                       pa.array(self.values.astype(np.int32, copy=False)))
+        return pa.Table.from_arrays(
+            [pa.array(self.sentence_id, pa.int64()), pa.array(self.doc_id, pa.int64()),
+             pa.array(self.text, pa.string()), ids, pa.array(self.lengths.astype(np.int32))], schema=SCHEMA)
+
+
+# ---- the work of one task (in a worker process, or inline) --------------------------------------
+_TOK = None  # a worker's tokenizer and context, set once by `_init`
+_MAXLEN = 0
+
+
+def _init(tok, max_length: int) -> None:
+    global _TOK, _MAXLEN
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _TOK, _MAXLEN = tok, max_length
+
+
+def _flat(id_lists) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter((len(x) for x in id_lists), np.int64, len(id_lists))
+    offs = np.concatenate([[0], np.cumsum(lens)])
+    vals = np.fromiter((t for x in id_lists for t in x), np.int32, int(offs[-1]))
+    return vals, offs
+
+
+def split_task(doc_ids, docs) -> tuple:
+    """Documents -> (doc id per sentence, texts, flat ids, offsets, which rows were cut to the
+    context)."""
+    from ffkv.corpus.sources import TOKENIZE_CHUNK, _sentencizer
+
+    d_of, texts = [], []
+    for d, doc in zip(doc_ids, _sentencizer().pipe(docs)):
+        for s in doc.sents:
+            t = s.text.strip()
+            if t:
+                d_of.append(int(d))
+                texts.append(t)
+    enc = []
+    for i in range(0, len(texts), TOKENIZE_CHUNK):
+        enc += _TOK(texts[i:i + TOKENIZE_CHUNK], add_special_tokens=True)["input_ids"]
+    return (np.asarray(d_of, np.int64), texts, *_fit(enc))
+
+
+def _fit(enc) -> tuple:
+    """Ids cut to the context (`fit_sentences`), flat, and which rows were cut."""
+    from ffkv.model.context import fit_sentences
+
+    cut = np.fromiter((len(e) > _MAXLEN for e in enc), bool, len(enc))
+    ids, _ = fit_sentences(enc, _MAXLEN)
+    return (*_flat(ids), cut)
+
+
+def decode_task(doc_ids, vals, offs) -> tuple:
+    """Pre-tokenized rows -> the same tuple: ids as they are (cut to the context), text decoded."""
+    rows = [vals[offs[i]:offs[i + 1]].tolist() for i in range(len(offs) - 1)]
+    texts = _TOK.batch_decode(rows, skip_special_tokens=True)
+    return (np.asarray(doc_ids, np.int64), texts, *_fit(rows))
+
+
+# ---- the stream ---------------------------------------------------------------------------------
+class SentenceStream:
+    """Iterate the chunks of a corpus source (`ffkv.corpus.sources.CorpusSource`) as the model's
+    tokenizer reads it; `counts` (the manifest's) is whole once the stream is exhausted.
+
+    Sentence ids number the split sentences (pre-tokenized: the non-empty rows) in the seeded
+    document order, up to max_sentences; rows shorter than min_tokens are dropped, their ids
+    left out, as `ffkv.corpus.prepare.prepare_sentences` does."""
+
+    def __init__(self, src, tok, max_length: int, vocab_size: int | None = None,
+                 max_sentences: int | None = None, min_tokens: int = 1, chunk: int = CHUNK,
+                 workers: int = 0, docs_per_task: int = DOCS_PER_TASK):
+        self.src, self.tok, self.max_length, self.vocab_size = src, tok, max_length, vocab_size
+        self.max_sentences, self.min_tokens, self.chunk = max_sentences, min_tokens, max(1, int(chunk))
+        self.workers, self.docs_per_task = int(workers), max(1, int(docs_per_task))
+        self.sentences = self.kept = self.tokens = self.truncated = 0
+        self.documents = None  # known once the source is read (the first chunk asked for)
+
+    @property
+    def counts(self) -> dict:
+        return {**self.src.stats.as_dict(), "sentences": self.kept,
+                "dropped_short": self.sentences - self.kept, "tokens": self.tokens, "truncated": self.truncated}
+
+    def _tasks(self):
+        """(function, args) per task, in document order."""
+        docs = self.src._documents()
+        rows = self.src._tokens
+        n_docs = rows.n_rows if rows is not None else len(docs)
+        self.src.stats.documents = self.documents = n_docs
+        order = np.random.default_rng(self.src.seed).permutation(n_docs)
+        if rows is not None:
+            rows.check(self.tok, self.vocab_size, self.max_length)  # before any forward pass
+            lens = np.diff(rows.offsets)[order]
+            order = order[lens > 0]  # empty rows are no sentences
+            if self.max_sentences:
+                order = order[:self.max_sentences]
+            for i in range(0, len(order), ROWS_PER_TASK):
+                d = order[i:i + ROWS_PER_TASK]
+                lo, hi = rows.offsets[d], rows.offsets[d + 1]
+                offs = np.concatenate([[0], np.cumsum(hi - lo)])
+                vals = np.concatenate([rows.values[a:b] for a, b in zip(lo, hi)]) if len(d) else \
+                    np.zeros(0, np.int64)
+                yield decode_task, (d, vals, offs)
+            return
+        for i in range(0, n_docs, self.docs_per_task):
+            d = order[i:i + self.docs_per_task]
+            yield split_task, (d, [docs[j] for j in d])
+
+    def _results(self) -> Iterator[tuple]:
+        """Task results in order: inline, or from a spawned pool at most 2·workers tasks ahead."""
+        tasks = self._tasks()
+        if self.workers <= 0:
+            _init(self.tok, self.max_length)
+            for fn, args in tasks:
+                yield fn(*args)
+            return
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init,
+                                 initargs=(self.tok, self.max_length)) as pool:
+            ahead: deque = deque()
+            try:
+                for fn, args in tasks:
+                    ahead.append(pool.submit(fn, *args))
+                    if len(ahead) >= 2 * self.workers:
+                        yield ahead.popleft().result()
+                while ahead:
+                    yield ahead.popleft().result()
+            finally:
+                for f in ahead:
+                    f.cancel()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        cap = self.max_sentences or None
+        buf: list[tuple] = []  # (sentence ids, doc ids, texts, values, offsets) pieces of kept rows
+        held, index = 0, 0
+        for d_of, texts, vals, offs, cut in self._results():
+            n = len(texts)
+            if cap is not None and self.sentences + n > cap:
+                n = cap - self.sentences
+                d_of, texts, offs = d_of[:n], texts[:n], offs[:n + 1]
+                vals = vals[:offs[-1]]
+            sid = np.arange(self.sentences, self.sentences + n, dtype=np.int64)
+            self.sentences += n
+            self.truncated += int(cut[:n].sum())
+            lens = np.diff(offs)
+            keep = np.flatnonzero(lens >= self.min_tokens)
+            if len(keep) < n:
+                vals = np.concatenate([vals[offs[i]:offs[i + 1]] for i in keep]) if len(keep) else vals[:0]
+                offs = np.concatenate([[0], np.cumsum(lens[keep])])
+                sid, d_of, texts = sid[keep], d_of[keep], [texts[i] for i in keep]
+            start = 0
+            while start < len(sid):  # cut at chunk boundaries
+                take = min(self.chunk - held, len(sid) - start)
+                a, b = offs[start], offs[start + take]
+                buf.append((sid[start:start + take], d_of[start:start + take], texts[start:start + take],
+                            vals[a:b], offs[start:start + take + 1] - a))
+                held += take
+                start += take
+                if held == self.chunk:
+                    yield self._chunk(index, buf)
+                    buf, held, index = [], 0, index + 1
+            if cap is not None and self.sentences >= cap:
+                break
+        if buf:
+            yield self._chunk(index, buf)
+        if self.sentences == 0:
+            raise FfkvError(f"corpus {self.src.spec!r} is empty: no sentences found")
+        self.src.stats.sentences = self.sentences
+
+    def _chunk(self, index: int, buf: list) -> Chunk:
+        vals = np.concatenate([p[3] for p in buf]).astype(np.int32, copy=False)
+        lens = np.concatenate([np.diff(p[4]) for p in buf])
+        offs = np.concatenate([[0], np.cumsum(lens)])
+        self.kept += len(lens)
+        self.tokens += int(offs[-1])
+        return Chunk(index, np.concatenate([p[0] for p in buf]), np.concatenate([p[1] for p in buf]),
+                     [t for p in buf for t in p[2]], vals, offs)
+
+
+def table_chunks(table: pa.Table, chunk: int = CHUNK) -> Iterator[Chunk]:
+    """A written `sentences` table as the same chunks (a resumed pass whose table is whole)."""
+    from ffkv.corpus.tokens import flat_lists
+
+    for index, start in enumerate(range(0, table.num_rows, chunk)):
+        part = table.slice(start, chunk)
+        vals, offs = flat_lists(part.column("token_ids"))
+        yield Chunk(index, part.column("sentence_id").to_numpy(), part.column("doc_id").to_numpy(),
+                    part.column("text").to_pylist(), np.asarray(vals, np.int32), np.asarray(offs, np.int64))
