@@ -80,9 +80,9 @@ def table_origin(path: Path) -> dict | None:
 
 def _ours(p: Path) -> bool:
     """ffkv's own bookkeeping in a run folder (not tables): manifest, locks, staged writes,
-    the mining checkpoint, annotations, the report, a step's heartbeat."""
+    the mining checkpoint, annotations, the report."""
     n = p.name
-    return (n in _OURS or n.startswith((".lock-", ".alive-")) or bool(TMP_RE.match(n))
+    return (n in _OURS or n.startswith(".lock-") or bool(TMP_RE.match(n))
             or n.startswith("annotations.sqlite"))
 
 
@@ -236,10 +236,12 @@ class Run:
         self.beat(name)
 
     def _beat_path(self, name: str) -> Path:
-        return self.path / f".alive-{name}"
+        """The step's own lock file (the lifecycle's `lock(f"step-{name}")`): its mtime is the
+        step's heartbeat, and it is never deleted (a lock file must not be)."""
+        return self.path / f".lock-step-{name}"
 
     def beat(self, name: str) -> None:
-        """Step `name` is still working (its heartbeat: the mtime of a dot file, touched by the
+        """Step `name` is still working (its heartbeat: its lock file's mtime, touched by the
         lifecycle every `HEARTBEAT_S`); what a resume counts a killed try's work up to."""
         p = self._beat_path(name)
         try:
@@ -265,7 +267,6 @@ class Run:
             st["wall_seconds"] = round(st["finished"] - st["started"], 2)
         self._writer = None
         self.save()
-        self._beat_path(name).unlink(missing_ok=True)
 
     def fail_step(self, name: str, error: str) -> None:
         """A step that stopped on an error: its settings are dropped, so a corrected rerun is not
