@@ -31,7 +31,15 @@ def page_urls(web_run) -> list[str]:  # noqa: F811
             "/search?sort=precision&layer=1",
             f"/sentence/{int(first.sentence_id)}?pos={int(first.position)}", "/annotations",
             "/explore", "/explore?text=The+river+flows+into&suppress=1:1&contrast=%E2%90%A3the",
-            "/explore?text=hi&suppress=1:1&scale=1e308", "/memory/0/0/reverify", "/memory/9/9", "/nowhere"]
+            "/explore?text=hi&suppress=1:1&scale=1e308", "/explore?text=The+city+of&suppress=2:5&continue=20",
+            "/memory/0/0/reverify", "/memory/9/9", "/nowhere"]
+
+
+# sections without a table, figure or code block (prose, token runs, forms) that scroll inside
+# their own box: text there must wrap instead (a table may scroll in its box)
+PROSE_SCROLLS_JS = r"""() => [...document.querySelectorAll('section')]
+  .filter(s => !s.querySelector('table, svg, pre, img') && s.scrollWidth > s.clientWidth + 1)
+  .map(s => (s.id || s.className || 'section') + ' ' + s.scrollWidth + '>' + s.clientWidth)"""
 
 
 # the words of every prefix (and summary) on the page that chromium broke between two letters
@@ -77,7 +85,7 @@ def chromium_pages(web_app, web_run, index):  # noqa: F811
 def test_no_page_scrolls_sideways_at_390px(chromium_pages, web_run):  # noqa: F811
     base, browser = chromium_pages
     page = browser.new_page(viewport={"width": 390, "height": 844})
-    wide, broken = {}, {}
+    wide, broken, inner = {}, {}, {}
     for u in page_urls(web_run):
         page.goto(base + u)
         w = page.evaluate("document.documentElement.scrollWidth")
@@ -86,8 +94,12 @@ def test_no_page_scrolls_sideways_at_390px(chromium_pages, web_run):  # noqa: F8
         b = page.evaluate(BROKEN_WORDS_JS)
         if b:
             broken[u] = b
+        s = page.evaluate(PROSE_SCROLLS_JS)
+        if s:
+            inner[u] = s
     page.close()
-    assert not wide and not broken, f"pages wider than 390 px: {wide}; words broken between letters: {broken}"
+    assert not wide and not broken and not inner, (f"pages wider than 390 px: {wide}; words broken between "
+                                                   f"letters: {broken}; text that scrolls in its box: {inner}")
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,8 @@ CSS = """
 .xp-pred .tok.after { background: #f6c7b6; }
 .xp-grid { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 0 1.2em; align-items: start; }
 @media (max-width: 1100px) { .xp-grid { grid-template-columns: 1fr; } }
-.xp-two { display: grid; grid-template-columns: 1fr 1fr; gap: 0 0.8em; }
+.xp-two { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 0.8em; }
+@media (max-width: 700px) { .xp-two { grid-template-columns: minmax(0, 1fr); } }
 table.xp-layers td { white-space: nowrap; }
 table.xp-layers td.mems { white-space: normal; font-size: 0.92em; }
 table.xp-layers th.group { text-align: center; border-left: 2px solid #ddd; }
@@ -87,7 +88,7 @@ table.xp-layers td.first, table.xp-layers th.first { border-left: 2px solid #ddd
 .xp-mem { white-space: nowrap; margin-right: 0.4em; display: inline-block; }
 table.xp-layers td.mems { min-width: 12em; }
 .xp-edit { font-size: 0.85em; }
-.xp-cont { white-space: pre-wrap; line-height: 1.7; }
+.xp-cont { white-space: pre-wrap; line-height: 1.7; overflow-wrap: break-word; }
 .xp-cont .tok { white-space: pre-wrap; border-right: 1px dotted #ccc; }
 .xp-cont .tok.xp-diff { background: #fde9e2; }
 input[name=continue] { width: 4.5em; }
