@@ -1,6 +1,6 @@
 """Every step on every family: mine, values (both lenses), compose, mutate, patterns, normalize,
-explain and the memory page, through the CLI on each tiny model of `test_families.FAMILIES` (the
-mixtures of experts: values, normalize and explain here, the other steps in `test_moe_steps`).
+explain and the memory page, through the CLI on each tiny model of `test_families.FAMILIES` and of
+`test_moe.MOE` (Mixtral's and Qwen2-MoE's compose, mutate, patterns and page: `test_moe_steps`).
 
 One number per step, each held to a computation of its own on the model, each prefix run alone
 (`test_families._brute_m`: m from hooks on the model's own value projection; for a mixture of
@@ -29,6 +29,7 @@ import torch
 from conftest import WT2, run_cli
 from test_families import FAMILIES, _blocks, _brute_m, _own_ffn_writes, family_model  # noqa: F401
 from test_families import _supported as _dense
+from test_moe import FAM as MOE_FAM
 from test_moe import _brute_coefficients, moe_model  # noqa: F401
 
 TEXT = "The cat sat on the"
@@ -45,13 +46,14 @@ def _close(got, want, rel=1e-4, atol=1e-5):
 
 
 def _cached(f):
-    """f(mm, ids) once per prefix."""
+    """f(mm, ids, last) once per prefix; `last`: only m at the last position, (L, d_m), else (L, T, d_m)."""
     seen: dict = {}
 
-    def g(mm, ids):
-        key = tuple(ids)
+    def g(mm, ids, last=False):
+        key = (tuple(ids), last)
         if key not in seen:
-            seen[key] = f(mm, key)
+            full = seen.get((tuple(ids), False))
+            seen[key] = full[:, -1] if last and full is not None else f(mm, tuple(ids), last)
         return seen[key]
     return g
 
@@ -60,16 +62,18 @@ def _coefs_dense(name):
     fam = FAMILIES[name]
 
     @_cached
-    def coefs(mm, ids):
+    def coefs(mm, ids, last):
         """m (L, T, d_m) of `ids` run alone."""
         got = _brute_m(mm, fam, [list(ids)])
-        return torch.stack([got[(0, j)] for j in range(len(ids))], 1)
+        m = torch.stack([got[(0, j)] for j in range(len(ids))], 1)
+        return m[:, -1] if last else m
     return coefs
 
 
 def _coefs_moe(name):
     @_cached
-    def coefs(mm, ids):
+    def coefs(mm, ids, last):
+        """m of `ids` run alone, token by token from the raw weights (only the last one: `last`)."""
         x = {}
         hs = [blk.mlp.register_forward_pre_hook(lambda mod, a, l=l: x.__setitem__(l, a[0][0]))
               for l, blk in enumerate(mm.hf.model.layers)]
@@ -78,7 +82,8 @@ def _coefs_moe(name):
         finally:
             for h in hs:
                 h.remove()
-        return torch.stack([_brute_coefficients(name, mm.hf.model.layers[l].mlp, x[l]) for l in range(mm.n_layers)])
+        return torch.stack([_brute_coefficients(name, mm.hf.model.layers[l].mlp, x[l][-1:] if last else x[l])[-1 if last else slice(None)]
+                            for l in range(mm.n_layers)])
     return coefs
 
 
@@ -110,7 +115,7 @@ def check_mine(mm, run, coefs, label):
     rows = top.groupby(["layer", "sign"]).head(2)  # two keys per layer and sign
     assert set(rows.sign) == {1, -1} and len(rows) == 4 * mm.n_layers, label
     for t in rows.itertuples():
-        m = coefs(mm, sents[t.sentence_id][:t.position + 1])[t.layer, -1, t.dim]
+        m = coefs(mm, sents[t.sentence_id][:t.position + 1], last=True)[t.layer, t.dim]
         assert _close(t.coef, m), (label, t)
         assert t.sign * float(m) >= 0
 
@@ -156,8 +161,8 @@ def check_mutate(mm, run, coefs, label):
     for t in mut.groupby(["layer", "mutation"]).head(2).itertuples():  # each layer and kind of mutation
         prefix = sents[t.sentence_id][:t.position + 1]
         mutated = prefix[:t.removed_position] + prefix[t.removed_position + 1:]
-        assert _close(t.old_coef, coefs(mm, prefix)[t.layer, -1, t.dim]), (label, t)
-        assert _close(t.new_coef, coefs(mm, mutated)[t.layer, -1, t.dim]), (label, t)
+        assert _close(t.old_coef, coefs(mm, prefix, last=True)[t.layer, t.dim]), (label, t)
+        assert _close(t.new_coef, coefs(mm, mutated, last=True)[t.layer, t.dim]), (label, t)
 
 
 def check_patterns(mm, run, label):
@@ -190,7 +195,7 @@ def check_explain(mm, coefs, label):
     z = mm.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
     assert out["n_tokens"] == len(ids) and out["lens"] == "norm"
     assert float(z.max() - z[out["prediction_id"]]) < 1e-5 and _close(out["logit"], z[out["prediction_id"]]), label
-    m = coefs(mm, ids)[:, -1]
+    m = coefs(mm, ids, last=True)
     shown = [mem for lay in out["layers"] for mem in lay["memories"] + lay["memories_down"]]
     assert len(shown) >= 2 * mm.n_layers
     for mem in shown:
@@ -214,7 +219,7 @@ def check_memory_page(mm, run, coefs, label):
         shown = torch.tensor(a["m"], dtype=torch.float32)
         assert torch.allclose(shown, want[a["start"]:a["start"] + len(shown)], atol=1e-4, rtol=1e-3), (label, sid)
     rv = client.get(f"/api/memory/{layer}/{dim}/reverify").json()
-    want = coefs(mm, sents[rv["sentence_id"]][:rv["position"] + 1])[layer, -1, dim]
+    want = coefs(mm, sents[rv["sentence_id"]][:rv["position"] + 1], last=True)[layer, dim]
     assert _close(rv["now"], want) and rv["rel_diff"] < 1e-4, label
 
 
@@ -233,13 +238,23 @@ def test_every_step_on_a_dense_family(family_model, tmp_path):
     check_memory_page(mm, run, coefs, name)
 
 
-@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe"], indirect=True)
-def test_values_normalize_explain_on_a_mixture_of_experts(moe_model, tmp_path):
-    """The steps `test_moe_steps` leaves out (it holds compose, mutate, patterns and the page)."""
+# test_moe_steps holds compose, mutate, patterns and the page to its own brute force on these two
+IN_MOE_STEPS = ("mixtral", "qwen2_moe")
+
+
+@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"], indirect=True)
+def test_every_step_on_a_mixture_of_experts(moe_model, tmp_path):
     name, mm = moe_model
     coefs = _coefs_moe(name)
-    run = _run_steps(mm, tmp_path / "run", ("mine", "values", "normalize"))
+    every = name not in IN_MOE_STEPS
+    steps = ("mine", "values", "compose", "mutate", "patterns", "normalize") if every else ("mine", "values", "normalize")
+    run = _run_steps(mm, tmp_path / "run", steps)
     check_mine(mm, run, coefs, name)
     check_values(mm, run, name)
+    if every:
+        check_compose(mm, run, name, MOE_FAM)
+        check_mutate(mm, run, coefs, name)
+        check_patterns(mm, run, name)
+        check_memory_page(mm, run, coefs, name)
     check_normalize(mm, run, name)
     check_explain(mm, coefs, name)
