@@ -13,7 +13,8 @@ sentence splitter: what a machine without spaCy runs). --tokens N streams N toke
 corpus when it is shorter. On the same length-packed batches (budget: --batch-tokens, default
 auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, mining
 (top-50 of every key, --no-stats), mining with key statistics. It prints tok/s and ratios, host
-preparation tok/s (corpus -> token ids), peak GPU memory (CUDA), the trackers' aten ops per
+preparation tok/s (corpus -> token ids; and streamed as `ffkv mine` streams it, with each
+--workers count), peak GPU memory (CUDA), the trackers' aten ops per
 layer and batch (torch.profiler, the CPU proxy of kernel launches) and the projected wall time
 of 100M tokens. Without CUDA it measures the CPU figures and says the GPU ones were skipped.
 Imports neither spaCy, Ray nor DuckDB (a text corpus other than WikiText may need spaCy).
@@ -21,6 +22,7 @@ Imports neither spaCy, Ray nor DuckDB (a text corpus other than WikiText may nee
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -91,6 +93,34 @@ def default_tokenizer():
 
     p = resolve_default_model()
     return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+def host_rates(spec: str | None, tok, max_length: int, workers: list[int], limit: int) -> dict:
+    """Host preparation as `ffkv mine` streams it (`ffkv.corpus.stream.SentenceStream`: split,
+    tokenize; pre-tokenized rows: check, decode), with each worker count: {workers: (tok/s after
+    the first chunk, seconds to the first chunk)} over about `limit` tokens. A CPU figure: what
+    the host can feed the device, overlapped with the forward pass."""
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream
+
+    res = {}
+    for w in workers:
+        st = SentenceStream(open_corpus(spec or str(WT2 / "wiki.valid.tokens")), tok, max_length,
+                            chunk=1024, workers=w)
+        t0 = time.perf_counter()
+        first, ntok = None, 0
+        it = iter(st)
+        for c in it:
+            if first is None:
+                first = time.perf_counter()
+            else:
+                ntok += int(c.offsets[-1])
+            if ntok >= limit:
+                it.close()
+                break
+        secs = time.perf_counter() - (first or t0)
+        res[w] = (ntok / secs if secs > 0 and ntok else float("nan"), (first or t0) - t0)
+    return res
 
 
 def stream(ids: list[list[int]], n: int, limit: int) -> list[list[int]]:
@@ -188,12 +218,29 @@ def main(a) -> dict:
         f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
         f"({secs['plain'] / secs['stats']:.2f}x) with key statistics")
     out(f"host preparation (corpus -> token ids, one process): {host_tok_s:,.0f} tok/s")
+    streamed = None
+    try:
+        tok = tok_of()
+    except Exception as e:  # noqa: BLE001  (a bare GPU box: no tokenizer for --shape)
+        out(f"host preparation, streamed: skipped (no tokenizer: {str(e).splitlines()[0][:100]})")
+    else:
+        streamed = host_rates(a.corpus, tok, mm.max_length or 8192, a.workers, a.host_tokens)
+        out("host preparation, streamed as `ffkv mine` streams it (ffkv.corpus.stream, chunks of 1,024): " + "; ".join(
+            f"{r:,.0f} tok/s {'in-process' if w == 0 else f'with {w} worker process(es)'} (first chunk after {t0:.1f} s)"
+            for w, (r, t0) in streamed.items()) + f"; {torch.get_num_threads()} torch threads, "
+            f"{len(os.sched_getaffinity(0))} cores")
     hours = 1e8 / rate["stats"] / 3600
     serial = 1e8 / rate["stats"] + 1e8 / host_tok_s
-    out(f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
-        f"preparation in series")
+    line = (f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
+            f"preparation in series")
+    if streamed:
+        w, (best, _) = max(streamed.items(), key=lambda kv: kv[1][0])
+        line += (f"; {1e8 / min(rate['stats'], best) / 60:,.1f} min with it overlapped "
+                 f"({w} workers: the slower of the two sets the pace)")
+    out(line)
     res = {"tokens": ntok, "batch_tokens": bt, **lay, **{f"{k}_tok_s": v for k, v in rate.items()},
-           "host_tok_s": host_tok_s, "ops_topk": ops_bare, "ops_stats": ops_full}
+           "host_tok_s": host_tok_s, "ops_topk": ops_bare, "ops_stats": ops_full,
+           "host_streamed_tok_s": {w: r for w, (r, _) in (streamed or {}).items()}}
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2 ** 30
         out(f"peak GPU memory: {peak:.1f} GiB")
@@ -213,7 +260,19 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--batch-tokens", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--workers", default=None,
+                    help="worker counts for the streamed host figure, e.g. 0,4 (default: 0 and the mine step's default, "
+                         "at least 1)")
+    ap.add_argument("--host-tokens", type=int, default=300_000, help="tokens streamed per worker count")
     args = ap.parse_args()
+    from ffkv.corpus.stream import default_workers
+
+    try:
+        args.workers = ([0, max(1, default_workers())] if args.workers is None else
+                        [int(x) for x in str(args.workers).split(",")])
+    except ValueError:
+        print(f"bench_gpu: --workers takes whole numbers, e.g. 0,4 (got {args.workers!r})", file=sys.stderr)
+        sys.exit(2)
     if args.tokens < 1:
         print("bench_gpu: --tokens must be at least 1", file=sys.stderr)
         sys.exit(2)
