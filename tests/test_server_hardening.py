@@ -434,3 +434,27 @@ def test_more_slots_keeps_what_was_typed_in_a_browser(app, hrun):
                 page.context.close()
         finally:
             b.close()
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_serve_lets_openmp_workers_sleep_before_torch_loads(hrun, preset):
+    """`ffkv serve` sets OMP_WAIT_POLICY=PASSIVE (unless the environment names a policy) before
+    anything imports torch, whose OpenMP reads it once: spinning workers made a page's colours 3×
+    slower on a busy machine. Checked in a process of its own, when the app is being made."""
+    import os
+
+    code = ("import os, sys\n"
+            "import ffkv.web.app as a\n"
+            "def stop(*args, **kw):\n"
+            "    print('policy', os.environ.get('OMP_WAIT_POLICY'), 'torch', 'torch' in sys.modules)\n"
+            "    raise SystemExit(0)\n"
+            "a.create_app = stop\n"
+            "from ffkv.cli import main\n"
+            "sys.argv = ['ffkv', 'serve', sys.argv[1], '--port', '0']\n"
+            "main()\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    p = subprocess.run([sys.executable, "-c", code, str(hrun)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"policy {preset or 'PASSIVE'} torch False" in p.stdout, (p.stdout, p.stderr[-2000:])
