@@ -10,7 +10,7 @@ experts `test_moe._brute_coefficients` from the raw fused weights):
   final norm's gain are ffkv's, which `test_families` holds to the model's residual stream);
 - compose: top(y) under both lenses and the final prediction, y read from the model's residual
   stream and projected through the model's own final norm and unembedding;
-- mutate: coefficients before and after each kind of mutation, in every layer;
+- mutate: coefficients before and after a mutation of each kind;
 - patterns: each key's prefixes are its mined triggers;
 - normalize: the intact loss is the model's own next-token loss on its evaluation sentences
   (soft-cap and logit divisor included);
@@ -112,8 +112,8 @@ def check_mine(mm, run, coefs, label):
     trig = run.read_table("triggers").to_pandas()
     sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
     top = trig[trig["rank"] == 1]
-    rows = top.groupby(["layer", "sign"]).head(2)  # two keys per layer and sign
-    assert set(rows.sign) == {1, -1} and len(rows) == 4 * mm.n_layers, label
+    rows = top.groupby(["layer", "sign"]).head(1)  # a key per layer and sign
+    assert set(rows.sign) == {1, -1} and len(rows) == 2 * mm.n_layers, label
     for t in rows.itertuples():
         m = coefs(mm, sents[t.sentence_id][:t.position + 1], last=True)[t.layer, t.dim]
         assert _close(t.coef, m), (label, t)
@@ -158,7 +158,9 @@ def check_mutate(mm, run, coefs, label):
     mut = run.read_table("mutations").to_pandas()
     sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
     assert len(mut) > 0, label
-    for t in mut.groupby(["layer", "mutation"]).head(2).itertuples():  # each layer and kind of mutation
+    rows = [g.iloc[i % len(g)] for i, (_, g) in enumerate(mut.groupby("mutation"))]  # one of each kind
+    assert len(rows) == 3, label
+    for t in rows:
         prefix = sents[t.sentence_id][:t.position + 1]
         mutated = prefix[:t.removed_position] + prefix[t.removed_position + 1:]
         assert _close(t.old_coef, coefs(mm, prefix, last=True)[t.layer, t.dim]), (label, t)
@@ -212,8 +214,8 @@ def check_memory_page(mm, run, coefs, label):
     sents = dict(zip(*run.read_table("sentences", columns=["sentence_id", "token_ids"]).to_pydict().values()))
     layer, dim = mm.n_layers - 1, 5
     assert client.get(f"/memory/{layer}/{dim}").status_code == 200
-    acts = client.get(f"/api/memory/{layer}/{dim}/activations", params={"top": 2, "samples": "none"}).json()
-    assert len(acts["examples"]) >= 2, label  # the top of each sign
+    acts = client.get(f"/api/memory/{layer}/{dim}/activations", params={"top": 1, "samples": "none"}).json()
+    assert len(acts["examples"]) >= 1, label
     for sid, a in acts["examples"].items():
         want = coefs(mm, sents[int(sid)])[layer, :, dim]
         shown = torch.tensor(a["m"], dtype=torch.float32)
