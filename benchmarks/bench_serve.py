@@ -30,7 +30,9 @@ does) and from `--new` (default: this checkout). Each side first requests every 
 waits until the server is idle (what it builds in the background on first use, e.g. similar
 memories from the model's weights, is done: warm), then `--clients` concurrent clients send `--requests` requests each of every kind in turn: memory
 pages (`--pages` random mined memories), layer pages (every layer) and search pages (text search,
-and token search when the run has `value_index`; TOKENS as queries). p50 and p99 of the client's
+and token search: from the run's `value_index`, or from the index each server builds in memory on
+the first token search, whose 503s while it builds are asked again once the server is idle;
+TOKENS as queries). p50 and p99 of the client's
 wall time and the server's time per kind and side, and the ratios new/base, are printed; a kind
 the base does not serve (404: no layer page before issue 26) is said so, with no ratio.
 
@@ -188,7 +190,10 @@ def load_side(url: str, pid: int, kinds: dict[str, list[str]], clients: int, per
     res = {}
     with httpx.Client(base_url=url, timeout=600) as c:
         warm = {k: [c.get(u).status_code for u in us] for k, us in kinds.items()}
-    out(f"  warm: every URL once, then {wait_idle(pid):.0f} s until the server was idle")
+        out(f"  warm: every URL once, then {wait_idle(pid):.0f} s until the server was idle")
+        for k, us in kinds.items():  # a 503 while the server built something (the token index): ask again
+            if any(code == 503 for code in warm[k]):
+                warm[k] = [c.get(u).status_code for u in us]
     for kind, urls in kinds.items():
         if not all(code == 200 for code in warm[kind]):
             res[kind] = {"warm_status": warm[kind]}
@@ -231,9 +236,10 @@ def base_load(run: Path, a) -> None:
     mems = [divmod(int(c), D) for c in rng.sample(list(codes), min(a.pages, len(codes)))]
     kinds = {"memory page": [f"/memory/{l}/{d}" for l, d in mems],
              "layer page": [f"/layer/{l}" for l in range(L)],
-             "text search": [f"/search?text={w}" for w in TOKENS]}
-    if (run / "value_index.parquet").exists():
-        kinds["token search"] = [f"/search?token={w}" for w in TOKENS]
+             "text search": [f"/search?text={w}" for w in TOKENS],
+             # from the run's value_index, or the index each server builds in memory on the first
+             # token search (503 until then: asked again once the server is idle)
+             "token search": [f"/search?token={w}" for w in TOKENS]}
     out(f"run {run}: {trig.num_rows:,} trigger rows, {len(codes):,} mined memories; {a.clients} concurrent "
         f"clients × {a.requests} requests per kind; machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     res = {}
