@@ -6,6 +6,7 @@ The step itself (settings, record, which tables each tracker writes, the command
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -189,11 +190,12 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
             progress(None if show_progress is None else not show_progress) as bar:
         task = bar.add_task("mine", total=s.max_sentences, completed=0, tokens=0)
+        rows = {}  # global batch index -> its rows, for the bar
 
         def on_batch(bi, ntok):
             nonlocal last, mined
             mined += ntok
-            bar.update(task, tokens=bar.tasks[task].fields["tokens"] + ntok)
+            bar.update(task, advance=rows.pop(bi), tokens=bar.tasks[task].fields["tokens"] + ntok)
             if time.time() - last >= checkpoint_every:
                 save_checkpoint(ckpt, state, bi + 1, lkey, batch_tokens)
                 last = time.time()
@@ -204,11 +206,12 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
             lengths = chunk.lengths
             batches = pack(lengths, batch_tokens)  # no row cap: bounded by the budget alone
             todo = [(done + j, b) for j, b in enumerate(batches) if done + j >= cursor]
+            rows.update((bi, len(b)) for bi, b in todo)
+            bar.update(task, advance=len(chunk) - sum(len(b) for _, b in todo))  # mined before a resume
             mine_batches(mm, state, FlatTokens(values=chunk.values, offsets=chunk.offsets), chunk.sentence_id,
                          todo, on_batch)
             done += len(batches)
             plan.add(lengths, batches)
-            bar.update(task, advance=len(chunk))
             del chunk, batches, todo
             _trim_malloc()
     if stream is not None:
@@ -237,7 +240,7 @@ def _libc():
 
 def _tune_malloc() -> None:
     lib = _libc()
-    if lib is not None and "MALLOC_MMAP_THRESHOLD_" not in __import__("os").environ:
+    if lib is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # the user's own setting wins
         lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
