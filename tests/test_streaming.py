@@ -189,3 +189,37 @@ def test_sigkill_mid_stream_resumes_without_lost_or_repeated_sentences(tmp_path,
     m, r = (json.loads((d / "manifest.json").read_text()) for d in (out, ref))
     assert m["corpus"]["counts"] == r["corpus"]["counts"]
     assert m["steps"]["mine"]["batches"] == r["steps"]["mine"]["batches"]
+
+
+BLOCK = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("spacy", "ray", "duckdb"):
+            raise ImportError("not on this machine: " + name)
+sys.meta_path.insert(0, Block())
+from ffkv.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_mine_of_token_ids_needs_no_spacy_ray_or_duckdb(tmp_path, tiny_dirs):
+    """The GPU image has none of the three: mining a pre-tokenized corpus must not import them."""
+    from ffkv.corpus.tokens import write_parquet
+
+    tok = _tok(tiny_dirs)
+    rows = [tok(t)["input_ids"] for t in _all_texts(str(CORPUS), 40, seed=0)]
+    path = write_parquet(tmp_path / "ids.parquet", rows, tok)
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", BLOCK, "mine", "--out", str(out), "--model", str(tiny_dirs["gpt2"]),
+                          "--corpus", str(path), "--top-k", "3"], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = _sentences(out)
+    order = np.random.default_rng(0).permutation(len(rows))
+    assert got.column("token_ids").to_pylist() == [rows[d] for d in order if rows[d]]
+    # the block is real: a text corpus needs the sentence splitter
+    res = subprocess.run([sys.executable, "-c", BLOCK, "mine", "--out", str(tmp_path / "text"), "--model",
+                          str(tiny_dirs["gpt2"]), "--corpus", str(CORPUS), "--max-sentences", "5"],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert res.returncode != 0 and "not on this machine: spacy" in res.stderr
