@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import WT2, run_cli
 from test_mine import _assert_same_mine
@@ -38,7 +38,7 @@ def _expected(tok, spec, max_sentences, max_length, min_tokens=1, seed=0) -> pa.
     keep = [i for i, t in enumerate(ids) if len(t) >= min_tokens]
     return pa.table({"sentence_id": pa.array([sents[i].sentence_id for i in keep], pa.int64()),
                      "doc_id": pa.array([sents[i].doc_id for i in keep], pa.int64()),
-                     "text": [sents[i].text for i in keep],
+                     "text": pa.array([sents[i].text for i in keep], pa.string()),
                      "token_ids": pa.array([ids[i] for i in keep], pa.list_(pa.int32())),
                      "n_tokens": pa.array([len(ids[i]) for i in keep], pa.int32())})
 
@@ -49,7 +49,9 @@ def _streamed(tok, spec, max_sentences, max_length, **kw):
 
     s = SentenceStream(open_corpus(spec, seed=kw.pop("seed", 0)), tok, max_length, None, max_sentences, **kw)
     chunks = list(s)
-    return chunks, pa.concat_tables([c.table() for c in chunks]), s.counts
+    from ffkv.corpus.stream import SCHEMA
+
+    return chunks, pa.concat_tables([c.table() for c in chunks]) if chunks else SCHEMA.empty_table(), s.counts
 
 
 @pytest.mark.parametrize("chunk,per_task,workers", [(4096, 32, 0), (37, 1, 0), (1, 7, 0), (50, 5, 2)])
@@ -223,3 +225,28 @@ def test_mine_of_token_ids_needs_no_spacy_ray_or_duckdb(tmp_path, tiny_dirs):
                           str(tiny_dirs["gpt2"]), "--corpus", str(CORPUS), "--max-sentences", "5"],
                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert res.returncode != 0 and "not on this machine: spacy" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """Forty documents of WikiText-2 valid as a plain text file (blank lines between documents)."""
+    from ffkv.corpus.sources import open_corpus
+
+    docs = open_corpus(str(CORPUS))._documents()[:40]
+    p = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    p.write_text("\n\n".join(docs))
+    return str(p)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.integers(1, 300), per_task=st.integers(1, 50), cap=st.one_of(st.none(), st.integers(1, 400)),
+       min_tokens=st.integers(1, 12), max_length=st.integers(4, 64), seed=st.integers(0, 3))
+def test_any_chunking_gives_the_whole_corpus_rows(tiny_dirs, small_corpus, chunk, per_task, cap, min_tokens,
+                                                   max_length, seed):
+    tok = _tok(tiny_dirs)
+    want = _expected(tok, small_corpus, cap, max_length, min_tokens=min_tokens, seed=seed)
+    chunks, got, counts = _streamed(tok, small_corpus, cap, max_length, min_tokens=min_tokens, seed=seed,
+                                    chunk=chunk, docs_per_task=per_task)
+    assert got.cast(want.schema).equals(want)
+    assert all(len(c) == chunk for c in chunks[:-1]) and [c.index for c in chunks] == list(range(len(chunks)))
+    assert counts["sentences"] == want.num_rows
