@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_reproduce.py --base /tmp/base            # base tree vs this checkout
     .venv/bin/python benchmarks/bench_reproduce.py --base /tmp/base --mined runs/default --rounds 2
+    .venv/bin/python benchmarks/bench_reproduce.py --base /tmp/base --mined runs/default --parallel
 
 Each side runs `python -m ffkv.cli reproduce COPY` in a subprocess with PYTHONPATH=TREE/src (and
 checks that it really imports that tree's ffkv). Without --mined every run starts from nothing
@@ -61,18 +62,29 @@ def copy_mined(src: Path, dst: Path) -> None:
     (dst / "manifest.json").write_text(json.dumps(m, indent=2))
 
 
-def run_side(tree: Path, python: str, run: Path, mined: Path | None, log: Path) -> dict:
+def start_side(tree: Path, python: str, run: Path, mined: Path | None, log: Path):
+    """(process, start time, log file) of one side's `reproduce`, started."""
     if mined is not None:
         copy_mined(mined, run)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        r = subprocess.run([python, "-m", "ffkv.cli", "reproduce", str(run)], env=env_for(tree),
-                           stdout=f, stderr=subprocess.STDOUT, cwd=tree)
+    f = open(log, "w")
+    p = subprocess.Popen([python, "-m", "ffkv.cli", "reproduce", str(run)], env=env_for(tree),
+                         stdout=f, stderr=subprocess.STDOUT, cwd=tree)
+    return p, time.perf_counter(), f
+
+
+def finish_side(started, tree: Path, run: Path, log: Path) -> dict:
+    p, t0, f = started
+    rc = p.wait()
     wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        sys.exit(f"reproduce with {tree} failed (exit {r.returncode}); see {log}")
+    f.close()
+    if rc != 0:
+        sys.exit(f"reproduce with {tree} failed (exit {rc}); see {log}")
     times = json.loads((run / "manifest.json").read_text())["reproduce"]["wall_seconds"]
     return {"times": times, "process": wall}
+
+
+def run_side(tree: Path, python: str, run: Path, mined: Path | None, log: Path) -> dict:
+    return finish_side(start_side(tree, python, run, mined, log), tree, run, log)
 
 
 def verdict_diffs(a: Path, b: Path) -> list[str]:
@@ -96,6 +108,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="pairs of runs; the order alternates")
     ap.add_argument("--work", type=Path, help="where the runs go (default: a temporary folder, removed)")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--parallel", action="store_true",
+                    help="run both sides of a round at the same time (a loaded machine: both see the same load; "
+                         "the side that ends first leaves the other the machine, which favours the slower one)")
     a = ap.parse_args()
     trees = {"base": a.base.resolve(), "new": a.new.resolve()}
     for t in trees.values():
@@ -105,13 +120,21 @@ def main() -> None:
     res: dict[str, list[dict]] = {"base": [], "new": []}
     try:
         for i in range(a.rounds):
-            for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
+            order = ("base", "new") if i % 2 == 0 else ("new", "base")
+            started = {}
+            for side in order:
                 run = work / f"{side}{i}"
                 if run.exists():
                     shutil.rmtree(run)
                 print(f"round {i + 1}: {side} ({trees[side]}) -> {run}", flush=True)
-                res[side].append(run_side(trees[side], a.python, run, a.mined, work / f"{side}{i}.log"))
-                print("  " + ", ".join(f"{k} {v:.0f}s" for k, v in res[side][-1]["times"].items()), flush=True)
+                started[side] = start_side(trees[side], a.python, run, a.mined, work / f"{side}{i}.log")
+                if not a.parallel:
+                    res[side].append(finish_side(started.pop(side), trees[side], run, work / f"{side}{i}.log"))
+                    print("  " + ", ".join(f"{k} {v:.0f}s" for k, v in res[side][-1]["times"].items()), flush=True)
+            for side in started:
+                res[side].append(finish_side(started[side], trees[side], work / f"{side}{i}", work / f"{side}{i}.log"))
+                print(f"  {side}: " + ", ".join(f"{k} {v:.0f}s" for k, v in res[side][-1]["times"].items()),
+                      flush=True)
             diffs = verdict_diffs(work / f"base{i}", work / f"new{i}")
             print(f"  verdicts: {'identical' if not diffs else f'{len(diffs)} differences'}")
             for d in diffs:
