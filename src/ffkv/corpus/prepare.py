@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from ffkv.corpus.sources import open_corpus, tokenize
+from ffkv.corpus.sources import open_corpus
+from ffkv.corpus.stream import SCHEMA, SentenceStream
 from ffkv.corpus.tokens import DEFAULT_CONTEXT
 
 
@@ -11,24 +12,25 @@ def prepare_sentences(run, mm, corpus: str | None, max_sentences: int | None, se
                       field: str = "text", table: str = "sentences", min_tokens: int = 1,
                       context: int = DEFAULT_CONTEXT) -> pa.Table:
     """Split, tokenize and store sentences (a pre-tokenized source's rows: checked, not split or
-    tokenized, `context` the window of a flat token stream); records the source, its kind, sha256
-    and counts in the manifest."""
+    tokenized, `context` the window of a flat token stream), streamed chunk by chunk as the mine
+    step streams them (`ffkv.corpus.stream`); records the source, its kind, sha256 and counts in
+    the manifest, and returns the table."""
     src = open_corpus(corpus, field=field, seed=seed, context=context)
-    sents = src.sentences(max_sentences=max_sentences)
-    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length, getattr(mm, "vocab_size", None))
-    keep = [i for i, t in enumerate(ids) if len(t) >= min_tokens]
-    tbl = pa.table({
-        "sentence_id": pa.array([sents[i].sentence_id for i in keep], pa.int64()),
-        "doc_id": pa.array([sents[i].doc_id for i in keep], pa.int64()),
-        "text": pa.array([sents[i].text for i in keep], pa.string()),
-        "token_ids": pa.array([ids[i] for i in keep], pa.list_(pa.int32())),
-        "n_tokens": pa.array([len(ids[i]) for i in keep], pa.int32()),
-    })
-    run.write_table(table, tbl)
-    counts = {**src.stats.as_dict(), "sentences": len(keep), "dropped_short": len(sents) - len(keep),
-              "tokens": int(sum(len(ids[i]) for i in keep)), "truncated": n_trunc}
-    run.manifest.setdefault("corpora", {})[table] = {
-        "source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, "seed": seed,
-        "field": field, "max_sentences": max_sentences, "counts": counts}
+    stream = SentenceStream(src, mm.tok, mm.max_length, getattr(mm, "vocab_size", None), max_sentences,
+                            min_tokens=min_tokens)
+    with run.table_writer(table, SCHEMA) as write:
+        for chunk in stream:
+            write(chunk.table())
+    record_corpus(run, table, stream, seed, field, max_sentences)
     run.save()
-    return tbl
+    return run.read_table(table)
+
+
+def record_corpus(run, table: str, stream: SentenceStream, seed: int, field: str,
+                  max_sentences: int | None) -> dict:
+    """The manifest's `corpora.<table>`: the source, its kind, sha256 and the stream's counts."""
+    src = stream.src
+    rec = {"source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, "seed": seed,
+           "field": field, "max_sentences": max_sentences, "counts": stream.counts}
+    run.manifest.setdefault("corpora", {})[table] = rec
+    return rec

@@ -84,11 +84,11 @@ def _stream(mm, s: MineSettings):
 
 
 def _record_corpus(run, s: MineSettings, stream) -> None:
-    """The manifest's record of the corpus streamed into `sentences` (as `prepare_sentences` writes it)."""
-    src = stream.src
-    rec = {"source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, "seed": s.seed,
-           "field": s.field, "max_sentences": s.max_sentences, "counts": stream.counts, "settings_key": s.key()}
-    run.manifest.setdefault("corpora", {})["sentences"] = rec
+    """The manifest's record of the corpus streamed into `sentences`, and of the settings it is for."""
+    from ffkv.corpus.prepare import record_corpus
+
+    rec = record_corpus(run, "sentences", stream, s.seed, s.field, s.max_sentences)
+    rec["settings_key"] = s.key()
     run.manifest["corpus"] = rec
     run.manifest["counts"] = rec["counts"]
     run.save()
