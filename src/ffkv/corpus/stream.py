@@ -121,7 +121,8 @@ class SentenceStream:
 
     Sentence ids number the split sentences (pre-tokenized: the non-empty rows) in the seeded
     document order, up to max_sentences; rows shorter than min_tokens are dropped, their ids
-    left out, as `ffkv.corpus.prepare.prepare_sentences` does."""
+    left out: the rows of `CorpusSource.sentences` + `tokenize` (the whole corpus at once, which
+    `ffkv corpus` still reads), as tests/test_streaming.py holds them."""
 
     def __init__(self, src, tok, max_length: int, vocab_size: int | None = None,
                  max_sentences: int | None = None, min_tokens: int = 1, chunk: int = CHUNK,
