@@ -30,10 +30,14 @@ SCHEMA = pa.schema([("sentence_id", pa.int64()), ("doc_id", pa.int64()), ("text"
                     ("token_ids", pa.list_(pa.int32())), ("n_tokens", pa.int32())])
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_workers() -> int:
     """min(4, cores − 1), and 0 (inline) on two cores or fewer, where a worker would take a core
     from the forward pass."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = cores()
     return 0 if n <= 2 else min(4, n - 1)
 
 
@@ -164,9 +168,11 @@ class SentenceStream:
             yield split_task, (d, [docs[j] for j in d])
 
     def _results(self) -> Iterator[tuple]:
-        """Task results in order: inline, or from a spawned pool at most 2·workers tasks ahead."""
+        """Task results in order: inline, or from a spawned pool at most 2·workers tasks ahead
+        (at most one worker per core: more only add processes that wait)."""
         tasks = self._tasks()
-        if self.workers <= 0:
+        workers = min(self.workers, cores())
+        if workers <= 0:
             _init(self.tok, self.max_length)
             for fn, args in tasks:
                 yield fn(*args)
@@ -174,13 +180,13 @@ class SentenceStream:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init,
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
                                  initargs=(self.tok, self.max_length)) as pool:
             ahead: deque = deque()
             try:
                 for fn, args in tasks:
                     ahead.append(pool.submit(fn, *args))
-                    if len(ahead) >= 2 * self.workers:
+                    if len(ahead) >= 2 * workers:
                         yield ahead.popleft().result()
                 while ahead:
                     yield ahead.popleft().result()
