@@ -30,6 +30,16 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
     cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
     if cached is not None:
         return cached
+    from ffkv.experiments.onednn import fast_products
+
+    with fast_products():
+        out = _compute(mm, lenses, chunk, bar)
+    if run is not None:
+        _write_value_tops(run, out, mm.n_layers, mm.d_m, digest)
+    return out
+
+
+def _compute(mm, lenses, chunk: int, bar) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     L, dm = mm.n_layers, mm.d_m
     out = {}
     task = bar.add_task("value tops", total=len(lenses) * L) if bar is not None else None
@@ -46,8 +56,6 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
             if task is not None:
                 bar.advance(task)
         out[ln] = (pos, neg)
-    if run is not None:
-        _write_value_tops(run, out, L, dm, digest)
     return out
 
 

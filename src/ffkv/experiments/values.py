@@ -315,6 +315,13 @@ def compute(ctx) -> dict:
 
 
 def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
+    from ffkv.experiments.onednn import fast_products
+
+    with fast_products():
+        return _compute_all(run, mm, rec, chunk, show_progress)
+
+
+def _compute_all(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     t0 = time.time()
     L, d_m = mm.n_layers, mm.d_m
     kinds2 = tuple(rec["table2_kinds"].split("+"))

@@ -56,12 +56,14 @@ class Embedder:
 
     def embed(self, texts: list[str], bar=None) -> np.ndarray:
         """(N, 384) float32 unit vectors; each distinct text is embedded once per Embedder."""
+        from ffkv.experiments.onednn import fast_products
+
         torch = self._torch
         todo = sorted({t for t in texts if t not in self.cache}, key=len)
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
             enc = self.encode(chunk).to(self.device)
-            with torch.no_grad():
+            with torch.no_grad(), fast_products():
                 h = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
             e = (h * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
