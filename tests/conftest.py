@@ -131,6 +131,25 @@ def run_cli(*args, env=None, cwd=None, timeout=600, fresh=False) -> subprocess.C
     return _run_in_process(args)
 
 
+def kill_mine_when(out: Path, args, ready, wait: float = 120, settle: float = 0.0) -> subprocess.Popen:
+    """Starts `ffkv mine --out out ARGS` in a process of its own and SIGKILLs it once `ready()` holds
+    (polled every 50 ms, at most `wait` s, then `settle` s more): the resume tests' crash."""
+    import signal
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "mine", "--out", str(out), *map(str, args)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + wait
+    while not ready() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(settle)
+    assert p.poll() is None, "finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return p
+
+
 def mine_tiny(out: Path, model: Path, sentences: int, top_k: int, *extra) -> Path:
     """`ffkv mine` of the first `sentences` WikiText-2 valid sentences into `out`, which must work."""
     res = run_cli("mine", "--out", out, "--model", model, "--corpus", WT2 / "wiki.valid.tokens",

@@ -1,6 +1,5 @@
 """Mining: brute force, merge, batch independence, resume after SIGKILL, Ray identity."""
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import WT2, run_cli, wikitext_sentences
+from conftest import WT2, kill_mine_when, run_cli, wikitext_sentences
 from ffkv.mine.runner import MineSettings, mine, mine_batches, new_state, triggers_table
 from ffkv.store.run import Run
 
@@ -309,17 +308,8 @@ def test_resume_after_sigkill(tmp_path, tiny_dirs):
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0
     out = tmp_path / "killed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "mine", "--out", str(out), *map(str, args)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ck = out / ".mine_checkpoint.npz"
-    deadline = time.time() + 120
-    while not ck.exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    assert p.poll() is None, "finished before it could be killed"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    p = kill_mine_when(out, args, ck.exists, settle=0.5)
     assert ck.exists() and not (out / "triggers.parquet").exists()
     (out / f".mine_checkpoint.npz.tmp{p.pid}").write_bytes(b"half")  # as if killed mid-save
     res = run_cli("mine", "--out", out, *args)
@@ -414,7 +404,7 @@ def test_stale_temps_of_dead_writers_are_swept(tmp_path):
 
 
 def test_step_record_resumes_a_killed_step_and_renews_a_redone_one(tmp_path):
-    """A killed step keeps its start (its time counts from the first try); a step done before and
+    """A killed step keeps its start (its wall time counts from the first try); a step done before and
     run again (new settings, --force) gets a new record: its own start, none of the old figures."""
     run = Run(tmp_path / "r", create=True)
     run.start_step("compose", {"prefixes": 10})

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import WT2, run_cli
+from conftest import WT2, kill_mine_when, run_cli
 from test_mine import _assert_same_mine
 
 CORPUS = WT2 / "wiki.valid.tokens"
@@ -158,9 +156,6 @@ def test_sigkill_mid_stream_resumes_without_lost_or_repeated_sentences(tmp_path,
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0
     out = tmp_path / "killed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", "mine", "--out", str(out), *map(str, args)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ck = out / ".mine_checkpoint.npz"
 
     def cursor():
@@ -170,12 +165,7 @@ def test_sigkill_mid_stream_resumes_without_lost_or_repeated_sentences(tmp_path,
         except Exception:  # noqa: BLE001  (not there yet, or being replaced)
             return 0
 
-    deadline = time.time() + 300
-    while cursor() < 40 and time.time() < deadline and p.poll() is None:  # past the first chunks
-        time.sleep(0.05)
-    assert p.poll() is None, "finished before it could be killed"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    kill_mine_when(out, args, lambda: cursor() >= 40, wait=300)  # past the first chunks
     assert not (out / "sentences.parquet").exists(), "the table appears only when the stream is whole"
     assert list(out.glob(".sentences.parquet.tmp*")) or list(out.glob("sentences.parquet.tmp*")), \
         "the half-written table of the killed run"
