@@ -492,7 +492,10 @@ def test_compose_smollm2_against_brute_force(smollm2, tmp_path):
             assert same.mean() >= 0.99, (ln, k, same.mean())  # allow a rare float near-tie
         np.testing.assert_allclose(ex["p_final_in_r"], bf[ln]["p"], rtol=1e-3, atol=1e-6)
         assert (ex["y_matches_memory"] == bf[ln]["match"]).mean() >= 0.99
-    np.testing.assert_array_equal(ex["n_active"], bf["common"]["n_active"])
+    # compose's products run through oneDNN, the brute force's through MKL: a coefficient within
+    # float32 rounding of 0 may count on one side only
+    d = np.abs(ex["n_active"].astype(np.int64) - bf["common"]["n_active"])
+    assert d.max() <= 1 and (d == 0).mean() >= 0.99, (d.max(), (d == 0).mean())
     np.testing.assert_array_equal(_examples(run, "norm")["top_final"][:, 0], bf["model_top"])
     last = [r for r in run.read_table("compose_layers").to_pylist() if r["layer"] == 29]
     assert all(r["o_matches_final"] == 1.0 for r in last)

@@ -88,10 +88,12 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
     from ffkv.experiments.normalize.variance import ModelVariance, synthetic
     from ffkv.progress import progress
 
+    from ffkv.experiments.onednn import fast_products
+
     plan = plan_of(mm, s)
     t0 = time.perf_counter()
     ev, fi, n_sweep, sent = split(mm, s, warn)
-    with progress(None if show_progress is None else not show_progress) as bar:
+    with progress(None if show_progress is None else not show_progress) as bar, fast_products():
         t1 = time.perf_counter()
         fitted = fit(mm, fi, plan, s.batch_tokens, bar)
         t2 = time.perf_counter()
