@@ -242,7 +242,8 @@ def test_ctrl_c_during_mine_then_resume(tiny_dirs, tmp_path):
                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
-    while not (out / "sentences.parquet").exists() and p.poll() is None and time.time() - t0 < 300:
+    # mid-pass: the checkpoint exists (the streamed `sentences` table appears only when the pass ends)
+    while not (out / ".mine_checkpoint.npz").exists() and p.poll() is None and time.time() - t0 < 300:
         time.sleep(0.1)
     time.sleep(0.3)
     if p.poll() is not None:
