@@ -58,8 +58,13 @@ def build_shape(name: str, device: str, dtype):
                       num_key_value_heads=kv, vocab_size=V, max_position_embeddings=8192,
                       tie_word_embeddings=name == "smollm2-135m")
     torch.manual_seed(0)
-    with torch.device(device):
-        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy held by the CUDA cache (8B: 32 GB)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(was)
     return MemoryModel(hf, _Ids(V))
 
 
@@ -86,9 +91,12 @@ def corpus_ids(spec: str | None, mm, tok_of) -> tuple[list[list[int]], float]:
     return ids, sum(map(len, ids)) / secs if secs > 0 else float("inf")
 
 
-def default_tokenizer():
+def default_tokenizer(folder: str | None = None):
+    """--tokenizer's folder, else the embedded SmolLM2's (a GGUF: needs gguf, absent on a bare box)."""
     from transformers import AutoTokenizer
 
+    if folder:
+        return AutoTokenizer.from_pretrained(folder)
     from ffkv.model.load import resolve_default_model
 
     p = resolve_default_model()
@@ -136,15 +144,20 @@ def stream(ids: list[list[int]], n: int, limit: int) -> list[list[int]]:
 
 def tracker_ops(mm, toks, batch_idx, settings) -> float:
     """Aten ops per layer and batch of the trackers (`ffkv.mine.trackers.tracker_ops_per_layer`)
-    on one real batch's captures, after one untimed update."""
-    from ffkv.mine.engine import new_state
+    on one real batch's captures of the first group of layers, after one untimed update."""
+    from dataclasses import replace
+
+    from ffkv.mine.engine import group_for, new_state
     from ffkv.mine.trackers import Batch, tracker_ops_per_layer
 
+    layers = list(range(group_for(mm, settings)))  # one update's layers: an 8B's all would not fit twice
+    settings = replace(settings, layers=layers)
     seqs = [toks[i] for i in batch_idx]
     ids, mask = mm.batch(seqs)
     ids, mask = ids.to(mm.device), mask.to(mm.device)
-    caps = mm.capture(ids, mask, what=("m",))
-    ms = [caps.layers[l]["m"] for l in range(mm.n_layers)]
+    caps = mm.capture(ids, mask, layers=layers, what=("m",))
+    ms = [caps.layers[l]["m"] for l in layers]
+    del caps
     state = new_state(mm, settings)
     tracker_ops_per_layer(state, ms, Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs))), mask))
     b2 = Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs), 2 * len(seqs))), mask)
@@ -164,7 +177,7 @@ def main(a) -> dict:
     if a.shape:
         mm = build_shape(a.shape, device, dtype)
         what = f"random-weight {a.shape} shape"
-        tok_of = default_tokenizer
+        tok_of = lambda: default_tokenizer(a.tokenizer)  # noqa: E731
     else:
         from ffkv.model.memories import open_model
 
@@ -257,6 +270,9 @@ if __name__ == "__main__":
     g.add_argument("--model", default=None, help="HF id, folder or GGUF file (default: the embedded SmolLM2)")
     g.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of this shape")
     ap.add_argument("--corpus", default=None, help="text corpus spec or a Parquet file of token id lists")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --shape: a tokenizer folder for the streamed host figure (default: the embedded "
+                         "SmolLM2's, from its GGUF)")
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--batch-tokens", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -73,6 +73,8 @@ def test_unknown_option_of_every_command(cmd):
     (["mine", "--top-k", "0", "--out", "x"], "--top-k"),
     (["annotate", "nosuch"], "nosuch"),
     (["values"], "RUN"),
+    (["explain", "x", "--device", "tpu"], "tpu"),  # explain takes --device like the steps
+    (["explain", "x", "--dtype", "float8"], "float8"),
 ])
 def test_usage_errors(args, needle):
     one_line_error(run_cli(*args), needle=needle)

@@ -70,3 +70,18 @@ def test_empty_corpus(tmp_path):
     p.write_text("\n\n  \n")
     with pytest.raises(FfkvError, match="empty"):
         open_corpus(str(p)).sentences()
+
+
+def test_text_without_spacy_is_one_line(monkeypatch, tmp_path):
+    """A box without spaCy (a bare GPU machine) still reads pre-tokenized corpora; splitting text
+    there is refused in one line that names the way out, not with an ImportError."""
+    import sys
+
+    from ffkv.corpus import sources
+
+    monkeypatch.setitem(sys.modules, "spacy", None)  # import spacy raises ImportError
+    monkeypatch.setattr(sources, "_NLP", None)
+    p = tmp_path / "plain.txt"
+    p.write_text("One sentence here. Another one there.\n")
+    with pytest.raises(FfkvError, match="needs spaCy.*pre-tokenized"):
+        sources.open_corpus(str(p)).sentences(None)

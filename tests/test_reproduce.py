@@ -95,6 +95,11 @@ def test_presets_and_step_settings():
     assert step_settings("normalize", d, True, 30) == reproduce_settings(30)
     assert step_settings("normalize", f, True, 30) == NormalizeSettings()
     assert preset("full", prefixes=50).prefixes == 50
+    for name in ("default", "full"):  # the held-out corpus is compose's and normalize's alike
+        held = preset(name, compose_corpus="held.u16")
+        assert step_settings("compose", held, True).corpus == "held.u16"
+        assert step_settings("normalize", held, True, 30).corpus == "held.u16"
+    assert step_settings("normalize", d, True, 30).corpus is None  # its default, wikipedia:valid
     with pytest.raises(FfkvError, match="unknown preset"):
         preset("huge")
 

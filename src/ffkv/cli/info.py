@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ffkv.cli.options import LensOpt, ModelOpt, model
+from ffkv.cli.options import DeviceOpt, DtypeOpt, LensOpt, ModelOpt, model
 from ffkv.defs import CORPUS_CONTEXT
 from ffkv.errors import FfkvError
 
@@ -41,7 +41,8 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
             at: str = typer.Option("last", "--at", help="Edit the coefficients at the last position or at all positions."),
             contrast: Optional[str] = typer.Option(None, "--contrast", metavar="TOKEN", help="A second token to read beside the prediction (text that is one token, e.g. ' London')."),
             truncate: Optional[str] = typer.Option(None, "--truncate", metavar="left|right", help="A text longer than the model's context is refused; left: keep its end, right: keep its start (said on stderr and in the JSON)."),
-            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
+            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+            device: str = DeviceOpt, dtype: str = DtypeOpt):
     """Explain one prediction layer by layer: residual, FFN and the memories that push it; optionally
     with chosen memories suppressed, scaled or set."""
     import sys
@@ -58,7 +59,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     parse_interventions(suppress, scale=scale)  # the spec's form, before anything is read
     shape = model_shape(model_name) or {}  # its shape from the config: no weight loaded yet
     parse_interventions(suppress, shape.get("layers"), shape.get("d_m"), scale=scale)
-    mm = model(model_name, lens=lens)
+    mm = model(model_name, device=device, dtype=dtype, lens=lens)
     from ffkv.experiments.explain import explain as run_explain  # torch: after the model's checks
 
     edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)

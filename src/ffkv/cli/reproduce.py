@@ -12,7 +12,7 @@ from ffkv.cli.options import DeviceOpt, DtypeOpt
 def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN]", help="Run directory (created or resumed)."),
               model_name: Optional[str] = typer.Option(None, "--model", "-m", help="HF id, folder or .gguf (default: embedded SmolLM2), e.g. gpt2."),
               corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Mining corpus (default wikipedia:train), e.g. wikitext-103:train or a file."),
-              compose_corpus: Optional[str] = typer.Option(None, "--compose-corpus", help="Held-out corpus for compose (default wikipedia:valid)."),
+              compose_corpus: Optional[str] = typer.Option(None, "--compose-corpus", help="Held-out corpus for compose and normalize (default wikipedia:valid)."),
               preset: str = typer.Option("default", "--preset", help="default (about 9 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 prefixes (2 from some sentences) and 100 keys per layer, every layer for normalize; about 90 minutes on a 2-core CPU); flags below override it."),
               sentences: Optional[int] = typer.Option(None, "--sentences", min=1, help="Sentences to mine (default 1,500; the paper: all of WikiText-103 train)."),
               top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Trigger examples per key (default 50)."),

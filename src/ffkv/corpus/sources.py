@@ -266,7 +266,11 @@ def _sentencizer():
     """spaCy's rule-based sentencizer: the paper's splitter, needing no model download."""
     global _NLP
     if _NLP is None:
-        import spacy
+        try:
+            import spacy
+        except ImportError:  # a bare GPU box: pre-tokenized corpora need no splitter
+            raise FfkvError("splitting text into sentences needs spaCy (pip install spacy); a pre-tokenized corpus "
+                            "(.parquet, .npy, .u16, .u32) needs none") from None
 
         _NLP = spacy.blank("en")
         _NLP.add_pipe("sentencizer")

@@ -99,10 +99,11 @@ def reproduce_settings(n_layers: int, corpus: str | None = None, seed: int = 0,
 
 
 def reproduce(r, mm) -> NormalizeSettings:
-    """`ffkv reproduce`'s normalize: its ≤ 2-minute sizing, or the command's defaults (--normalize default)."""
+    """`ffkv reproduce`'s normalize: its ≤ 2-minute sizing, or the command's defaults (--normalize default),
+    on reproduce's held-out corpus (--compose-corpus) like compose."""
     if r.normalize == "default":
-        return NormalizeSettings(seed=r.seed, dtype=r.dtype)
-    return reproduce_settings(int(mm.n_layers), seed=r.seed, dtype=r.dtype)
+        return NormalizeSettings(corpus=r.compose_corpus, seed=r.seed, dtype=r.dtype)
+    return reproduce_settings(int(mm.n_layers), corpus=r.compose_corpus, seed=r.seed, dtype=r.dtype)
 
 
 def record(run, s: NormalizeSettings) -> dict:
