@@ -49,6 +49,8 @@ import math
 import numpy as np
 import torch
 
+from ffkv.mine import hist_cuda
+
 E_LO, E_HI = -10, 10  # octaves [2^k, 2^(k+1)) for E_LO <= k < E_HI
 OCTAVES = E_HI - E_LO
 SIDE = OCTAVES + 2  # per side: tiny, octaves, overflow
@@ -273,6 +275,7 @@ class KeyStats:
         self.sc = {sg: torch.full((W[sg[1]], SIDE, k), math.nan, device=dev) for sg in keys}
         lut, side = _raw_luts()
         self._lut, self._side = lut.to(dev), side.to(dev)
+        self._lut32 = self._lut.to(torch.int32)
         self._salt = {g: torch.as_tensor(np.concatenate([key_salt(l, self.dim_ids) for l in g]), device=dev)
                       for g in self.groups}
         self._one = torch.ones(1, dtype=torch.long, device=dev)
@@ -305,15 +308,21 @@ class KeyStats:
             self.sentences += len(batch.lengths)
         n = cap.m.shape[-1]
         offs, poffs, _, raw = self._offsets(n)
-        raw.zero_()
-        blocks, pad_zeros = cap.blocks()
-        for v in blocks:
-            # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
-            # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
-            # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
-            idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
-            idx = torch.add(offs, idx, alpha=n, out=idx).reshape(-1)
-            raw.index_add_(0, idx, self._one.expand(idx.numel()))
+        if batch.right_padded and hist_cuda.available(self.device):
+            self.hist[g] += hist_cuda.key_hist(cap.m, batch.lengths_on(self.device), self._lut32, NB)
+        else:
+            raw.zero_()
+            blocks, pad_zeros = cap.blocks()
+            for v in blocks:
+                # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
+                # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
+                # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
+                idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
+                idx = torch.add(offs, idx, alpha=n, out=idx).reshape(-1)
+                raw.index_add_(0, idx, self._one.expand(idx.numel()))
+            if pad_zeros:
+                raw.view(512, n)[256] -= pad_zeros
+            self.hist[g].index_add_(0, self._lut, raw.view(512, n))
         # Sums over valid tokens as a masked matrix product: BLAS under MKL_CBWR=STRICT gives the
         # same bits for any thread count (Ray shards run 1 thread), which torch's own reductions
         # do not (their vector/scalar split moves with the per-thread chunk).
@@ -321,9 +330,6 @@ class KeyStats:
         w = batch.weights(m2.dtype)
         s1 = (w @ m2).squeeze(0).double()
         s2 = (w @ (m2 * m2)).squeeze(0).double()
-        if pad_zeros:
-            raw.view(512, n)[256] -= pad_zeros
-        self.hist[g].index_add_(0, self._lut, raw.view(512, n))
         self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
         for s in self.signs:
             score, pos = cap.best(s)

@@ -72,6 +72,14 @@ class Batch:
     runs: list[tuple[int, int, int]] | None
     tokens: int
     padded: bool
+    right_padded: bool = True  # row i's valid tokens are positions [0, lengths[i])
+
+    def lengths_on(self, device) -> torch.Tensor:
+        """(B,) int32 row lengths on `device`, made once per batch (the CUDA histogram reads them)."""
+        t = self.__dict__.get("_len")
+        if t is None or t.device != torch.device(device):
+            t = self.__dict__["_len"] = torch.as_tensor(self.lengths, dtype=torch.int32).to(device)
+        return t
 
     def weights(self, dtype=torch.float32) -> torch.Tensor:
         """(1, B·T) the mask as numbers (1 valid, 0 padding), on the device; made once per batch."""
@@ -104,7 +112,7 @@ class Batch:
         lengths = mask.sum(1).tolist()
         runs = mask_runs(mask)
         return cls(mask=mask, sids=sids_t, lengths=lengths, runs=runs, tokens=int(sum(lengths)),
-                   padded=int(sum(lengths)) < B * T)
+                   padded=int(sum(lengths)) < B * T, right_padded=runs is not None)
 
 
 class LayerCapture:
