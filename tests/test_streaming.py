@@ -98,11 +98,10 @@ def test_stream_of_a_pretokenized_corpus(tiny_dirs, tmp_path):
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=60), st.integers(16, 200), st.integers(1, 20))
 def test_plan_layout_summed_over_chunks(lengths, budget, chunk):
     """The manifest's batch layout, summed chunk by chunk, is `batching.layout` of the same batches."""
-    from ffkv.corpus.batching import layout, pack
-    from ffkv.mine.runner import _Layout
+    from ffkv.corpus.batching import Layout, layout, pack
 
     lengths = np.array(lengths)
-    plan, batches = _Layout(budget), []
+    plan, batches = Layout(budget), []
     for a in range(0, len(lengths), chunk):
         part = pack(lengths[a:a + chunk], budget)
         plan.add(lengths[a:a + chunk], part)
@@ -210,11 +209,12 @@ def test_mine_of_token_ids_needs_no_spacy_ray_or_duckdb(tmp_path, tiny_dirs):
     got = _sentences(out)
     order = np.random.default_rng(0).permutation(len(rows))
     assert got.column("token_ids").to_pylist() == [rows[d] for d in order if rows[d]]
-    # the block is real: a text corpus needs the sentence splitter
+    # the block is real: a text corpus needs the sentence splitter, and says so in one line
     res = subprocess.run([sys.executable, "-c", BLOCK, "mine", "--out", str(tmp_path / "text"), "--model",
                           str(tiny_dirs["gpt2"]), "--corpus", str(CORPUS), "--max-sentences", "5"],
                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
-    assert res.returncode != 0 and "not on this machine: spacy" in res.stderr
+    assert res.returncode == 2 and "needs spaCy" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +240,13 @@ def test_any_chunking_gives_the_whole_corpus_rows(tiny_dirs, small_corpus, chunk
     assert got.cast(want.schema).equals(want)
     assert all(len(c) == chunk for c in chunks[:-1]) and [c.index for c in chunks] == list(range(len(chunks)))
     assert counts["sentences"] == want.num_rows
+
+
+def test_default_workers_by_source_kind():
+    """By default token ids are decoded in-process (workers only add pickling there), text gets
+    `default_workers()`; a --workers the user typed wins for either."""
+    from ffkv.corpus.stream import default_workers, resolve_workers
+
+    assert resolve_workers(None, pretokenized=True) == 0
+    assert resolve_workers(None, pretokenized=False) == default_workers()
+    assert resolve_workers(3, pretokenized=True) == 3 and resolve_workers(0, pretokenized=False) == 0

@@ -12,6 +12,8 @@ checkpoint's layout key.
 """
 from __future__ import annotations
 
+import itertools
+
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -39,6 +41,15 @@ def default_workers() -> int:
     from the forward pass."""
     n = cores()
     return 0 if n <= 2 else min(4, n - 1)
+
+
+def resolve_workers(workers: int | None, pretokenized: bool) -> int:
+    """--workers as given; by default `default_workers()` for text and 0 for token ids, whose rows
+    only need decoding: on a 16-core GPU host, 1.7M tok/s in-process against 235k with 4 workers
+    (pickling each task costs more than the decode; benchmarks/GPU.md)."""
+    if workers is not None:
+        return int(workers)
+    return 0 if pretokenized else default_workers()
 
 
 @dataclass
@@ -130,10 +141,11 @@ class SentenceStream:
 
     def __init__(self, src, tok, max_length: int, vocab_size: int | None = None,
                  max_sentences: int | None = None, min_tokens: int = 1, chunk: int = CHUNK,
-                 workers: int = 0, docs_per_task: int = DOCS_PER_TASK):
+                 workers: int | None = 0, docs_per_task: int = DOCS_PER_TASK):
         self.src, self.tok, self.max_length, self.vocab_size = src, tok, max_length, vocab_size
         self.max_sentences, self.min_tokens, self.chunk = max_sentences, min_tokens, max(1, int(chunk))
-        self.workers, self.docs_per_task = int(workers), max(1, int(docs_per_task))
+        self.workers = None if workers is None else int(workers)  # None: `resolve_workers`
+        self.docs_per_task = max(1, int(docs_per_task))
         self.sentences = self.kept = self.tokens = self.truncated = 0
         self.documents = None  # known once the source is read (the first chunk asked for)
 
@@ -171,7 +183,9 @@ class SentenceStream:
         """Task results in order: inline, or from a spawned pool at most 2·workers tasks ahead
         (at most one worker per core: more only add processes that wait)."""
         tasks = self._tasks()
-        workers = min(self.workers, cores())
+        first = next(tasks, None)  # the source is read: its kind is known
+        tasks = itertools.chain([first] if first is not None else [], tasks)
+        workers = min(resolve_workers(self.workers, self.src._tokens is not None), cores())
         if workers <= 0:
             _init(self.tok, self.max_length)
             for fn, args in tasks:

@@ -87,8 +87,8 @@ class MineSettings:
                                        "on its own actor; 2 on a cluster without GPUs).", check=at_least(1),
                                  recorded=False)
     workers: int | None = setting(None, "Processes that split and tokenize the corpus while the model mines (0: in "
-                                        "this process; at most one per core; default: min(4, cores - 1), 0 on two "
-                                        "cores or fewer).",
+                                        "this process; at most one per core; default: min(4, cores - 1) for text, 0 on "
+                                        "two cores or fewer and for token ids, which only need decoding).",
                                   check=between(0, 256), recorded=False)
     chunk_sentences: int = setting(4096, "Sentences streamed per chunk: each chunk is split, tokenized, written and "
                                          "mined in turn, its batches packed within it (more: less padding, more "
