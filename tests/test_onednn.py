@@ -1,4 +1,4 @@
-"""`ffkv.experiments.onednn.fast_products`: oneDNN products equal MKL's up to float32 rounding, a row's
+"""`ffkv.model.onednn.fast_products`: oneDNN products equal MKL's up to float32 rounding, a row's
 result does not depend on its batch, and whatever it does not handle runs as before."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ARCHS
-from ffkv.experiments.onednn import _OneDNN, fast_products
+from ffkv.model.onednn import _OneDNN, fast_products
 
 
 def _close(a, b, scale):

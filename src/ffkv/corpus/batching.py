@@ -37,26 +37,43 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
     return batches
 
 
+class Layout:
+    """What the manifest records of a batch plan, summed as its batches arrive (the mine step
+    packs chunk by chunk): the number of batches, mean valid tokens per batch, the padding share
+    of the padded grids, the most rows in one batch, and (with the budget) the mean fill: padded
+    tokens over the budget."""
+
+    def __init__(self, batch_tokens: int | None = None):
+        self.bt, self.n, self.tokens, self.grid, self.max_rows = batch_tokens, 0, 0, 0, 0
+
+    def add(self, lengths, batches) -> "Layout":
+        lengths = np.asarray(lengths)
+        self.n += len(batches)
+        self.tokens += int(sum(int(lengths[b].sum()) for b in batches))
+        self.grid += sum(int(lengths[b].max()) * len(b) for b in batches)
+        self.max_rows = max([self.max_rows, *map(len, batches)])
+        return self
+
+    def padding_share(self) -> float:
+        return 1.0 - self.tokens / self.grid if self.grid else 0.0
+
+    def record(self) -> dict:
+        n = self.n
+        out = {"batches": n, "mean_tokens": round(self.tokens / n, 1) if n else 0.0,
+               "padding_share": round(self.padding_share(), 4), "max_rows": self.max_rows}
+        if self.bt:
+            out["fill"] = round(self.grid / n / self.bt, 4) if n else 0.0
+        return out
+
+
 def padding_share(lengths, batches) -> float:
     """Share of the padded (B, T) grid that is padding."""
-    lengths = np.asarray(lengths)
-    total = sum(int(lengths[b].max()) * len(b) for b in batches)
-    return 1.0 - float(lengths.sum()) / total if total else 0.0
+    return Layout().add(lengths, batches).padding_share()
 
 
 def layout(lengths, batches, batch_tokens: int | None = None) -> dict:
-    """What the manifest records of a batch plan: the number of batches, mean valid tokens per
-    batch, the padding share of the padded grids, the most rows in one batch, and (with the
-    budget) the mean fill: padded tokens over the budget."""
-    lengths = np.asarray(lengths)
-    n = len(batches)
-    grid = [int(lengths[b].max()) * len(b) for b in batches]
-    out = {"batches": n, "mean_tokens": round(float(lengths.sum()) / n, 1) if n else 0.0,
-           "padding_share": round(padding_share(lengths, batches), 4),
-           "max_rows": max((len(b) for b in batches), default=0)}
-    if batch_tokens:
-        out["fill"] = round(float(np.mean(grid)) / batch_tokens, 4) if n else 0.0
-    return out
+    """`Layout.record` of one whole plan."""
+    return Layout(batch_tokens).add(lengths, batches).record()
 
 
 # ---- the device's token budget ------------------------------------------------------------------

@@ -230,7 +230,7 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
     "tokens": int}. `rows` bounds the rows of one vocabulary projection (rows × V floats).
     """
     from ffkv.corpus.batching import pack
-    from ffkv.experiments.onednn import fast_products
+    from ffkv.model.onednn import fast_products
 
     with fast_products():
         return _analyze(mm, prefixes, eps, vtops, batch_tokens, max_batch, rows, bar, pack)

@@ -66,7 +66,7 @@ import torch
 
 from ffkv.corpus.batching import pack
 from ffkv.errors import FfkvError
-from ffkv.experiments.onednn import fast_products
+from ffkv.model.onednn import fast_products
 from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup
 
 MUTATIONS = ("first", "last", "random")

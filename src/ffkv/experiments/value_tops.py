@@ -30,7 +30,7 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
     cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
     if cached is not None:
         return cached
-    from ffkv.experiments.onednn import fast_products
+    from ffkv.model.onednn import fast_products
 
     with fast_products():
         out = _compute(mm, lenses, chunk, bar)

@@ -315,7 +315,7 @@ def compute(ctx) -> dict:
 
 
 def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
-    from ffkv.experiments.onednn import fast_products
+    from ffkv.model.onednn import fast_products
 
     with fast_products():
         return _compute_all(run, mm, rec, chunk, show_progress)

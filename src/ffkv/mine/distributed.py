@@ -92,6 +92,7 @@ class ShardMiner:
         rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays),
         or (k, None) when the table is out of this node's reach."""
         from ffkv.mine.engine import mine_batches, new_state
+        from ffkv.model.onednn import products_of
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
@@ -100,7 +101,8 @@ class ShardMiner:
         sids = [x for _, ids in got for x in ids]
         starts = np.cumsum([0] + [len(toks) for toks, _ in got])
         batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
-        state = mine_batches(self.mm, new_state(self.mm, self.s), token_lists, sids, batches)
+        with products_of(self.mm):  # as the one-process pass (`ffkv.mine.runner`)
+            state = mine_batches(self.mm, new_state(self.mm, self.s), token_lists, sids, batches)
         return k, state.arrays()
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from ffkv.corpus.batching import auto_batch_tokens, pack
+from ffkv.corpus.batching import Layout, auto_batch_tokens, pack
 from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key,  # noqa: F401
                               load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
@@ -22,6 +22,7 @@ from ffkv.steps.lifecycle import execute
 from ffkv.steps.mine import (STATS_TABLES, STEP, TABLES, TRACKERS, MineSettings,  # noqa: F401  (re-exported)
                              TrackerSpec, check_batch_tokens, done_info, fit, record)
 from ffkv.model import identity
+from ffkv.model.onednn import products_of
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -76,11 +77,11 @@ def _prepare(run, mm, s: MineSettings, force: bool = False) -> bool:
 def _stream(mm, s: MineSettings):
     """The corpus of these settings as a `ffkv.corpus.stream.SentenceStream`."""
     from ffkv.corpus.sources import open_corpus
-    from ffkv.corpus.stream import SentenceStream, default_workers
+    from ffkv.corpus.stream import SentenceStream
 
     src = open_corpus(s.corpus, field=s.field, seed=s.seed, context=s.context)
     return SentenceStream(src, mm.tok, mm.max_length, getattr(mm, "vocab_size", None), s.max_sentences,
-                          chunk=s.chunk_sentences, workers=default_workers() if s.workers is None else s.workers)
+                          chunk=s.chunk_sentences, workers=s.workers)
 
 
 def _record_corpus(run, s: MineSettings, stream) -> None:
@@ -142,28 +143,6 @@ def resolve_batch_tokens(mm, s: MineSettings, ckpt=None) -> int:
                              state_bytes=state_bytes(mm, s), group=group_for(mm, s))
 
 
-class _Layout:
-    """`ffkv.corpus.batching.layout` of a plan that arrives chunk by chunk, summed as it goes."""
-
-    def __init__(self, batch_tokens: int):
-        self.bt, self.n, self.tokens, self.grid, self.max_rows = batch_tokens, 0, 0, 0, 0
-
-    def add(self, lengths, batches) -> None:
-        self.n += len(batches)
-        self.tokens += int(sum(int(lengths[b].sum()) for b in batches))
-        self.grid += sum(int(lengths[b].max()) * len(b) for b in batches)
-        self.max_rows = max([self.max_rows, *map(len, batches)])
-
-    def padding_share(self) -> float:
-        return 1.0 - self.tokens / self.grid if self.grid else 0.0
-
-    def record(self) -> dict:
-        n = self.n
-        return {"batches": n, "mean_tokens": round(self.tokens / n, 1) if n else 0.0,
-                "padding_share": round(self.padding_share(), 4), "max_rows": self.max_rows,
-                "fill": round(self.grid / n / self.bt, 4) if n else 0.0}
-
-
 def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: float, show_progress,
                 log, batch_tokens: int):
     """Stream the corpus chunk by chunk: write each chunk as a row group of `sentences` and mine
@@ -184,11 +163,11 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
         state = new_state(mm, s)  # a checkpoint of other settings or trackers: maybe half loaded
     stream = None if whole else _stream(mm, s)
     chunks = table_chunks(run.read_table("sentences"), s.chunk_sentences) if whole else iter(stream)
-    plan = _Layout(batch_tokens)
+    plan = Layout(batch_tokens)
     mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
     _tune_malloc()
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
-            progress(None if show_progress is None else not show_progress) as bar:
+            progress(None if show_progress is None else not show_progress) as bar, products_of(mm):
         task = bar.add_task("mine", total=s.max_sentences, completed=0, tokens=0)
         rows = {}  # global batch index -> its rows, for the bar
 
@@ -272,8 +251,7 @@ def compute(ctx) -> dict:
         _shards_of_this_plan(run, layout_key(s, bt))
         state, shards = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
         mined_tokens = int(lengths.sum())
-        plan = _Layout(bt)
-        plan.add(lengths, batches)
+        plan = Layout(bt).add(lengths, batches)
     else:
         state, mined_tokens, plan = _mine_local(run, mm, s, state, whole, checkpoint_every, ctx.show_progress,
                                                 ctx.log, bt)

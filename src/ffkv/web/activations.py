@@ -229,7 +229,7 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
     import torch
 
     from ffkv.corpus.batching import pack
-    from ffkv.experiments.onednn import products_of
+    from ffkv.model.onednn import products_of
 
     out: list[dict] = [{} for _ in seqs]
     for idx in pack([len(s) for s in seqs], batch_tokens=BATCH_TOKENS, max_batch=64, ratio=RATIO):
@@ -245,7 +245,7 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
             got[l] = t[..., dims[l]].float().cpu().numpy()
 
         ids, mask = mm.batch([seqs[i] for i in idx])
-        # products with the weights through oneDNN on a CPU (`ffkv.experiments.onednn`): about 2×
+        # products with the weights through oneDNN on a CPU (`ffkv.model.onednn`): about 2×
         # MKL's speed here (SmolLM2, 40 sentences to layer 15: 6–8 s against 12–17 s on a busy
         # machine); the values change by float rounding only
         with (lock or threading.Lock()), torch.no_grad(), products_of(mm):

@@ -88,7 +88,7 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
     from ffkv.experiments.normalize.variance import ModelVariance, synthetic
     from ffkv.progress import progress
 
-    from ffkv.experiments.onednn import fast_products
+    from ffkv.model.onednn import fast_products
 
     plan = plan_of(mm, s)
     t0 = time.perf_counter()

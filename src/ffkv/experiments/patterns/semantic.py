@@ -56,7 +56,7 @@ class Embedder:
 
     def embed(self, texts: list[str], bar=None) -> np.ndarray:
         """(N, 384) float32 unit vectors; each distinct text is embedded once per Embedder."""
-        from ffkv.experiments.onednn import fast_products
+        from ffkv.model.onednn import fast_products
 
         torch = self._torch
         todo = sorted({t for t in texts if t not in self.cache}, key=len)
