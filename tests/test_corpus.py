@@ -1,4 +1,5 @@
 import pytest
+from hypothesis import example, given, settings, strategies as st
 
 from conftest import WT2
 from ffkv.corpus.sources import open_corpus
@@ -85,3 +86,48 @@ def test_text_without_spacy_is_one_line(monkeypatch, tmp_path):
     p.write_text("One sentence here. Another one there.\n")
     with pytest.raises(FfkvError, match="needs spaCy.*pre-tokenized"):
         sources.open_corpus(str(p)).sentences(None)
+
+
+_ALPHABET = ["a", "b", " ", "\n", "\r", "\r\n", "\n\n", "\t", "é", "\u00a0", " = H = ", "@-@", "\ufffd"]
+
+
+@settings(max_examples=300, deadline=None)
+@example(["a", "\r\n", "\r\n", "b"], "plain")  # CRLF paragraphs
+@example(["a", "\n", "\r", "\r\n", "b"], "plain")  # a lone CR: no blank line
+@example(["a", b"\xff", "\n", " = H = ", "\n", "b"], "wikitext")
+@given(st.lists(st.one_of(st.sampled_from(_ALPHABET), st.binary(max_size=3)), max_size=40),
+       st.sampled_from(["wikitext", "plain"]))
+def test_file_documents_equal_reading_the_file_whole(tmp_path_factory, parts, kind):
+    """`FileDocs` (byte ranges, read when asked) gives the documents, sha256, replaced-character
+    count and refusals that reading the whole file gave, for any bytes: CRLF, lone CR, blank and
+    whitespace-only lines, headings, invalid UTF-8."""
+    from ffkv.corpus.sources import CorpusStats, FileDocs, _read_text, _sha256, eager_documents
+
+    data = b"".join(p.encode() if isinstance(p, str) else p for p in parts)
+    path = tmp_path_factory.mktemp("docs") / "c.txt"
+    path.write_bytes(data)
+    try:
+        want_stats = CorpusStats()
+        text = _read_text(path, want_stats)
+        want = (eager_documents(path, kind), _sha256(text.encode()), want_stats.replaced_chars)
+    except FfkvError as e:
+        with pytest.raises(FfkvError) as got:
+            FileDocs.index(path, CorpusStats(), kind)
+        assert str(got.value) == str(e)
+        return
+    stats = CorpusStats()
+    docs, sha = FileDocs.index(path, stats, kind)
+    assert (list(docs), sha, stats.replaced_chars) == want
+
+
+def test_text_corpus_is_read_by_ranges(tmp_path):
+    """A corpus file's documents come from byte ranges: the source keeps no copy of its text."""
+    from ffkv.corpus.sources import FileDocs
+
+    p = tmp_path / "c.tokens"
+    p.write_text(" = Title = \n A first line @-@ here . \n\n Second one .\n")
+    src = open_corpus(str(p))
+    docs = src._documents()
+    assert isinstance(docs, FileDocs) and list(docs) == ["A first line-here.", "Second one."]
+    assert docs.ends.tolist() == [p.read_bytes().index(b" \n\n") + 1, len(p.read_bytes()) - 1]
+    assert [s.text for s in open_corpus(str(p)).sentences(None, shuffle=False)] == list(docs)

@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Iterator
 
 import numpy as np
@@ -56,16 +57,23 @@ class CorpusStats:
         return dict(self.__dict__)
 
 
-def _read_text(path: Path, stats: CorpusStats) -> str:
+NUL_WINDOW = 1 << 16  # a NUL byte in a file's first 64 KiB: not a text file
+
+
+def _check_readable(path: Path) -> None:
     if not os.path.exists(path):  # unlike Path.exists, False (not OSError) for a name too long
         raise FfkvError(f"corpus file {printable(str(path)[:200], newlines=False)} does not exist")
     if path.is_dir():
         raise FfkvError(f"corpus {path} is a folder; pass a file")
+
+
+def _read_text(path: Path, stats: CorpusStats) -> str:
+    _check_readable(path)
     try:
         data = path.read_bytes()
     except OSError as e:
         raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
-    if b"\x00" in data[:1 << 16]:
+    if b"\x00" in data[:NUL_WINDOW]:
         raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
                         f".tokens or .jsonl file (a token stream: name it .u16 or .u32, or PATH.bin:u16)")
     try:
@@ -147,16 +155,15 @@ class CorpusSource:
         held = np.random.default_rng(12345).random(len(docs)) < VALID_SHARE
         return [d for d, h in zip(docs, held) if h == (split == "valid")]
 
-    def _wikitext(self, path: Path) -> list[str]:
-        text = _read_text(path, self.stats)
-        self._sha = _sha256(text.encode())
-        return [detokenize(l) for l in text.split("\n") if l.strip() and not is_heading(l)]
+    def _wikitext(self, path: Path) -> "FileDocs":
+        """One document per non-blank line that is no heading, detokenized when read."""
+        docs, self._sha = FileDocs.index(path, self.stats, "wikitext")
+        return docs
 
-    def _plain(self, path: Path) -> list[str]:
-        text = _read_text(path, self.stats)
-        self._sha = _sha256(text.encode())
-        paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
-        return [p for p in paras if p]
+    def _plain(self, path: Path) -> "FileDocs":
+        """One document per paragraph (blank lines between), whitespace collapsed when read."""
+        docs, self._sha = FileDocs.index(path, self.stats, "plain")
+        return docs
 
     def _jsonl(self, path: Path, fld: str) -> list[str]:
         text = _read_text(path, self.stats)
@@ -253,6 +260,95 @@ class CorpusSource:
     def details(self) -> dict:
         """A pre-tokenized source's column, shape or window, for the manifest's record."""
         return dict(self._tokens.details) if self._tokens is not None else {}
+
+
+class FileDocs(Sequence):
+    """A text file's documents as byte ranges, read (pread) and decoded when asked for: the host
+    holds 16 bytes a document, not the corpus (issue 24). `index` makes one pass over the file's
+    lines with what reading it whole did: the checks of `_read_text`, the sha256 of its decoded
+    text, and the same documents (tests/test_corpus.py holds them to `eager_documents`)."""
+
+    def __init__(self, path: Path, starts: np.ndarray, ends: np.ndarray, kind: str):
+        self.path, self.starts, self.ends, self.kind = path, starts, ends, kind
+        self._fd = None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        a, b = int(self.starts[i]), int(self.ends[i])
+        text = os.pread(self._fd, b - a, a).decode("utf-8", errors="replace")
+        return detokenize(text) if self.kind == "wikitext" else " ".join(text.split())
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    def __getstate__(self):  # a copy opens its own descriptor
+        return {**self.__dict__, "_fd": None}
+
+    @classmethod
+    def index(cls, path: Path, stats: CorpusStats, kind: str) -> tuple["FileDocs", str]:
+        """(documents, sha256 of the decoded text) of a wikitext (one per kept line) or plain
+        (one per paragraph: a line that is empty once its "\\r\\n" is "\\n" ends one) file."""
+        _check_readable(path)
+        h = hashlib.sha256()
+        starts, ends = [], []
+        pos, para, keep, chars, fffd, fffd_raw = 0, None, False, 0, 0, 0
+        try:
+            with open(path, "rb") as f:
+                for line in f:
+                    if pos < NUL_WINDOW and b"\x00" in line[:NUL_WINDOW - pos]:
+                        raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
+                                        f".tokens or .jsonl file (a token stream: name it .u16 or .u32, or "
+                                        f"PATH.bin:u16)")
+                    text = line.decode("utf-8", errors="replace")  # "\\n" ends every invalid sequence
+                    h.update(text.encode())
+                    chars += len(text)
+                    if "\ufffd" in text:
+                        fffd += text.count("\ufffd")
+                        fffd_raw += line.count("\ufffd".encode())
+                    end = pos + len(line)
+                    body = end - (1 if line.endswith(b"\n") else 0)
+                    if kind == "wikitext":
+                        t = text[:-1] if text.endswith("\n") else text
+                        if t.strip() and not is_heading(t):
+                            starts.append(pos)
+                            ends.append(body)
+                    elif line in (b"\n", b"\r\n"):  # a blank line: the paragraph so far ends
+                        if para is not None and keep:
+                            starts.append(para)
+                            ends.append(pos)
+                        para, keep = None, False
+                    else:
+                        para = pos if para is None else para
+                        keep = keep or bool(text.strip())
+                    pos = end
+        except OSError as e:
+            raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
+        if kind == "plain" and para is not None and keep:
+            starts.append(para)
+            ends.append(pos)
+        bad = fffd - fffd_raw
+        if bad:
+            if bad > max(16, BINARY_SHARE * chars):
+                raise FfkvError(f"corpus {path} looks binary: {bad:,} of its {chars:,} characters are "
+                                f"not UTF-8; pass a UTF-8 text, .tokens or .jsonl file")
+            stats.replaced_chars += bad
+        return cls(path, np.asarray(starts, np.int64), np.asarray(ends, np.int64), kind), h.hexdigest()
+
+
+def eager_documents(path: Path, kind: str) -> list[str]:
+    """The documents of a wikitext or plain file read whole: what `FileDocs` must equal (tests)."""
+    text = _read_text(path, CorpusStats())
+    if kind == "wikitext":
+        return [detokenize(l) for l in text.split("\n") if l.strip() and not is_heading(l)]
+    paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
+    return [p for p in paras if p]
 
 
 def _sha256(b: bytes) -> str:
