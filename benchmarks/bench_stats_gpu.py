@@ -13,6 +13,7 @@ Without CUDA it runs on the CPU (the Triton path then only under TRITON_INTERPRE
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 
@@ -74,7 +75,7 @@ def main(a) -> None:
     cap = LayerCapture(tuple(layers), m, batch)
     out(f"bench_stats_gpu: {a.shape}, batch of {len(seqs)} rows x {mask.shape[1]} positions ({batch.tokens:,} tokens, "
         f"budget {bt}); one update: {G} layers x {mm.d_m} keys = {m.shape[-1]:,} keys, {m.numel() / 1e9:.2f}G values; "
-        f"Triton {'present' if hist_cuda.triton is not None and cuda else 'unavailable'}")
+        f"Triton {'present' if importlib.util.find_spec('triton') and cuda else 'unavailable'}")
 
     def fresh():
         return stats.KeyStats(layers, None, mm.d_m, samples=5, device=mm.device, group=G)

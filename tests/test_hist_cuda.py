@@ -73,3 +73,11 @@ def test_off_switch_and_cpu(monkeypatch):
     assert hist_cuda.available("cuda")
     monkeypatch.delenv("FFKV_TRITON")
     assert not hist_cuda.available("cuda")  # off unless asked for
+
+
+def test_triton_is_not_imported_by_mining():
+    """On a CPU install that happens to have Triton, mining must not import it (its import alone
+    slowed mining measurably here); it loads only with FFKV_TRITON=1 on CUDA."""
+    code = "import sys, ffkv.mine.runner, ffkv.mine.stats, ffkv.mine.engine; print('triton' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "False", p.stdout + p.stderr[-2000:]

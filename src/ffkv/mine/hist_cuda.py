@@ -14,15 +14,10 @@ copies as much as over the histogram. It is the first part of a fused statistics
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
-
-try:  # torch's CUDA builds ship Triton; the CPU build does not
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
 
 BW = 128  # keys per program
 ROWS = 8  # batch rows per program
@@ -30,32 +25,13 @@ NBP = 64  # bins padded to a power of two (>= stats.NB)
 
 
 def available(device) -> bool:
-    """The kernel runs here: asked for (FFKV_TRITON=1), Triton present, a CUDA device (or Triton's interpreter)."""
-    if triton is None or os.environ.get("FFKV_TRITON", "0") != "1":
+    """The kernel runs here: asked for (FFKV_TRITON=1), Triton present, a CUDA device (or Triton's
+    interpreter). Triton is imported only then: on a CPU its import alone slowed mining."""
+    if os.environ.get("FFKV_TRITON", "0") != "1":
         return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-if triton is not None:
-    @triton.jit
-    def _key_hist(m_ptr, len_ptr, lut_ptr, out_ptr, B, T, n, stride_b, stride_t,
-                  ROWS: tl.constexpr, BW: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        cols = tl.program_id(0) * BW + tl.arange(0, BW)
-        cm = cols < n
-        bins = tl.arange(0, NBP)
-        acc = tl.zeros((NBP, BW), dtype=tl.int32)
-        for i in range(ROWS):
-            b = tl.program_id(1) * ROWS + i
-            L = tl.load(len_ptr + b, mask=b < B, other=0)  # rows past B count nothing
-            base = m_ptr + b.to(tl.int64) * stride_b
-            for t in range(0, T):
-                ok = cm & (t < L)
-                x = tl.load(base + t * stride_t + cols, mask=ok, other=0.0)
-                r = (x.to(tl.int32, bitcast=True) >> 23) + 256  # sign and exponent: 0..511
-                k = tl.load(lut_ptr + r)
-                acc += ((k[None, :] == bins[:, None]) & ok[None, :]).to(tl.int32)
-        tl.atomic_add(out_ptr + bins[:, None] * n + cols[None, :], acc,
-                      mask=(bins[:, None] < NB) & cm[None, :])
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def key_hist(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, nb: int) -> torch.Tensor:
@@ -68,7 +44,9 @@ def key_hist(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, nb: int)
     B, T, n = m.shape
     out = torch.zeros((nb, n), dtype=torch.int32, device=m.device)
     if B and n:
-        grid = (triton.cdiv(n, BW), triton.cdiv(B, ROWS))
-        _key_hist[grid](m, lengths, lut, out, B, T, n, m.stride(0), m.stride(1),
-                        ROWS=ROWS, BW=BW, NBP=NBP, NB=nb, num_warps=4)
+        from ffkv.mine._hist_kernel import key_hist_kernel
+
+        grid = (-(-n // BW), -(-B // ROWS))
+        key_hist_kernel[grid](m, lengths, lut, out, B, T, n, m.stride(0), m.stride(1),
+                              ROWS=ROWS, BW=BW, NBP=NBP, NB=nb, num_warps=4)
     return out
