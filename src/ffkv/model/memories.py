@@ -17,6 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ffkv.defs import LENSES, check_lens
@@ -256,14 +257,15 @@ class MemoryModel:
         return int(pid if pid is not None else 0)
 
     def batch(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-pad token id lists into (B, T) ids and mask."""
-        T = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), T), self.pad_id(), dtype=torch.long)
-        mask = torch.zeros((len(seqs), T), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[b, : len(s)] = 1
-        return ids.to(self.device), mask.to(self.device)
+        """Right-pad token id lists into (B, T) ids and mask, built in numpy: two torch copies per
+        row cost ~10 ms of host time on a 2,000-row GPU batch, while the device waited."""
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        T = int(lens.max())
+        valid = np.arange(T) < lens[:, None]
+        ids = np.full((len(seqs), T), self.pad_id(), dtype=np.int64)
+        ids[valid] = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs])
+        return (torch.from_numpy(ids).to(self.device),
+                torch.from_numpy(valid.astype(np.int64)).to(self.device))
 
     # ---- capture -----------------------------------------------------------------------------
     @torch.no_grad()
