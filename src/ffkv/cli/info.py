@@ -122,22 +122,33 @@ def corpus(source: Optional[str] = typer.Argument(None, metavar="[SOURCE]", help
            head: int = typer.Option(5, "--head", help="Sentences to print."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts.")):
     """Count a corpus as the model sees it: documents, sentences, tokens, truncations."""
-    from ffkv.corpus.sources import open_corpus, tokenize
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream
     from ffkv.display import printable
+    from ffkv.progress import progress
 
     mm = model(model_name)
     src = open_corpus(source, field=field, seed=seed, context=context)
-    sents = src.sentences(max_sentences=max_sentences)
-    ids, n_trunc = tokenize(mm.tok, sents, mm.max_length, mm.vocab_size)
+    # streamed as `ffkv mine` reads it (min_tokens=0: every sentence counts), so a corpus of any
+    # size is counted in one chunk's memory
+    stream = SentenceStream(src, mm.tok, mm.max_length, mm.vocab_size, max_sentences, min_tokens=0, workers=None)
+    first: list[tuple[int, str]] = []
+    with progress() as bar:
+        task = bar.add_task("corpus", total=max_sentences, completed=0, tokens=0)
+        for chunk in stream:
+            first += list(zip(chunk.sentence_id[:max(0, head - len(first))].tolist(), chunk.text))
+            bar.update(task, advance=len(chunk), tokens=stream.tokens)
+    if not stream.sentences:
+        raise FfkvError(f"corpus {src.spec!r} is empty: no sentences found")
     counts = {"source": src.spec, "kind": src.kind, **src.details, "sha256": src.sha256, **src.stats.as_dict(),
-              "tokens": sum(map(len, ids)), "truncated": n_trunc}
+              "tokens": stream.tokens, "truncated": stream.truncated}
     if as_json:
-        print(json.dumps({**counts, "head": [s.text for s in sents[:head]]}, indent=2))
+        print(json.dumps({**counts, "head": [t for _, t in first]}, indent=2))
         return
     for k, v in counts.items():
         print(f"{k:>15}: {printable(str(v))}")
-    for s in sents[:head]:
-        print(f"  [{s.sentence_id}] {printable(s.text, newlines=False)}")
+    for sid, text in first:
+        print(f"  [{sid}] {printable(text, newlines=False)}")
 
 
 def register(app: typer.Typer) -> None:
