@@ -5,7 +5,8 @@
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
 # In order of priority, each part under its own time limit: bench_gpu.py on the SmolLM2-135M
 # shape, `ffkv mine` end to end over 20M tokens, bench_gpu.py on the 8B and 1B Llama shapes,
-# then `ffkv explain` and `ffkv reproduce` on CUDA. QUICK=1 DEV=cpu shrinks every size (a CPU dry run).
+# bench_stats_gpu.py (where a mining batch's time goes), then `ffkv explain` and `ffkv reproduce`
+# on CUDA. QUICK=1 DEV=cpu shrinks every size (a CPU dry run).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -27,6 +28,7 @@ part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $L
 part 170 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 part 110 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000
 part 80 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
+part 75 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
 part 150 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV
 } 2>&1 | grep --line-buffered -v "profiler_st" | tee "$OUT/gpu_session.log"
