@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -250,3 +251,19 @@ def test_default_workers_by_source_kind():
     assert resolve_workers(None, pretokenized=True) == 0
     assert resolve_workers(None, pretokenized=False) == default_workers()
     assert resolve_workers(3, pretokenized=True) == 3 and resolve_workers(0, pretokenized=False) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50_000), max_size=12), min_size=1, max_size=20), st.integers(0, 9))
+def test_pad_rows_equals_a_row_by_row_fill(rows, pad):
+    """`pad_rows` (MemoryModel.batch and the mining batches both use it) equals filling a padded
+    grid row by row, empty rows included."""
+    from ffkv.model.memories import pad_rows
+
+    lens = np.array([len(r) for r in rows])
+    ids, mask = pad_rows(np.array([x for r in rows for x in r], np.int64), lens, pad, "cpu")
+    T = max(map(len, rows))
+    want_ids = [r + [pad] * (T - len(r)) for r in rows]
+    want_mask = [[1] * len(r) + [0] * (T - len(r)) for r in rows]
+    assert ids.tolist() == want_ids and mask.tolist() == want_mask
+    assert ids.dtype == mask.dtype == torch.int64

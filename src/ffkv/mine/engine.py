@@ -88,27 +88,15 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
 
 
 def batch_tensors(mm, tokens: FlatTokens, idx):
-    """`MemoryModel.batch` of flat rows, in numpy (no Python list per row): (ids, mask, lengths).
-    On CUDA the host tensors are pinned and copied without blocking, so the next batch's host work
-    overlaps this one's transfer."""
-    import torch
+    """`MemoryModel.batch` of flat rows, in numpy (no Python list per row): (ids, mask, lengths)."""
+    from ffkv.model.memories import pad_rows
 
     idx = np.asarray(idx, np.int64)
     start = tokens.offsets[idx]
     lens = tokens.offsets[idx + 1] - start
-    B, T = len(idx), int(lens.max())
-    ids = np.full((B, T), mm.pad_id(), np.int64)
-    mask = np.zeros((B, T), np.int64)
-    rows = np.repeat(np.arange(B), lens)
     cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    ids[rows, cols] = tokens.values[np.repeat(start, lens) + cols]
-    mask[rows, cols] = 1
-    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
-    dev = torch.device(getattr(mm, "device", "cpu"))
-    if dev.type == "cuda":
-        ids, mask = ids.pin_memory().to(dev, non_blocking=True), mask.pin_memory().to(dev, non_blocking=True)
-    elif dev.type != "cpu":
-        ids, mask = ids.to(dev), mask.to(dev)
+    ids, mask = pad_rows(tokens.values[np.repeat(start, lens) + cols], lens, mm.pad_id(),
+                         getattr(mm, "device", "cpu"))
     return ids, mask, lens.tolist()
 
 

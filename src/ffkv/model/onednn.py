@@ -1,7 +1,8 @@
 """Float32 products with a model's weights through oneDNN instead of MKL, on a CPU.
 
 Why: on this project's AMD (Zen) CPUs, torch's MKL sgemm runs a generic path at about half the
-speed of oneDNN's kernels on the same float32 shapes (measured: SmolLM2's forward 1.8× faster),
+speed of oneDNN's kernels on the same float32 shapes (measured: SmolLM2's forward 1.8× faster on
+one session's VM, 1.4× on another: the gain depends on the CPU),
 and the forward passes and vocabulary projections are 80% of the steps after mining. Results
 change by float rounding only (a test holds them to MKL's within float32 tolerance, and a row's
 result to its result in another batch).
