@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import build_tiny, run_cli
+from conftest import WT2, build_tiny, run_cli
 
 
 def _one_line_error(res, *needles):
@@ -92,3 +92,21 @@ def test_explain_tiny(tiny_dirs):
     res = run_cli("explain", "The cat sat on the", "--model", tiny_dirs["llama"], "--json")
     out = json.loads(res.stdout)
     assert len(out["layers"]) == 3 and out["layers"][-1]["top_o"] == out["prediction"]
+
+
+def test_corpus_counts_equal_the_whole_corpus_path(tiny_dirs):
+    """`ffkv corpus` streams the corpus; its counts and head equal reading every sentence at once
+    and tokenizing them (`CorpusSource.sentences` + `tokenize`), computed here directly."""
+    from ffkv.corpus.sources import open_corpus, tokenize
+    from ffkv.model.memories import open_model
+
+    spec = str(WT2 / "wiki.valid.tokens")
+    res = run_cli("corpus", spec, "--model", tiny_dirs["gpt2"], "--max-sentences", "300", "--head", "3", "--json")
+    out = json.loads(res.stdout)
+    mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")
+    src = open_corpus(spec)
+    sents = src.sentences(max_sentences=300)
+    ids, n_cut = tokenize(mm.tok, sents, mm.max_length, mm.vocab_size)
+    assert (out["sentences"], out["tokens"], out["truncated"]) == (len(sents), sum(map(len, ids)), n_cut)
+    assert out["documents"] == src.stats.documents and out["sha256"] == src.sha256
+    assert out["head"] == [s.text for s in sents[:3]]
