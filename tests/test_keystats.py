@@ -242,7 +242,9 @@ def test_update_runs_on_meta_device(monkeypatch):
 
 
 def test_update_makes_no_transfers(monkeypatch):
-    """On the CPU, with every host read and device move patched to fail."""
+    """On the CPU, with every host read and device move patched to fail: the portable path, the
+    one a GPU runs (a CPU's numba kernels read their tensors as numpy views, no copy)."""
+    monkeypatch.setenv("FFKV_NUMBA", "0")
     state, batch, m = _update_all("cpu")
     state.update(0, m, batch)  # warm: some lists fill
 

@@ -39,8 +39,9 @@ that rounds a value differently can move it across a bin edge; DEVELOPING.md). R
 by layer, dim, sign desc, bin, then hash.
 
 Exactness: histogram and position counts are integers; the sums behind mean and std are summed
-per batch in float32 (per run of equal-length rows) and carried across batches as exact integer
-limbs (`to_limbs`), so any merge order gives the same bits.
+per batch (in float64 key by key on a CPU, `ffkv.mine.stats_cpu`; as float32 products elsewhere)
+and carried across batches as exact integer limbs (`to_limbs`), so any merge order gives the
+same bits.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ import math
 import numpy as np
 import torch
 
-from ffkv.mine import hist_cuda
+from ffkv.mine import hist_cuda, stats_cpu
 
 E_LO, E_HI = -10, 10  # octaves [2^k, 2^(k+1)) for E_LO <= k < E_HI
 OCTAVES = E_HI - E_LO
@@ -243,8 +244,8 @@ class KeyStats:
     `device`): hist (NB, G·n) int64 and sum limbs (2, 3, G·n) int64; per sign: max (G·n,) float32,
     positions (G·n, NPOS) int64 and the sample slots (G·n, SIDE, k) (hash int32, sorted ascending
     with EMPTY last; position int16/int32; coef float32): 408 bytes per key plus 1,232 per key
-    and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with --negative), and one scratch
-    histogram of 4 KB per key of a group. Dicts are keyed by the group (a tuple of layers)."""
+    and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with --negative), and, on the
+    portable path only, one scratch histogram of 4 KB per key of a group. Dicts are keyed by the group (a tuple of layers)."""
 
     name = "stats"
 
@@ -275,22 +276,27 @@ class KeyStats:
         self.sc = {sg: torch.full((W[sg[1]], SIDE, k), math.nan, device=dev) for sg in keys}
         lut, side = _raw_luts()
         self._lut, self._side = lut.to(dev), side.to(dev)
-        self._lut32 = self._lut.to(torch.int32)
+        self._lut32, self._side32 = self._lut.to(torch.int32), self._side.to(torch.int32)
         self._salt = {g: torch.as_tensor(np.concatenate([key_salt(l, self.dim_ids) for l in g]), device=dev)
                       for g in self.groups}
         self._one = torch.ones(1, dtype=torch.long, device=dev)
-        self._scratch: dict[int, tuple] = {}
+        self._scratch: dict = {}
 
     def _offsets(self, w: int):
         """Per group width w: raw histogram offsets (r, key; bin-major), position-bucket and
-        sample-group offsets, and the scratch histogram, made once per width."""
+        sample-group offsets, made once per width."""
         if w not in self._scratch:
             dev = self.device
             self._scratch[w] = (torch.arange(w, dtype=torch.int32, device=dev) + 256 * w,
                                 torch.arange(w, dtype=torch.int32, device=dev) * NPOS,
-                                torch.arange(w, dtype=torch.long, device=dev) * SIDE,
-                                torch.zeros(w * 512, dtype=torch.long, device=dev))
+                                torch.arange(w, dtype=torch.long, device=dev) * SIDE)
         return self._scratch[w]
+
+    def _raw(self, w: int) -> torch.Tensor:
+        """The portable histogram's scratch (4 KB per key of a group), made only where it runs."""
+        if ("raw", w) not in self._scratch:
+            self._scratch[("raw", w)] = torch.zeros(w * 512, dtype=torch.long, device=self.device)
+        return self._scratch[("raw", w)]
 
     def _at(self, l: int) -> tuple[tuple[int, ...], slice]:
         """Layer l's group and its keys' slice of the group's key axis."""
@@ -307,32 +313,20 @@ class KeyStats:
             self.tokens += batch.tokens
             self.sentences += len(batch.lengths)
         n = cap.m.shape[-1]
-        offs, poffs, _, raw = self._offsets(n)
-        if batch.right_padded and hist_cuda.available(self.device):
-            self.hist[g] += hist_cuda.key_hist(cap.m, batch.lengths_on(self.device), self._lut32, NB)
+        if stats_cpu.available(self.device):  # one compiled pass on a CPU
+            s1, s2 = stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g])
         else:
-            raw.zero_()
-            blocks, pad_zeros = cap.blocks()
-            for v in blocks:
-                # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
-                # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
-                # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
-                idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
-                idx = torch.add(offs, idx, alpha=n, out=idx).reshape(-1)
-                raw.index_add_(0, idx, self._one.expand(idx.numel()))
-            if pad_zeros:
-                raw.view(512, n)[256] -= pad_zeros
-            self.hist[g].index_add_(0, self._lut, raw.view(512, n))
-        # Sums over valid tokens as a masked matrix product: BLAS under MKL_CBWR=STRICT gives the
-        # same bits for any thread count (Ray shards run 1 thread), which torch's own reductions
-        # do not (their vector/scalar split moves with the per-thread chunk).
-        m2 = cap.m.reshape(-1, n)
-        w = batch.weights(m2.dtype)
-        s1 = (w @ m2).squeeze(0).double()
-        s2 = (w @ (m2 * m2)).squeeze(0).double()
+            self._hist(g, cap, batch)
+            s1, s2 = self._sums(cap, batch)
+        poffs = self._offsets(n)[1]
         self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
+        cpu = stats_cpu.available(self.device)
         for s in self.signs:
             score, pos = cap.best(s)
+            if cpu:
+                stats_cpu.offer(score, pos, batch.sids, self._salt[g], self._side32, self.max[(s, g)],
+                                self.pos[(s, g)], self.sh[(s, g)], self.sp[(s, g)], self.sc[(s, g)], s, self.k)
+                continue
             mx = self.max[(s, g)]
             torch.maximum(mx, score.amax(0), out=mx)
             pb = torch.bitwise_right_shift(pos.float().view(torch.int32), 23) - 126  # 1 + floor(log2 pos)
@@ -341,6 +335,36 @@ class KeyStats:
             self.pos[(s, g)].view(-1).index_add_(0, pb, self._one.expand(pb.numel()))
             if self.k:
                 self._sample(s, g, score, pos, batch.sids)
+
+    def _hist(self, g, cap, batch) -> None:
+        """The portable histogram (and the Triton one on CUDA, when asked for)."""
+        n = cap.m.shape[-1]
+        if batch.right_padded and hist_cuda.available(self.device):
+            self.hist[g] += hist_cuda.key_hist(cap.m, batch.lengths_on(self.device), self._lut32, NB)
+            return
+        offs, raw = self._offsets(n)[0], self._raw(n)
+        raw.zero_()
+        blocks, pad_zeros = cap.blocks()
+        for v in blocks:
+            # raw index r·n + key, r = (sign and exponent bits) + 256: bin-major, so neighbouring
+            # keys (mostly of like exponents) count into neighbouring cells; one scatter-add.
+            # torch has no per-column histogram; index_add_ (not bincount) keeps shapes static.
+            idx = torch.bitwise_right_shift(v.view(torch.int32), 23)
+            idx = torch.add(offs, idx, alpha=n, out=idx).reshape(-1)
+            raw.index_add_(0, idx, self._one.expand(idx.numel()))
+        if pad_zeros:
+            raw.view(512, n)[256] -= pad_zeros
+        self.hist[g].index_add_(0, self._lut, raw.view(512, n))
+
+    @staticmethod
+    def _sums(cap, batch):
+        """Sums of m and m² over valid tokens as a masked matrix product: BLAS under
+        MKL_CBWR=STRICT gives the same bits for any thread count (Ray shards run 1 thread),
+        which torch's own reductions do not (their vector/scalar split moves with the
+        per-thread chunk)."""
+        m2 = cap.m.reshape(-1, cap.m.shape[-1])
+        w = batch.weights(m2.dtype)
+        return (w @ m2).squeeze(0).double(), (w @ (m2 * m2)).squeeze(0).double()
 
     def _sample(self, s: int, g, score, pos, sids) -> None:
         """Offer each row's best (score (B, w) = s·m, pos) to its (key, bin)'s k smallest hashes."""
