@@ -159,9 +159,17 @@ def tracker_ops(mm, toks, batch_idx, settings) -> float:
     ms = [caps.layers[l]["m"] for l in layers]
     del caps
     state = new_state(mm, settings)
-    tracker_ops_per_layer(state, ms, Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs))), mask))
-    b2 = Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs), 2 * len(seqs))), mask)
-    return tracker_ops_per_layer(state, [-m for m in ms], b2)
+    # the portable path, which a GPU runs: on a CPU the statistics' numba kernels count no aten op
+    old, os.environ["FFKV_NUMBA"] = os.environ.get("FFKV_NUMBA"), "0"
+    try:
+        tracker_ops_per_layer(state, ms, Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs))), mask))
+        b2 = Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs), 2 * len(seqs))), mask)
+        return tracker_ops_per_layer(state, [-m for m in ms], b2)
+    finally:
+        if old is None:
+            os.environ.pop("FFKV_NUMBA")
+        else:
+            os.environ["FFKV_NUMBA"] = old
 
 
 def main(a) -> dict:
