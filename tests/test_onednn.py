@@ -78,6 +78,33 @@ def test_an_edited_weight_is_copied_again(tiny_models):
     _close(b - lin.bias, 2 * (a - lin.bias), 10.0)
 
 
+def test_an_owner_keeps_its_packed_weights_across_contexts():
+    """Per-request and per-batch contexts (`products_of`, the explorer, the sentence encoder) pack
+    a weight once, and again only after it is edited."""
+    from ffkv.model.onednn import products_of
+
+    class Owner:
+        device = "cpu"
+
+    owner, lin = Owner(), torch.nn.Linear(8, 4).requires_grad_(False)  # as a loaded model's
+    x = torch.randn(3, 8)
+    packed = []
+    with torch.no_grad():
+        for _ in range(2):
+            with products_of(owner) as _:
+                a = lin(x)
+            packed.append(owner._ffkv_onednn_copies[id(lin.weight)][2])
+        assert packed[0] is packed[1]
+        lin.weight.mul_(2)
+        with fast_products("cpu", owner=owner):
+            b = lin(x)
+        assert owner._ffkv_onednn_copies[id(lin.weight)][2] is not packed[0]
+    _close(b - lin.bias, 2 * (a - lin.bias), 10.0)
+    with fast_products("cpu") as mode:  # no owner: a context's own copies
+        lin(x)
+    assert mode.copies is not owner._ffkv_onednn_copies
+
+
 def test_off_switch(monkeypatch):
     monkeypatch.setenv("FFKV_ONEDNN", "0")
     assert not isinstance(fast_products("cpu"), _OneDNN)

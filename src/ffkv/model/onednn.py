@@ -40,9 +40,9 @@ class _OneDNN(TorchFunctionMode):
     """Routes products with parameters to oneDNN; keeps each parameter's oneDNN copy while the mode
     lives (checked against the parameter's identity and version, so an edited weight is re-copied)."""
 
-    def __init__(self):
+    def __init__(self, copies: dict | None = None):
         super().__init__()
-        self.copies: dict[int, tuple] = {}
+        self.copies: dict[int, tuple] = {} if copies is None else copies
 
     def _weight(self, W: torch.Tensor):
         e = self.copies.get(id(W))
@@ -85,16 +85,18 @@ class _OneDNN(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def fast_products(device=None):
+def fast_products(device=None, owner=None):
     """A context under which products with a model's float32 weights run through oneDNN (on a CPU;
-    elsewhere, or with FFKV_ONEDNN=0, it does nothing)."""
+    elsewhere, or with FFKV_ONEDNN=0, it does nothing). The packed weights live as long as the
+    context, or, with `owner` (a model object), as long as the owner: a context entered per batch
+    or per request (the explorer, the sentence encoder) packs them once, not each time."""
     if not enabled() or (device not in (None, "auto") and torch.device(device).type != "cpu"):
         return nullcontext()
-    return _OneDNN()
+    return _OneDNN(None if owner is None else owner.__dict__.setdefault("_ffkv_onednn_copies", {}))
 
 
 @contextmanager
 def products_of(mm):
-    """`fast_products` for model `mm`'s device."""
-    with fast_products(getattr(mm, "device", None)):
+    """`fast_products` for model `mm`'s device, its packed weights kept on `mm`."""
+    with fast_products(getattr(mm, "device", None), owner=mm):
         yield

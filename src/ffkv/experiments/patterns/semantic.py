@@ -63,7 +63,7 @@ class Embedder:
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
             enc = self.encode(chunk).to(self.device)
-            with torch.no_grad(), fast_products():
+            with torch.no_grad(), fast_products(owner=self):  # packed once per Embedder
                 h = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
             e = (h * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
