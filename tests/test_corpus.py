@@ -131,3 +131,84 @@ def test_text_corpus_is_read_by_ranges(tmp_path):
     assert isinstance(docs, FileDocs) and list(docs) == ["A first line-here.", "Second one."]
     assert docs.ends.tolist() == [p.read_bytes().index(b" \n\n") + 1, len(p.read_bytes()) - 1]
     assert [s.text for s in open_corpus(str(p)).sentences(None, shuffle=False)] == list(docs)
+
+
+def test_a_corpus_edited_after_indexing_is_refused_in_one_line(tmp_path):
+    """A text corpus written to (or cut short, or removed) between indexing and reading a document
+    gives FfkvError, not wrong text or a traceback; a copy sent to a worker process checks alike."""
+    import os
+    import pickle
+
+    from ffkv.corpus.sources import FileDocs
+    from ffkv.errors import FfkvError
+
+    p = tmp_path / "c.tokens"
+    p.write_text(" A first line . \n Second one .\n")
+    docs = open_corpus(str(p))._documents()
+    assert isinstance(docs, FileDocs) and docs[1] == "Second one."
+    st = os.stat(p)
+    with open(p, "r+b") as f:  # the same size, new bytes and a new modification time
+        f.write(b" B")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    for d in (docs, pickle.loads(pickle.dumps(docs))):
+        with pytest.raises(FfkvError, match="changed while ffkv was reading it"):
+            d[0]
+    docs = open_corpus(str(p))._documents()
+    p.write_text(" A\n")  # cut short
+    with pytest.raises(FfkvError, match="changed"):
+        docs[1]
+    docs = open_corpus(str(p))._documents()
+    p.unlink()
+    with pytest.raises(FfkvError, match="cannot read corpus"):
+        docs[0]
+
+
+_JSON_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=80, deadline=None)
+@example([("t", "a\u2028b"), ("blank", "\r\n"), ("t", "c\x85")], "\n")  # raw line separators inside strings
+@example([("t", "x"), ("t", "y")], "\r\n")
+@given(st.lists(st.one_of(st.tuples(st.just("t"), _JSON_TEXT), st.tuples(st.just("blank"), st.sampled_from(["", " ", "\t"])),
+                          st.tuples(st.just("bad"), st.sampled_from(['{"t": 1}', '[1]', '{"u": "x"}', '{"t": NaN}', '{', 'null']))),
+                max_size=12),
+       st.sampled_from(["\n", "\r\n"]))
+def test_jsonl_documents_are_read_by_line_ranges(tmp_path_factory, lines, eol):
+    """A JSON-lines corpus is indexed by byte ranges (one pass, nothing kept) and each document
+    read when asked: the same texts, sha256 and refusals as parsing the file's "\\n"-separated
+    lines whole (the JSON Lines rule: a raw U+2028 or U+0085 inside a string is text, not a line end)."""
+    import json
+
+    from ffkv.corpus.sources import CorpusStats, FileDocs, _read_text, _sha256
+
+    body = []
+    for kind, v in lines:
+        body.append(json.dumps({"t": v, "n": 1}, ensure_ascii=False) if kind == "t" else v)
+    data = eol.join(body).encode() + (eol.encode() if body else b"")
+    path = tmp_path_factory.mktemp("jl") / "c.jsonl"
+    path.write_bytes(data)
+    want_err = None
+    want = []
+    for n, line in enumerate(data.decode().split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        except ValueError:
+            want_err = f"line {n}"
+            break
+        if not isinstance(rec, dict):
+            want_err = f"line {n}"
+            break
+        if not isinstance(rec.get("t"), str):
+            want_err = f":{n}:"
+            break
+        want.append(rec["t"])
+    if want_err is not None:
+        with pytest.raises(FfkvError) as got:
+            FileDocs.index(path, CorpusStats(), "jsonl", field="t")
+        assert want_err in str(got.value) and "\n" not in str(got.value)
+        return
+    docs, sha = FileDocs.index(path, CorpusStats(), "jsonl", field="t")
+    assert list(docs) == want
+    assert sha == _sha256(_read_text(path, CorpusStats()).encode())

@@ -165,19 +165,9 @@ class CorpusSource:
         docs, self._sha = FileDocs.index(path, self.stats, "plain")
         return docs
 
-    def _jsonl(self, path: Path, fld: str) -> list[str]:
-        text = _read_text(path, self.stats)
-        self._sha = _sha256(text.encode())
-        docs = []
-        from ffkv.store.jsonl import json_objects
-
-        for n, rec in json_objects(text, str(path)):
-            if fld not in rec:
-                raise FfkvError(f"{path}:{n}: no field {fld!r} (choose the field with --field)")
-            if not isinstance(rec[fld], str):
-                raise FfkvError(f"{path}:{n}: field {fld!r} holds {type(rec[fld]).__name__ if rec[fld] is not None else 'null'}, "
-                                f"not text")
-            docs.append(rec[fld])
+    def _jsonl(self, path: Path, fld: str) -> "FileDocs":
+        """One document per non-blank line: the text of its field `fld` (read when asked)."""
+        docs, self._sha = FileDocs.index(path, self.stats, "jsonl", field=fld)
         return docs
 
     def _hf(self, name: str, cfg: str | None, split: str, wikitext: bool = False) -> list[str]:
@@ -262,14 +252,25 @@ class CorpusSource:
         return dict(self._tokens.details) if self._tokens is not None else {}
 
 
+def _signature(st: os.stat_result) -> tuple[int, int]:
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed(path) -> FfkvError:
+    return FfkvError(f"corpus {path} changed while ffkv was reading it; run the command again once "
+                     f"nothing writes to it")
+
+
 class FileDocs(Sequence):
     """A text file's documents as byte ranges, read (pread) and decoded when asked for: the host
     holds 16 bytes a document, not the corpus (issue 24). `index` makes one pass over the file's
     lines with what reading it whole did: the checks of `_read_text`, the sha256 of its decoded
     text, and the same documents (tests/test_corpus.py holds them to `eager_documents`)."""
 
-    def __init__(self, path: Path, starts: np.ndarray, ends: np.ndarray, kind: str):
-        self.path, self.starts, self.ends, self.kind = path, starts, ends, kind
+    def __init__(self, path: Path, starts: np.ndarray, ends: np.ndarray, kind: str, sig: tuple | None = None,
+                 field: str | None = None):
+        self.path, self.starts, self.ends, self.kind, self.field = path, starts, ends, kind, field
+        self.sig = sig  # (size, mtime_ns) when indexed: a file edited since then is refused
         self._fd = None
 
     def __len__(self) -> int:
@@ -278,10 +279,20 @@ class FileDocs(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        a, b = int(self.starts[i]), int(self.ends[i])
-        text = os.pread(self._fd, b - a, a).decode("utf-8", errors="replace")
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            if self.sig is not None and _signature(os.fstat(self._fd)) != self.sig:
+                raise _changed(self.path)
+            a, b = int(self.starts[i]), int(self.ends[i])
+            data = os.pread(self._fd, b - a, a)
+        except OSError as e:
+            raise FfkvError(f"cannot read corpus {self.path}: {e.strerror or e}") from None
+        if len(data) != b - a:
+            raise _changed(self.path)
+        text = data.decode("utf-8", errors="replace")
+        if self.kind == "jsonl":  # checked when indexed: an object whose field holds text
+            return json.loads(text)[self.field]
         return detokenize(text) if self.kind == "wikitext" else " ".join(text.split())
 
     def __del__(self):
@@ -292,15 +303,17 @@ class FileDocs(Sequence):
         return {**self.__dict__, "_fd": None}
 
     @classmethod
-    def index(cls, path: Path, stats: CorpusStats, kind: str) -> tuple["FileDocs", str]:
-        """(documents, sha256 of the decoded text) of a wikitext (one per kept line) or plain
-        (one per paragraph: a line that is empty once its "\\r\\n" is "\\n" ends one) file."""
+    def index(cls, path: Path, stats: CorpusStats, kind: str, field: str | None = None) -> tuple["FileDocs", str]:
+        """(documents, sha256 of the decoded text) of a wikitext (one per kept line), plain
+        (one per paragraph: a line that is empty once its "\\r\\n" is "\\n" ends one) or JSON-lines
+        file (one per non-blank line, "\\n"-separated: its object's `field`, which must be text)."""
         _check_readable(path)
         h = hashlib.sha256()
         starts, ends = [], []
-        pos, para, keep, chars, fffd, fffd_raw = 0, None, False, 0, 0, 0
+        pos, para, keep, chars, fffd, fffd_raw, n_blank = 0, None, False, 0, 0, 0, 0
         try:
             with open(path, "rb") as f:
+                sig = _signature(os.fstat(f.fileno()))
                 for line in f:
                     if pos < NUL_WINDOW and b"\x00" in line[:NUL_WINDOW - pos]:
                         raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
@@ -314,7 +327,14 @@ class FileDocs(Sequence):
                         fffd_raw += line.count("\ufffd".encode())
                     end = pos + len(line)
                     body = end - (1 if line.endswith(b"\n") else 0)
-                    if kind == "wikitext":
+                    if kind == "jsonl":
+                        if text.strip():
+                            _json_doc(text, len(starts) + n_blank + 1, path, field)
+                            starts.append(pos)
+                            ends.append(body)
+                        else:
+                            n_blank += 1
+                    elif kind == "wikitext":
                         t = text[:-1] if text.endswith("\n") else text
                         if t.strip() and not is_heading(t):
                             starts.append(pos)
@@ -328,6 +348,8 @@ class FileDocs(Sequence):
                         para = pos if para is None else para
                         keep = keep or bool(text.strip())
                     pos = end
+                if _signature(os.fstat(f.fileno())) != sig or pos != sig[0]:
+                    raise _changed(path)
         except OSError as e:
             raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
         if kind == "plain" and para is not None and keep:
@@ -339,7 +361,20 @@ class FileDocs(Sequence):
                 raise FfkvError(f"corpus {path} looks binary: {bad:,} of its {chars:,} characters are "
                                 f"not UTF-8; pass a UTF-8 text, .tokens or .jsonl file")
             stats.replaced_chars += bad
-        return cls(path, np.asarray(starts, np.int64), np.asarray(ends, np.int64), kind), h.hexdigest()
+        return cls(path, np.asarray(starts, np.int64), np.asarray(ends, np.int64), kind, sig, field), h.hexdigest()
+
+
+def _json_doc(line: str, n: int, path: Path, fld: str) -> str:
+    """Line n of a JSON-lines corpus: its field `fld`, or a one-line FfkvError."""
+    from ffkv.store.jsonl import json_object
+
+    rec = json_object(line, n, str(path))
+    if fld not in rec:
+        raise FfkvError(f"{path}:{n}: no field {fld!r} (choose the field with --field)")
+    if not isinstance(rec[fld], str):
+        raise FfkvError(f"{path}:{n}: field {fld!r} holds {type(rec[fld]).__name__ if rec[fld] is not None else 'null'}, "
+                        f"not text")
+    return rec[fld]
 
 
 def eager_documents(path: Path, kind: str) -> list[str]:
