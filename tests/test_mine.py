@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import WT2, kill_mine_when, run_cli, wikitext_sentences
 from ffkv.mine.runner import MineSettings, mine, mine_batches, new_state, triggers_table
@@ -475,3 +477,25 @@ def test_checkpoint_round_trip_at_every_batch(tiny_models, per_prefix):
         resumed = mine_batches(mm, new_state(mm, s).load_arrays(arrs), token_lists, sids, batches[cut:])
         _same(ref, resumed)
         _same_stats(ref, resumed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 999), min_size=0, max_size=6), min_size=1, max_size=12),
+       st.integers(1, 5), st.randoms(use_true_random=False))
+def test_next_tokens_batch_by_batch_equal_a_lookup(sents, rows, rnd):
+    """`next_tokens` over the sentences in batches of any size, in any row order, equals a dict
+    lookup: the token after the position, none at a sentence's end (or for an absent sentence)."""
+    import pyarrow as pa
+
+    from ffkv.mine.topk import next_tokens
+
+    sids = rnd.sample(range(100), len(sents))
+    tbl = pa.table({"sentence_id": pa.array(sids, pa.int64()), "token_ids": pa.array(sents, pa.list_(pa.int32()))})
+    by = dict(zip(sids, sents))
+    req = [(s, p) for s, t in by.items() for p in range(len(t))] + [(1000, 0)]  # 1000: in no batch
+    rnd.shuffle(req)
+    want = [(t[p + 1], True) if s in by and p + 1 < len(t) else (0, False) for s, p in req
+            for t in [by.get(s, [])]]
+    batches = [tbl.slice(a, rows) for a in range(0, len(tbl), rows)]
+    tok, has = next_tokens(np.array([s for s, _ in req], np.int64), np.array([p for _, p in req], np.int32), batches)
+    assert list(zip(tok.tolist(), has.tolist())) == want

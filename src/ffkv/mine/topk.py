@@ -323,27 +323,46 @@ class TopKState:
 
     def finish(self, ctx) -> dict:
         """The `triggers` table."""
-        return {"triggers": triggers_table(self, ctx.sentences())}
+        return {"triggers": triggers_table(self, ctx.sentence_batches())}
+
+
+def next_tokens(sids: np.ndarray, positions: np.ndarray, sentences) -> tuple[np.ndarray, np.ndarray]:
+    """The token after `positions` in sentences `sids`: (int32 tokens, bool whether there is one).
+
+    `sentences`: a table, or an iterable of tables or record batches, with sentence_id and
+    token_ids; read one batch at a time, so a corpus of any size is never held whole."""
+    if hasattr(sentences, "column"):
+        sentences = [sentences]
+    order = np.argsort(sids, kind="stable")
+    ss = sids[order]
+    tok, has = np.zeros(len(sids), np.int32), np.zeros(len(sids), bool)
+    for b in sentences:
+        sid_col = np.asarray(b.column("sentence_id").to_numpy())
+        lo, hi = np.searchsorted(ss, sid_col, "left"), np.searchsorted(ss, sid_col, "right")
+        cnt = hi - lo
+        if not cnt.any():
+            continue
+        col = b.column("token_ids")
+        toks = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+        flat = toks.values.to_numpy(zero_copy_only=False)
+        offs = toks.offsets.to_numpy()
+        row = np.repeat(np.arange(len(sid_col)), cnt)  # each request's row in this batch
+        req = order[np.repeat(lo, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)]
+        nxt = offs[row] + positions[req].astype(np.int64) + 1
+        ok = nxt < offs[row + 1]
+        has[req] = ok
+        tok[req] = np.where(ok, flat[np.minimum(nxt, max(len(flat) - 1, 0))] if len(flat) else 0, 0)
+    return tok, has
 
 
 def triggers_table(state: TopKState, sentences):
     """State (a TopKState, or a MineState holding one) -> the `triggers` table, with next_token
-    looked up in the sentences."""
+    looked up in the sentences (a table, or batches of one: `next_tokens`)."""
     import pyarrow as pa
 
     state = getattr(state, "topk", state)
-
-    sid_col = sentences.column("sentence_id").to_numpy()
-    toks = sentences.column("token_ids").combine_chunks()
-    flat = toks.values.to_numpy(zero_copy_only=False)
-    offs = toks.offsets.to_numpy()
-    row_of = np.full(int(sid_col.max()) + 1, -1, np.int64)
-    row_of[sid_col] = np.arange(len(sid_col))
     parts = list(state.rows())
     cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    rows = row_of[cols["sentence_id"]]
-    nxt = offs[rows] + cols["position"].astype(np.int64) + 1
-    has = nxt < offs[rows + 1]
-    next_tok = np.where(has, flat[np.minimum(nxt, len(flat) - 1)], 0).astype(np.int32)
+    next_tok, has = next_tokens(cols["sentence_id"], cols["position"], sentences)
     cols["next_token"] = pa.array(next_tok, mask=~has)
     return pa.table(cols)
