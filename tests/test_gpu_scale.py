@@ -294,7 +294,8 @@ def test_shard_reads_its_rows_and_equals_one_process(tmp_path, tiny_dirs):
     for a, b in shard_bounds(len(batches), 2):
         rows = [batches[j].tolist() for j in range(a, b)]
         got = read_rows(path, rows)
-        assert got == [([toks[i] for i in r], [sids[i] for i in r]) for r in rows]
+        assert [(g.column("token_ids").to_pylist(), g.column("sentence_id").to_pylist()) for g in got] == \
+            [([toks[i] for i in r], [sids[i] for i in r]) for r in rows]
         k, arrs = miner.mine(a, path, rows)
         assert k == a
         assert miner.mine(a, str(tmp_path / "elsewhere.parquet"), rows) == (a, None)  # not visible here
@@ -305,3 +306,29 @@ def test_shard_reads_its_rows_and_equals_one_process(tmp_path, tiny_dirs):
                          list(enumerate(batches)))
     _assert_arrays_equal(merged.arrays(), whole.arrays())
     assert default_shards(0) == 2 and default_shards(4) == 4  # --shards left out: one per GPU
+
+
+def test_a_shard_reads_only_the_row_groups_of_its_rows(tmp_path, monkeypatch):
+    """`read_rows` on a sentences table of many row groups: each batch's rows, in its order, read
+    from the row groups that span the shard's rows and no other."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ffkv.mine.distributed import read_rows
+
+    n = 100
+    t = pa.table({"sentence_id": pa.array(np.arange(n) * 3, pa.int64()),
+                  "token_ids": pa.array([[i, i + 1][: 1 + i % 2] for i in range(n)], pa.list_(pa.int32()))})
+    path = tmp_path / "sentences.parquet"
+    pq.write_table(t, path, row_group_size=10)
+    asked = []
+    orig = pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, groups, **kw: asked.append(list(groups)) or orig(self, groups, **kw))
+    rows = [[42, 37, 40], [], [55, 38]]
+    got = read_rows(str(path), rows)
+    assert asked == [[3, 4, 5]]
+    for r, g in zip(rows, got):
+        assert g.column("sentence_id").to_pylist() == [3 * i for i in r]
+        assert g.column("token_ids").to_pylist() == [t.column("token_ids")[i].as_py() for i in r]
+    assert read_rows(str(path), [[], []]) == [None, None]

@@ -58,18 +58,24 @@ def default_shards(gpus: int) -> int:
 
 
 def read_rows(sentences_path, batch_rows):
-    """Token lists and sentence ids of the sentences table's rows, batch by batch: what a shard
-    reads for itself (None when the run's folder is not visible from this node)."""
+    """The sentences table's rows of each batch (a table of sentence_id and token_ids per batch):
+    what a shard reads for itself, only the row groups that hold its rows (None when the run's
+    folder is not visible from this node)."""
     import pyarrow.parquet as pq
 
     if not Path(sentences_path).is_file():
         return None
-    t = pq.read_table(sentences_path, columns=["sentence_id", "token_ids"])
-    out = []
-    for rows in batch_rows:
-        part = t.take(np.asarray(rows, np.int64))
-        out.append((part.column("token_ids").to_pylist(), part.column("sentence_id").to_pylist()))
-    return out
+    rows = [np.asarray(r, np.int64) for r in batch_rows]
+    if not any(len(r) for r in rows):
+        return [None for _ in rows]
+    lo = min(int(r.min()) for r in rows if len(r))
+    hi = max(int(r.max()) for r in rows if len(r)) + 1
+    with pq.ParquetFile(sentences_path) as f:
+        meta = f.metadata
+        starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        g0, g1 = int(np.searchsorted(starts, lo, "right")) - 1, int(np.searchsorted(starts, hi, "left"))
+        t = f.read_row_groups(list(range(g0, g1)), columns=["sentence_id", "token_ids"])
+    return [t.take(r - int(starts[g0])) for r in rows]
 
 
 class ShardMiner:
@@ -91,18 +97,24 @@ class ShardMiner:
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
         rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays),
         or (k, None) when the table is out of this node's reach."""
-        from ffkv.mine.engine import mine_batches, new_state
+        import pyarrow as pa
+
+        from ffkv.mine.engine import FlatTokens, mine_batches, new_state
         from ffkv.model.onednn import products_of
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
             return k, None
-        token_lists = [t for toks, _ in got for t in toks]
-        sids = [x for _, ids in got for x in ids]
-        starts = np.cumsum([0] + [len(toks) for toks, _ in got])
-        batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
-        with products_of(self.mm):  # as the one-process pass (`ffkv.mine.runner`)
-            state = mine_batches(self.mm, new_state(self.mm, self.s), token_lists, sids, batches)
+        got = [t for t in got if t is not None and t.num_rows]
+        state = new_state(self.mm, self.s)
+        if got:
+            rows = pa.concat_tables(got)
+            tokens = FlatTokens(rows.column("token_ids"))  # 4-8 bytes a token, no list per sentence
+            sids = rows.column("sentence_id").to_numpy()
+            starts = np.cumsum([0] + [t.num_rows for t in got])
+            batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
+            with products_of(self.mm):  # as the one-process pass (`ffkv.mine.runner`)
+                state = mine_batches(self.mm, state, tokens, sids, batches)
         return k, state.arrays()
 
 
