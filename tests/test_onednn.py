@@ -86,7 +86,7 @@ def test_an_owner_keeps_its_packed_weights_across_contexts():
     class Owner:
         device = "cpu"
 
-    owner, lin = Owner(), torch.nn.Linear(8, 4).requires_grad_(False)  # as a loaded model's
+    owner, lin = Owner(), torch.nn.Linear(8, 4)  # weights that require grad, as AutoModel loads them: routed under no_grad
     x = torch.randn(3, 8)
     packed = []
     with torch.no_grad():

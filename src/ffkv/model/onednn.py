@@ -58,7 +58,8 @@ class _OneDNN(TorchFunctionMode):
               and x.layout == torch.strided and x.numel() > 0 and x.shape[-1] == W.shape[1]
               and not (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)))
         return ok and (b is None or (isinstance(b, torch.Tensor) and b.dtype == torch.float32
-                                     and b.device.type == "cpu" and b.dim() == 1 and not b.requires_grad))
+                                     and b.device.type == "cpu" and b.dim() == 1
+                                     and not (torch.is_grad_enabled() and b.requires_grad)))
 
     def _linear(self, x, W, b):
         shape = x.shape
