@@ -85,6 +85,25 @@ def test_pack_property(lens, bt, mb, ratio):
         assert L.max() <= ratio * L.min() or len(b) == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.integers(1, 60), max_size=120), bt=st.integers(1, 3000), slack=st.integers(0, 100))
+def test_pack_slack_merges_only_what_a_little_padding_buys(lens, bt, slack):
+    """With `slack`, a batch is cut by the ratio only where the next row adds more than `slack`
+    padded tokens; no more batches than without it, every index once, the budget kept, and
+    slack=0 is the plain ratio rule."""
+    assert same(pack(lens, bt, 256, ratio=1.5, slack=0), pack(lens, bt, 256, ratio=1.5))
+    got = pack(lens, bt, 256, ratio=1.5, slack=slack)
+    L = np.asarray(lens, dtype=np.int64)
+    assert sorted(int(i) for b in got for i in b) == list(range(len(L)))
+    assert len(got) <= len(pack(lens, bt, 256, ratio=1.5))
+    for b in got:
+        assert L[b].max() * len(b) <= bt or len(b) == 1
+    for prev, nxt in zip(got, got[1:]):  # a cut: the budget, the cap, or the ratio with more than slack
+        n, hi, lo, first = len(prev), L[prev].max(), L[prev].min(), L[nxt[0]]
+        assert (max(hi, first) * (n + 1) > bt or n >= 256
+                or (first > 1.5 * lo and n * (first - hi) > slack))
+
+
 def test_pack_defaults_and_padding_share():
     lens = [5, 3, 3, 9, 1]
     assert [b.tolist() for b in pack(lens, 9)] == [[4, 1, 2], [0], [3]]  # ties keep input order

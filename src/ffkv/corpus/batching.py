@@ -5,7 +5,7 @@ import numpy as np
 
 
 def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
-         ratio: float | None = None) -> list[np.ndarray]:
+         ratio: float | None = None, slack: int = 0) -> list[np.ndarray]:
     """Index batches such that max_len × batch_size ≤ batch_tokens (and batch_size ≤ max_batch
     when given); sorted by length so padding stays small. Deterministic: ties in length keep
     input order.
@@ -17,7 +17,10 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
     With `ratio`, a batch also ends when a length exceeds `ratio` × its shortest: padding stays
     under 1 − 1/ratio (a third for 1.5). `mutate` re-scores with ratio=1.5, max_batch=256: on a
     CPU padding costs in full, and a small batch costs hardly more per token than a big one.
-    A sequence longer than batch_tokens gets a batch of its own."""
+    A sequence longer than batch_tokens gets a batch of its own. With `slack`, the ratio ends a
+    batch only when the next row would add more than `slack` padded tokens (rows × the rise in
+    length): short sequences (mutate's cached continuations, a few tokens each) then share
+    batches, whose fixed cost per pass outweighs a few padded tokens."""
     lengths = np.asarray(lengths)
     order = np.argsort(lengths, kind="stable")
     batches, cur, lo, hi = [], [], 0, 0  # lo, hi: the current batch's shortest and longest
@@ -25,7 +28,7 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
         L = int(lengths[i])
         if cur and (max(hi, L) * (len(cur) + 1) > batch_tokens
                     or (max_batch is not None and len(cur) >= max_batch)
-                    or (ratio is not None and L > ratio * lo)):
+                    or (ratio is not None and L > ratio * lo and len(cur) * (L - hi) > slack)):
             batches.append(np.array(cur))
             cur = []
         if not cur:

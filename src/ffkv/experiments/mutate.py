@@ -119,12 +119,18 @@ def _lcp(a: tuple, b: tuple) -> int:
     return i
 
 
+# Padded tokens a row may add before the length ratio cuts a batch: a pass's fixed cost (some
+# 30 modules of Python and small ops) is worth about that many tokens here; measured on 4 layers'
+# requests (12,000 variants): 48 -> 0.91x the time of 0 (16: 0.94x, 128: 1.04x).
+SLACK = 48
+
+
 def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int):
     """Index batches of `members`: groups of equal deepest layer, tightly packed by length."""
     out = []
     for L in np.unique(deepest[members]):
         m = members[deepest[members] == L]
-        for b in pack(lengths[m], batch_tokens, max_batch=256, ratio=1.5):
+        for b in pack(lengths[m], batch_tokens, max_batch=256, ratio=1.5, slack=SLACK):
             out.append(m[b])
     return out
 
