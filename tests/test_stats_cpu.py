@@ -47,11 +47,17 @@ def _assert_same_state(a: dict, b: dict, rtol=2e-6):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_available_only_on_a_cpu_and_when_not_turned_off():
+def test_available_only_on_a_cpu_and_when_not_turned_off(monkeypatch):
     assert stats_cpu.available("cpu")
     assert not stats_cpu.available("meta") and not stats_cpu.available("cuda")
     with numba(False):
         assert not stats_cpu.available("cpu")
+    import sys
+
+    monkeypatch.setattr(stats_cpu, "_numba_ok", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # not importable: the portable path
+    assert not stats_cpu.available("cpu")
+    monkeypatch.setattr(stats_cpu, "_numba_ok", None)
 
 
 @st.composite

@@ -245,7 +245,8 @@ class KeyStats:
     positions (G·n, NPOS) int64 and the sample slots (G·n, SIDE, k) (hash int32, sorted ascending
     with EMPTY last; position int16/int32; coef float32): 408 bytes per key plus 1,232 per key
     and sign at k = 5 (SmolLM2, 46,080 keys: 76 MB; 132 MB with --negative), and, on the
-    portable path only, one scratch histogram of 4 KB per key of a group. Dicts are keyed by the group (a tuple of layers)."""
+    portable path only, one scratch histogram of 4 KB per key of a group. Dicts are keyed by
+    the group (a tuple of layers)."""
 
     name = "stats"
 
