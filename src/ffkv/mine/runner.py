@@ -28,23 +28,15 @@ CKPT = ".mine_checkpoint.npz"
 
 
 class _FinishContext:
-    """What trackers' `finish` may read: the run's sentences, whole (read once, when asked) or
-    batch by batch (what the host holds does not grow with the corpus)."""
+    """What trackers' `finish` may read: the run's sentences batch by batch (what the host holds
+    does not grow with the corpus)."""
 
     def __init__(self, run):
-        self.run, self._sent = run, None
-
-    def sentences(self):
-        if self._sent is None:
-            self._sent = self.run.read_table("sentences")
-        return self._sent
+        self.run = run
 
     def sentence_batches(self, columns=("sentence_id", "token_ids"), rows: int = 65536):
         import pyarrow.parquet as pq
 
-        if self._sent is not None:
-            yield self._sent.select(list(columns))
-            return
         with pq.ParquetFile(self.run.table_path("sentences")) as f:
             yield from f.iter_batches(batch_size=rows, columns=list(columns))
 

@@ -314,14 +314,14 @@ class KeyStats:
             self.tokens += batch.tokens
             self.sentences += len(batch.lengths)
         n = cap.m.shape[-1]
-        if stats_cpu.available(self.device):  # one compiled pass on a CPU
+        cpu = stats_cpu.available(self.device)
+        if cpu:  # one compiled pass on a CPU
             s1, s2 = stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g])
         else:
             self._hist(g, cap, batch)
             s1, s2 = self._sums(cap, batch)
         poffs = self._offsets(n)[1]
         self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
-        cpu = stats_cpu.available(self.device)
         for s in self.signs:
             score, pos = cap.best(s)
             if cpu:
