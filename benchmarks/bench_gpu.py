@@ -12,7 +12,8 @@ there) or a Parquet file whose first list-of-integers column holds token ids (no
 sentence splitter: what a machine without spaCy runs). --tokens N streams N tokens, cycling the
 corpus when it is shorter. On the same length-packed batches (budget: --batch-tokens, default
 auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, mining
-(top-50 of every key, --no-stats), mining with key statistics. It prints tok/s and ratios, host
+(top-50 of every key, --no-stats), mining with key statistics, and both again with the fused
+kernels (`FFKV_TRITON=1`, where Triton and CUDA are). It prints tok/s and ratios, host
 preparation tok/s (corpus -> token ids; and streamed as `ffkv mine` streams it, with each
 --workers count), peak GPU memory (CUDA), the trackers' aten ops per
 layer and batch (torch.profiler, the CPU proxy of kernel launches) and the projected wall time
@@ -211,9 +212,16 @@ def main(a) -> dict:
     ops_full = tracker_ops(mm, toks, batches[0], full_s)
     out(f"tracker aten ops per layer and batch (torch.profiler, leaf ops; {group_for(mm, full_s)} layers per "
         f"update): {ops_bare:.1f} top-k only, {ops_full:.1f} with key statistics (goal <= 20)")
-    states = {"bare": new_state(mm, bare_s), "stats": new_state(mm, full_s)}
+    from ffkv.mine import fused_cuda
+
+    flag = os.environ.get("FFKV_TRITON", "0")
+    os.environ["FFKV_TRITON"] = "1"
+    fused = fused_cuda.available(device)  # the fused kernels' arms too, on the same batches
+    os.environ["FFKV_TRITON"] = flag
+    arms = ["plain", "bare", "stats"] + (["bare_fused", "stats_fused"] if fused else [])
+    states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms[1:]}
     sids = list(range(len(toks)))
-    secs = {"plain": 0.0, "bare": 0.0, "stats": 0.0}
+    secs = {arm: 0.0 for arm in arms}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():  # warm-up, untimed
         i0, m0 = mm.batch([toks[i] for i in batches[0]])
@@ -224,7 +232,8 @@ def main(a) -> dict:
     for bi, idx in enumerate(batches):
         ids_b, mask = mm.batch([toks[i] for i in idx])
         ids_b, mask = ids_b.to(mm.device), mask.to(mm.device)
-        for arm in (["plain", "bare", "stats"] if bi % 2 == 0 else ["stats", "bare", "plain"]):
+        for arm in (arms if bi % 2 == 0 else arms[::-1]):
+            os.environ["FFKV_TRITON"] = "1" if arm.endswith("_fused") else "0"
             sync()
             t0 = time.perf_counter()
             if arm == "plain":
@@ -234,10 +243,19 @@ def main(a) -> dict:
                 mine_batches(mm, states[arm], toks, sids, [(bi, idx)])
             sync()
             secs[arm] += time.perf_counter() - t0
+    os.environ["FFKV_TRITON"] = flag
     rate = {k: ntok / v for k, v in secs.items()}
     out(f"throughput: plain forward (with logits) {rate['plain']:,.0f} tok/s; mining {rate['bare']:,.0f} tok/s "
         f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
         f"({secs['plain'] / secs['stats']:.2f}x) with key statistics")
+    if fused:
+        broken = fused_cuda._broken
+        out(f"throughput, fused kernels (FFKV_TRITON=1, ffkv.mine.fused_cuda): mining {rate['bare_fused']:,.0f} tok/s "
+            f"({secs['plain'] / secs['bare_fused']:.2f}x) without statistics; {rate['stats_fused']:,.0f} tok/s "
+            f"({secs['plain'] / secs['stats_fused']:.2f}x) with key statistics"
+            + (f"; BROKEN, the portable path ran: {broken}" if broken else ""))
+    else:
+        out("throughput, fused kernels: skipped (no Triton, or no CUDA device)")
     out(f"host preparation (corpus -> token ids, one process): {host_tok_s:,.0f} tok/s")
     streamed = None
     try:
@@ -250,13 +268,14 @@ def main(a) -> dict:
             f"{r:,.0f} tok/s {'in-process' if w == 0 else f'with {w} worker process(es)'} (first chunk after {t0:.1f} s)"
             for w, (r, t0) in streamed.items()) + f"; {torch.get_num_threads()} torch threads, "
             f"{len(os.sched_getaffinity(0))} cores")
-    hours = 1e8 / rate["stats"] / 3600
-    serial = 1e8 / rate["stats"] + 1e8 / host_tok_s
+    best_stats = max(rate["stats"], rate.get("stats_fused", 0.0))
+    hours = 1e8 / best_stats / 3600
+    serial = 1e8 / best_stats + 1e8 / host_tok_s
     line = (f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
             f"preparation in series")
     if streamed:
         w, (best, _) = max(streamed.items(), key=lambda kv: kv[1][0])
-        line += (f"; {1e8 / min(rate['stats'], best) / 60:,.1f} min with it overlapped "
+        line += (f"; {1e8 / min(best_stats, best) / 60:,.1f} min with it overlapped "
                  f"({w} workers: the slower of the two sets the pace)")
     out(line)
     res = {"tokens": ntok, "batch_tokens": bt, **lay, **{f"{k}_tok_s": v for k, v in rate.items()},

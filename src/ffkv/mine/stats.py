@@ -39,7 +39,8 @@ that rounds a value differently can move it across a bin edge; DEVELOPING.md). R
 by layer, dim, sign desc, bin, then hash.
 
 Exactness: histogram and position counts are integers; the sums behind mean and std are summed
-per batch (in float64 key by key on a CPU, `ffkv.mine.stats_cpu`; as float32 products elsewhere)
+per batch (in float64 key by key on a CPU, `ffkv.mine.stats_cpu`, and in the fused CUDA kernel,
+`ffkv.mine.fused_cuda`; as float32 products on the portable path)
 and carried across batches as exact integer limbs (`to_limbs`), so any merge order gives the
 same bits.
 """
@@ -50,7 +51,7 @@ import math
 import numpy as np
 import torch
 
-from ffkv.mine import hist_cuda, stats_cpu
+from ffkv.mine import fused_cuda, stats_cpu
 
 E_LO, E_HI = -10, 10  # octaves [2^k, 2^(k+1)) for E_LO <= k < E_HI
 OCTAVES = E_HI - E_LO
@@ -313,10 +314,14 @@ class KeyStats:
         if g == self.groups[0]:
             self.tokens += batch.tokens
             self.sentences += len(batch.lengths)
-        n = cap.m.shape[-1]
+        n = cap.n
         cpu = stats_cpu.available(self.device)
+        fused = None if cpu else cap.hist_sums()
         if cpu:  # one compiled pass on a CPU
             s1, s2 = stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g])
+        elif fused is not None:  # counted in the fused CUDA read of the captures
+            self.hist[g] += fused[0]
+            s1, s2 = fused[1], fused[2]
         else:
             self._hist(g, cap, batch)
             s1, s2 = self._sums(cap, batch)
@@ -324,9 +329,12 @@ class KeyStats:
         self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
         for s in self.signs:
             score, pos = cap.best(s)
+            args = (score, pos, batch.sids, self._salt[g], self._side32, self.max[(s, g)],
+                    self.pos[(s, g)], self.sh[(s, g)], self.sp[(s, g)], self.sc[(s, g)], s, self.k)
             if cpu:
-                stats_cpu.offer(score, pos, batch.sids, self._salt[g], self._side32, self.max[(s, g)],
-                                self.pos[(s, g)], self.sh[(s, g)], self.sp[(s, g)], self.sc[(s, g)], s, self.k)
+                stats_cpu.offer(*args)
+                continue
+            if fused_cuda.available(self.device) and fused_cuda.offer(*args):
                 continue
             mx = self.max[(s, g)]
             torch.maximum(mx, score.amax(0), out=mx)
@@ -338,11 +346,8 @@ class KeyStats:
                 self._sample(s, g, score, pos, batch.sids)
 
     def _hist(self, g, cap, batch) -> None:
-        """The portable histogram (and the Triton one on CUDA, when asked for)."""
-        n = cap.m.shape[-1]
-        if batch.right_padded and hist_cuda.available(self.device):
-            self.hist[g] += hist_cuda.key_hist(cap.m, batch.lengths_on(self.device), self._lut32, NB)
-            return
+        """The portable histogram."""
+        n = cap.n
         offs, raw = self._offsets(n)[0], self._raw(n)
         raw.zero_()
         blocks, pad_zeros = cap.blocks()

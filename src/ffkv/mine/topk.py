@@ -248,12 +248,13 @@ class TopKState:
     @torch.no_grad()
     def update(self, batch, cap) -> None:
         """Fold one group of one batch in: `cap.m` (B, T, G·n) on the lists' device, `batch` its rows."""
-        m, mask, sids = cap.m, batch.mask, batch.sids
+        mask, sids = batch.mask, batch.sids
         g = self._unit[cap.layers[0]][0]
         if g != cap.layers:
             raise ValueError(f"layers {list(cap.layers)} arrived where the lists hold {list(g)}")
-        B, T, n = m.shape
         if self.per_prefix:
+            m = cap.m
+            B, T, n = m.shape
             dev = m.device
             row_rank = torch.argsort(torch.argsort(sids))  # local order of rows by sentence id
             ar = torch.arange(T, device=dev)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ffkv.mine import fused_cuda
 from ffkv.mine.topk import length_runs, mask_runs, row_best
 
 SID_LIMIT = (1 << 31) - 1  # sentence ids must be < 2^31 - 1 (top-k keys and sample hashes pack them)
@@ -119,18 +120,51 @@ class Batch:
 class LayerCapture:
     """One group of layers' coefficients m (B, T, G·n) in one batch (layer by layer on the key
     axis), with what several trackers share: each row's best coefficient per key and sign
-    (`best`, computed once) and the valid tokens as views (`blocks`)."""
+    (`best`, computed once) and the valid tokens as views (`blocks`).
 
-    def __init__(self, layers, m: torch.Tensor, batch: Batch):
+    `signs` and `stats` say what the trackers will ask for: where the fused CUDA kernel runs
+    (`ffkv.mine.fused_cuda`), one read of m answers all of it at the first question."""
+
+    def __init__(self, layers, m: torch.Tensor, batch: Batch, signs=(1,), stats: bool = False):
         self.layers = tuple(layers) if isinstance(layers, (tuple, list)) else (int(layers),)
-        self.layer, self.m, self.batch = self.layers[0], m, batch
+        self.layer, self.raw, self.batch = self.layers[0], m, batch
+        self.n = m.shape[-1]
+        self._m = m if m.dtype == torch.float32 else None
         self._best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._want = (tuple(signs), bool(stats))
+        self._fused = None  # None: not tried; False: not here; else the kernel's (hist, s1, s2)
+
+    @property
+    def m(self) -> torch.Tensor:
+        """The coefficients as float32 (cast once, where the captures came in another dtype)."""
+        if self._m is None:
+            self._m = self.raw.float()
+        return self._m
+
+    def _read(self):
+        if self._fused is None:
+            self._fused = False
+            dev = self.raw.device
+            if self.batch.right_padded and fused_cuda.available(dev):
+                r = fused_cuda.capture(self.raw, self.batch.lengths_on(dev), fused_cuda.bin_lut(dev), *self._want)
+                if r is not None:
+                    self._best.update(r[0])
+                    self._fused = r[1:]
+        return self._fused
 
     def best(self, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) best sign·m per row and key, and its first position (`ffkv.mine.topk.row_best`)."""
         if sign not in self._best:
+            self._read()
+        if sign not in self._best:
             self._best[sign] = row_best(self.m, self.batch.mask, sign, self.batch.runs)
         return self._best[sign]
+
+    def hist_sums(self):
+        """(hist (NB, n) int32, sums of m and m² (n,) float64) from the fused kernel, or None
+        (the tracker computes them itself)."""
+        r = self._read()
+        return r if r and r[0] is not None else None
 
     def blocks(self) -> tuple[list[torch.Tensor], int]:
         """The valid tokens as (b, L, n) views, and how many padded zeros they hold.
@@ -163,6 +197,9 @@ class MineState:
             raise ValueError("the trackers of one pass must group their layers alike")
         self.groups = list(layouts.pop()) if layouts else [(l,) for l in self.layers]
         self._last = {g[-1]: g for g in self.groups}
+        self._signs = tuple(sorted({s for t in self.trackers.values() for s in getattr(t, "signs", (1,))},
+                                   reverse=True)) or (1,)
+        self._stats = "stats" in self.trackers
         self._held: list[tuple[int, torch.Tensor]] = []
         self._buf: torch.Tensor | None = None  # the groups' float32 captures, reused batch to batch
 
@@ -185,18 +222,21 @@ class MineState:
         held, self._held = self._held, []
         if tuple(l for l, _ in held) != g:
             raise RuntimeError(f"layers {[l for l, _ in held]} captured where the trackers expect {list(g)}")
+        xs = [x for _, x in held]
+        # float32 for the torch paths; the fused CUDA kernel reads the captures' own dtype
+        dtype = xs[0].dtype if fused_cuda.available(xs[0].device) else torch.float32
         if len(held) == 1:
-            m = held[0][1].float()
-        else:  # into one reused float32 buffer: a fresh 100 MB tensor per group pays its page
-            # faults again on a CPU (cat 35 ms, into the buffer 6 ms), and the cast comes free
-            xs = [x for _, x in held]
+            m = xs[0].to(dtype)
+        else:  # into one reused buffer: a fresh 100 MB tensor per group pays its page faults
+            # again on a CPU (cat 35 ms, into the buffer 6 ms), and the cast comes free
             shape = (*xs[0].shape[:-1], sum(x.shape[-1] for x in xs))
             need = math.prod(shape)
-            if self._buf is None or self._buf.numel() < need or self._buf.device != xs[0].device:
-                self._buf = None
-                self._buf = torch.empty(need, dtype=torch.float32, device=xs[0].device)
-            m = torch.cat(xs, -1, out=self._buf[:need].view(shape))
-        cap = LayerCapture(g, m, batch)
+            buf = self._buf
+            if buf is None or buf.numel() < need or buf.device != xs[0].device or buf.dtype != dtype:
+                self._buf = buf = None
+                self._buf = buf = torch.empty(need, dtype=dtype, device=xs[0].device)
+            m = torch.cat(xs, -1, out=buf[:need].view(shape))
+        cap = LayerCapture(g, m, batch, self._signs, self._stats)
         for t in self.trackers.values():
             t.update(batch, cap)
 

@@ -1,0 +1,146 @@
+"""The Triton kernels of `ffkv.mine.fused_cuda` (imported only when that path runs)."""
+import types
+
+import triton
+import triton.language as tl
+
+from ffkv.mine import stats
+
+
+def _same_code(fn, **bind):
+    """`fn` jitted from its own code (as `ffkv.mine.stats_cpu._same_code` does for numba), its
+    integer constants bound as constexpr: `stats.sample_hash` stays one definition."""
+    g = dict(fn.__globals__)
+    g.update({k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31")}, tl=tl, **bind)
+    return triton.jit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
+
+
+sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
+
+
+@triton.jit
+def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hip_ptr, lo_ptr, lop_ptr,
+                   B, W, stride_b, stride_t,
+                   ROWS: tl.constexpr, TT: tl.constexpr, BW: tl.constexpr, NBH: tl.constexpr, NB: tl.constexpr,
+                   STATS: tl.constexpr, POS: tl.constexpr, NEG: tl.constexpr):
+    """One read of a block of keys over ROWS rows: each row's max and min with their first
+    positions, and (STATS) the bins and float64 sums of m and m².
+
+    Bins are counted in 16-bit fields, two bins to a 32-bit counter (half the compares of one
+    counter per bin), flushed into wide counters before a field could overflow."""
+    pr = tl.program_id(1)
+    cols = tl.program_id(0) * BW + tl.arange(0, BW)
+    cm = cols < W
+    q = tl.arange(0, NBH)  # packed counter r: bin 2r in the low half, bin 2r + 1 in the high
+    acc = tl.zeros((NBH, BW), dtype=tl.uint32)
+    wide_lo = tl.zeros((NBH, BW), dtype=tl.int32)
+    wide_hi = tl.zeros((NBH, BW), dtype=tl.int32)
+    s1 = tl.zeros((BW,), dtype=tl.float64)
+    s2 = tl.zeros((BW,), dtype=tl.float64)
+    held = 0
+    for i in range(ROWS):
+        b = pr * ROWS + i
+        L = tl.load(len_ptr + b, mask=b < B, other=0)
+        if STATS:
+            if held + L > 65535:
+                wide_lo += (acc & 0xFFFF).to(tl.int32)
+                wide_hi += (acc >> 16).to(tl.int32)
+                acc = tl.zeros((NBH, BW), dtype=tl.uint32)
+                held = 0
+            held += L
+        hi = tl.full((BW,), float("-inf"), tl.float32)
+        lo = tl.full((BW,), float("inf"), tl.float32)
+        hip = tl.zeros((BW,), tl.int32)
+        lop = tl.zeros((BW,), tl.int32)
+        base = m_ptr + b.to(tl.int64) * stride_b
+        for t0 in range(0, L, TT):
+            tt = t0 + tl.arange(0, TT)
+            ok = (tt < L)[:, None] & cm[None, :]
+            x = tl.load(base + tt[:, None].to(tl.int64) * stride_t + cols[None, :], mask=ok, other=0.0)
+            x = x.to(tl.float32)
+            if POS:
+                xm = tl.where(ok, x, float("-inf"))
+                tm = tl.max(xm, axis=0)
+                tp = tl.min(tl.where(xm == tm[None, :], tt[:, None], 1 << 30), axis=0)
+                up = tm > hi
+                hi = tl.where(up, tm, hi)
+                hip = tl.where(up, tp, hip)
+            if NEG:
+                xn = tl.where(ok, x, float("inf"))
+                tn = tl.min(xn, axis=0)
+                tq = tl.min(tl.where(xn == tn[None, :], tt[:, None], 1 << 30), axis=0)
+                dn = tn < lo
+                lo = tl.where(dn, tn, lo)
+                lop = tl.where(dn, tq, lop)
+            if STATS:
+                xd = tl.where(ok, x, 0.0).to(tl.float64)
+                s1 += tl.sum(xd, axis=0)
+                s2 += tl.sum(xd * xd, axis=0)
+                r = (x.to(tl.int32, bitcast=True) >> 23) + 256  # sign and exponent: 0..511
+                k = tl.where(ok, tl.load(lut_ptr + r, mask=ok, other=0), 2 * NBH)  # padding: no counter
+                one = tl.full((TT, BW), 1, tl.uint32) << ((k & 1) * 16).to(tl.uint32)
+                hit = (k >> 1)[:, None, :] == q[None, :, None]  # (TT, NBH, BW)
+                acc += tl.sum(tl.where(hit, one[:, None, :], 0), axis=0).to(tl.uint32)
+        rm = cm & (b < B)
+        if POS:
+            tl.store(hi_ptr + b.to(tl.int64) * W + cols, hi, mask=rm)
+            tl.store(hip_ptr + b.to(tl.int64) * W + cols, hip, mask=rm)
+        if NEG:
+            tl.store(lo_ptr + b.to(tl.int64) * W + cols, -lo, mask=rm)
+            tl.store(lop_ptr + b.to(tl.int64) * W + cols, lop, mask=rm)
+    if STATS:
+        wide_lo += (acc & 0xFFFF).to(tl.int32)
+        wide_hi += (acc >> 16).to(tl.int32)
+        cell = q[:, None] * 2 * W + cols[None, :]
+        tl.atomic_add(hist_ptr + cell, wide_lo, mask=((2 * q)[:, None] < NB) & cm[None, :])
+        tl.atomic_add(hist_ptr + cell + W, wide_hi, mask=((2 * q + 1)[:, None] < NB) & cm[None, :])
+        tl.store(s1_ptr + pr * W + cols, s1, mask=cm)
+        tl.store(s2_ptr + pr * W + cols, s2, mask=cm)
+
+
+@triton.jit
+def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr, h_ptr, p_ptr, c_ptr,
+                 B, W, SIGN: tl.constexpr, K: tl.constexpr, SIDE: tl.constexpr, NPOS: tl.constexpr,
+                 BW: tl.constexpr):
+    """Each key's row bests, row by row: the running max, the position buckets and the k
+    smallest-hash samples of each side bin (sorted slots; an entering sample shifts the larger
+    ones up). One program owns its keys, so no two writers meet."""
+    cols = tl.program_id(0) * BW + tl.arange(0, BW)
+    cm = cols < W
+    best = tl.load(mx_ptr + cols, mask=cm, other=float("-inf"))
+    salt = tl.load(salt_ptr + cols, mask=cm, other=0)
+    qs = tl.arange(0, NPOS)
+    ph = tl.zeros((NPOS, BW), dtype=tl.int32)
+    for b in range(0, B):
+        row = tl.cast(b, tl.int64) * W
+        v = tl.load(score_ptr + row + cols, mask=cm, other=float("-inf"))
+        p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
+        best = tl.where(v > best, v, best)
+        # bucket 1 + floor(log2 p) from the float's exponent (0 for p = 0), capped: as the portable path
+        bk = (p.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+        bk = tl.minimum(tl.maximum(bk, 0), NPOS - 1)
+        ph += (qs[:, None] == bk[None, :]).to(tl.int32)
+        if K > 0:
+            j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=cm, other=-1)
+            ok = cm & (j >= 0)
+            h = sample_hash(tl.load(sid_ptr + b), salt)
+            slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
+            last = tl.load(h_ptr + slot + (K - 1), mask=ok, other=0)
+            placed = ~(ok & (h < last))
+            for i in tl.static_range(K - 1, 0, -1):
+                prev = tl.load(h_ptr + slot + (i - 1), mask=~placed, other=0)
+                shift = ~placed & (prev > h)
+                tl.store(h_ptr + slot + i, prev, mask=shift)
+                tl.store(p_ptr + slot + i, tl.load(p_ptr + slot + (i - 1), mask=shift), mask=shift)
+                tl.store(c_ptr + slot + i, tl.load(c_ptr + slot + (i - 1), mask=shift), mask=shift)
+                put = ~placed & ~shift
+                tl.store(h_ptr + slot + i, h.to(tl.int32), mask=put)
+                tl.store(p_ptr + slot + i, p.to(p_ptr.dtype.element_ty), mask=put)
+                tl.store(c_ptr + slot + i, v * SIGN, mask=put)
+                placed = placed | put
+            tl.store(h_ptr + slot, h.to(tl.int32), mask=~placed)
+            tl.store(p_ptr + slot, p.to(p_ptr.dtype.element_ty), mask=~placed)
+            tl.store(c_ptr + slot, v * SIGN, mask=~placed)
+    tl.store(mx_ptr + cols, best, mask=cm)
+    cell = cols[None, :].to(tl.int64) * NPOS + qs[:, None]
+    tl.store(ph_ptr + cell, tl.load(ph_ptr + cell, mask=cm[None, :], other=0) + ph, mask=cm[None, :])

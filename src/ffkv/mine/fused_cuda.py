@@ -1,0 +1,127 @@
+"""The trackers' work on a batch in two Triton kernels on CUDA (issue 24).
+
+The portable path reads a group's captures (0.5G float32 values for SmolLM2 at a 32k-token budget)
+some eight times: the row maxima and their first positions (an amax, a compare, a weighted amax,
+per sign), the square for the sum of squares, two masked products and the histogram's scatter.
+On a GPU each read is a full pass over 2 GB, and the statistics cost as much as the forward.
+
+- `capture`: one read of the captures gives each row's max and min with their first positions
+  (what the top-k and the statistics take, `LayerCapture.best`), the histogram (integer counts,
+  equal to the portable path's) and per-block float64 sums of m and m².
+- `offer`: each row's best offered to the running max, the position buckets and the quantile
+  samples, key by key: the same state as the portable path, with no host sync (that path's
+  `nonzero` waits for the device once per sign and update).
+
+Off unless `FFKV_TRITON=1` until a GPU has measured it against the portable path
+(`benchmarks/gpu_session.sh` runs both). A kernel that fails to compile turns the path off for
+the process with one warning, and the portable path runs instead.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import torch
+
+BW = 64  # keys per program of the capture kernel
+ROWS = 8  # rows per program
+TT = 4  # positions per tile
+NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
+OFFER_BW = 128  # keys per program of the offer kernel
+FIELD = 65535  # a row longer than this would overflow a 16-bit field
+
+_broken: str | None = None
+_luts: dict = {}
+
+
+def available(device) -> bool:
+    """This path runs here: asked for (FFKV_TRITON=1), Triton present, a CUDA device (or Triton's
+    interpreter), and no kernel has failed. Triton is imported only then: on a CPU its import
+    alone slowed mining."""
+    if os.environ.get("FFKV_TRITON", "0") != "1" or _broken is not None:
+        return False
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def bin_lut(device) -> torch.Tensor:
+    """`ffkv.mine.stats._raw_luts`'s bin table as int32 on `device`, made once per device."""
+    key = str(device)
+    if key not in _luts:
+        from ffkv.mine import stats
+
+        _luts[key] = stats._raw_luts()[0].to(torch.int32).to(device)
+    return _luts[key]
+
+
+def _guard(fn):
+    """Run a launch; on a compile or launch error turn this path off (one warning) and say so."""
+    global _broken
+    try:
+        fn()
+        return True
+    except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
+        _broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        warnings.warn(f"ffkv: the fused CUDA kernels failed ({_broken}); using the portable path", stacklevel=3)
+        return False
+
+
+def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, stats: bool, nb: int | None = None):
+    """Read right-padded m (B, T, W) (any float dtype) once.
+
+    Returns ({sign: (score (B, W) float32 = best sign·m, pos (B, W) int32 its first position)},
+    hist (nb, W) int32 or None, s1, s2 (W,) float64 or None); None when the kernel cannot run
+    (then nothing was written). lengths (B,) int32 on m's device; lut (512,) int32: raw
+    sign/exponent index -> bin, of nb bins (default `stats.NB`)."""
+    if nb is None:
+        from ffkv.mine.stats import NB as nb
+    B, T, W = m.shape
+    if nb > 2 * NBH or T > FIELD:
+        return None
+    if m.stride(-1) != 1:
+        m = m.contiguous()
+    dev = m.device
+    hi = torch.empty((B, W), dtype=torch.float32, device=dev) if 1 in signs else None
+    hip = torch.empty((B, W), dtype=torch.int32, device=dev) if 1 in signs else None
+    lo = torch.empty((B, W), dtype=torch.float32, device=dev) if -1 in signs else None
+    lop = torch.empty((B, W), dtype=torch.int32, device=dev) if -1 in signs else None
+    nrb = -(-B // ROWS)
+    hist = torch.zeros((nb, W), dtype=torch.int32, device=dev) if stats else None
+    s1 = torch.empty((nrb, W), dtype=torch.float64, device=dev) if stats else None
+    s2 = torch.empty((nrb, W), dtype=torch.float64, device=dev) if stats else None
+    if B and W:
+        from ffkv.mine._fused_kernel import capture_kernel
+
+        grid = (-(-W // BW), nrb)
+        dummy = lengths
+        if not _guard(lambda: capture_kernel[grid](
+                m, lengths, lut, hist if stats else dummy, s1 if stats else dummy, s2 if stats else dummy,
+                hi if hi is not None else dummy, hip if hip is not None else dummy,
+                lo if lo is not None else dummy, lop if lop is not None else dummy,
+                B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBH=NBH, NB=nb,
+                STATS=bool(stats), POS=hi is not None, NEG=lo is not None, num_warps=4)):
+            return None
+    best = {}
+    if hi is not None:
+        best[1] = (hi, hip)
+    if lo is not None:
+        best[-1] = (lo, lop)
+    if not stats:
+        return best, None, None, None
+    return best, hist, s1.sum(0), s2.sum(0)
+
+
+def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -> bool:
+    """`ffkv.mine.stats_cpu.offer`'s contract on CUDA; False when the kernel cannot run."""
+    B, W = score.shape
+    if not (B and W):
+        return True
+    from ffkv.mine import stats
+    from ffkv.mine._fused_kernel import offer_kernel
+
+    score, pos = score.contiguous(), pos.contiguous()
+    return _guard(lambda: offer_kernel[(-(-W // OFFER_BW),)](
+        score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
+        SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, num_warps=4))

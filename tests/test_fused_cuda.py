@@ -1,0 +1,174 @@
+"""The fused CUDA kernels (`ffkv.mine.fused_cuda`) give what the portable path gives.
+
+Run through Triton's interpreter on the CPU (in a subprocess: TRITON_INTERPRET is read when the
+kernels are defined): the histogram against a brute force of `stats.bin_of`, the row bests against
+`topk.row_best`, and whole mining states (top-k and statistics, both signs, k = 0, 1, 3) against
+the portable path's, fed the same captures. Counts, maxima, positions and samples are equal bit
+for bit; the sums agree to float32 rounding (the kernel sums in float64).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+PATCH = textwrap.dedent('''
+    import triton.runtime.interpreter as ti
+    _orig = ti._LangPatchScope.set_attr
+    def _set_attr(self, obj, name, value):  # NumPy >= 2.4 refuses int() of a 1-element array
+        if name == "__index__":
+            value = lambda t: int(t.handle.data.reshape(-1)[0])
+        return _orig(self, obj, name, value)
+    ti._LangPatchScope.set_attr = _set_attr
+''')
+
+SCRIPT = PATCH + textwrap.dedent('''
+    import os, sys, numpy as np, torch
+    from ffkv.mine import fused_cuda, stats
+    from ffkv.mine.topk import TopKState, row_best
+    from ffkv.mine.trackers import Batch, LayerCapture, MineState
+    assert fused_cuda.available("cpu")
+    lut = fused_cuda.bin_lut("cpu")
+    for seed, (B, T, n) in enumerate([(11, 9, 300), (3, 1, 129), (17, 6, 64), (9, 13, 66)]):
+        g = torch.Generator().manual_seed(seed)
+        m = torch.randn(B, T, n, generator=g) * torch.exp(torch.randn(B, T, n, generator=g) * 4)
+        m[0, 0, :5] = 0.0
+        m[-1, 0, :5] = -0.0
+        m[0, 0, 5:7] = torch.tensor([1e-40, -1e-40])            # subnormals: the zero bin
+        m[-1, 0, 5:9] = torch.tensor([float("inf"), 2.0 ** 12, -2.0 ** 10, 2.0 ** -10])
+        m[1, :, 9] = 1.5                                          # ties: the first position wins
+        m[1, 2:, 10] = -7.0
+        lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+        mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+        m = m.masked_fill(~mask[..., None], 3.0)                   # padding must not count
+        ref = np.zeros((stats.NB, n), np.int64)
+        for b in range(B):
+            for t in range(lengths[b]):
+                np.add.at(ref, (stats.bin_of(m[b, t].numpy()).astype(np.int64), np.arange(n)), 1)
+        best, hist, s1, s2 = fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1, -1), True)
+        assert np.array_equal(hist.numpy(), ref), (seed, np.argwhere(hist.numpy() != ref)[:5])
+        valid = m.double() * mask[..., None]
+        assert torch.allclose(s1, valid.sum((0, 1)), rtol=1e-12, atol=0)
+        assert torch.allclose(s2, (valid ** 2).sum((0, 1)), rtol=1e-12, atol=0)
+        for s in (1, -1):
+            sc, ps = row_best(m, mask, s)
+            assert torch.equal(best[s][0], sc) and torch.equal(best[s][1], ps), (seed, s)
+        # the kernel reads any float dtype (bf16 subnormals aside: the interpreter flushes them)
+        half = torch.where(m.abs() < 2.0 ** -126, 0.0, m).to(torch.bfloat16)
+        bh = fused_cuda.capture(half, torch.tensor(lengths, dtype=torch.int32), lut, (1,), False)[0]
+        assert torch.equal(bh[1][0], row_best(half.float(), mask, 1)[0])
+        for k, dtype in ((0, torch.float32), (1, torch.float32), (3, torch.float32), (3, torch.bfloat16)):
+            layers = (0, 1) if n % 2 == 0 else (0,)                # two layers side by side, or one
+            got = {}
+            src = m if dtype == torch.float32 else half            # bf16 captures: read as they come
+            for flag in ("0", "1"):
+                os.environ["FFKV_TRITON"] = flag
+                w = n // len(layers)
+                st = MineState({"topk": TopKState(list(layers), None, w, 4, negative=True, group=len(layers)),
+                                "stats": stats.KeyStats(list(layers), None, w, signs=(1, -1), samples=k,
+                                                        group=len(layers))}, list(layers), None)
+                for rep in (0, 1, 3):                              # three batches: samples move
+                    sids = [rep * 100 + i for i in range(B)]
+                    batch = Batch.from_lengths(lengths, sids, mask)
+                    mm = src * (1 + rep)                           # exact: a power of two apart
+                    for i, l in enumerate(layers):
+                        st.update(l, mm[..., i * w:(i + 1) * w], batch)
+                got[flag] = {a: np.array(v) for a, v in st.arrays().items()}
+            assert got["0"].keys() == got["1"].keys()
+            for a in got["0"]:
+                x, y = got["0"][a], got["1"][a]
+                if "limbs" in a:                                   # the sums: float32 rounding apart
+                    x = np.stack([stats.from_limbs(x[0]), stats.from_limbs(x[1])])
+                    y = np.stack([stats.from_limbs(y[0]), stats.from_limbs(y[1])])
+                    l = int(a.rsplit("_", 1)[1])
+                    v = (src.double() * mask[..., None])[..., l * w:(l + 1) * w].abs()
+                    scale = np.stack([7 * v.sum((0, 1)).numpy(), 21 * (v ** 2).sum((0, 1)).numpy()])  # x1, x2, x4
+                    fin = np.isfinite(scale)                       # a column with inf: no sum to compare
+                    bad = np.abs(x - y)[fin] > 1e-6 * scale[fin]
+                    assert not bad.any(), (seed, k, a, x[fin][bad][:3], y[fin][bad][:3], scale[fin][bad][:3])
+                else:
+                    assert np.array_equal(x, y, equal_nan=True), (seed, k, a, np.argwhere(x != y)[:5])
+    assert fused_cuda._broken is None
+    print("ok")
+''')
+
+
+def _run(script, **env):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FFKV_TRITON": "1", "FFKV_NUMBA": "0", **env}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_kernels_equal_the_portable_path():
+    p = _run(SCRIPT)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_a_failing_kernel_falls_back_with_one_warning():
+    """A kernel that does not compile (here: a Triton too old for it, simulated by a launch that
+    raises) turns the path off with one warning; the state equals the portable path's."""
+    script = PATCH + textwrap.dedent('''
+        import warnings, numpy as np, torch
+        from ffkv.mine import _fused_kernel, fused_cuda, stats
+        from ffkv.mine.trackers import feed
+        class Broken:
+            def __getitem__(self, grid):
+                raise RuntimeError("no such instruction")
+        _fused_kernel.capture_kernel = _fused_kernel.offer_kernel = Broken()
+        m = torch.randn(4, 5, 32)
+        mask = torch.ones(4, 5, dtype=torch.bool)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a = stats.KeyStats([0], None, 32, samples=2)
+            feed(a, 0, m, mask, [0, 1, 2, 3])
+            feed(a, 0, m, mask, [4, 5, 6, 7])
+        assert sum("fused CUDA kernels failed" in str(x.message) for x in w) == 1, [str(x.message) for x in w]
+        assert not fused_cuda.available("cpu")
+        b = stats.KeyStats([0], None, 32, samples=2)
+        feed(b, 0, m, mask, [0, 1, 2, 3])
+        feed(b, 0, m, mask, [4, 5, 6, 7])
+        for k, v in a.arrays().items():
+            assert np.array_equal(v, b.arrays()[k], equal_nan=True), k
+        print("ok")
+    ''')
+    p = _run(script)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_off_switch_and_cpu(monkeypatch):
+    from ffkv.mine import fused_cuda
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("FFKV_TRITON", "1")
+    assert not fused_cuda.available("cpu")  # the CPU keeps its own path
+    assert fused_cuda.available("cuda")
+    monkeypatch.delenv("FFKV_TRITON")
+    assert not fused_cuda.available("cuda")  # off unless asked for
+
+
+def test_triton_is_not_imported_by_mining():
+    """On a CPU install that happens to have Triton, mining must not import it (its import alone
+    slowed mining measurably here); it loads only with FFKV_TRITON=1 on CUDA."""
+    code = "import sys, ffkv.mine.runner, ffkv.mine.stats, ffkv.mine.engine; print('triton' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "False", p.stdout + p.stderr[-2000:]
+
+
+def test_mine_end_to_end_equals_the_portable_path(tmp_path, tiny_dirs):
+    """`ffkv mine` with the fused kernels (in Triton's interpreter) writes the tables the portable
+    path writes, within the resume check's tolerances (the sums round differently)."""
+    from conftest import WT2
+    from test_mine import _assert_same_mine
+
+    outs = {}
+    for flag in ("0", "1"):
+        outs[flag] = tmp_path / f"run{flag}"
+        args = ["mine", "--out", str(outs[flag]), "--model", str(tiny_dirs["llama"]), "--corpus",
+                str(WT2 / "wiki.valid.tokens"), "--max-sentences", "40", "--top-k", "4", "--negative"]
+        p = _run(PATCH + f"import sys; from ffkv.cli import main; sys.exit(main({args!r}))", FFKV_TRITON=flag,
+                 HF_HUB_OFFLINE="1")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "fused CUDA kernels failed" not in p.stderr
+    _assert_same_mine(outs["1"], outs["0"])
