@@ -143,9 +143,10 @@ def stream(ids: list[list[int]], n: int, limit: int) -> list[list[int]]:
     return outl
 
 
-def tracker_ops(mm, toks, batch_idx, settings) -> float:
-    """Aten ops per layer and batch of the trackers (`ffkv.mine.trackers.tracker_ops_per_layer`)
-    on one real batch's captures of the first group of layers, after one untimed update."""
+def tracker_ops(mm, toks, batch_idx, settings, fused: bool = False) -> float:
+    """Aten ops (and, fused, Triton launches) per layer and batch of the trackers
+    (`ffkv.mine.trackers.tracker_ops_per_layer`) on one real batch's captures of the first group
+    of layers, after one untimed update."""
     from dataclasses import replace
 
     from ffkv.mine.engine import group_for, new_state
@@ -162,11 +163,13 @@ def tracker_ops(mm, toks, batch_idx, settings) -> float:
     state = new_state(mm, settings)
     # the portable path, which a GPU runs: on a CPU the statistics' numba kernels count no aten op
     old, os.environ["FFKV_NUMBA"] = os.environ.get("FFKV_NUMBA"), "0"
+    flag, os.environ["FFKV_TRITON"] = os.environ.get("FFKV_TRITON", "0"), "1" if fused else "0"
     try:
         tracker_ops_per_layer(state, ms, Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs))), mask))
         b2 = Batch.from_lengths([len(s) for s in seqs], list(range(len(seqs), 2 * len(seqs))), mask)
         return tracker_ops_per_layer(state, [-m for m in ms], b2)
     finally:
+        os.environ["FFKV_TRITON"] = flag
         if old is None:
             os.environ.pop("FFKV_NUMBA")
         else:
@@ -210,14 +213,18 @@ def main(a) -> dict:
         f"padding {lay['padding_share']:.1%}")
     ops_bare = tracker_ops(mm, toks, batches[0], bare_s)
     ops_full = tracker_ops(mm, toks, batches[0], full_s)
-    out(f"tracker aten ops per layer and batch (torch.profiler, leaf ops; {group_for(mm, full_s)} layers per "
-        f"update): {ops_bare:.1f} top-k only, {ops_full:.1f} with key statistics (goal <= 20)")
     from ffkv.mine import fused_cuda
 
     flag = os.environ.get("FFKV_TRITON", "0")
     os.environ["FFKV_TRITON"] = "1"
     fused = fused_cuda.available(device)  # the fused kernels' arms too, on the same batches
     os.environ["FFKV_TRITON"] = flag
+    line = (f"tracker aten ops per layer and batch (torch.profiler, leaf ops; {group_for(mm, full_s)} layers per "
+            f"update): {ops_bare:.1f} top-k only, {ops_full:.1f} with key statistics (goal <= 20)")
+    if fused:
+        fb, ff = (tracker_ops(mm, toks, batches[0], x, fused=True) for x in (bare_s, full_s))
+        line += f"; fused kernels (a launch counts one): {fb:.1f} top-k only, {ff:.1f} with key statistics"
+    out(line)
     arms = ["plain", "bare", "stats"] + (["bare_fused", "stats_fused"] if fused else [])
     states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms[1:]}
     sids = list(range(len(toks)))

@@ -1,14 +1,15 @@
-"""Where the key statistics' time goes on a GPU, and the Triton histogram against torch's (issue 24).
+"""Where the trackers' time goes on a GPU, the fused kernels against the portable path (issue 24).
 
     PYTHONPATH=src python3 benchmarks/bench_stats_gpu.py --corpus .dev/wt2_train_ids.parquet
 
 On one real batch of a random-weight SmolLM2-135M-shaped model (`bench_gpu.build_shape`), sized as
 `ffkv mine` sizes it: the captures of one tracker update (a group of layers), then
-  1. the histogram of that update by both paths (`ffkv.mine.hist_cuda` and the index_add_ path of
-     `ffkv.mine.stats`): equal counts, or the script says which differ;
-  2. one KeyStats update, top-k update and histogram alone, each path, median of 5 (CUDA events);
-  3. a torch.profiler table of one whole mining batch with statistics: the kernels by device time.
-Without CUDA it runs on the CPU (the Triton path then only under TRITON_INTERPRET=1).
+  1. one KeyStats update and one top-k update by each path (`FFKV_TRITON=0`: torch;
+     `FFKV_TRITON=1`: `ffkv.mine.fused_cuda`), median of 5 (CUDA events); the states must be
+     equal (counts, maxima, positions, samples), or the script says which arrays differ;
+  2. the fused capture kernel alone (bf16 and float32 captures) and the offer kernel alone;
+  3. a torch.profiler table of one whole mining batch with statistics and the fused kernels.
+Without CUDA it runs on the CPU (the fused path then only under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def main(a) -> None:
     from bench_gpu import build_shape, corpus_ids, stream
 
     from ffkv.corpus.batching import pack
-    from ffkv.mine import hist_cuda, stats
+    from ffkv.mine import stats
     from ffkv.mine.engine import MineSettings, group_for, mine_batches, new_state
     from ffkv.mine.runner import resolve_batch_tokens
     from ffkv.mine.trackers import Batch, LayerCapture
@@ -75,41 +76,58 @@ def main(a) -> None:
     cap = LayerCapture(tuple(layers), m, batch)
     out(f"bench_stats_gpu: {a.shape}, batch of {len(seqs)} rows x {mask.shape[1]} positions ({batch.tokens:,} tokens, "
         f"budget {bt}); one update: {G} layers x {mm.d_m} keys = {m.shape[-1]:,} keys, {m.numel() / 1e9:.2f}G values; "
-        f"Triton {'present' if importlib.util.find_spec('triton') and cuda else 'unavailable'}")
+        f"Triton {'present' if importlib.util.find_spec('triton') else 'absent'}, CUDA {cuda}")
 
     def fresh():
         return stats.KeyStats(layers, None, mm.d_m, samples=5, device=mm.device, group=G)
 
+    from ffkv.mine import fused_cuda
+    from ffkv.mine.topk import TopKState
+
     res = {}
-    for name, flag in (("torch", "0"), ("triton", "1")):
+    for name, flag in (("torch", "0"), ("fused", "1")):
         os.environ["FFKV_TRITON"] = flag
-        if name == "triton" and not hist_cuda.available(dev):
+        if name == "fused" and not fused_cuda.available(dev):
+            out("  fused : skipped (no Triton, or no CUDA device)")
             continue
         try:
+            def once():
+                c = LayerCapture(tuple(layers), m, batch, (1,), True)  # what a mining update hands over
+                ks.update(batch, c)
+                return c
             ks = fresh()
-            ks.update(batch, cap)
-            res[name] = ks.hist[tuple(layers)].clone()
-            t_upd = timed(lambda: ks.update(batch, cap))  # the same state again: no allocation timed
+            once()
+            res[name] = {k: v.copy() for k, v in ks.arrays().items()}
+            t_upd = timed(once)
+            t_top = timed(lambda: TopKState(layers, None, mm.d_m, 50, device=mm.device, group=G).update(
+                batch, LayerCapture(tuple(layers), m, batch, (1,), False)))
         except Exception as e:  # noqa: BLE001  (say what broke, go on with the other figures)
             out(f"  {name:6s}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             continue
-        out(f"  {name:6s}: one KeyStats update {t_upd * 1e3:8.2f} ms")
-    if "triton" in res:
-        same = torch.equal(res["torch"], res["triton"])
-        out(f"  histograms equal (torch index_add_ vs Triton): {same}"
-            + ("" if same else f"; {int((res['torch'] != res['triton']).sum())} cells differ"))
-        lut = stats._raw_luts()[0].to(mm.device).to(torch.int32)
-        lens = batch.lengths_on(mm.device)
-        t_k = timed(lambda: hist_cuda.key_hist(m, lens, lut, stats.NB))
-        out(f"  Triton histogram alone {t_k * 1e3:.2f} ms ({m.numel() * 4 / t_k / 1e9:,.0f} GB/s of float32 read)")
-    os.environ["FFKV_TRITON"] = "1"
-    from ffkv.mine.topk import TopKState
+        out(f"  {name:6s}: one KeyStats update {t_upd * 1e3:8.2f} ms (with the row bests it reads); one top-k "
+            f"update {t_top * 1e3:8.2f} ms" + (f"; BROKEN: {fused_cuda._broken}" if fused_cuda._broken else ""))
+    if "fused" in res:
+        import numpy as np
 
-    def topk_once():
-        TopKState(layers, None, mm.d_m, 50, device=mm.device, group=G).update(batch, LayerCapture(tuple(layers), m, batch))
-    out(f"  top-k update alone {timed(topk_once) * 1e3:.2f} ms")
+        differ = [k for k in res["torch"] if "limbs" not in k
+                  and not np.array_equal(res["torch"][k], res["fused"][k], equal_nan=True)]
+        out(f"  states equal (counts, maxima, positions, samples; sums round apart): {not differ}"
+            + (f"; differ: {differ[:8]}" if differ else ""))
+        lens, lut = batch.lengths_on(mm.device), fused_cuda.bin_lut(mm.device)
+        for label, x in (("float32", m), ("bf16", m.to(torch.bfloat16))):
+            t_k = timed(lambda: fused_cuda.capture(x, lens, lut, (1,), True))
+            out(f"  fused capture kernel alone, {label} captures: {t_k * 1e3:.2f} ms "
+                f"({x.numel() * x.element_size() / t_k / 1e9:,.0f} GB/s read)")
+        ks = fresh()
+        score, pos = LayerCapture(tuple(layers), m, batch).best(1)
+        g = tuple(layers)
+        t_o = timed(lambda: fused_cuda.offer(score, pos, batch.sids, ks._salt[g], ks._side32, ks.max[(1, g)],
+                                             ks.pos[(1, g)], ks.sh[(1, g)], ks.sp[(1, g)], ks.sc[(1, g)], 1, ks.k))
+        out(f"  fused offer kernel alone: {t_o * 1e3:.2f} ms")
+    os.environ["FFKV_TRITON"] = "0"
     sums = timed(lambda: (batch.weights() @ m.reshape(-1, m.shape[-1]), batch.weights() @ (m.reshape(-1, m.shape[-1]) ** 2)))
     out(f"  sums (two masked products) {sums * 1e3:.2f} ms; float32 cast of the group {timed(lambda: m.to(torch.bfloat16).float()) * 1e3:.2f} ms")
+    os.environ["FFKV_TRITON"] = "1"
     with torch.no_grad():
         t_fwd = timed(lambda: mm.hf(input_ids=tid, attention_mask=mask, use_cache=False))
     out(f"  plain forward of the batch {t_fwd * 1e3:.2f} ms")
@@ -129,7 +147,7 @@ def main(a) -> None:
             table = ka.table(sort_by=key, row_limit=18, max_name_column_width=60)
         except Exception:  # noqa: BLE001  (older torch: the CUDA names)
             table = ka.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
-        out("profile of one mining batch with statistics (Triton on), by self device time:\n" + table)
+        out("profile of one mining batch with statistics (fused kernels on), by self device time:\n" + table)
 
 
 if __name__ == "__main__":

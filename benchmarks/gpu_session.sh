@@ -3,10 +3,12 @@
 # spaCy, Ray, DuckDB or FastAPI), from the checkout with PYTHONPATH=src:
 #   here:  .venv/bin/python benchmarks/gpu_fixture.py prepare .dev     (~8 MB: ids + tokenizer)
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
-# In order of priority, each part under its own time limit: bench_gpu.py on the SmolLM2-135M
-# shape, `ffkv mine` end to end over 20M tokens, bench_gpu.py on the 8B and 1B Llama shapes,
-# bench_stats_gpu.py (where a mining batch's time goes), then `ffkv explain` and `ffkv reproduce`
-# on CUDA. QUICK=1 DEV=cpu shrinks every size (a CPU dry run).
+# Sized for a lent machine's 15 minutes, start-up included: about 8 minutes, in order of priority,
+# each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
+# path: equal states, kernel times, a profile), bench_gpu.py on the SmolLM2-135M shape (every arm,
+# fused included), `ffkv mine` end to end over 20M tokens with the fused kernels, then bench_gpu.py
+# on the 1B and 8B Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
+# QUICK=1 DEV=cpu shrinks every size (a CPU dry run).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -16,21 +18,23 @@ W=${W:-/tmp/gpu_work}; rm -rf "$W"; mkdir -p "$W"
 DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 MINE=100000 LAYERS=2 T=200; else
-  S1=3000000 S8=200000 S1B=1000000 MINE=20000000 LAYERS=30 T=1; fi
+  S1=2000000 S8=100000 S1B=500000 MINE=20000000 LAYERS=30 T=1; fi
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
   echo "=== rc=$rc in $(echo "$(date +%s.%N) - $t0" | bc 2>/dev/null || $PY -c "import time;print(round(time.time()-$t0,1))") s"; }
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
-part 110 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4,8 --host-tokens 1000000
-part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
-part 170 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
-part 110 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000
-part 80 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
 part 75 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
+part 100 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000
+part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
+part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
+part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
+part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000
+if [ "${EXTRA:-0}" = 1 ]; then
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
 part 150 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV
+fi
 } 2>&1 | grep --line-buffered -v "profiler_st" | tee "$OUT/gpu_session.log"
 cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null; cp "$W/rep/manifest.json" "$OUT/rep_manifest.json" 2>/dev/null
 true

@@ -48,7 +48,7 @@ SCRIPT = PATCH + textwrap.dedent('''
         for b in range(B):
             for t in range(lengths[b]):
                 np.add.at(ref, (stats.bin_of(m[b, t].numpy()).astype(np.int64), np.arange(n)), 1)
-        best, hist, s1, s2 = fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1, -1), True)
+        best, hist, (s1, s2) = fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1, -1), True)
         assert np.array_equal(hist.numpy(), ref), (seed, np.argwhere(hist.numpy() != ref)[:5])
         valid = m.double() * mask[..., None]
         assert torch.allclose(s1, valid.sum((0, 1)), rtol=1e-12, atol=0)
@@ -172,3 +172,42 @@ def test_mine_end_to_end_equals_the_portable_path(tmp_path, tiny_dirs):
         assert p.returncode == 0, p.stderr[-3000:]
         assert "fused CUDA kernels failed" not in p.stderr
     _assert_same_mine(outs["1"], outs["0"])
+
+
+def test_fused_ops_per_update():
+    """The CPU proxy of launches (`trackers.count_ops`, a Triton launch counted once) on the fused
+    path: a constant per update, about 22 plus 18 a sign (most of those the top-k merge's),
+    whatever the batch's shape; the portable path's row bests take ops per run of equal length
+    (149 and 262 here). Layers grouped two or more to an update with one sign stay under issue
+    24's 20 per layer and batch. One capture launch a group, one offer per sign."""
+    script = PATCH + textwrap.dedent('''
+        import os, torch
+        from ffkv.mine import fused_cuda
+        from ffkv.mine.stats import KeyStats
+        from ffkv.mine.topk import TopKState
+        from ffkv.mine.trackers import Batch, MineState, count_ops
+        for flag in ("0", "1"):
+            os.environ["FFKV_TRITON"] = flag
+            for G, signs in ((1, (1,)), (2, (1, -1))):
+                n, B, T = 96, 16, 12
+                layers = list(range(G))
+                st = MineState({"topk": TopKState(layers, None, n, 8, negative=len(signs) > 1, group=G),
+                                "stats": KeyStats(layers, None, n, signs=signs, group=G)}, layers, None)
+                lengths = [12] * 5 + [9] * 4 + [7] * 4 + [3] * 3   # four runs of equal length
+                mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+                for rep in range(2):
+                    ms = [torch.randn(B, T, n) for _ in layers]
+                    batch = Batch.from_lengths(lengths, list(range(rep * B, (rep + 1) * B)), mask)
+                    before = fused_cuda.launches
+                    ops = count_ops(lambda: [st.update(l, m, batch) for l, m in zip(layers, ms)])
+                launched = fused_cuda.launches - before
+                print(flag, G, len(signs), ops, launched)
+                if flag == "1":
+                    assert launched == 1 + len(signs), launched
+                    assert ops <= 24 + 18 * len(signs), (G, signs, ops)  # measured: 40 and 59
+                else:
+                    assert launched == 0
+        print("ok")
+    ''')
+    p = _run(script)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]

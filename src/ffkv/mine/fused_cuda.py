@@ -33,6 +33,8 @@ FIELD = 65535  # a row longer than this would overflow a 16-bit field
 
 _broken: str | None = None
 _luts: dict = {}
+launches = 0  # kernel launches so far
+KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, whatever runs inside
 
 
 def available(device) -> bool:
@@ -58,9 +60,11 @@ def bin_lut(device) -> torch.Tensor:
 
 def _guard(fn):
     """Run a launch; on a compile or launch error turn this path off (one warning) and say so."""
-    global _broken
+    global _broken, launches
     try:
-        fn()
+        with torch.profiler.record_function(KERNEL):  # one op in `trackers.count_ops`
+            fn()
+        launches += 1
         return True
     except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
         _broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -72,7 +76,7 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     """Read right-padded m (B, T, W) (any float dtype) once.
 
     Returns ({sign: (score (B, W) float32 = best sign·m, pos (B, W) int32 its first position)},
-    hist (nb, W) int32 or None, s1, s2 (W,) float64 or None); None when the kernel cannot run
+    hist (nb, W) int32 or None, the sums of m and m² (2, W) float64 or None); None when the kernel cannot run
     (then nothing was written). lengths (B,) int32 on m's device; lut (512,) int32: raw
     sign/exponent index -> bin, of nb bins (default `stats.NB`)."""
     if nb is None:
@@ -89,15 +93,14 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     lop = torch.empty((B, W), dtype=torch.int32, device=dev) if -1 in signs else None
     nrb = -(-B // ROWS)
     hist = torch.zeros((nb, W), dtype=torch.int32, device=dev) if stats else None
-    s1 = torch.empty((nrb, W), dtype=torch.float64, device=dev) if stats else None
-    s2 = torch.empty((nrb, W), dtype=torch.float64, device=dev) if stats else None
+    sums = torch.empty((2, nrb, W), dtype=torch.float64, device=dev) if stats else None
     if B and W:
         from ffkv.mine._fused_kernel import capture_kernel
 
         grid = (-(-W // BW), nrb)
         dummy = lengths
         if not _guard(lambda: capture_kernel[grid](
-                m, lengths, lut, hist if stats else dummy, s1 if stats else dummy, s2 if stats else dummy,
+                m, lengths, lut, hist if stats else dummy, sums if stats else dummy, sums[1] if stats else dummy,
                 hi if hi is not None else dummy, hip if hip is not None else dummy,
                 lo if lo is not None else dummy, lop if lop is not None else dummy,
                 B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBH=NBH, NB=nb,
@@ -109,8 +112,8 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     if lo is not None:
         best[-1] = (lo, lop)
     if not stats:
-        return best, None, None, None
-    return best, hist, s1.sum(0), s2.sum(0)
+        return best, None, None
+    return best, hist, sums.sum(1)
 
 
 def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -> bool:

@@ -172,7 +172,7 @@ def sample_sid(h, salt):
 
 # ---- exact sums -----------------------------------------------------------------------------------
 def to_limbs(x: torch.Tensor) -> torch.Tensor:
-    """float64 (n,) -> exact int64 limbs (3, n): x = Σ limb_i · LIMB_SCALES[i] (to 2^-56).
+    """float64 (...) -> exact int64 limbs (3, ...): x = Σ limb_i · LIMB_SCALES[i] (to 2^-56).
 
     Limbs add as integers, so sums carried in them do not depend on the order of additions. Each
     addition grows a limb by < 2^41: 2^22 batches fit."""
@@ -318,15 +318,15 @@ class KeyStats:
         cpu = stats_cpu.available(self.device)
         fused = None if cpu else cap.hist_sums()
         if cpu:  # one compiled pass on a CPU
-            s1, s2 = stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g])
+            sums = torch.stack(stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g]))
         elif fused is not None:  # counted in the fused CUDA read of the captures
             self.hist[g] += fused[0]
-            s1, s2 = fused[1], fused[2]
+            sums = fused[1]
         else:
             self._hist(g, cap, batch)
-            s1, s2 = self._sums(cap, batch)
+            sums = torch.stack(self._sums(cap, batch))
         poffs = self._offsets(n)[1]
-        self.limbs[g] += torch.stack([to_limbs(s1), to_limbs(s2)])
+        self.limbs[g] += to_limbs(sums).transpose(0, 1)  # (2, 3, n): both sums in one pass
         for s in self.signs:
             score, pos = cap.best(s)
             args = (score, pos, batch.sids, self._salt[g], self._side32, self.max[(s, g)],

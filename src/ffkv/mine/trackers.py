@@ -161,7 +161,7 @@ class LayerCapture:
         return self._best[sign]
 
     def hist_sums(self):
-        """(hist (NB, n) int32, sums of m and m² (n,) float64) from the fused kernel, or None
+        """(hist (NB, n) int32, sums of m and m² (2, n) float64) from the fused kernel, or None
         (the tracker computes them itself)."""
         r = self._read()
         return r if r and r[0] is not None else None
@@ -290,12 +290,24 @@ _NO_KERNEL = frozenset(f"aten::{n}" for n in (
 
 def count_ops(fn) -> int:
     """Aten ops that do work (leaf ops of torch.profiler's CPU trace, views and allocations left
-    out) while `fn()` runs: the CPU proxy of a GPU's kernel launches (issue 24)."""
+    out) while `fn()` runs, and the fused path's Triton launches, one each whatever they run
+    inside (in Triton's CPU interpreter, host copies): the CPU proxy of a GPU's kernel launches
+    (issue 24)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as p:
         fn()
-    ev = [e for e in p.events() if e.name.startswith("aten::")]
+    evs = list(p.events())
+    launches = sum(1 for e in evs if e.name == fused_cuda.KERNEL)
+    ev = []
+    for e in evs:
+        if not e.name.startswith("aten::"):
+            continue
+        par = e.cpu_parent
+        while par is not None and par.name != fused_cuda.KERNEL:
+            par = par.cpu_parent
+        if par is None:  # not inside a launch
+            ev.append(e)
     parents = set()
     for e in ev:
         par = e.cpu_parent
@@ -303,7 +315,7 @@ def count_ops(fn) -> int:
             par = par.cpu_parent
         if par is not None:
             parents.add(par.id)
-    return sum(1 for e in ev if e.id not in parents and e.name not in _NO_KERNEL)
+    return launches + sum(1 for e in ev if e.id not in parents and e.name not in _NO_KERNEL)
 
 
 def tracker_ops_per_layer(state: MineState, ms: list, batch: Batch) -> float:
