@@ -70,6 +70,29 @@ def test_auto_budget_on_fake_numbers():
     assert a == int(0.5 * 1e10 // (2 * (6 * 4096 + 3 * 14336) + 32 * 14336)) // 256 * 256
 
 
+def test_step_budgets_on_fake_numbers():
+    """compose, mutate and normalize size their batches as mining does (issue 24, item 5): their own
+    CPU defaults on a CPU, a budget from free memory on CUDA, the row cap growing with it."""
+    from ffkv.corpus.batching import step_batch, step_token_bytes
+
+    smol = dict(d=576, d_m=1536, n_layers=30, elem_bytes=2)
+    assert step_batch("cpu", "auto", 2048, 128) == (2048, 128)
+    assert step_batch("cpu", "auto", 1024, 256, 10 ** 12, **smol) == (1024, 256)  # a CPU gains nothing
+    assert step_batch("cpu", 300, 2048, 128) == (300, 128)
+    assert step_batch("cuda", "auto", 2048, 256, None, **smol) == (2048, 256)  # free memory unknown
+    # by hand: one layer's working set plus a residual and coefficients of every layer, bf16
+    per = 2 * (6 * 576 + 3 * 1536) + 2 * 31 * (576 + 1536)
+    assert step_token_bytes(576, 1536, 30, 2) == per == 147_072
+    want = int(0.5 * 2e9 // per) // 256 * 256
+    assert step_batch("cuda", "auto", 1024, 256, 2 * 10 ** 9, **smol) == (want, want // 8)
+    assert step_batch("cuda", "auto", 2048, 128, 10 ** 13, **smol) == (32768, 4096)  # capped
+    assert step_batch("cuda", "auto", 2048, 128, 10 ** 6, **smol) == (2048, 256)  # never below the CPU's
+    assert step_batch("cuda", 8192, 2048, 128, 10 ** 10, **smol) == (8192, 1024)  # a number is kept
+    # compose's vocabulary projection (3 rows of V float32 per example) bounds the rows
+    t, r = step_batch("cuda", "auto", 2048, 128, 10 ** 10, row_bytes=3 * 4 * 128_256, **smol)
+    assert t == 32768 and r == int(0.1 * 10 ** 10) // (3 * 4 * 128_256) == 649
+
+
 def test_dtype_auto_by_device(monkeypatch):
     from ffkv.defs import canonical_dtype
     from ffkv.errors import FfkvError
@@ -148,6 +171,10 @@ def test_bad_batch_tokens_is_one_line(tmp_path):
     res = run_cli("mine", "--out", tmp_path / "r", "--batch-tokens", "lots", "--max-sentences", 5)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "--batch-tokens" in res.stderr
+    for cmd, bad in (("compose", "0"), ("mutate", "8"), ("normalize", "auto-ish"), ("mutate", "1e3")):
+        res = run_cli(cmd, tmp_path / "r", "--batch-tokens", bad)
+        assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, (cmd, res.stderr)
+        assert "--batch-tokens must be auto or a whole number" in res.stderr, (cmd, res.stderr)
 
 
 # Leaf aten ops per layer and batch of the trackers fed one layer per update (issue 24: ~42 top-k only, ~147 with key

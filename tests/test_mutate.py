@@ -282,6 +282,7 @@ def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
     assert {k: v for k, v in out.info.items() if k in res.stats and k != "seconds"} == \
         {k: v for k, v in res.stats.items() if k != "seconds"}
     assert run.read_table("mutations").equals(res.mutations)
+    assert (out.info["rescore"]["batch_tokens"], out.info["rescore"]["max_rows"]) == (256, 256)  # as given; CPU rows
 
     def no_model(*a, **k):
         raise AssertionError("the model was opened")

@@ -115,3 +115,55 @@ def auto_batch_tokens(device: str, free_bytes: int | None = None, *, d: int = 0,
     room = MEM_SHARE * max(0, int(free_bytes) - int(state_bytes))
     n = int(room // token_bytes(d, d_m, elem_bytes, keys, group)) // 256 * 256
     return max(MIN_AUTO, min(MAX_AUTO, n))
+
+
+# ---- the steps after mining: compose, mutate, normalize -----------------------------------------
+def step_token_bytes(d: int, d_m: int, n_layers: int, elem_bytes: int) -> int:
+    """Device memory one token of a batch takes in a step after mining: one layer's working set,
+    as `token_bytes` counts it, plus a residual and a coefficient vector of every layer held (the
+    most any of these steps keeps of a token; a step that keeps less gets headroom)."""
+    return elem_bytes * (6 * d + 3 * d_m) + elem_bytes * (n_layers + 1) * (d + d_m)
+
+
+def step_batch(device: str, value, cpu_tokens: int, cpu_rows: int, free_bytes: int | None = None, *,
+               d: int = 0, d_m: int = 0, n_layers: int = 0, elem_bytes: int = 4,
+               row_bytes: int = 0) -> tuple[int, int]:
+    """(token budget, row cap) of a step's forward batches for its --batch-tokens `value`.
+
+    On a CPU: `value`, or the step's own `cpu_tokens` for auto, and its `cpu_rows` (bigger
+    batches gain a CPU nothing). On CUDA, auto is MEM_SHARE × free_bytes / `step_token_bytes`,
+    rounded down to a multiple of 256 within [cpu_tokens, MAX_AUTO]; the row cap then grows
+    with the budget (budget / 8: short prefixes), bounded so that rows × `row_bytes` (a step's
+    per-row buffers, such as a vocabulary projection) take at most a tenth of the free memory.
+    Pure: tests give it fake numbers."""
+    cuda = str(device).startswith("cuda") and bool(free_bytes)
+    tokens = cpu_tokens if value == "auto" else int(value)
+    if not cuda:
+        return tokens, cpu_rows
+    if value == "auto":
+        room = MEM_SHARE * int(free_bytes)
+        n = int(room // max(1, step_token_bytes(d, d_m, n_layers, elem_bytes))) // 256 * 256
+        tokens = max(cpu_tokens, min(MAX_AUTO, n))
+    rows = max(cpu_rows, tokens // 8)
+    if row_bytes:
+        rows = max(cpu_rows, min(rows, int(0.1 * free_bytes) // row_bytes))
+    return tokens, rows
+
+
+def device_memory(mm) -> tuple[str, int | None, int]:
+    """(device, free bytes on it or None off CUDA, bytes per element of the model's dtype)."""
+    dev = str(getattr(mm, "device", "cpu"))
+    free = None
+    if dev.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(mm.device)
+    dtype = getattr(mm, "dtype", None)
+    return dev, free, (dtype.itemsize if dtype is not None else 4)
+
+
+def resolve_step_batch(mm, value, cpu_tokens: int, cpu_rows: int, row_bytes: int = 0) -> tuple[int, int]:
+    """`step_batch` for this model on its device."""
+    dev, free, elem = device_memory(mm)
+    return step_batch(dev, value, cpu_tokens, cpu_rows, free, d=mm.d, d_m=mm.d_m, n_layers=mm.n_layers,
+                      elem_bytes=elem, row_bytes=row_bytes)

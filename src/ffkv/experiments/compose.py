@@ -559,6 +559,7 @@ def lens_effect(layers_tbl: pa.Table, res: dict, cats: dict) -> pa.Table:
 
 def compute(ctx) -> dict:
     """Sample the prefixes, one pass over them, write the tables; returns the manifest's info."""
+    from ffkv.corpus.batching import resolve_step_batch
     from ffkv.progress import progress
 
     run, s, mm = ctx.run, ctx.settings, ctx.model()
@@ -575,12 +576,14 @@ def compute(ctx) -> dict:
         t1 = time.time()
         vt = value_tops(run, mm, LENSES, bar=bar)
         t2 = time.time()
-        res = analyze(mm, ids, eps=s.eps, vtops=vt, batch_tokens=s.batch_tokens, bar=bar)
+        # r, y, o of a layer: 3 rows of the vocabulary projection per example
+        bt, rows = resolve_step_batch(mm, s.batch_tokens, 2048, 128, row_bytes=3 * 4 * mm.vocab_size)
+        res = analyze(mm, ids, eps=s.eps, vtops=vt, batch_tokens=bt, max_batch=rows, rows=3 * rows, bar=bar)
     t3 = time.time()
     tables = build_tables(mm, res, prefixes, s.eps, s.seed)
     for name, t in tables.items():
         run.write_table(name, t)
-    return {"prefixes": len(ids), "prefixes_requested": s.n_prefixes,
+    return {"prefixes": len(ids), "prefixes_requested": s.n_prefixes, "batch_tokens": bt, "max_rows": rows,
             "prefix_sentences": len(set(prefixes.column("sentence_id").to_pylist())), "tokens": res["tokens"],
             "seconds_prepare": round(t1 - t0, 2), "seconds_value_tops": round(t2 - t1, 2),
             "seconds_pass": round(t3 - t2, 2),

@@ -125,12 +125,16 @@ def _lcp(a: tuple, b: tuple) -> int:
 SLACK = 48
 
 
-def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int):
+MAX_ROWS = 256  # rows of a re-scoring batch on a CPU (`ffkv.corpus.batching.step_batch` on CUDA)
+
+
+def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int,
+             max_rows: int = MAX_ROWS):
     """Index batches of `members`: groups of equal deepest layer, tightly packed by length."""
     out = []
     for L in np.unique(deepest[members]):
         m = members[deepest[members] == L]
-        for b in pack(lengths[m], batch_tokens, max_batch=256, ratio=1.5, slack=SLACK):
+        for b in pack(lengths[m], batch_tokens, max_batch=max_rows, ratio=1.5, slack=SLACK):
             out.append(m[b])
     return out
 
@@ -281,7 +285,7 @@ def _check_requests(mm, seqs: list[tuple], layers, positions, dims):
 @torch.no_grad()
 def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 2048,
             bar=None, stats: RescoreStats | None = None, anchors=None, min_share: int = 2,
-            _check: bool = True) -> np.ndarray:
+            _check: bool = True, max_rows: int = MAX_ROWS) -> np.ndarray:
     """Coefficient m_dims[r] of layer layers[r] at position positions[r] of sequence seqs[r].
 
     Equal to a forward pass of each sequence alone (up to float rounding). Work is shared three
@@ -301,7 +305,7 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
     layers, positions, dims = _check_requests(mm, seqs, layers, positions, dims)
     sharing = anchors is not None and (not _check or sharing_ok(mm))
     planned = plan(seqs, layers, positions, anchors if sharing else None, min_share)
-    passes = _Passes(mm, planned, layers, positions, dims, out, st, bar, batch_tokens)
+    passes = _Passes(mm, planned, layers, positions, dims, out, st, bar, batch_tokens, max_rows)
     with fast_products():
         passes.run()
     st.seconds += time.perf_counter() - t0
@@ -313,9 +317,10 @@ class _Passes:
     for its leaves when it has any; every pass writes its requests' coefficients into `out`."""
 
     def __init__(self, mm, planned: tuple, layers: np.ndarray, positions: np.ndarray, dims: np.ndarray,
-                 out: np.ndarray, st: RescoreStats, bar, batch_tokens: int):
+                 out: np.ndarray, st: RescoreStats, bar, batch_tokens: int, max_rows: int = MAX_ROWS):
         self.mm, self.layers, self.positions, self.dims = mm, layers, positions, dims
         self.out, self.st, self.bar, self.batch_tokens = out, st, bar, batch_tokens
+        self.max_rows = max_rows
         self.max_pos = _context(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
@@ -336,7 +341,7 @@ class _Passes:
     def run(self) -> None:
         zero = np.zeros(len(self.run_seqs), dtype=np.int64)
         roots = np.nonzero(self.parent < 0)[0]
-        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens):
+        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows):
             self.root_batch(b, zero)
 
     def root_batch(self, b: np.ndarray, zero: np.ndarray) -> None:
@@ -353,7 +358,7 @@ class _Passes:
         cache = DynamicCache(config=mm.hf.config)
         self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens):
+        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows):
             self.leaf_batch(lb, cache, row_of_root, ids.device)
 
     def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
@@ -554,7 +559,7 @@ def select_triggers(run, sign: int, examples: int, keys_per_layer: int | None, s
 
 
 def _rescore_with_bar(mm, requests: tuple, batch_tokens: int, show_progress: bool | None,
-                      share_prefixes: bool) -> tuple[np.ndarray, RescoreStats]:
+                      share_prefixes: bool, max_rows: int = MAX_ROWS) -> tuple[np.ndarray, RescoreStats]:
     """`rescore` the requests of `build_variants` under a progress bar."""
     from ffkv.progress import progress
 
@@ -569,7 +574,7 @@ def _rescore_with_bar(mm, requests: tuple, batch_tokens: int, show_progress: boo
             pb.update(task, advance=n, tokens=pb.tasks[task].fields["tokens"] + tok)
 
         coef = rescore(mm, seqs, lays, poss, dims, batch_tokens=batch_tokens, bar=bar, stats=stats,
-                       anchors=anchors if share_prefixes else None)
+                       anchors=anchors if share_prefixes else None, max_rows=max_rows)
     return coef, stats
 
 
@@ -609,15 +614,20 @@ def max_rel_mismatch(table: pa.Table) -> float:
 
 def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
            examples: int = DEFAULT_EXAMPLES, sign: int = 1, seed: int = 0,
-           batch_tokens: int = 2048, layers=None, show_progress: bool | None = None,
+           batch_tokens: int | str = "auto", layers=None, show_progress: bool | None = None,
            write: bool = True, share_prefixes: bool = True) -> MutateResult:
-    """Run the experiment and (with `write`) store `mutations` and `mutations_layers`."""
+    """Run the experiment and (with `write`) store `mutations` and `mutations_layers`.
+    batch_tokens: a number, or auto (2048 on a CPU; on CUDA sized from free memory,
+    `ffkv.corpus.batching.step_batch`)."""
+    from ffkv.corpus.batching import resolve_step_batch
+
     check_settings(keys_per_layer, examples, sign)
+    batch_tokens, max_rows = resolve_step_batch(mm, batch_tokens, 2048, MAX_ROWS)
     t0 = time.perf_counter()
     t, chosen = select_triggers(run, sign, examples, keys_per_layer, seed, layers)
     sents = sentence_lookup(run, t["sentence_id"])
     requests, rows, skipped = build_variants(t, sents, leading_specials(mm.tok), seed)
-    coef, stats = _rescore_with_bar(mm, requests, batch_tokens, show_progress, share_prefixes)
+    coef, stats = _rescore_with_bar(mm, requests, batch_tokens, show_progress, share_prefixes, max_rows)
     table = mutations_table(t, rows, coef, sign)
     summary = summarize(table.column("layer").to_numpy().astype(np.int64),
                         np.asarray(rows["mutation"], dtype=object),
@@ -629,7 +639,7 @@ def mutate(run, mm, keys_per_layer: int | None = DEFAULT_KEYS_PER_LAYER,
         "examples_skipped": int(sum(skipped.values())),
         "variants": int(table.num_rows),
         "max_rel_mismatch_vs_mined_coef": max_rel_mismatch(table),
-        "rescore": stats.as_dict(),
+        "rescore": {**stats.as_dict(), "batch_tokens": batch_tokens, "max_rows": max_rows},
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if write:

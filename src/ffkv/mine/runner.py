@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from ffkv.corpus.batching import Layout, auto_batch_tokens, pack
+from ffkv.corpus.batching import Layout, auto_batch_tokens, device_memory, pack
 from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key,  # noqa: F401
                               load_checkpoint, mine_batches, new_state, save_checkpoint)
 from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
@@ -132,14 +132,7 @@ def resolve_batch_tokens(mm, s: MineSettings, ckpt=None) -> int:
         with np.load(ckpt, allow_pickle=False) as z:
             if bytes(z["__key"]).decode() == layout_key(s, prior):
                 return prior
-    dev = str(getattr(mm, "device", "cpu"))
-    free = None
-    if dev.startswith("cuda"):
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(mm.device)
-    dtype = getattr(mm, "dtype", None)
-    elem = dtype.itemsize if dtype is not None else 4
+    dev, free, elem = device_memory(mm)
     return auto_batch_tokens(dev, free, d=mm.d, d_m=mm.d_m, elem_bytes=elem,
                              keys=len(s.dims) if s.dims is not None else mm.d_m,
                              state_bytes=state_bytes(mm, s), group=group_for(mm, s))

@@ -100,3 +100,27 @@ def _plain(v):
 def a_sign(v):
     """A trigger list's sign: 1 (top positive) or -1 (most negative)."""
     return None if v in (1, -1) else f"must be + or - (1 or -1), not {v!r}"
+
+
+def budget(lo: int):
+    """(parse, check) of a --batch-tokens option: 'auto' or a whole number >= lo. auto sizes
+    batches from the device (`ffkv.corpus.batching`); a number changes speed and memory only."""
+    def parse(v):
+        if v == "auto":
+            return v
+        if isinstance(v, str):
+            try:
+                v = int(v)
+            except ValueError:
+                v = None
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise FfkvError(f"--batch-tokens must be auto or a whole number of at least {lo}, not {v!r}")
+        return v
+
+    def check(v):
+        try:
+            parse(v)
+        except FfkvError as e:
+            return str(e).split(" ", 1)[1]  # the field's check names the flag itself
+        return None
+    return parse, check

@@ -38,11 +38,15 @@ class Plan:
         return out + ([] if layer in self.layers else [Variant("softmax", layer, "all", mm.d_m)])
 
 
-def batches_of(seqs: list[list[int]], batch_tokens: int, start: int = 0, stop: int | None = None):
+MAX_ROWS = 256  # rows of a batch on a CPU (`ffkv.corpus.batching.step_batch` on CUDA)
+
+
+def batches_of(seqs: list[list[int]], batch_tokens: int, start: int = 0, stop: int | None = None,
+               max_rows: int = MAX_ROWS):
     """Length-packed batches (indices into seqs) of seqs[start:stop]."""
     stop = len(seqs) if stop is None else stop
     lengths = [len(s) for s in seqs[start:stop]]
-    return [b + start for b in pack(lengths, batch_tokens, 256, ratio=1.5)] if lengths else []
+    return [b + start for b in pack(lengths, batch_tokens, max_rows, ratio=1.5)] if lengths else []
 
 
 def _per_layer(layers, what):
@@ -119,12 +123,13 @@ def _run(mm, seqs, batches, layers, what, bar=None, task=None):
 
 
 @torch.no_grad()
-def fit(mm, seqs: list[list[int]], plan: Plan, batch_tokens: int, bar=None) -> dict[tuple, dict]:
+def fit(mm, seqs: list[list[int]], plan: Plan, batch_tokens: int, bar=None,
+        max_rows: int = MAX_ROWS) -> dict[tuple, dict]:
     """Variant key (kind, layer, selection, n) -> {"variant" (fitted), "fit_rel_err", "tau_rel"}.
 
     Pass 1 measures RMS |m| per layer (the unit of the τ grid) and fits the scaled ReLU's γ;
     pass 2 scores every τ of the grid for every softmax variant."""
-    batches = batches_of(seqs, batch_tokens)
+    batches = batches_of(seqs, batch_tokens, max_rows=max_rows)
     task = bar.add_task("normalize: fit", total=2 * len(batches)) if bar is not None else None
     relu: dict[int, Sums] = {}
     rms = _Rms(mm, relu)
@@ -208,15 +213,15 @@ def _jobs(mm, plan: Plan, sweep: bool) -> dict[int, list[Variant]]:
 
 @torch.no_grad()
 def evaluate(mm, seqs: list[list[int]], n_sweep: int, plan: Plan, fitted: dict, batch_tokens: int,
-             variance=None, bar=None) -> tuple[Accum, dict]:
+             variance=None, bar=None, max_rows: int = MAX_ROWS) -> tuple[Accum, dict]:
     """Per-sentence sums over the held-out split: ("nll", "intact"), ("nll",) + variant key,
     ("pred",) and ("tok",) token counts, ("m", layer, stat), ("w",) + key + (stat,); and the pooled
     output-error sums per main variant. Sentences [0, n_sweep) also get the capacity sweep and the
     variance on the model."""
     acc = Accum(len(seqs))
     ev = _Eval(mm, plan, fitted, acc, variance)
-    batches = [(b, True) for b in batches_of(seqs, batch_tokens, 0, n_sweep)]
-    batches += [(b, False) for b in batches_of(seqs, batch_tokens, n_sweep)]
+    batches = [(b, True) for b in batches_of(seqs, batch_tokens, 0, n_sweep, max_rows)]
+    batches += [(b, False) for b in batches_of(seqs, batch_tokens, n_sweep, None, max_rows)]
     units = sum(1 + sum(map(len, _jobs(mm, plan, sw).values())) for _, sw in batches)
     task = bar.add_task("normalize: substitute", total=units, tokens=0) if bar is not None else None
     done_tokens = 0

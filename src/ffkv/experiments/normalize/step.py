@@ -84,21 +84,23 @@ def split(mm, s: NormalizeSettings, warn=print) -> tuple[list, list, int, pa.Tab
 def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None = None) -> dict:
     """Run every measure; returns {"tables": {name: Table}, "info": {...}} (writes nothing)."""
     from ffkv.experiments.normalize import tables as T
-    from ffkv.experiments.normalize.passes import evaluate, fit
+    from ffkv.corpus.batching import resolve_step_batch
+    from ffkv.experiments.normalize.passes import MAX_ROWS, evaluate, fit
     from ffkv.experiments.normalize.variance import ModelVariance, synthetic
     from ffkv.progress import progress
 
     from ffkv.model.onednn import fast_products
 
     plan = plan_of(mm, s)
+    bt, rows = resolve_step_batch(mm, s.batch_tokens, 1024, MAX_ROWS)
     t0 = time.perf_counter()
     ev, fi, n_sweep, sent = split(mm, s, warn)
     with progress(None if show_progress is None else not show_progress) as bar, fast_products():
         t1 = time.perf_counter()
-        fitted = fit(mm, fi, plan, s.batch_tokens, bar)
+        fitted = fit(mm, fi, plan, bt, bar, rows)
         t2 = time.perf_counter()
         var = ModelVariance(mm, plan.layers, s.variance_repeats, s.seed, s.gamma)
-        acc, errs = evaluate(mm, ev, n_sweep, plan, fitted, s.batch_tokens, var, bar)
+        acc, errs = evaluate(mm, ev, n_sweep, plan, fitted, bt, var, bar, rows)
     t3 = time.perf_counter()
     out = {"normalize_sentences": sent, "normalize_layers": T.layers_table(mm, plan, fitted, acc, errs),
            "normalize_capacity": T.capacity_table(mm, plan, fitted, acc, n_sweep),
@@ -107,6 +109,7 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
     t4 = time.perf_counter()
     info = {"eval_tokens": sum(map(len, ev)), "eval_sentences": len(ev), "fit_tokens": sum(map(len, fi)),
             "fit_sentences": len(fi), "sweep_sentences": n_sweep, "layers": len(plan.layers),
+            "batch_tokens": bt, "max_rows": rows,
             "substitutions": 2 * len(plan.layers),
             "capacity_substitutions": sum(len(plan.capacity(mm, l)) for l in plan.capacity_layers),
             "capacity_layers": plan.capacity_layers, "capacity_n": plan.capacity_n + [mm.d_m],

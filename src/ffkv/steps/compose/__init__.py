@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
-from ffkv.steps.settings import a_seed, at_least, setting
+from ffkv.steps.settings import a_seed, at_least, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -21,6 +21,9 @@ TABLES = ("compose_sentences", "compose_prefixes", "value_tops", "compose_exampl
 
 def _lens(v):
     return None if v in LENSES else f"must be naive or norm (got {v!r})"
+
+
+_budget = budget(1)  # --batch-tokens: parse, check
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ class ComposeSettings:
     eps: float = setting(DEFAULT_EPS, "Also count a memory active when |m_i| > eps (SiLU/GELU are rarely exactly 0).",
                          check=at_least(0))
     max_sentences: int | None = setting(None, "Read at most this many sentences of the corpus.", check=at_least(1))
-    batch_tokens: int = setting(2048, "Token budget of one forward batch.", check=at_least(1), recorded=False)
+    batch_tokens: int | str = setting("auto", "Token budget of one forward batch: auto (2048 on a CPU; sized from "
+                                      "free memory on CUDA) or a number.", check=_budget[1], parse=_budget[0],
+                                      recorded=False)
     per_sentence: int = setting(1, "When the corpus has fewer usable sentences than --prefixes, take up to this many "
                                    "distinct positions of a sentence (a second one only after every sentence gave "
                                    "one). 1 (default): one per sentence, fewer prefixes.", check=at_least(1))

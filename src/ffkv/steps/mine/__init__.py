@@ -19,31 +19,12 @@ from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
 from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step
-from ffkv.steps.settings import a_seed, at_least, between, setting
+from ffkv.steps.settings import a_seed, at_least, between, budget, setting
 
 DEFAULT_CORPUS = "wikipedia:train"
 
 
-def check_batch_tokens(v) -> int | str:
-    """'auto' or a whole number >= 16 (a budget below one short sentence makes no sense)."""
-    if v == "auto":
-        return v
-    if isinstance(v, str):
-        try:
-            v = int(v)
-        except ValueError:
-            v = None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 16:
-        raise FfkvError(f"--batch-tokens must be auto or a whole number of at least 16, not {v!r}")
-    return v
-
-
-def _batch_tokens(v) -> str | None:
-    try:
-        check_batch_tokens(v)
-    except FfkvError as e:
-        return str(e).split(" ", 1)[1]  # the field's check names the flag itself
-    return None
+check_batch_tokens, _batch_tokens = budget(16)  # 'auto' or >= 16: below one short sentence is no budget
 
 
 def _layers(text: str) -> list[int] | None:

@@ -7,12 +7,15 @@ import json
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
-from ffkv.steps.settings import a_seed, a_sign, at_least, setting
+from ffkv.steps.settings import a_seed, a_sign, at_least, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
 DEFAULT_KEYS_PER_LAYER = 10  # the paper used 100 (a flag for GPU users: --keys-per-layer 100)
 DEFAULT_EXAMPLES = 50
+
+
+_budget = budget(16)  # --batch-tokens: parse, check
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,9 @@ class MutateSettings:
                         shown="+", check=a_sign)
     seed: int = setting(0, "Seed of the key sample and of the random mutation.", check=a_seed)
     layers: tuple[int, ...] | None = setting(None, "Only these layers (repeatable).", flag="--layer")
-    batch_tokens: int = setting(2048, "Padded tokens per re-scoring batch.", check=at_least(16), recorded=False)
+    batch_tokens: int | str = setting("auto", "Padded tokens per re-scoring batch: auto (2048 on a CPU; sized from "
+                                      "free memory on CUDA) or a number >= 16.", check=_budget[1], parse=_budget[0],
+                                      recorded=False)
     dtype: str = setting("auto", "The model's dtype (the command's --dtype).")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.errors import FfkvError
-from ffkv.steps.settings import a_seed, at_least, setting
+from ffkv.steps.settings import a_seed, at_least, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -45,6 +45,9 @@ def _each_at_least_1(v):
     return None if not v or min(v) >= 1 else f"every n must be at least 1 (got {min(v)})"
 
 
+_budget = budget(1)  # --batch-tokens: parse, check
+
+
 @dataclass(frozen=True)
 class NormalizeSettings:
     """`ffkv normalize`'s options. All but `batch_tokens` (speed only) are recorded."""
@@ -68,8 +71,9 @@ class NormalizeSettings:
     synthetic_draws: int = setting(2_000, "Samples per n of the synthetic variance check.", check=at_least(10))
     gamma: float = setting(1.0, "γ of the scaled ReLU in the variance measures.", check=_positive)
     seed: int = setting(0, "Seed of the document order and of the random slot draws.", check=a_seed)
-    batch_tokens: int = setting(1024, "Token budget of one forward batch (speed and memory only).",
-                                check=at_least(1), recorded=False)
+    batch_tokens: int | str = setting("auto", "Token budget of one forward batch (speed and memory only): auto "
+                                      "(1024 on a CPU; sized from free memory on CUDA) or a number.",
+                                      check=_budget[1], parse=_budget[0], recorded=False)
     dtype: str = setting("auto", "The model's dtype (the command's --dtype).")
 
 
