@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import WT2, kill_mine_when, run_cli, wikitext_sentences
+from conftest import WT2, kill_mine_when, mine_tiny, run_cli, wikitext_sentences
 from ffkv.mine.runner import MineSettings, mine, mine_batches, new_state, triggers_table
 from ffkv.store.run import Run
 
@@ -499,3 +499,26 @@ def test_next_tokens_batch_by_batch_equal_a_lookup(sents, rows, rnd):
     batches = [tbl.slice(a, rows) for a in range(0, len(tbl), rows)]
     tok, has = next_tokens(np.array([s for s, _ in req], np.int64), np.array([p for _, p in req], np.int32), batches)
     assert list(zip(tok.tolist(), has.tolist())) == want
+
+
+def test_ray_plan_is_the_chunked_plan_read_chunk_by_chunk(tmp_path, tiny_dirs):
+    """The --ray driver plans as the one-process pass does (packed within each chunk), reading
+    the table's lengths chunk by chunk; a shard's batches then span one stretch of rows (the
+    stretches of two shards share at most one chunk), so each reads its own part of the table."""
+    from ffkv.corpus.batching import pack
+    from ffkv.mine.distributed import shard_bounds
+    from ffkv.mine.runner import _ray_plan
+
+    out = mine_tiny(tmp_path / "r", tiny_dirs["llama"], 300, 2, "--no-stats")
+    lengths = pq.read_table(out / "sentences.parquet", columns=["n_tokens"]).column("n_tokens").to_numpy()
+    for chunk, bt in ((50, 128), (64, 400), (1024, 256)):
+        batches, plan = _ray_plan(Run(out), MineSettings(chunk_sentences=chunk), bt)
+        want = [b + a for a in range(0, len(lengths), chunk) for b in pack(lengths[a:a + chunk], bt)]
+        assert [x.tolist() for x in batches] == [x.tolist() for x in want]
+        assert plan.tokens == int(lengths.sum()) and plan.n == len(want)
+        spans = []
+        for a, b in shard_bounds(len(batches), 3):
+            rows = np.concatenate(batches[a:b])
+            spans.append((rows.min(), rows.max()))
+        for (_, hi), (lo, _) in zip(spans, spans[1:]):
+            assert hi - lo < chunk, (chunk, spans)

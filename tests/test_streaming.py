@@ -267,3 +267,24 @@ def test_pad_rows_equals_a_row_by_row_fill(rows, pad):
     want_mask = [[1] * len(r) + [0] * (T - len(r)) for r in rows]
     assert ids.tolist() == want_ids and mask.tolist() == want_mask
     assert ids.dtype == mask.dtype == torch.int64
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 300), chunk=st.integers(1, 120), group=st.integers(1, 90))
+def test_file_chunks_cut_any_file_into_exact_chunks(tmp_path, n, chunk, group):
+    """A whole `sentences` file read back chunk by chunk (a resumed pass; the Ray planner) gives
+    the chunks of the table in memory, whatever the file's row groups."""
+    from ffkv.corpus.stream import file_chunks
+
+    t = pa.table({"sentence_id": np.arange(n, dtype=np.int64),
+                  "token_ids": pa.array([list(range(i % 7)) for i in range(n)], pa.list_(pa.int32()))})
+    f = tmp_path / f"t{n}_{chunk}_{group}.parquet"
+    pq.write_table(t, f, row_group_size=group)
+    got = list(file_chunks(f, chunk))
+    assert [p.num_rows for p in got] == [min(chunk, n - a) for a in range(0, n, chunk)]
+    for a, p in zip(range(0, n, chunk), got):
+        assert p.equals(t.slice(a, chunk))
+    only = list(file_chunks(f, chunk, ["sentence_id"]))
+    assert all(p.column_names == ["sentence_id"] for p in only)
+    with pytest.raises(ValueError):
+        next(file_chunks(f, 0))

@@ -256,12 +256,37 @@ class SentenceStream:
                      [t for p in buf for t in p[2]], vals, offs)
 
 
-def table_chunks(table: pa.Table, chunk: int = CHUNK) -> Iterator[Chunk]:
-    """A written `sentences` table as the same chunks (a resumed pass whose table is whole)."""
+def file_chunks(path, chunk: int = CHUNK, columns=None) -> Iterator[pa.Table]:
+    """The rows of a Parquet file as tables of exactly `chunk` rows (the last one shorter), read
+    a record batch at a time: the file is never held whole."""
+    import pyarrow.parquet as pq
+
+    if chunk < 1:
+        raise ValueError("chunk must be at least 1")
+    with pq.ParquetFile(path) as f:
+        buf: list = []
+        held = 0
+        for rb in f.iter_batches(batch_size=min(chunk, 65536), columns=columns):
+            buf.append(rb)
+            held += rb.num_rows
+            while held >= chunk:
+                t = pa.Table.from_batches(buf)
+                yield t.slice(0, chunk)
+                rest = t.slice(chunk)
+                buf, held = rest.to_batches(), rest.num_rows
+        if held:
+            yield pa.Table.from_batches(buf)
+
+
+def table_chunks(table, chunk: int = CHUNK) -> Iterator[Chunk]:
+    """A written `sentences` table (a pyarrow Table, or its Parquet file, read chunk by chunk) as
+    the same chunks (a resumed pass whose table is whole)."""
     from ffkv.corpus.tokens import flat_lists
 
-    for index, start in enumerate(range(0, table.num_rows, chunk)):
-        part = table.slice(start, chunk)
+    parts = ((table.slice(start, chunk) for start in range(0, table.num_rows, chunk))
+             if isinstance(table, pa.Table) else
+             file_chunks(table, chunk, ["sentence_id", "doc_id", "text", "token_ids"]))
+    for index, part in enumerate(parts):
         vals, offs = flat_lists(part.column("token_ids"))
         yield Chunk(index, part.column("sentence_id").to_numpy(), part.column("doc_id").to_numpy(),
                     part.column("text").to_pylist(), np.asarray(vals, np.int32), np.asarray(offs, np.int64))

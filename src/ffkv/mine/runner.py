@@ -157,7 +157,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     elif ckpt.exists():
         state = new_state(mm, s)  # a checkpoint of other settings or trackers: maybe half loaded
     stream = None if whole else _stream(mm, s)
-    chunks = table_chunks(run.read_table("sentences"), s.chunk_sentences) if whole else iter(stream)
+    chunks = table_chunks(run.table_path("sentences"), s.chunk_sentences) if whole else iter(stream)
     plan = Layout(batch_tokens)
     mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
     _tune_malloc()
@@ -244,12 +244,10 @@ def compute(ctx) -> dict:
 
         if not whole:
             _write_sentences(run, mm, s)
-        lengths = np.asarray(run.read_table("sentences", columns=["n_tokens"]).column("n_tokens"))
-        batches = pack(lengths, bt)
+        batches, plan = _ray_plan(run, s, bt)
         _shards_of_this_plan(run, layout_key(s, bt))
         state, shards = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
-        mined_tokens = int(lengths.sum())
-        plan = Layout(bt).add(lengths, batches)
+        mined_tokens = plan.tokens
     else:
         state, mined_tokens, plan = _mine_local(run, mm, s, state, whole, checkpoint_every, ctx.show_progress,
                                                 ctx.log, bt)
@@ -274,6 +272,22 @@ def compute(ctx) -> dict:
     else:
         info["stats"] = None
     return info
+
+
+def _ray_plan(run, s: MineSettings, bt: int):
+    """The one-process pass's batch plan (packed within each chunk of `chunk_sentences` rows) as
+    row indices of the whole table, read chunk by chunk: a shard's batches then span one
+    stretch of rows, which it reads alone (`ffkv.mine.distributed.read_rows`)."""
+    from ffkv.corpus.stream import file_chunks
+
+    batches, plan, start = [], Layout(bt), 0
+    for part in file_chunks(run.table_path("sentences"), s.chunk_sentences, ["n_tokens"]):
+        lengths = part.column("n_tokens").to_numpy()
+        local = pack(lengths, bt)
+        batches += [b + start for b in local]
+        plan.add(lengths, local)
+        start += len(lengths)
+    return batches, plan
 
 
 def _shards_of_this_plan(run, lkey: str) -> None:
