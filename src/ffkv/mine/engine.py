@@ -17,8 +17,10 @@ from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-
 from ffkv.mine.trackers import Batch, MineState, group_size
 
 
-PACK_VERSION = 3  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24);
-# 3: packed within each chunk of the sentence stream (`ffkv.corpus.stream.CHUNK` rows)
+PACK_VERSION = 4  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24);
+# 3: packed within each chunk of the sentence stream (`ffkv.corpus.stream.CHUNK` rows); 4: the
+# --ray driver's plan too (before, one length sort over the whole table: a killed Ray run's shard
+# files of that plan must not pass for slices of this one)
 
 
 def layout_key(s: MineSettings, batch_tokens: int) -> str:
