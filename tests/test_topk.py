@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ffkv.mine.topk import TopKState, row_best
 from ffkv.mine.trackers import feed
@@ -71,3 +73,21 @@ def test_stream_equals_global_sort_with_ties():
             cands.sort()
             got = list(zip(lst.sid[i].tolist(), lst.pos[i].tolist(), (sign * lst.score[i]).tolist()))
             assert got == [(s, p, -sign * sc) for sc, s, p in cands[:t]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(width=32, allow_nan=False), st.integers(0, (1 << 31) - 1)), min_size=1,
+                max_size=40))
+def test_pack_key_orders_by_score_then_tie(pairs):
+    """`pack_key` (the one definition torch and the fused CUDA kernel share): keys ascend as
+    (−score, tie) does, −0.0 and 0.0 are one score, and each key gives its score back."""
+    from ffkv.mine.topk import _desc_key, _key_score
+
+    score = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    tie = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    key = _desc_key(score, tie)
+    want = sorted(range(len(pairs)), key=lambda i: (-(pairs[i][0] + 0.0), pairs[i][1]))
+    got = sorted(range(len(pairs)), key=lambda i: int(key[i]))
+    assert [(-(pairs[i][0] + 0.0), pairs[i][1]) for i in got] == [(-(pairs[i][0] + 0.0), pairs[i][1]) for i in want]
+    assert torch.equal(_key_score(key), score + 0.0) and bool((key >= 0).all())
+    assert torch.equal(key & ((1 << 31) - 1), tie)

@@ -4,7 +4,7 @@ import types
 import triton
 import triton.language as tl
 
-from ffkv.mine import stats
+from ffkv.mine import stats, topk
 
 
 def _same_code(fn, **bind):
@@ -16,6 +16,7 @@ def _same_code(fn, **bind):
 
 
 sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
+pack_key = triton.jit(types.FunctionType(topk.pack_key.__code__, {"tl": tl}, "pack_key"))
 
 
 @triton.jit
@@ -144,3 +145,37 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
     tl.store(mx_ptr + cols, best, mask=cm)
     cell = cols[None, :].to(tl.int64) * NPOS + qs[:, None]
     tl.store(ph_ptr + cell, tl.load(ph_ptr + cell, mask=cm[None, :], other=0) + ph, mask=cm[None, :])
+
+
+@triton.jit
+def topk_kernel(score_ptr, pos_ptr, sid_ptr, key_ptr, kpos_ptr, B, W, T: tl.constexpr, BW: tl.constexpr):
+    """Each key's top-T list (sorted keys, `ffkv.mine.topk.pack_key`) takes the rows' bests in
+    row order: a candidate below the list's last key is inserted, the larger ones shift up. The
+    same lists as the portable merge (keys are unique: one sentence once). Rows where no key of
+    the block enters cost one compare each, the common case once the lists have filled."""
+    cols = tl.program_id(0) * BW + tl.arange(0, BW)
+    cm = cols < W
+    base = cols.to(tl.int64) * T
+    worst = tl.load(key_ptr + base + (T - 1), mask=cm, other=0)  # masked lanes: nothing is below 0
+    for b in range(0, B):
+        row = tl.cast(b, tl.int64) * W
+        v = tl.load(score_ptr + row + cols, mask=cm, other=0.0)
+        p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
+        bits = (-v + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        cand = pack_key(bits, tl.load(sid_ptr + b))
+        enter = cm & (cand < worst)
+        if tl.sum(enter.to(tl.int32), axis=0) > 0:
+            placed = ~enter
+            for j in range(0, T - 1):
+                i = T - 1 - j
+                prev = tl.load(key_ptr + base + (i - 1), mask=~placed, other=0)
+                shift = ~placed & (prev > cand)
+                tl.store(key_ptr + base + i, prev, mask=shift)
+                tl.store(kpos_ptr + base + i, tl.load(kpos_ptr + base + (i - 1), mask=shift), mask=shift)
+                put = ~placed & ~shift
+                tl.store(key_ptr + base + i, cand, mask=put)
+                tl.store(kpos_ptr + base + i, p, mask=put)
+                placed = placed | put
+            tl.store(key_ptr + base, cand, mask=~placed)
+            tl.store(kpos_ptr + base, p, mask=~placed)
+            worst = tl.load(key_ptr + base + (T - 1), mask=cm, other=0)

@@ -1,4 +1,4 @@
-"""The trackers' work on a batch in two Triton kernels on CUDA (issue 24).
+"""The trackers' work on a batch in three Triton kernels on CUDA (issue 24).
 
 The portable path reads a group's captures (0.5G float32 values for SmolLM2 at a 32k-token budget)
 some eight times: the row maxima and their first positions (an amax, a compare, a weighted amax,
@@ -11,6 +11,11 @@ On a GPU each read is a full pass over 2 GB, and the statistics cost as much as 
 - `offer`: each row's best offered to the running max, the position buckets and the quantile
   samples, key by key: the same state as the portable path, with no host sync (that path's
   `nonzero` waits for the device once per sign and update).
+- `topk`: each row's best inserted into its key's sorted top-t list (`ffkv.mine.topk.pack_key`,
+  shared with the portable merge), again with no host sync.
+
+Per update: 3 launches with one sign (5 with two) and about a dozen small torch ops, 15 and 17
+ops in all (`tests/test_fused_cuda.py`), against 132 and 235 for the portable path.
 
 Off unless `FFKV_TRITON=1` until a GPU has measured it against the portable path
 (`benchmarks/gpu_session.sh` runs both). A kernel that fails to compile turns the path off for
@@ -128,3 +133,17 @@ def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -
     return _guard(lambda: offer_kernel[(-(-W // OFFER_BW),)](
         score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
         SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, num_warps=4))
+
+
+def topk(score, pos, sids, key, kpos) -> bool:
+    """Rows' bests (score (B, W) = sign·m float32, pos (B, W) int32, sids (B,) int64) into sorted
+    top-t lists in place (key (W, t) int64 ascending, kpos (W, t) int32); False when the kernel
+    cannot run (then nothing was written)."""
+    B, W = score.shape
+    if not (B and W):
+        return True
+    from ffkv.mine._fused_kernel import topk_kernel
+
+    score, pos = score.contiguous(), pos.contiguous()
+    return _guard(lambda: topk_kernel[(-(-W // OFFER_BW),)](score, pos, sids, key, kpos, B, W,
+                                                             T=key.shape[1], BW=OFFER_BW, num_warps=4))

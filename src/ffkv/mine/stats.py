@@ -176,10 +176,10 @@ def to_limbs(x: torch.Tensor) -> torch.Tensor:
 
     Limbs add as integers, so sums carried in them do not depend on the order of additions. Each
     addition grows a limb by < 2^41: 2^22 batches fit."""
-    q0 = torch.trunc(x / LIMB_SCALES[0])
-    r = x - q0 * LIMB_SCALES[0]  # exact: the bits of x below 2^24
-    q1 = torch.trunc(r / LIMB_SCALES[1])
-    r = r - q1 * LIMB_SCALES[1]  # exact, |r| < 2^-16
+    q0 = torch.div(x, LIMB_SCALES[0], rounding_mode="trunc")
+    r = torch.add(x, q0, alpha=-LIMB_SCALES[0])  # exact: the bits of x below 2^24
+    q1 = torch.div(r, LIMB_SCALES[1], rounding_mode="trunc")
+    r = torch.add(r, q1, alpha=-LIMB_SCALES[1])  # exact, |r| < 2^-16
     q2 = torch.round(r / LIMB_SCALES[2])
     return torch.stack([q0, q1, q2]).to(torch.int64)
 

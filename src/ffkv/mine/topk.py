@@ -9,16 +9,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ffkv.mine import fused_cuda
+
 SID_MAX = np.iinfo(np.int64).max
 POS_MAX = np.iinfo(np.int32).max
+
+
+def pack_key(bits, tie):
+    """The int64 key of a score from the float32 bits of −score + 0.0 (widened to int64), ties by
+    `tie` (0 <= tie < 2^31): smallest first = highest score. Operators only, so torch and the
+    fused CUDA kernel (`ffkv.mine._fused_kernel`) share this one definition."""
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) + (1 << 31)  # float order as integers, >= 0
+    return (ordered << 31) | tie
 
 
 def _desc_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
     """int64 key, smallest first = highest score, ties by `tie` (0 <= tie < 2^31)."""
     f = (-score).float() + 0.0  # +0.0 folds -0.0 into 0.0
-    bits = f.view(torch.int32)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long() + (1 << 31)
-    return (ordered << 31) | tie
+    return pack_key(f.view(torch.int32).long(), tie)
 
 
 def _key_score(key: torch.Tensor) -> torch.Tensor:
@@ -116,10 +124,18 @@ class LayerTopK:
     def update_rows(self, score: torch.Tensor, sids: torch.Tensor, pos: torch.Tensor) -> None:
         """One candidate per sentence and key: score and pos (B, n), sids (B,), all < 2^31
         (`ffkv.mine.trackers.Batch` checks them on the host)."""
+        if not self.per_prefix and fused_cuda.available(self._key.device):
+            self._sort()  # the kernel keeps the lists sorted, and needs them so, row-major
+            self._key, self._pos = self._key.contiguous(), self._pos.contiguous()
+            if fused_cuda.topk(score, pos.to(torch.int32), sids, self._key, self._pos):
+                self._worst = None  # the lists are sorted: their last column, when asked for
+                return
         key = _desc_key(score.T.contiguous(), sids.unsqueeze(0))  # (n, B): one row per list
         pos = pos.T.contiguous()
         # Only lists where some candidate beats the current t-th can change; when most can,
         # merging all of them is cheaper than selecting.
+        if self._worst is None:
+            self._worst = self._key[:, -1].clone()
         cols = (key < self._worst.unsqueeze(1)).any(1).nonzero().squeeze(1)
         if cols.numel() == 0:
             return

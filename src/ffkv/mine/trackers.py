@@ -285,7 +285,8 @@ def feed(tracker, layer: int, m: torch.Tensor, mask: torch.Tensor, sids) -> None
 _NO_KERNEL = frozenset(f"aten::{n}" for n in (
     "view", "slice", "select", "expand", "reshape", "as_strided", "unsqueeze", "squeeze", "t", "transpose",
     "permute", "alias", "detach", "_reshape_alias", "empty", "empty_strided", "resize_", "lift_fresh", "unbind",
-    "split", "chunk", "expand_as", "view_as", "contiguous", "flatten", "_unsafe_view"))
+    "split", "chunk", "expand_as", "view_as", "contiguous", "flatten", "_unsafe_view",
+    "to"))  # a `to` that converts counts its copy (a child op); a leaf `to` changed nothing
 
 
 def count_ops(fn) -> int:
