@@ -91,6 +91,9 @@ def test_step_budgets_on_fake_numbers():
     # compose's vocabulary projection (3 rows of V float32 per example) bounds the rows
     t, r = step_batch("cuda", "auto", 2048, 128, 10 ** 10, row_bytes=3 * 4 * 128_256, **smol)
     assert t == 32768 and r == int(0.1 * 10 ** 10) // (3 * 4 * 128_256) == 649
+    # mutate's and normalize's tight length ratio is for a CPU; CUDA packs by the budget alone
+    from ffkv.corpus.batching import tight_ratio
+    assert tight_ratio("cpu") == 1.5 and tight_ratio("cuda:0") is None and tight_ratio("cuda", 2.0) is None
 
 
 def test_dtype_auto_by_device(monkeypatch):

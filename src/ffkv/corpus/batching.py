@@ -150,6 +150,13 @@ def step_batch(device: str, value, cpu_tokens: int, cpu_rows: int, free_bytes: i
     return tokens, rows
 
 
+def tight_ratio(device, ratio: float = 1.5) -> float | None:
+    """`pack`'s length ratio for a step's batches on `device`: tight on a CPU, where a padded token
+    costs what a real one does; none on CUDA, where a pass's fixed cost (its launches) outweighs
+    padding, and length-sorted batches under a large budget pad little anyway."""
+    return None if str(device).startswith("cuda") else ratio
+
+
 def device_memory(mm) -> tuple[str, int | None, int]:
     """(device, free bytes on it or None off CUDA, bytes per element of the model's dtype)."""
     dev = str(getattr(mm, "device", "cpu"))

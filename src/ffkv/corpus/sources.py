@@ -291,8 +291,8 @@ class FileDocs(Sequence):
         if len(data) != b - a:
             raise _changed(self.path)
         text = data.decode("utf-8", errors="replace")
-        if self.kind == "jsonl":  # checked when indexed: an object whose field holds text
-            return json.loads(text)[self.field]
+        if self.kind == "jsonl":  # checked when indexed (and the file is unchanged): read by the same rule
+            return _json_doc(text, i + 1, self.path, self.field)
         return detokenize(text) if self.kind == "wikitext" else " ".join(text.split())
 
     def __del__(self):

@@ -64,7 +64,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ffkv.corpus.batching import pack
+from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.errors import FfkvError
 from ffkv.model.onednn import fast_products
 from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup
@@ -129,12 +129,13 @@ MAX_ROWS = 256  # rows of a re-scoring batch on a CPU (`ffkv.corpus.batching.ste
 
 
 def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int,
-             max_rows: int = MAX_ROWS):
-    """Index batches of `members`: groups of equal deepest layer, tightly packed by length."""
+             max_rows: int = MAX_ROWS, ratio: float | None = 1.5):
+    """Index batches of `members`: groups of equal deepest layer, packed by length (tightly on a
+    CPU: `ffkv.corpus.batching.tight_ratio`)."""
     out = []
     for L in np.unique(deepest[members]):
         m = members[deepest[members] == L]
-        for b in pack(lengths[m], batch_tokens, max_batch=max_rows, ratio=1.5, slack=SLACK):
+        for b in pack(lengths[m], batch_tokens, max_batch=max_rows, ratio=ratio, slack=SLACK):
             out.append(m[b])
     return out
 
@@ -321,6 +322,7 @@ class _Passes:
         self.mm, self.layers, self.positions, self.dims = mm, layers, positions, dims
         self.out, self.st, self.bar, self.batch_tokens = out, st, bar, batch_tokens
         self.max_rows = max_rows
+        self.ratio = tight_ratio(getattr(mm, "device", "cpu"))
         self.max_pos = _context(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
@@ -341,7 +343,7 @@ class _Passes:
     def run(self) -> None:
         zero = np.zeros(len(self.run_seqs), dtype=np.int64)
         roots = np.nonzero(self.parent < 0)[0]
-        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows):
+        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows, self.ratio):
             self.root_batch(b, zero)
 
     def root_batch(self, b: np.ndarray, zero: np.ndarray) -> None:
@@ -358,7 +360,7 @@ class _Passes:
         cache = DynamicCache(config=mm.hf.config)
         self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows):
+        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows, self.ratio):
             self.leaf_batch(lb, cache, row_of_root, ids.device)
 
     def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:

@@ -37,6 +37,7 @@ OFFER_BW = 128  # keys per program of the offer kernel
 FIELD = 65535  # a row longer than this would overflow a 16-bit field
 
 _broken: str | None = None
+_has_triton: bool | None = None
 _luts: dict = {}
 launches = 0  # kernel launches so far
 KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, whatever runs inside
@@ -50,7 +51,10 @@ def available(device) -> bool:
         return False
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return importlib.util.find_spec("triton") is not None
+    global _has_triton
+    if _has_triton is None:  # asked a few times per update: look once
+        _has_triton = importlib.util.find_spec("triton") is not None
+    return _has_triton
 
 
 def bin_lut(device) -> torch.Tensor:

@@ -60,6 +60,16 @@ def unit_of(groups) -> dict[int, tuple[tuple[int, ...], int]]:
     return {l: (g, i) for g in groups for i, l in enumerate(g)}
 
 
+def to_device(values, dtype, device) -> torch.Tensor:
+    """A small host array on `device`; on CUDA through pinned memory without blocking, so the host
+    does not wait for the device's queue (`ffkv.model.memories.pad_rows` copies the batch so)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t if dev.type == "cpu" else t.to(dev)
+
+
 @dataclass
 class Batch:
     """One batch as the host knows it, built once before its forward pass.
@@ -80,7 +90,7 @@ class Batch:
         """(B,) int32 row lengths on `device`, made once per batch (the CUDA histogram reads them)."""
         t = self.__dict__.get("_len")
         if t is None or t.device != torch.device(device):
-            t = self.__dict__["_len"] = torch.as_tensor(self.lengths, dtype=torch.int32).to(device)
+            t = self.__dict__["_len"] = to_device(self.lengths, torch.int32, device)
         return t
 
     def weights(self, dtype=torch.float32) -> torch.Tensor:
@@ -98,7 +108,7 @@ class Batch:
         if sids and (min(sids) < 0 or max(sids) >= SID_LIMIT):
             raise ValueError(f"sentence ids must lie in [0, 2^31 - 1), got {min(sids)}..{max(sids)}")
         B, T = mask.shape
-        return cls(mask=mask.bool(), sids=torch.as_tensor(sids, dtype=torch.long).to(mask.device),
+        return cls(mask=mask.bool(), sids=to_device(sids, torch.long, mask.device),
                    lengths=lengths, runs=length_runs(lengths, T), tokens=sum(lengths),
                    padded=sum(lengths) < B * T)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ffkv.corpus.batching import pack
+from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.experiments.normalize.tail import Targets, intact, tail_delta, token_nll
 from ffkv.experiments.normalize.variants import (TAU_GRID, Sums, Variant, best_tau, coefficients,
                                                  concentration, grid_sums, random_slots, relu_coefficients,
@@ -42,11 +42,12 @@ MAX_ROWS = 256  # rows of a batch on a CPU (`ffkv.corpus.batching.step_batch` on
 
 
 def batches_of(seqs: list[list[int]], batch_tokens: int, start: int = 0, stop: int | None = None,
-               max_rows: int = MAX_ROWS):
-    """Length-packed batches (indices into seqs) of seqs[start:stop]."""
+               max_rows: int = MAX_ROWS, ratio: float | None = 1.5):
+    """Length-packed batches (indices into seqs) of seqs[start:stop] (tight on a CPU:
+    `ffkv.corpus.batching.tight_ratio`)."""
     stop = len(seqs) if stop is None else stop
     lengths = [len(s) for s in seqs[start:stop]]
-    return [b + start for b in pack(lengths, batch_tokens, max_rows, ratio=1.5)] if lengths else []
+    return [b + start for b in pack(lengths, batch_tokens, max_rows, ratio=ratio)] if lengths else []
 
 
 def _per_layer(layers, what):
@@ -129,7 +130,7 @@ def fit(mm, seqs: list[list[int]], plan: Plan, batch_tokens: int, bar=None,
 
     Pass 1 measures RMS |m| per layer (the unit of the τ grid) and fits the scaled ReLU's γ;
     pass 2 scores every τ of the grid for every softmax variant."""
-    batches = batches_of(seqs, batch_tokens, max_rows=max_rows)
+    batches = batches_of(seqs, batch_tokens, max_rows=max_rows, ratio=tight_ratio(mm.device))
     task = bar.add_task("normalize: fit", total=2 * len(batches)) if bar is not None else None
     relu: dict[int, Sums] = {}
     rms = _Rms(mm, relu)
@@ -220,8 +221,9 @@ def evaluate(mm, seqs: list[list[int]], n_sweep: int, plan: Plan, fitted: dict, 
     variance on the model."""
     acc = Accum(len(seqs))
     ev = _Eval(mm, plan, fitted, acc, variance)
-    batches = [(b, True) for b in batches_of(seqs, batch_tokens, 0, n_sweep, max_rows)]
-    batches += [(b, False) for b in batches_of(seqs, batch_tokens, n_sweep, None, max_rows)]
+    ratio = tight_ratio(mm.device)
+    batches = [(b, True) for b in batches_of(seqs, batch_tokens, 0, n_sweep, max_rows, ratio)]
+    batches += [(b, False) for b in batches_of(seqs, batch_tokens, n_sweep, None, max_rows, ratio)]
     units = sum(1 + sum(map(len, _jobs(mm, plan, sw).values())) for _, sw in batches)
     task = bar.add_task("normalize: substitute", total=units, tokens=0) if bar is not None else None
     done_tokens = 0
