@@ -88,10 +88,34 @@ def batches(draw):
 def _fed(n, data, signs, k, on):
     st_ = S.KeyStats([0], None, n, signs=signs, samples=k)
     with numba(on):
-        for m, mask, sids in data:
+        for i, (m, mask, sids) in enumerate(data):
             b = Batch.from_mask(mask, sids)
-            st_.update(b, LayerCapture(0, m, b))
+            # as mining hands it over (every sign and the statistics asked for), or bare
+            st_.update(b, LayerCapture(0, m, b, signs, True) if i % 2 == 0 else LayerCapture(0, m, b))
     return st_
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_capture_reads_row_bests_histogram_and_sums_at_once(data):
+    """`stats_cpu.capture`'s row bests are `row_best`'s (values and first positions, any mask),
+    its histogram and sums `hist_sums`' own."""
+    from ffkv.mine.topk import row_best
+
+    n, bs = data
+    lut = S._raw_luts()[0].to(torch.int32)
+    for m, mask, _ in bs:
+        m = m.clone()
+        m[0, 0, :1] = -float("inf")  # a row whose best may be -inf keeps position 0
+        best, hist, sums = stats_cpu.capture(m, mask, lut, (1, -1), True)
+        for s in (1, -1):
+            want = row_best(m, mask, s)
+            assert torch.equal(best[s][0], want[0]) and torch.equal(best[s][1], want[1]), s
+        h = torch.zeros((S.NB, n), dtype=torch.long)
+        s1, s2 = stats_cpu.hist_sums(m, mask, lut, h)
+        assert torch.equal(hist, h) and torch.equal(sums[0], s1) and torch.equal(sums[1], s2)
+        only = stats_cpu.capture(m, mask, lut, (1,), False)
+        assert only[1] is None and set(only[0]) == {1} and torch.equal(only[0][1][1], best[1][1])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

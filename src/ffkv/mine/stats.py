@@ -316,12 +316,12 @@ class KeyStats:
             self.sentences += len(batch.lengths)
         n = cap.n
         cpu = stats_cpu.available(self.device)
-        fused = None if cpu else cap.hist_sums()
-        if cpu:  # one compiled pass on a CPU
-            sums = torch.stack(stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g]))
-        elif fused is not None:  # counted in the fused CUDA read of the captures
+        fused = cap.hist_sums()
+        if fused is not None:  # counted in the capture's compiled read (numba or Triton)
             self.hist[g] += fused[0]
             sums = fused[1]
+        elif cpu:  # a capture that was not asked for statistics: the same kernel
+            sums = torch.stack(stats_cpu.hist_sums(cap.m, batch.mask, self._lut32, self.hist[g]))
         else:
             self._hist(g, cap, batch)
             sums = torch.stack(self._sums(cap, batch))

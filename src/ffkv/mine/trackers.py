@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ffkv.mine import fused_cuda
+from ffkv.mine import fused_cuda, stats_cpu
 from ffkv.mine.topk import length_runs, mask_runs, row_best
 
 SID_LIMIT = (1 << 31) - 1  # sentence ids must be < 2^31 - 1 (top-k keys and sample hashes pack them)
@@ -132,8 +132,9 @@ class LayerCapture:
     axis), with what several trackers share: each row's best coefficient per key and sign
     (`best`, computed once) and the valid tokens as views (`blocks`).
 
-    `signs` and `stats` say what the trackers will ask for: where the fused CUDA kernel runs
-    (`ffkv.mine.fused_cuda`), one read of m answers all of it at the first question."""
+    `signs` and `stats` say what the trackers will ask for: where a compiled read runs (Triton on
+    CUDA, `ffkv.mine.fused_cuda`; numba on a CPU, `ffkv.mine.stats_cpu`), one read of m answers
+    all of it at the first question."""
 
     def __init__(self, layers, m: torch.Tensor, batch: Batch, signs=(1,), stats: bool = False):
         self.layers = tuple(layers) if isinstance(layers, (tuple, list)) else (int(layers),)
@@ -152,14 +153,18 @@ class LayerCapture:
         return self._m
 
     def _read(self):
+        """One compiled read of the captures, where one runs: Triton on CUDA, numba on a CPU."""
         if self._fused is None:
             self._fused = False
             dev = self.raw.device
+            r = None
             if self.batch.right_padded and fused_cuda.available(dev):
                 r = fused_cuda.capture(self.raw, self.batch.lengths_on(dev), fused_cuda.bin_lut(dev), *self._want)
-                if r is not None:
-                    self._best.update(r[0])
-                    self._fused = r[1:]
+            elif stats_cpu.available(dev):
+                r = stats_cpu.capture(self.m, self.batch.mask, fused_cuda.bin_lut(dev), *self._want)
+            if r is not None:
+                self._best.update(r[0])
+                self._fused = r[1:]
         return self._fused
 
     def best(self, sign: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +176,8 @@ class LayerCapture:
         return self._best[sign]
 
     def hist_sums(self):
-        """(hist (NB, n) int32, sums of m and m² (2, n) float64) from the fused kernel, or None
-        (the tracker computes them itself)."""
+        """(hist (NB, n), sums of m and m² (2, n) float64) from the compiled read, or None (the
+        tracker computes them itself)."""
         r = self._read()
         return r if r and r[0] is not None else None
 
