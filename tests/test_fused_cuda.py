@@ -50,6 +50,9 @@ SCRIPT = PATCH + textwrap.dedent('''
                 np.add.at(ref, (stats.bin_of(m[b, t].numpy()).astype(np.int64), np.arange(n)), 1)
         best, hist, (s1, s2) = fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1, -1), True)
         assert np.array_equal(hist.numpy(), ref), (seed, np.argwhere(hist.numpy() != ref)[:5])
+        fused_cuda.FLUSH = 7                                       # flush the packed counters row by row
+        assert np.array_equal(fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1,), True)[1], ref)
+        fused_cuda.FLUSH = fused_cuda.FIELD
         valid = m.double() * mask[..., None]
         assert torch.allclose(s1, valid.sum((0, 1)), rtol=1e-12, atol=0)
         assert torch.allclose(s2, (valid ** 2).sum((0, 1)), rtol=1e-12, atol=0)

@@ -23,7 +23,7 @@ pack_key = triton.jit(types.FunctionType(topk.pack_key.__code__, {"tl": tl}, "pa
 def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hip_ptr, lo_ptr, lop_ptr,
                    B, W, stride_b, stride_t,
                    ROWS: tl.constexpr, TT: tl.constexpr, BW: tl.constexpr, NBH: tl.constexpr, NB: tl.constexpr,
-                   STATS: tl.constexpr, POS: tl.constexpr, NEG: tl.constexpr):
+                   STATS: tl.constexpr, POS: tl.constexpr, NEG: tl.constexpr, FLUSH: tl.constexpr):
     """One read of a block of keys over ROWS rows: each row's max and min with their first
     positions, and (STATS) the bins and float64 sums of m and m².
 
@@ -38,12 +38,12 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
     wide_hi = tl.zeros((NBH, BW), dtype=tl.int32)
     s1 = tl.zeros((BW,), dtype=tl.float64)
     s2 = tl.zeros((BW,), dtype=tl.float64)
-    held = 0
+    held = pr * 0  # tokens counted since the last flush (an int32 tensor, as the loop carries it)
     for i in range(ROWS):
         b = pr * ROWS + i
         L = tl.load(len_ptr + b, mask=b < B, other=0)
         if STATS:
-            if held + L > 65535:
+            if held + L > FLUSH:  # a 16-bit field could overflow in this row: flush first
                 wide_lo += (acc & 0xFFFF).to(tl.int32)
                 wide_hi += (acc >> 16).to(tl.int32)
                 acc = tl.zeros((NBH, BW), dtype=tl.uint32)

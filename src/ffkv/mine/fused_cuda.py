@@ -35,6 +35,7 @@ TT = 4  # positions per tile
 NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
 FIELD = 65535  # a row longer than this would overflow a 16-bit field
+FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lower it)
 
 _broken: str | None = None
 _has_triton: bool | None = None
@@ -113,7 +114,7 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
                 hi if hi is not None else dummy, hip if hip is not None else dummy,
                 lo if lo is not None else dummy, lop if lop is not None else dummy,
                 B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBH=NBH, NB=nb,
-                STATS=bool(stats), POS=hi is not None, NEG=lo is not None, num_warps=4)):
+                STATS=bool(stats), POS=hi is not None, NEG=lo is not None, FLUSH=FLUSH, num_warps=4)):
             return None
     best = {}
     if hi is not None:
