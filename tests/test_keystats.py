@@ -329,3 +329,15 @@ def test_cli_stats_tables_show_and_old_runs(tmp_path, tiny_dirs):
     res = run_cli("mine", "--out", out2, *args, "--no-stats")
     assert res.returncode == 0 and "nothing to do" in res.stdout
     assert pq.read_table(out2 / "triggers.parquet").equals(pq.read_table(out / "triggers.parquet"))
+
+
+def test_position_buckets_one_rule():
+    """`stats.pos_bucket` (the compiled kernels' code) and the portable path's exponent-bit read
+    give the same bucket for every position up to and past the last bucket's start."""
+    from ffkv.mine import stats as S
+
+    p = torch.arange(0, 70000, dtype=torch.int32)
+    bits = (torch.bitwise_right_shift(p.float().view(torch.int32), 23) - 126).clamp(0, S.NPOS - 1)
+    assert torch.equal(S.pos_bucket(p.long()), bits.long())
+    want = [0 if x == 0 else min(S.NPOS - 1, x.bit_length()) for x in range(0, 70000, 997)]
+    assert [int(S.pos_bucket(x)) for x in range(0, 70000, 997)] == want

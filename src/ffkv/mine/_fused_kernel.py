@@ -11,11 +11,12 @@ def _same_code(fn, **bind):
     """`fn` jitted from its own code (as `ffkv.mine.stats_cpu._same_code` does for numba), its
     integer constants bound as constexpr: `stats.sample_hash` stays one definition."""
     g = dict(fn.__globals__)
-    g.update({k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31")}, tl=tl, **bind)
+    g.update({k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31", "NPOS")}, tl=tl, **bind)
     return triton.jit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
 
 
 sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
+pos_bucket = _same_code(stats.pos_bucket)
 pack_key = triton.jit(types.FunctionType(topk.pack_key.__code__, {"tl": tl}, "pack_key"))
 
 
@@ -117,10 +118,7 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
         v = tl.load(score_ptr + row + cols, mask=cm, other=float("-inf"))
         p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
         best = tl.where(v > best, v, best)
-        # bucket 1 + floor(log2 p) from the float's exponent (0 for p = 0), capped: as the portable path
-        bk = (p.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
-        bk = tl.minimum(tl.maximum(bk, 0), NPOS - 1)
-        ph += (qs[:, None] == bk[None, :]).to(tl.int32)
+        ph += (qs[:, None] == pos_bucket(p)[None, :]).to(tl.int32)
         if K > 0:
             j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=cm, other=-1)
             ok = cm & (j >= 0)

@@ -128,6 +128,17 @@ def _raw_luts() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(full, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
 
 
+def pos_bucket(p):
+    """The position bucket of p >= 0 (`layout`'s rule): 0 for p = 0, else 1 + floor(log2 p), the
+    last bucket also everything beyond. Operators only: the compiled kernels (numba on a CPU,
+    Triton on CUDA) use this code itself; the portable torch path reads the same buckets from the
+    float's exponent bits in fewer ops (`KeyStats.update`; tests hold the two equal)."""
+    q = p * 0
+    for i in range(NPOS - 1):
+        q += p >= (1 << i)
+    return q
+
+
 # ---- sample hash: a seeded bijection of sentence ids per key ---------------------------------------
 _A1, _A2 = 0x2C1B3C6D, 0x297A2D39  # odd multipliers
 _A1I, _A2I = pow(_A1, -1, 1 << 31), pow(_A2, -1, 1 << 31)

@@ -68,6 +68,7 @@ def _compile():
         from ffkv.mine import stats
 
         sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
+        pos_bucket = _same_code(stats.pos_bucket)
 
         @njit(parallel=True, cache=True, nogil=True)
         def capture(mf, mi, valid, lut, hist, s1, s2, hi, hip, lo, lop, stats, pos, neg):  # pragma: no cover
@@ -121,17 +122,14 @@ def _compile():
         @njit(parallel=True, cache=True, nogil=True)
         def offer(score, sbits, pos, sids, salt, side, mx, ph, H, P, C, sign, k):  # pragma: no cover
             B, W = score.shape
-            npos = ph.shape[1]
             for key in prange(W):
                 best = mx[key]
                 for b in range(B):
                     v = score[b, key]
                     if v > best:
                         best = v
-                    p, q = pos[b, key], 0  # bucket 1 + floor(log2 p), 0 for p = 0, capped
-                    while q < npos - 1 and (1 << q) <= p:
-                        q += 1
-                    ph[key, q] += 1
+                    p = pos[b, key]
+                    ph[key, pos_bucket(p)] += 1
                     if k == 0:
                         continue
                     j = side[(sbits[b, key] >> 23) + 256]
