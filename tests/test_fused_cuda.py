@@ -159,16 +159,18 @@ def test_triton_is_not_imported_by_mining():
     assert p.stdout.strip() == "False", p.stdout + p.stderr[-2000:]
 
 
-def test_mine_end_to_end_equals_the_portable_path(tmp_path, tiny_dirs):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_mine_end_to_end_equals_the_portable_path(tmp_path, tiny_dirs, arch):
     """`ffkv mine` with the fused kernels (in Triton's interpreter) writes the tables the portable
-    path writes, within the resume check's tolerances (the sums round differently)."""
+    path writes, within the resume check's tolerances (the sums round differently): a gated FFN
+    and an ungated one."""
     from conftest import WT2
     from test_mine import _assert_same_mine
 
     outs = {}
     for flag in ("0", "1"):
         outs[flag] = tmp_path / f"run{flag}"
-        args = ["mine", "--out", str(outs[flag]), "--model", str(tiny_dirs["llama"]), "--corpus",
+        args = ["mine", "--out", str(outs[flag]), "--model", str(tiny_dirs[arch]), "--corpus",
                 str(WT2 / "wiki.valid.tokens"), "--max-sentences", "40", "--top-k", "4", "--negative"]
         p = _run(PATCH + f"import sys; from ffkv.cli import main; sys.exit(main({args!r}))", FFKV_TRITON=flag,
                  HF_HUB_OFFLINE="1")

@@ -87,7 +87,7 @@ class Batch:
     right_padded: bool = True  # row i's valid tokens are positions [0, lengths[i])
 
     def lengths_on(self, device) -> torch.Tensor:
-        """(B,) int32 row lengths on `device`, made once per batch (the CUDA histogram reads them)."""
+        """(B,) int32 row lengths on `device`, made once per batch (the fused CUDA read takes them)."""
         t = self.__dict__.get("_len")
         if t is None or t.device != torch.device(device):
             t = self.__dict__["_len"] = to_device(self.lengths, torch.int32, device)
@@ -143,7 +143,7 @@ class LayerCapture:
         self._m = m if m.dtype == torch.float32 else None
         self._best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._want = (tuple(signs), bool(stats))
-        self._fused = None  # None: not tried; False: not here; else the kernel's (hist, s1, s2)
+        self._fused = None  # None: not tried; False: not here; else the kernel's (hist, sums)
 
     @property
     def m(self) -> torch.Tensor:
@@ -216,7 +216,7 @@ class MineState:
                                    reverse=True)) or (1,)
         self._stats = "stats" in self.trackers
         self._held: list[tuple[int, torch.Tensor]] = []
-        self._buf: torch.Tensor | None = None  # the groups' float32 captures, reused batch to batch
+        self._buf: torch.Tensor | None = None  # the groups' captures side by side, reused batch to batch
 
     @property
     def topk(self):
