@@ -6,6 +6,7 @@ belong to the step (`ffkv.steps.mine`); they are re-exported here for the caller
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 import json
 import os
 from pathlib import Path
@@ -103,13 +104,42 @@ def batch_tensors(mm, tokens: FlatTokens, idx):
 
 
 def save_npz(path: Path, arrays: dict) -> None:
-    """np.savez to a temp file, fsync, rename: a reader never sees half a checkpoint."""
+    """np.savez to a temp file, fsync, rename: a reader never sees half a checkpoint.
+
+    Ctrl-C is held off while it writes and acted on right after: a KeyboardInterrupt inside
+    np.savez left its zip writer half closed, and closing it again on the closed file raised a
+    ValueError (a traceback, not the one-line "interrupted")."""
     from ffkv.store.run import staged
 
-    with staged(path) as tmp, open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
+    with _sigint_held():
+        with staged(path) as tmp, open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@contextmanager
+def _sigint_held():
+    """SIGINT received inside is remembered, not raised, and handled as it would have been once
+    the block ends (any thread may take the signal; Python handles it in the main thread, so a
+    handler swap, not a signal mask, is what holds it off). Off the main thread: nothing held."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    prev = signal.signal(signal.SIGINT, lambda sig, frame: got.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        if got:
+            if callable(prev):
+                prev(signal.SIGINT, None)  # Python's default: KeyboardInterrupt, here
+            elif prev == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
 
 
 def save_checkpoint(path: Path, state: MineState, cursor: int, key: str, batch_tokens: int | None = None) -> None:
