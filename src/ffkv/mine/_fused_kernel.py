@@ -1,6 +1,4 @@
 """The Triton kernels of `ffkv.mine.fused_cuda` (imported only when that path runs)."""
-import types
-
 import triton
 import triton.language as tl
 
@@ -8,16 +6,15 @@ from ffkv.mine import stats, topk
 
 
 def _same_code(fn, **bind):
-    """`fn` jitted from its own code (as `ffkv.mine.stats_cpu._same_code` does for numba), its
-    integer constants bound as constexpr: `stats.sample_hash` stays one definition."""
-    g = dict(fn.__globals__)
-    g.update({k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31", "NPOS")}, tl=tl, **bind)
-    return triton.jit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
+    """`fn` jitted by Triton from its own code (`ffkv.mine.stats.rebound`), its integer constants
+    bound as constexpr."""
+    consts = {k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31", "NPOS")}
+    return triton.jit(stats.rebound(fn, tl=tl, **consts, **bind))
 
 
 sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
 pos_bucket = _same_code(stats.pos_bucket)
-pack_key = triton.jit(types.FunctionType(topk.pack_key.__code__, {"tl": tl}, "pack_key"))
+pack_key = triton.jit(stats.rebound(topk.pack_key, tl=tl))
 
 
 @triton.jit

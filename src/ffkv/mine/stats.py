@@ -128,6 +128,17 @@ def _raw_luts() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(full, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
 
 
+def rebound(fn, **bind):
+    """A copy of `fn` whose globals include `bind`: the compiled kernels (numba, Triton) build
+    their versions of the rules here (`pos_bucket`, `sample_hash`, `topk.pack_key`) from this very
+    code, with their own compiled helpers and constants bound in."""
+    import types
+
+    g = dict(fn.__globals__)
+    g.update(bind)
+    return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def pos_bucket(p):
     """The position bucket of p >= 0 (`layout`'s rule): 0 for p = 0, else 1 + floor(log2 p), the
     last bucket also everything beyond. Operators only: the compiled kernels (numba on a CPU,
@@ -289,7 +300,7 @@ class KeyStats:
         self.sc = {sg: torch.full((W[sg[1]], SIDE, k), math.nan, device=dev) for sg in keys}
         lut, side = _raw_luts()
         self._lut, self._side = lut.to(dev), side.to(dev)
-        self._lut32, self._side32 = self._lut.to(torch.int32), self._side.to(torch.int32)
+        self._lut32, self._side32 = fused_cuda.bin_lut(dev), self._side.to(torch.int32)
         self._salt = {g: torch.as_tensor(np.concatenate([key_salt(l, self.dim_ids) for l in g]), device=dev)
                       for g in self.groups}
         self._one = torch.ones(1, dtype=torch.long, device=dev)

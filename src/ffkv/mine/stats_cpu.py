@@ -48,15 +48,12 @@ def available(device) -> bool:
 
 
 def _same_code(fn, **bind):
-    """`fn` compiled from its own code, with some of its globals bound to compiled functions: the
-    one definition (`ffkv.mine.stats.sample_hash`) serves torch, numpy and these kernels."""
-    import types
-
+    """`fn` compiled by numba from its own code (`ffkv.mine.stats.rebound`)."""
     from numba import njit
 
-    g = dict(fn.__globals__)
-    g.update(bind)
-    return njit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
+    from ffkv.mine.stats import rebound
+
+    return njit(rebound(fn, **bind))
 
 
 def _compile():
