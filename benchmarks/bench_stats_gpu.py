@@ -7,7 +7,8 @@ On one real batch of a random-weight SmolLM2-135M-shaped model (`bench_gpu.build
   1. one KeyStats update and one top-k update by each path (`FFKV_TRITON=0`: torch;
      `FFKV_TRITON=1`: `ffkv.mine.fused_cuda`), median of 5 (CUDA events); the states must be
      equal (counts, maxima, positions, samples), or the script says which arrays differ;
-  2. the fused capture kernel alone (bf16 and float32 captures) and the offer kernel alone;
+  2. the fused capture kernel alone (bf16 and float32 captures) and the offer kernel alone, then
+     the capture kernel under other tilings (`sweep`);
   3. a torch.profiler table of one whole mining batch with statistics and the fused kernels.
 Without CUDA it runs on the CPU (the fused path then only under TRITON_INTERPRET=1).
 """
@@ -43,6 +44,34 @@ def timed(fn, reps: int = 5) -> float:
             fn()
             ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def sweep(fused_cuda, x, lens, lut) -> None:
+    """The capture kernel (bf16, statistics, one sign) under other tilings: keys per program (BW),
+    positions per tile (TT) and warps. Registers, and so resident warps, depend on all three
+    (`python -m ffkv.mine.fused_aot` prints them for any GPU); only a GPU says which is fastest.
+    Each tiling's histogram must equal the default's."""
+    import numpy as np
+
+    keep = fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS
+    ref = fused_cuda.capture(x, lens, lut, (1,), True)
+    if ref is None:
+        out(f"  capture kernel tilings: skipped (the kernel failed: {fused_cuda._broken})")
+        return
+    ref = ref[1].cpu().numpy()
+    row = []
+    for bw, tt, w in ((64, 4, 4), (32, 4, 4), (32, 8, 4), (64, 2, 4), (64, 4, 8), (128, 4, 8), (32, 4, 2)):
+        fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS = bw, tt, w
+        r = fused_cuda.capture(x, lens, lut, (1,), True)
+        if r is None:  # did not compile: say so, and keep the path on for what follows
+            row.append(f"BW={bw} TT={tt} warps={w}: failed ({fused_cuda._broken})")
+            fused_cuda._broken = None
+            continue
+        same = np.array_equal(r[1].cpu().numpy(), ref)
+        t = timed(lambda: fused_cuda.capture(x, lens, lut, (1,), True))
+        row.append(f"BW={bw} TT={tt} warps={w}: {t * 1e3:.2f} ms{'' if same else ' (HISTOGRAM DIFFERS)'}")
+    fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS = keep
+    out("  capture kernel tilings (bf16, stats, one sign):\n    " + "\n    ".join(row))
 
 
 def main(a) -> None:
@@ -121,9 +150,9 @@ def main(a) -> None:
         ks = fresh()
         score, pos = LayerCapture(tuple(layers), m, batch).best(1)
         g = tuple(layers)
-        t_o = timed(lambda: fused_cuda.offer(score, pos, batch.sids, ks._salt[g], ks._side32, ks.max[(1, g)],
-                                             ks.pos[(1, g)], ks.sh[(1, g)], ks.sp[(1, g)], ks.sc[(1, g)], 1, ks.k))
+        t_o = timed(lambda: fused_cuda.offer(*ks.offer_args(g, 1, score, pos, batch.sids)))
         out(f"  fused offer kernel alone: {t_o * 1e3:.2f} ms")
+        sweep(fused_cuda, m.to(torch.bfloat16), lens, lut)
     os.environ["FFKV_TRITON"] = "0"
     sums = timed(lambda: (batch.weights() @ m.reshape(-1, m.shape[-1]), batch.weights() @ (m.reshape(-1, m.shape[-1]) ** 2)))
     out(f"  sums (two masked products) {sums * 1e3:.2f} ms; float32 cast of the group {timed(lambda: m.to(torch.bfloat16).float()) * 1e3:.2f} ms")

@@ -123,7 +123,8 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
             slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
             last = tl.load(h_ptr + slot + (K - 1), mask=ok, other=0)
             placed = ~(ok & (h < last))
-            for i in tl.static_range(K - 1, 0, -1):
+            for j in range(0, K - 1):  # a loop, not unrolled: --samples-per-bin goes to 1,000
+                i = K - 1 - j
                 prev = tl.load(h_ptr + slot + (i - 1), mask=~placed, other=0)
                 shift = ~placed & (prev > h)
                 tl.store(h_ptr + slot + i, prev, mask=shift)

@@ -32,6 +32,7 @@ import torch
 BW = 64  # keys per program of the capture kernel
 ROWS = 8  # rows per program
 TT = 4  # positions per tile
+WARPS = 4  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
 NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
 FIELD = 65535  # a row longer than this would overflow a 16-bit field
@@ -41,6 +42,7 @@ _broken: str | None = None
 _has_triton: bool | None = None
 _luts: dict = {}
 launches = 0  # kernel launches so far
+_aot = None  # `ffkv.mine.fused_aot.compiled_for`'s compiler while it is active
 KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, whatever runs inside
 
 
@@ -48,6 +50,8 @@ def available(device) -> bool:
     """This path runs here: asked for (FFKV_TRITON=1), Triton present, a CUDA device (or Triton's
     interpreter), and no kernel has failed. Triton is imported only then: on a CPU its import
     alone slowed mining."""
+    if _aot is not None:  # compiling for a GPU that is not here: every launch counts
+        return True
     if os.environ.get("FFKV_TRITON", "0") != "1" or _broken is not None:
         return False
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -68,12 +72,20 @@ def bin_lut(device) -> torch.Tensor:
     return _luts[key]
 
 
-def _guard(fn):
-    """Run a launch; on a compile or launch error turn this path off (one warning) and say so."""
+def _launch(kernel, grid, *args, **kw) -> bool:
+    """Launch `kernel` (its name in `_fused_kernel`); on a compile or launch error turn this path
+    off (one warning) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
+    GPU instead and runs nothing."""
     global _broken, launches
+    from ffkv.mine import _fused_kernel
+
+    fn = getattr(_fused_kernel, kernel)
+    if _aot is not None:
+        _aot(fn, args, kw)
+        return True
     try:
         with torch.profiler.record_function(KERNEL):  # one op in `trackers.count_ops`
-            fn()
+            fn[grid](*args, **kw)
         launches += 1
         return True
     except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
@@ -105,16 +117,14 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     hist = torch.zeros((nb, W), dtype=torch.int32, device=dev) if stats else None
     sums = torch.empty((2, nrb, W), dtype=torch.float64, device=dev) if stats else None
     if B and W:
-        from ffkv.mine._fused_kernel import capture_kernel
-
         grid = (-(-W // BW), nrb)
         dummy = lengths
-        if not _guard(lambda: capture_kernel[grid](
+        if not _launch("capture_kernel", grid,
                 m, lengths, lut, hist if stats else dummy, sums if stats else dummy, sums[1] if stats else dummy,
                 hi if hi is not None else dummy, hip if hip is not None else dummy,
                 lo if lo is not None else dummy, lop if lop is not None else dummy,
                 B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBH=NBH, NB=nb,
-                STATS=bool(stats), POS=hi is not None, NEG=lo is not None, FLUSH=FLUSH, num_warps=4)):
+                STATS=bool(stats), POS=hi is not None, NEG=lo is not None, FLUSH=FLUSH, num_warps=WARPS):
             return None
     best = {}
     if hi is not None:
@@ -132,12 +142,10 @@ def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -
     if not (B and W):
         return True
     from ffkv.mine import stats
-    from ffkv.mine._fused_kernel import offer_kernel
 
     score, pos = score.contiguous(), pos.contiguous()
-    return _guard(lambda: offer_kernel[(-(-W // OFFER_BW),)](
-        score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
-        SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, num_warps=4))
+    return _launch("offer_kernel", (-(-W // OFFER_BW),), score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
+                   SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, num_warps=4)
 
 
 def topk(score, pos, sids, key, kpos) -> bool:
@@ -147,8 +155,6 @@ def topk(score, pos, sids, key, kpos) -> bool:
     B, W = score.shape
     if not (B and W):
         return True
-    from ffkv.mine._fused_kernel import topk_kernel
-
     score, pos = score.contiguous(), pos.contiguous()
-    return _guard(lambda: topk_kernel[(-(-W // OFFER_BW),)](score, pos, sids, key, kpos, B, W,
-                                                             T=key.shape[1], BW=OFFER_BW, num_warps=4))
+    return _launch("topk_kernel", (-(-W // OFFER_BW),), score, pos, sids, key, kpos, B, W,
+                   T=key.shape[1], BW=OFFER_BW, num_warps=4)

@@ -351,8 +351,7 @@ class KeyStats:
         self.limbs[g] += to_limbs(sums).transpose(0, 1)  # (2, 3, n): both sums in one pass
         for s in self.signs:
             score, pos = cap.best(s)
-            args = (score, pos, batch.sids, self._salt[g], self._side32, self.max[(s, g)],
-                    self.pos[(s, g)], self.sh[(s, g)], self.sp[(s, g)], self.sc[(s, g)], s, self.k)
+            args = self.offer_args(g, s, score, pos, batch.sids)
             if cpu:
                 stats_cpu.offer(*args)
                 continue
@@ -366,6 +365,12 @@ class KeyStats:
             self.pos[(s, g)].view(-1).index_add_(0, pb, self._one.expand(pb.numel()))
             if self.k:
                 self._sample(s, g, score, pos, batch.sids)
+
+    def offer_args(self, g, s: int, score, pos, sids) -> tuple:
+        """The compiled offers' arguments (`stats_cpu.offer`, `fused_cuda.offer`): rows' bests and
+        this group's and sign's state."""
+        return (score, pos, sids, self._salt[g], self._side32, self.max[(s, g)], self.pos[(s, g)],
+                self.sh[(s, g)], self.sp[(s, g)], self.sc[(s, g)], s, self.k)
 
     def _hist(self, g, cap, batch) -> None:
         """The portable histogram."""
