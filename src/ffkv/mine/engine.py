@@ -83,7 +83,11 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
             ids, mask = mm.batch(seqs)
             lens = [len(x) for x in seqs]
         batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-        mm.capture(ids, mask, layers=state.layers, what=("m",),
+        # No attention mask: the rows are right-padded, so under causal attention no real token
+        # sees a pad, and the model's outputs at real tokens are the same. With a padding mask,
+        # transformers builds a 4D mask (no flash attention on CUDA) after reading the mask on
+        # the host (a sync a batch). The trackers still take the mask, through `batch`.
+        mm.capture(ids, None, layers=state.layers, what=("m",),
                    callback=lambda l, name, m: state.update(l, m, batch))
         if on_batch is not None:
             on_batch(bi, int(sum(lens)))
