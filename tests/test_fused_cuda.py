@@ -241,7 +241,12 @@ def test_kernels_compile_for_real_gpus():
     assert all(0 < r["regs"] <= 255 and r["warps"] == 4 for r in rows)
 
 
-def test_aot_refuses_the_interpreter():
-    p = subprocess.run([sys.executable, "-m", "ffkv.mine.fused_aot"], env={**os.environ, "TRITON_INTERPRET": "1"},
+@pytest.mark.parametrize("args,env,says", [([], {"TRITON_INTERPRET": "1"}, "TRITON_INTERPRET"),
+                                           (["--arch", "70"], {}, "invalid choice: 70"),
+                                           (["--top-k", "0"], {}, "from 1 to 10000"),
+                                           (["--samples", "5", "x"], {}, "from 0 to 1000")])
+def test_aot_refuses_bad_input(args, env, says):
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "ffkv.mine.fused_aot", *args], env={**base, **env},
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "TRITON_INTERPRET" in p.stderr.splitlines()[-1]
+    assert p.returncode == 2 and says in p.stderr.splitlines()[-1], p.stderr[-2000:]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 REGS_PER_SM = 65536  # every NVIDIA architecture Triton targets (sm_80 ... sm_120)
-MAX_WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 120: 48}
+MAX_WARPS_PER_SM = {75: 32, 80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 120: 48}  # what Triton compiles for
 
 
 @dataclass
@@ -143,10 +143,24 @@ def report(archs=(80, 90), **kw) -> list[Compiled]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90],
-                    help="Compute capabilities to compile for, e.g. 80 (A100) 90 (H100/H200) 100 (B200).")
-    ap.add_argument("--top-k", type=int, default=50, help="The top-k list length compiled (default 50).")
-    ap.add_argument("--samples", type=int, nargs="+", default=[0, 5], help="Samples per bin compiled (default 0 5).")
+    def within(lo, hi):
+        def check(text):
+            try:
+                v = int(text)
+            except ValueError:
+                v = None
+            if v is None or not lo <= v <= hi:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {lo} to {hi}")
+            return v
+        return check
+
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(MAX_WARPS_PER_SM),
+                    metavar="SM", help="Compute capabilities to compile for: 80 (A100), 90 (H100, H200), 100 "
+                                       "(B200), 120, 75, 86, 89 (default 80 90).")
+    ap.add_argument("--top-k", type=within(1, 10000), default=50,
+                    help="The top-k list length compiled, as `ffkv mine --top-k` (default 50).")
+    ap.add_argument("--samples", type=within(0, 1000), nargs="+", default=[0, 5],
+                    help="Samples per bin compiled, as `ffkv mine --samples-per-bin` (default 0 5).")
     ap.add_argument("--json", action="store_true", help="One JSON object per compiled kernel.")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
