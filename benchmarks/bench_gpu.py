@@ -11,8 +11,8 @@ cost). --corpus is a text corpus spec (`ffkv corpus --help`; default WikiText-2 
 there) or a Parquet file whose first list-of-integers column holds token ids (no tokenizer, no
 sentence splitter: what a machine without spaCy runs). --tokens N streams N tokens, cycling the
 corpus when it is shorter. On the same length-packed batches (budget: --batch-tokens, default
-auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, mining
-(top-50 of every key, --no-stats), mining with key statistics, and both again with the fused
+auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, the
+forward as mining runs it with nothing captured (its ceiling), mining (top-50 of every key, --no-stats), mining with key statistics, and both again with the fused
 kernels (`FFKV_TRITON=1`, where Triton and CUDA are). It prints tok/s and ratios, host
 preparation tok/s (corpus -> token ids; and streamed as `ffkv mine` streams it, with each
 --workers count), peak GPU memory (CUDA), the trackers' aten ops per
@@ -225,8 +225,8 @@ def main(a) -> dict:
         fb, ff = (tracker_ops(mm, toks, batches[0], x, fused=True) for x in (bare_s, full_s))
         line += f"; fused kernels (a launch counts one): {fb:.1f} top-k only, {ff:.1f} with key statistics"
     out(line)
-    arms = ["plain", "bare", "stats"] + (["bare_fused", "stats_fused"] if fused else [])
-    states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms[1:]}
+    arms = ["plain", "floor", "bare", "stats"] + (["bare_fused", "stats_fused"] if fused else [])
+    states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms[2:]}
     sids = list(range(len(toks)))
     secs = {arm: 0.0 for arm in arms}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -246,6 +246,9 @@ def main(a) -> dict:
             if arm == "plain":
                 with torch.no_grad():
                     mm.hf(input_ids=ids_b, attention_mask=mask, use_cache=False).logits.sum()
+            elif arm == "floor":  # what mining's forward costs with nothing captured: its ceiling
+                with torch.no_grad():
+                    mm.capture(ids_b, None, what=())
             else:
                 mine_batches(mm, states[arm], toks, sids, [(bi, idx)])
             sync()
@@ -255,6 +258,8 @@ def main(a) -> dict:
     out(f"throughput: plain forward (with logits) {rate['plain']:,.0f} tok/s; mining {rate['bare']:,.0f} tok/s "
         f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
         f"({secs['plain'] / secs['stats']:.2f}x) with key statistics")
+    out(f"mining's ceiling: the forward to the last layer with nothing captured (no padding mask, as mining "
+        f"runs it; no logits) {rate['floor']:,.0f} tok/s ({secs['plain'] / secs['floor']:.2f}x the plain forward)")
     if fused:
         broken = fused_cuda._broken
         out(f"throughput, fused kernels (FFKV_TRITON=1, ffkv.mine.fused_cuda): mining {rate['bare_fused']:,.0f} tok/s "

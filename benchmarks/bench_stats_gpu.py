@@ -48,29 +48,35 @@ def timed(fn, reps: int = 5) -> float:
 
 def sweep(fused_cuda, x, lens, lut) -> None:
     """The capture kernel (bf16, statistics, one sign) under other tilings: keys per program (BW),
-    positions per tile (TT) and warps. Registers, and so resident warps, depend on all three
-    (`python -m ffkv.mine.fused_aot` prints them for any GPU); only a GPU says which is fastest.
-    Each tiling's histogram must equal the default's."""
+    positions per tile (TT), warps, and rows per program (ROWS: each program adds its histogram
+    to the whole with atomics, so more rows, fewer atomics, fewer programs). Registers, and so
+    resident warps, depend on the first three (`python -m ffkv.mine.fused_aot` prints them for any
+    GPU); only a GPU says which is fastest. Each tiling's histogram must equal the default's."""
     import numpy as np
 
-    keep = fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS
+    names = ("BW", "TT", "WARPS", "ROWS")
+    keep = tuple(getattr(fused_cuda, n) for n in names)
     ref = fused_cuda.capture(x, lens, lut, (1,), True)
     if ref is None:
         out(f"  capture kernel tilings: skipped (the kernel failed: {fused_cuda._broken})")
         return
     ref = ref[1].cpu().numpy()
     row = []
-    for bw, tt, w in ((64, 4, 4), (32, 4, 4), (32, 8, 4), (64, 2, 4), (64, 4, 8), (128, 4, 8), (32, 4, 2)):
-        fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS = bw, tt, w
+    for tiling in ((64, 4, 4, 8), (64, 4, 4, 32), (32, 4, 4, 8), (32, 4, 4, 32), (32, 8, 4, 8), (64, 2, 4, 8),
+                   (64, 4, 8, 8), (128, 4, 8, 16), (32, 4, 2, 16)):
+        for n, v in zip(names, tiling):
+            setattr(fused_cuda, n, v)
+        label = " ".join(f"{n}={v}" for n, v in zip(names, tiling))
         r = fused_cuda.capture(x, lens, lut, (1,), True)
         if r is None:  # did not compile: say so, and keep the path on for what follows
-            row.append(f"BW={bw} TT={tt} warps={w}: failed ({fused_cuda._broken})")
+            row.append(f"{label}: failed ({fused_cuda._broken})")
             fused_cuda._broken = None
             continue
         same = np.array_equal(r[1].cpu().numpy(), ref)
         t = timed(lambda: fused_cuda.capture(x, lens, lut, (1,), True))
-        row.append(f"BW={bw} TT={tt} warps={w}: {t * 1e3:.2f} ms{'' if same else ' (HISTOGRAM DIFFERS)'}")
-    fused_cuda.BW, fused_cuda.TT, fused_cuda.WARPS = keep
+        row.append(f"{label}: {t * 1e3:.2f} ms{'' if same else ' (HISTOGRAM DIFFERS)'}")
+    for n, v in zip(names, keep):
+        setattr(fused_cuda, n, v)
     out("  capture kernel tilings (bf16, stats, one sign):\n    " + "\n    ".join(row))
 
 

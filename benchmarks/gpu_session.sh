@@ -26,7 +26,7 @@ part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)";
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
 part 90 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
-part 100 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000
+part 110 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000
 part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000

@@ -91,8 +91,10 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
         wide_lo += (acc & 0xFFFF).to(tl.int32)
         wide_hi += (acc >> 16).to(tl.int32)
         cell = q[:, None] * 2 * W + cols[None, :]
-        tl.atomic_add(hist_ptr + cell, wide_lo, mask=((2 * q)[:, None] < NB) & cm[None, :])
-        tl.atomic_add(hist_ptr + cell + W, wide_hi, mask=((2 * q + 1)[:, None] < NB) & cm[None, :])
+        # only bins that counted something: most of a key's bins are empty over ROWS rows, and
+        # every atomic is a round trip to L2
+        tl.atomic_add(hist_ptr + cell, wide_lo, mask=((2 * q)[:, None] < NB) & cm[None, :] & (wide_lo != 0))
+        tl.atomic_add(hist_ptr + cell + W, wide_hi, mask=((2 * q + 1)[:, None] < NB) & cm[None, :] & (wide_hi != 0))
         tl.store(s1_ptr + pr * W + cols, s1, mask=cm)
         tl.store(s2_ptr + pr * W + cols, s2, mask=cm)
 
