@@ -221,24 +221,25 @@ def test_fused_ops_per_update():
 def test_kernels_compile_for_real_gpus():
     """The interpreter proves the kernels' results, not that they compile for a GPU. Triton
     compiles for an architecture without one (`ffkv.mine.fused_aot`): every launch mining makes,
-    for an A100 (sm_80) and an H100 (sm_90), compiles to a cubin with no register spills. The
+    for an A100 (sm_80), an H100 (sm_90) and a B200 (sm_100), compiles to a cubin with no register spills. The
     extremes of the settings are included: `--samples-per-bin 1000` (an unrolled insertion loop
     took minutes to compile there) and `--top-k 10000`."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "ffkv.mine.fused_aot", "--arch", "80", "90", "--samples", "0", "5",
+    p = subprocess.run([sys.executable, "-m", "ffkv.mine.fused_aot", "--arch", "80", "90", "100", "--samples", "0", "5",
                         "1000", "--top-k", "10000", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in p.stdout.splitlines()]
     # 18 captures (3 dtypes x 3 sign sets x stats on/off), 6 offers (3 sample counts x 2 signs), 1 top-k
-    for arch in (80, 90):
+    for arch in (80, 90, 100):
         got = [r for r in rows if r["arch"] == arch]
         assert sorted({r["kernel"] for r in got}) == ["capture_kernel", "offer_kernel", "topk_kernel"]
         assert len(got) == 25, [r["variant"] for r in got]
     spills = [(r["arch"], r["kernel"], r["variant"], r["local"]) for r in rows if r["local"]]
     assert not spills, spills
     assert all(0 < r["regs"] <= 255 and r["warps"] == 4 for r in rows)
+    assert all(r["loop"] > 0 for r in rows), [(r["arch"], r["kernel"]) for r in rows if not r["loop"]]  # SASS read
 
 
 @pytest.mark.parametrize("args,env,says", [([], {"TRITON_INTERPRET": "1"}, "TRITON_INTERPRET"),

@@ -64,7 +64,7 @@ def _resources(cubin: bytes) -> dict:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     r = {k: int(v) for k, v in re.findall(r"\b(REG|LOCAL|SHARED|STACK):(\d+)", text)}
     loops = [(int(at, 16) - int(to, 16)) // 16 + 1
-             for at, to in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`?\(?)0x([0-9a-f]+)", sass)
+             for at, to in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?`?\(?0x([0-9a-f]+)", sass)
              if int(to, 16) < int(at, 16)]
     r["LOOP"] = min(loops) if loops else 0
     return r

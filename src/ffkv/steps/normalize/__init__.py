@@ -38,7 +38,7 @@ def _slot_counts(text):
 
 
 def _positive(v):
-    return None if v > 0 else f"must be positive (got {v})"
+    return None if 0 < v < float("inf") else f"must be a positive finite number (got {v})"
 
 
 def _each_at_least_1(v):
