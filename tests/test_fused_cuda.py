@@ -240,6 +240,14 @@ def test_kernels_compile_for_real_gpus():
     assert not spills, spills
     assert all(0 < r["regs"] <= 255 and r["warps"] == 4 for r in rows)
     assert all(r["loop"] > 0 for r in rows), [(r["arch"], r["kernel"]) for r in rows if not r["loop"]]  # SASS read
+    # Prefetching is safe only for loads the loop never writes: the top-k kernel's three row loads
+    # (score, position, sentence id), TOPK_STAGES rows ahead; nothing in the capture or the offer,
+    # whose samples the row loop reads and writes (a prefetched sample slot would be stale).
+    from ffkv.mine.fused_cuda import TOPK_STAGES
+
+    wrong = [(r["arch"], r["kernel"], r["variant"], r["prefetch"]) for r in rows
+             if r["prefetch"] != (3 * TOPK_STAGES if r["kernel"] == "topk_kernel" else 0)]
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("args,env,says", [([], {"TRITON_INTERPRET": "1"}, "TRITON_INTERPRET"),

@@ -146,16 +146,20 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
 
 
 @triton.jit
-def topk_kernel(score_ptr, pos_ptr, sid_ptr, key_ptr, kpos_ptr, B, W, T: tl.constexpr, BW: tl.constexpr):
+def topk_kernel(score_ptr, pos_ptr, sid_ptr, key_ptr, kpos_ptr, B, W, T: tl.constexpr, BW: tl.constexpr,
+                STAGES: tl.constexpr):
     """Each key's top-T list (sorted keys, `ffkv.mine.topk.pack_key`) takes the rows' bests in
     row order: a candidate below the list's last key is inserted, the larger ones shift up. The
     same lists as the portable merge (keys are unique: one sentence once). Rows where no key of
-    the block enters cost one compare each, the common case once the lists have filled."""
+    the block enters cost one compare each, the common case once the lists have filled. The rows'
+    loads are prefetched STAGES rows ahead (asynchronous copies): they are read-only, and the
+    lists, which the loop writes, are read only inside its branch, which Triton does not prefetch
+    (`ffkv.mine.fused_aot` counts the copies; a test holds them to the rows' three loads)."""
     cols = tl.program_id(0) * BW + tl.arange(0, BW)
     cm = cols < W
     base = cols.to(tl.int64) * T
     worst = tl.load(key_ptr + base + (T - 1), mask=cm, other=0)  # masked lanes: nothing is below 0
-    for b in range(0, B):
+    for b in tl.range(0, B, num_stages=STAGES):
         row = tl.cast(b, tl.int64) * W
         v = tl.load(score_ptr + row + cols, mask=cm, other=0.0)
         p = tl.load(pos_ptr + row + cols, mask=cm, other=0)

@@ -5,7 +5,7 @@ GPU, nor what they cost there: a kernel that spills registers or fits few warps 
 far slower than its traffic allows. Triton compiles for any NVIDIA architecture without a GPU
 (its wheel carries ptxas), so this module runs `ffkv.mine.fused_cuda`'s own launches, with the
 arguments mining passes, through the compiler for a chosen architecture, and reads each
-kernel's registers, spills and shared memory from the cubin.
+kernel's registers, spills, shared memory, innermost loop and asynchronous copies from the cubin.
 
     PYTHONPATH=src python -m ffkv.mine.fused_aot --arch 90
 
@@ -39,6 +39,7 @@ class Compiled:
     warps: int
     arch: int
     loop: int = 0  # SASS instructions of the innermost loop (0: none)
+    prefetch: int = 0  # asynchronous global-to-shared copies (LDGSTS): loads software-pipelined ahead
 
     @property
     def occupancy(self) -> float:
@@ -67,6 +68,7 @@ def _resources(cubin: bytes) -> dict:
              for at, to in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?`?\(?0x([0-9a-f]+)", sass)
              if int(to, 16) < int(at, 16)]
     r["LOOP"] = min(loops) if loops else 0
+    r["LDGSTS"] = len(re.findall(r"\bLDGSTS\b", sass))  # asynchronous copies: loads prefetched ahead
     return r
 
 
@@ -93,7 +95,7 @@ def compiled_for(arch: int, out: list):
         k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         r = _resources(k.asm["cubin"])
         out.append(Compiled(fn.__name__, variant["name"], time.perf_counter() - t0, r.get("REG", 0),
-                            r.get("LOCAL", 0), r.get("SHARED", 0), options.num_warps, arch, r["LOOP"]))
+                            r.get("LOCAL", 0), r.get("SHARED", 0), options.num_warps, arch, r["LOOP"], r["LDGSTS"]))
 
     prev, fused_cuda._aot = fused_cuda._aot, compile_one
     try:
@@ -174,10 +176,10 @@ def main(argv=None) -> int:
             print(json.dumps({**dataclasses.asdict(r), "occupancy": round(r.occupancy, 4)}))
         return 0
     print(f"{'arch':>4}  {'kernel':<14} {'variant':<36} {'regs':>4} {'spill B':>7} {'smem B':>6} "
-          f"{'warps':>5} {'occupancy':>9} {'loop':>5} {'compile s':>9}")
+          f"{'warps':>5} {'occupancy':>9} {'loop':>5} {'async':>5} {'compile s':>9}")
     for r in rows:
         print(f"sm{r.arch:<2}  {r.kernel:<14} {r.variant:<36} {r.regs:>4} {r.local:>7} {r.shared:>6} "
-              f"{r.warps:>5} {r.occupancy:>9.0%} {r.loop:>5} {r.seconds:>9.2f}")
+              f"{r.warps:>5} {r.occupancy:>9.0%} {r.loop:>5} {r.prefetch:>5} {r.seconds:>9.2f}")
     spills = [r for r in rows if r.local]
     print(f"{len(rows)} kernels compiled; {len(spills)} spill registers to local memory")
     return 0

@@ -35,6 +35,7 @@ TT = 4  # positions per tile
 WARPS = 4  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
 NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
+TOPK_STAGES = 3  # rows the top-k kernel's loads run ahead (software pipelining; 1: none)
 FIELD = 65535  # a row longer than this would overflow a 16-bit field
 FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lower it)
 
@@ -157,4 +158,4 @@ def topk(score, pos, sids, key, kpos) -> bool:
         return True
     score, pos = score.contiguous(), pos.contiguous()
     return _launch("topk_kernel", (-(-W // OFFER_BW),), score, pos, sids, key, kpos, B, W,
-                   T=key.shape[1], BW=OFFER_BW, num_warps=4)
+                   T=key.shape[1], BW=OFFER_BW, STAGES=TOPK_STAGES, num_warps=4)
