@@ -119,7 +119,7 @@ def main(a) -> None:
     from ffkv.mine import fused_cuda
     from ffkv.mine.topk import TopKState
 
-    res = {}
+    res, tops = {}, {}
     for name, flag in (("torch", "0"), ("fused", "1")):
         os.environ["FFKV_TRITON"] = flag
         if name == "fused" and not fused_cuda.available(dev):
@@ -136,6 +136,13 @@ def main(a) -> None:
             t_upd = timed(once)
             t_top = timed(lambda: TopKState(layers, None, mm.d_m, 50, device=mm.device, group=G).update(
                 batch, LayerCapture(tuple(layers), m, batch, (1,), False)))
+            # the lists after two batches (the second scaled and shuffled: some rows enter, most
+            # not), to compare the paths: a hazard of the kernel's prefetching would show here
+            tk = TopKState(layers, None, mm.d_m, 50, device=mm.device, group=G)
+            tk.update(batch, LayerCapture(tuple(layers), m, batch, (1,), False))
+            b2 = Batch.from_lengths(batch.lengths, [i + len(seqs) for i in range(len(seqs))], mask)
+            tk.update(b2, LayerCapture(tuple(layers), m * 0.75 + m.roll(1, -1) * 0.5, b2, (1,), False))
+            tops[name] = {k: v.copy() for k, v in tk.arrays().items()}
         except Exception as e:  # noqa: BLE001  (say what broke, go on with the other figures)
             out(f"  {name:6s}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             continue
@@ -148,6 +155,9 @@ def main(a) -> None:
                   and not np.array_equal(res["torch"][k], res["fused"][k], equal_nan=True)]
         out(f"  states equal (counts, maxima, positions, samples; sums round apart): {not differ}"
             + (f"; differ: {differ[:8]}" if differ else ""))
+        if "fused" in tops:
+            differ = [k for k in tops["torch"] if not np.array_equal(tops["torch"][k], tops["fused"][k])]
+            out(f"  top-k lists equal after two batches: {not differ}" + (f"; differ: {differ[:8]}" if differ else ""))
         lens, lut = batch.lengths_on(mm.device), fused_cuda.bin_lut(mm.device)
         for label, x in (("float32", m), ("bf16", m.to(torch.bfloat16))):
             t_k = timed(lambda: fused_cuda.capture(x, lens, lut, (1,), True))
@@ -158,6 +168,19 @@ def main(a) -> None:
         g = tuple(layers)
         t_o = timed(lambda: fused_cuda.offer(*ks.offer_args(g, 1, score, pos, batch.sids)))
         out(f"  fused offer kernel alone: {t_o * 1e3:.2f} ms")
+        # the top-k kernel on full lists that no row enters (the common case once they fill),
+        # with its row loads prefetched and without
+        key0 = torch.full((score.shape[1], 50), torch.iinfo(torch.long).max, dtype=torch.long, device=score.device)
+        kp0 = torch.zeros(key0.shape, dtype=torch.int32, device=score.device)
+        pos32, low = pos.to(torch.int32), score * 0.5
+        fused_cuda.topk(score, pos32, batch.sids, key0, kp0)
+        keep, row = fused_cuda.TOPK_STAGES, []
+        for stg in (1, 2, 3, 4):
+            fused_cuda.TOPK_STAGES = stg
+            t = timed(lambda: fused_cuda.topk(low, pos32, batch.sids, key0, kp0))
+            row.append(f"{stg} stage(s) {t * 1e3:.2f} ms")
+        fused_cuda.TOPK_STAGES = keep
+        out("  fused top-k kernel alone, no row entering: " + "; ".join(row))
         sweep(fused_cuda, m.to(torch.bfloat16), lens, lut)
     os.environ["FFKV_TRITON"] = "0"
     sums = timed(lambda: (batch.weights() @ m.reshape(-1, m.shape[-1]), batch.weights() @ (m.reshape(-1, m.shape[-1]) ** 2)))
