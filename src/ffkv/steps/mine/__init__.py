@@ -206,7 +206,8 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
         print(f"mine: {run.path} is already mined with these settings; nothing to do")
     info = out.info
     c = run.manifest.get("corpus", {}).get("counts", {})
-    print(f"mined {c.get('sentences')} sentences ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated) "
+    n = c.get("sentences")
+    print(f"mined {n} sentence{'' if n == 1 else 's'} ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated) "
           f"into {run.path}: {info.get('rows')} trigger rows, padding {info.get('padding_share', 0):.1%}, "
           f"{info.get('tokens_per_s')} tok/s")
 
