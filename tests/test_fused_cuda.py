@@ -140,6 +140,29 @@ def test_a_failing_kernel_falls_back_with_one_warning():
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
 
 
+def test_a_triton_that_fails_to_import_falls_back():
+    """A Triton that is present but does not import (a build that does not match torch): one
+    warning, the portable path, no traceback."""
+    script = PATCH + textwrap.dedent('''
+        import sys, warnings, torch
+        sys.modules["ffkv.mine._fused_kernel"] = None              # its import now raises ImportError
+        from ffkv.mine import fused_cuda, stats
+        from ffkv.mine.trackers import feed
+        m = torch.randn(4, 5, 32)
+        mask = torch.ones(4, 5, dtype=torch.bool)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a = stats.KeyStats([0], None, 32, samples=2)
+            feed(a, 0, m, mask, [0, 1, 2, 3])
+        assert sum("fused CUDA kernels failed" in str(x.message) for x in w) == 1, [str(x.message) for x in w]
+        assert "_fused_kernel" in fused_cuda._broken and not fused_cuda.available("cpu")
+        assert a.tokens == 20
+        print("ok")
+    ''')
+    p = _run(script)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
 def test_off_switch_and_cpu(monkeypatch):
     from ffkv.mine import fused_cuda
 

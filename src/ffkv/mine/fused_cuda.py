@@ -78,15 +78,16 @@ def _launch(kernel, grid, *args, **kw) -> bool:
     off (one warning) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
     GPU instead and runs nothing."""
     global _broken, launches
-    from ffkv.mine import _fused_kernel
+    if _aot is not None:  # a compile error there is the tool's to show, not to fall back from
+        from ffkv.mine import _fused_kernel
 
-    fn = getattr(_fused_kernel, kernel)
-    if _aot is not None:
-        _aot(fn, args, kw)
+        _aot(getattr(_fused_kernel, kernel), args, kw)
         return True
     try:
+        from ffkv.mine import _fused_kernel  # a Triton that fails to import falls back too
+
         with torch.profiler.record_function(KERNEL):  # one op in `trackers.count_ops`
-            fn[grid](*args, **kw)
+            getattr(_fused_kernel, kernel)[grid](*args, **kw)
         launches += 1
         return True
     except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
