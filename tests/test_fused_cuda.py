@@ -140,6 +140,41 @@ def test_a_failing_kernel_falls_back_with_one_warning():
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
 
 
+def test_offer_chunks_equal_row_by_row():
+    """The offer kernel checks R rows at once against the chunk's starting samples and takes
+    them one by one only where one enters. Here every value of a key falls in one bin per side, so
+    after the first rows a row enters only with a new smallest hash: most chunks skip, some do
+    not. Equal to the portable path over four batches (both signs, k = 1 and 3, a block of keys
+    cut short, a batch that is not a whole number of chunks)."""
+    script = PATCH + textwrap.dedent('''
+        import os, numpy as np, torch
+        from ffkv.mine import fused_cuda, stats
+        from ffkv.mine.trackers import feed
+        n, T = 200, 5
+        g = torch.Generator().manual_seed(7)
+        batches = []
+        for rep, B in enumerate((64, 61, 64, 9)):
+            sign = torch.where(torch.rand(B, T, n, generator=g) < 0.5, -1.0, 1.0)
+            m = sign * (1.5 + 0.1 * torch.rand(B, T, n, generator=g))   # one bin per side
+            batches.append((m, torch.ones(B, T, dtype=torch.bool), [rep * 100 + i for i in range(B)]))
+        for k in (1, 3):
+            got = {}
+            for flag in ("0", "1"):
+                os.environ["FFKV_TRITON"] = flag
+                ks = stats.KeyStats([0], None, n, signs=(1, -1), samples=k)
+                for m, mask, sids in batches:
+                    feed(ks, 0, m, mask, sids)
+                got[flag] = ks.arrays()
+            for a in got["0"]:
+                if "limbs" not in a:
+                    assert np.array_equal(got["0"][a], got["1"][a], equal_nan=True), (k, a)
+        assert fused_cuda._broken is None and fused_cuda.OFFER_ROWS == 8
+        print("ok")
+    ''')
+    p = _run(script)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
 def test_a_triton_that_fails_to_import_falls_back():
     """A Triton that is present but does not import (a build that does not match torch): one
     warning, the portable path, no traceback."""

@@ -102,44 +102,65 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
 @triton.jit
 def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr, h_ptr, p_ptr, c_ptr,
                  B, W, SIGN: tl.constexpr, K: tl.constexpr, SIDE: tl.constexpr, NPOS: tl.constexpr,
-                 BW: tl.constexpr):
-    """Each key's row bests, row by row: the running max, the position buckets and the k
-    smallest-hash samples of each side bin (sorted slots; an entering sample shifts the larger
-    ones up). One program owns its keys, so no two writers meet."""
+                 BW: tl.constexpr, R: tl.constexpr):
+    """Each key's row bests: the running max, the position buckets and the k smallest-hash
+    samples of each side bin (sorted slots; an entering sample shifts the larger ones up). One
+    program owns its keys, so no two writers meet.
+
+    Rows go R at a time: their loads are issued together, and the samples are checked against
+    the chunk's starting state. Where no row of the chunk enters (the common case once the
+    samples fill), none would have one by one either, since nothing changed: the chunk costs one
+    round trip instead of R. Otherwise its rows are taken one by one, as they must be."""
     cols = tl.program_id(0) * BW + tl.arange(0, BW)
     cm = cols < W
     best = tl.load(mx_ptr + cols, mask=cm, other=float("-inf"))
     salt = tl.load(salt_ptr + cols, mask=cm, other=0)
     qs = tl.arange(0, NPOS)
+    rr = tl.arange(0, R)
     ph = tl.zeros((NPOS, BW), dtype=tl.int32)
-    for b in range(0, B):
-        row = tl.cast(b, tl.int64) * W
-        v = tl.load(score_ptr + row + cols, mask=cm, other=float("-inf"))
-        p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
-        best = tl.where(v > best, v, best)
-        ph += (qs[:, None] == pos_bucket(p)[None, :]).to(tl.int32)
+    for b0 in range(0, B, R):
+        rows = b0 + rr
+        rm = rows < B
+        ok2 = rm[:, None] & cm[None, :]
+        v2 = tl.load(score_ptr + rows.to(tl.int64)[:, None] * W + cols[None, :], mask=ok2, other=float("-inf"))
+        top = tl.max(v2, axis=0)
+        best = tl.where(top > best, top, best)
+        for r in tl.static_range(R):  # the buckets row by row (a (NPOS, R, BW) tile would not fit)
+            live = b0 + r < B
+            p = tl.load(pos_ptr + tl.cast(b0 + r, tl.int64) * W + cols, mask=cm & live, other=0)
+            ph += ((qs[:, None] == pos_bucket(p)[None, :]) & live).to(tl.int32)
         if K > 0:
-            j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=cm, other=-1)
-            ok = cm & (j >= 0)
-            h = sample_hash(tl.load(sid_ptr + b), salt)
-            slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
-            last = tl.load(h_ptr + slot + (K - 1), mask=ok, other=0)
-            placed = ~(ok & (h < last))
-            for j in range(0, K - 1):  # a loop, not unrolled: --samples-per-bin goes to 1,000
-                i = K - 1 - j
-                prev = tl.load(h_ptr + slot + (i - 1), mask=~placed, other=0)
-                shift = ~placed & (prev > h)
-                tl.store(h_ptr + slot + i, prev, mask=shift)
-                tl.store(p_ptr + slot + i, tl.load(p_ptr + slot + (i - 1), mask=shift), mask=shift)
-                tl.store(c_ptr + slot + i, tl.load(c_ptr + slot + (i - 1), mask=shift), mask=shift)
-                put = ~placed & ~shift
-                tl.store(h_ptr + slot + i, h.to(tl.int32), mask=put)
-                tl.store(p_ptr + slot + i, p.to(p_ptr.dtype.element_ty), mask=put)
-                tl.store(c_ptr + slot + i, v * SIGN, mask=put)
-                placed = placed | put
-            tl.store(h_ptr + slot, h.to(tl.int32), mask=~placed)
-            tl.store(p_ptr + slot, p.to(p_ptr.dtype.element_ty), mask=~placed)
-            tl.store(c_ptr + slot, v * SIGN, mask=~placed)
+            j2 = tl.load(side_ptr + (v2.to(tl.int32, bitcast=True) >> 23) + 256, mask=ok2, other=-1)
+            ok2 = ok2 & (j2 >= 0)
+            h2 = sample_hash(tl.load(sid_ptr + rows, mask=rm, other=0)[:, None], salt[None, :])
+            slot2 = (cols.to(tl.int64)[None, :] * SIDE + tl.maximum(j2, 0)) * K
+            last2 = tl.load(h_ptr + slot2 + (K - 1), mask=ok2, other=0)
+            if tl.sum((ok2 & (h2 < last2)).to(tl.int32)) > 0:
+                for b in range(b0, tl.minimum(b0 + R, B)):
+                    row = tl.cast(b, tl.int64) * W
+                    v = tl.load(score_ptr + row + cols, mask=cm, other=float("-inf"))
+                    p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
+                    j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=cm, other=-1)
+                    ok = cm & (j >= 0)
+                    h = sample_hash(tl.load(sid_ptr + b), salt)
+                    slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
+                    last = tl.load(h_ptr + slot + (K - 1), mask=ok, other=0)
+                    placed = ~(ok & (h < last))
+                    for jj in range(0, K - 1):  # a loop, not unrolled: --samples-per-bin goes to 1,000
+                        i = K - 1 - jj
+                        prev = tl.load(h_ptr + slot + (i - 1), mask=~placed, other=0)
+                        shift = ~placed & (prev > h)
+                        tl.store(h_ptr + slot + i, prev, mask=shift)
+                        tl.store(p_ptr + slot + i, tl.load(p_ptr + slot + (i - 1), mask=shift), mask=shift)
+                        tl.store(c_ptr + slot + i, tl.load(c_ptr + slot + (i - 1), mask=shift), mask=shift)
+                        put = ~placed & ~shift
+                        tl.store(h_ptr + slot + i, h.to(tl.int32), mask=put)
+                        tl.store(p_ptr + slot + i, p.to(p_ptr.dtype.element_ty), mask=put)
+                        tl.store(c_ptr + slot + i, v * SIGN, mask=put)
+                        placed = placed | put
+                    tl.store(h_ptr + slot, h.to(tl.int32), mask=~placed)
+                    tl.store(p_ptr + slot, p.to(p_ptr.dtype.element_ty), mask=~placed)
+                    tl.store(c_ptr + slot, v * SIGN, mask=~placed)
     tl.store(mx_ptr + cols, best, mask=cm)
     cell = cols[None, :].to(tl.int64) * NPOS + qs[:, None]
     tl.store(ph_ptr + cell, tl.load(ph_ptr + cell, mask=cm[None, :], other=0) + ph, mask=cm[None, :])

@@ -35,6 +35,7 @@ TT = 4  # positions per tile
 WARPS = 4  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
 NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
+OFFER_ROWS = 8  # rows the offer kernel checks at once (`_fused_kernel.offer_kernel`)
 TOPK_STAGES = 3  # rows the top-k kernel's loads run ahead (software pipelining; 1: none)
 FIELD = 65535  # a row longer than this would overflow a 16-bit field
 FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lower it)
@@ -147,7 +148,8 @@ def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -
 
     score, pos = score.contiguous(), pos.contiguous()
     return _launch("offer_kernel", (-(-W // OFFER_BW),), score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
-                   SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, num_warps=4)
+                   SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, R=OFFER_ROWS,
+                   num_warps=4)
 
 
 def topk(score, pos, sids, key, kpos) -> bool:
