@@ -168,6 +168,18 @@ def main(a) -> None:
         g = tuple(layers)
         t_o = timed(lambda: fused_cuda.offer(*ks.offer_args(g, 1, score, pos, batch.sids)))
         out(f"  fused offer kernel alone: {t_o * 1e3:.2f} ms")
+        # on samples filled by eight batches' worth of sentence ids, where few rows still enter:
+        # rows checked R at a time (`fused_cuda.OFFER_ROWS`), R = 1 being row by row
+        n_rows = len(seqs)
+        for rep in range(1, 9):
+            fused_cuda.offer(*ks.offer_args(g, 1, score, pos, batch.sids + rep * n_rows))
+        keep, row = fused_cuda.OFFER_ROWS, []
+        for r in (1, 4, 8, 16):
+            fused_cuda.OFFER_ROWS = r
+            t = timed(lambda: fused_cuda.offer(*ks.offer_args(g, 1, score, pos, batch.sids + 100 * n_rows)))
+            row.append(f"{r} row(s) at a time {t * 1e3:.2f} ms")
+        fused_cuda.OFFER_ROWS = keep
+        out("  fused offer kernel alone, filled samples: " + "; ".join(row))
         # the top-k kernel on full lists that no row enters (the common case once they fill),
         # with its row loads prefetched and without
         key0 = torch.full((score.shape[1], 50), torch.iinfo(torch.long).max, dtype=torch.long, device=score.device)
