@@ -3,7 +3,7 @@
 # spaCy, Ray, DuckDB or FastAPI), from the checkout with PYTHONPATH=src:
 #   here:  .venv/bin/python benchmarks/gpu_fixture.py prepare .dev     (~8 MB: ids + tokenizer)
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
-# Sized for a lent machine's 15 minutes, start-up included: about 8 minutes, in order of priority,
+# Sized for a lent machine's 15 minutes, start-up included: about 9 minutes, in order of priority,
 # each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
 # path: equal states, kernel times, a profile), bench_gpu.py on the SmolLM2-135M shape (every arm,
 # fused included), `ffkv mine` end to end over 20M tokens with the fused kernels, then bench_gpu.py
@@ -25,7 +25,7 @@ part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)";
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
-part 90 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
+part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
 part 110 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000
 part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
