@@ -100,6 +100,15 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
 
 
 @triton.jit
+def _sample_slot(v, sid, salt, cols, mask, side_ptr, SIDE: tl.constexpr, K: tl.constexpr):
+    """For best coefficients v (any shape, with sid, salt and cols broadcast to it): whether each
+    has a positive side bin, its sample hash, and the first of its bin's K sorted slots."""
+    j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=mask, other=-1)
+    slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
+    return mask & (j >= 0), sample_hash(sid, salt), slot
+
+
+@triton.jit
 def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr, h_ptr, p_ptr, c_ptr,
                  B, W, SIGN: tl.constexpr, K: tl.constexpr, SIDE: tl.constexpr, NPOS: tl.constexpr,
                  BW: tl.constexpr, R: tl.constexpr):
@@ -130,20 +139,15 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
             p = tl.load(pos_ptr + tl.cast(b0 + r, tl.int64) * W + cols, mask=cm & live, other=0)
             ph += ((qs[:, None] == pos_bucket(p)[None, :]) & live).to(tl.int32)
         if K > 0:
-            j2 = tl.load(side_ptr + (v2.to(tl.int32, bitcast=True) >> 23) + 256, mask=ok2, other=-1)
-            ok2 = ok2 & (j2 >= 0)
-            h2 = sample_hash(tl.load(sid_ptr + rows, mask=rm, other=0)[:, None], salt[None, :])
-            slot2 = (cols.to(tl.int64)[None, :] * SIDE + tl.maximum(j2, 0)) * K
+            ok2, h2, slot2 = _sample_slot(v2, tl.load(sid_ptr + rows, mask=rm, other=0)[:, None], salt[None, :],
+                                          cols[None, :], ok2, side_ptr, SIDE, K)
             last2 = tl.load(h_ptr + slot2 + (K - 1), mask=ok2, other=0)
             if tl.sum((ok2 & (h2 < last2)).to(tl.int32)) > 0:
                 for b in range(b0, tl.minimum(b0 + R, B)):
                     row = tl.cast(b, tl.int64) * W
                     v = tl.load(score_ptr + row + cols, mask=cm, other=float("-inf"))
                     p = tl.load(pos_ptr + row + cols, mask=cm, other=0)
-                    j = tl.load(side_ptr + (v.to(tl.int32, bitcast=True) >> 23) + 256, mask=cm, other=-1)
-                    ok = cm & (j >= 0)
-                    h = sample_hash(tl.load(sid_ptr + b), salt)
-                    slot = (cols.to(tl.int64) * SIDE + tl.maximum(j, 0)) * K
+                    ok, h, slot = _sample_slot(v, tl.load(sid_ptr + b), salt, cols, cm, side_ptr, SIDE, K)
                     last = tl.load(h_ptr + slot + (K - 1), mask=ok, other=0)
                     placed = ~(ok & (h < last))
                     for jj in range(0, K - 1):  # a loop, not unrolled: --samples-per-bin goes to 1,000
