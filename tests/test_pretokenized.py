@@ -95,6 +95,23 @@ def test_parquet_npy_and_streams_mine_alike(tiny_dirs, tmp_path):
         assert rec.get("context") == (T if name != "npy" else None)
 
 
+def test_empty_rows_are_skipped_and_said(tiny_dirs, tmp_path):
+    """Rows with no token are no sentences: left out of the tables, counted in the manifest and
+    said in the summary, while the other rows keep their own row numbers as doc_id."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 200, size=int(n)).tolist() for n in rng.integers(1, 12, size=20)]
+    for i in (4, 11, 17):
+        rows[i] = []
+    p = write_parquet(tmp_path / "ids.parquet", rows, _tok(tiny_dirs))
+    res = run_cli("mine", "--out", tmp_path / "r", "--model", tiny_dirs["gpt2"], "--corpus", p, *MINE)
+    assert res.returncode == 0, res.stderr
+    assert "3 empty rows skipped" in res.stdout
+    assert _manifest(tmp_path / "r")["corpus"]["counts"]["empty_rows"] == 3
+    got = _sentences(tmp_path / "r")
+    assert sorted(got.column("doc_id").to_pylist()) == [i for i in range(20) if rows[i]]
+    assert all(got.column("token_ids").to_pylist()[k] == rows[d] for k, d in enumerate(got.column("doc_id").to_pylist()))
+
+
 def test_stream_windows_are_the_hand_cut(tiny_dirs, tmp_path):
     """A stream of 10 ids in windows of 4: [0:4], [4:8], [8:10] (the last keeps the rest)."""
     ids = np.array([5, 7, 9, 11, 13, 15, 17, 19, 21, 23])

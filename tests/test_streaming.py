@@ -93,6 +93,7 @@ def test_stream_of_a_pretokenized_corpus(tiny_dirs, tmp_path):
     assert got.column("token_ids").to_pylist() == [rows[d][:20] for d in kept]
     assert got.column("text").to_pylist() == tok.batch_decode([rows[d] for d in kept], skip_special_tokens=True)
     assert counts["truncated"] == sum(len(rows[d]) > 20 for d in kept)
+    assert counts["empty_rows"] == sum(not r for r in rows) > 0  # skipped, and said
 
 
 @settings(max_examples=40, deadline=None)

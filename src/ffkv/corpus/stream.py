@@ -147,12 +147,14 @@ class SentenceStream:
         self.workers = None if workers is None else int(workers)  # None: `resolve_workers`
         self.docs_per_task = max(1, int(docs_per_task))
         self.sentences = self.kept = self.tokens = self.truncated = 0
+        self.empty_rows = None  # a pre-tokenized source's rows with no token (skipped), once read
         self.documents = None  # known once the source is read (the first chunk asked for)
 
     @property
     def counts(self) -> dict:
-        return {**self.src.stats.as_dict(), "sentences": self.kept,
-                "dropped_short": self.sentences - self.kept, "tokens": self.tokens, "truncated": self.truncated}
+        c = {**self.src.stats.as_dict(), "sentences": self.kept,
+             "dropped_short": self.sentences - self.kept, "tokens": self.tokens, "truncated": self.truncated}
+        return c if self.empty_rows is None else {**c, "empty_rows": self.empty_rows}
 
     def _tasks(self):
         """(function, args) per task, in document order."""
@@ -164,6 +166,7 @@ class SentenceStream:
         if rows is not None:
             rows.check(self.tok, self.vocab_size, self.max_length)  # before any forward pass
             lens = np.diff(rows.offsets)[order]
+            self.empty_rows = int((lens == 0).sum())  # said in the manifest and mine's summary
             order = order[lens > 0]  # empty rows are no sentences
             if self.max_sentences:
                 order = order[:self.max_sentences]
