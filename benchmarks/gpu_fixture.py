@@ -1,10 +1,12 @@
 """What a bare GPU box needs to run `ffkv mine` and `ffkv reproduce` end to end (issue 24), built
 from files small enough to carry (`benchmarks/gpu_session.sh`).
 
-    python benchmarks/gpu_fixture.py prepare .dev          # here: WikiText-2 train as token ids + tokenizer
+    python benchmarks/gpu_fixture.py prepare .dev          # here: WikiText-2 train as token ids + tokenizer + Liger
     python benchmarks/gpu_fixture.py build .dev /tmp/w --tokens 20000000 [--layers 30]   # there
 
-prepare needs the embedded SmolLM2 (its tokenizer, from the GGUF) and spaCy; build needs neither:
+prepare needs the embedded SmolLM2 (its tokenizer, from the GGUF) and spaCy, and fetches Liger Kernel's
+pure-Python wheel from the package index into .dev/liger (bench_forward_gpu.py's liger arm; the GPU box
+has no network). build needs none of them:
 it writes a random-weight SmolLM2-135M-shaped model folder (weights do not change the cost) with
 that tokenizer, and a flat uint16 token stream of N tokens cycling WikiText-2 train (stream.u16),
 plus a 200k-token held-out stream from its end (held.u16).
@@ -31,6 +33,29 @@ def prepare(dev: Path) -> None:
     ids, _ = tokenize(tok, open_corpus(str(WT2_TRAIN)).sentences(None), 8192)
     write_parquet(dev / "wt2_train_ids.parquet", ids, tok)
     print(f"{dev}: tokenizer and {len(ids):,} sentences ({sum(map(len, ids)):,} tokens) of WikiText-2 train")
+    liger(dev / "liger")
+
+
+LIGER = "liger-kernel==0.8.5"  # fused Triton RMSNorm, RoPE and SwiGLU for HF models (needs torch, triton)
+
+
+def liger(folder: Path) -> None:
+    """Liger Kernel's package unpacked into `folder` (put on sys.path there), or a line saying why not."""
+    import subprocess
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, LIGER],
+                           capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            print(f"{folder}: not fetched ({(r.stderr.strip().splitlines() or ['no wheel'])[-1][:160]}); "
+                  f"the probe's liger arm will be skipped")
+            return
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extractall(folder, [n for n in z.namelist() if n.startswith("liger_kernel/")])
+    print(f"{folder}: {wheels[0].name} unpacked")
 
 
 def build(dev: Path, out: Path, tokens: int, layers: int) -> None:

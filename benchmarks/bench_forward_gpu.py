@@ -1,0 +1,262 @@
+"""Where a faster mining forward could come from (issue 24): the same batches through four forwards.
+
+    PYTHONPATH=src python3 benchmarks/bench_forward_gpu.py --shape smollm2-135m --corpus ids.parquet \
+        --tokens 1000000 --liger .dev/liger
+
+Mining cannot beat its own forward, and on an H100 the SmolLM2 shape's forward ran below the 400k
+tok/s goal. This probe times, on the same length-sorted batches (budget as `ffkv mine` sizes it),
+interleaved batch by batch, the base model to its last layer (no LM head, as mining stops there):
+
+  stock     right-padded rows and no mask, as mining runs it;
+  packed    the batch's sequences packed into rows of --pack-len tokens, each attending only to
+            itself (position ids restart; a 4D block-causal mask): a tenth of the rows for
+            WikiText's short sentences, so attention launches far fewer tiny tiles;
+  liger     Liger Kernel's fused RMSNorm, RoPE and SwiGLU on a copy of the model (--liger: a
+            folder holding the liger_kernel package; CUDA only);
+  compiled  torch.compile of every decoder layer (dynamic shapes; its compile time is printed).
+
+--arms picks the arms beside stock (default all three).
+
+For each arm: tok/s, its ratio to stock, and its last hidden states at real tokens against
+stock's (max |diff| / max |stock|: a faster forward is worth having only if it computes the same
+thing). Then one stock batch profiled: device time by op, and the shares of attention, matrix
+products and everything else. An arm that cannot run here (no CUDA for Liger, a compile error)
+says why and is left out. Imports neither spaCy, Ray nor DuckDB.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+from _common import out
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402  (after _common, which imports ffkv first)
+
+from bench_gpu import SHAPES, build_shape, corpus_ids, default_tokenizer, stream  # noqa: E402
+
+
+def packed_rows(seqs, pad_id: int, cap: int):
+    """Sequences first-fit into rows of `cap` tokens (at least the longest): ids, position ids,
+    a (R, 1, C, C) bool block-causal mask (a pad attends to itself only, so no row is all -inf),
+    and each sequence's (row, offset)."""
+    cap = max(cap, max(map(len, seqs)))
+    rows, fill, where = [], [], []
+    for s in seqs:
+        r = next((i for i, f in enumerate(fill) if f + len(s) <= cap), None)
+        if r is None:
+            rows.append([])
+            fill.append(0)
+            r = len(rows) - 1
+        where.append((r, fill[r]))
+        rows[r].append(s)
+        fill[r] += len(s)
+    R, C = len(rows), max(fill)
+    ids = np.full((R, C), pad_id, np.int64)
+    pos = np.zeros((R, C), np.int64)
+    seg = np.full((R, C), -1, np.int64)
+    for r, row in enumerate(rows):
+        o = 0
+        for j, s in enumerate(row):
+            ids[r, o:o + len(s)] = s
+            pos[r, o:o + len(s)] = np.arange(len(s))
+            seg[r, o:o + len(s)] = j
+            o += len(s)
+    seg_t = torch.from_numpy(seg)
+    q, k = torch.arange(C)[:, None], torch.arange(C)[None, :]
+    same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0) & (k <= q)
+    same |= torch.eye(C, dtype=torch.bool)
+    return torch.from_numpy(ids), torch.from_numpy(pos), same.unsqueeze(1), where
+
+
+def gather_real(h, lengths, where=None):
+    """(N, d) hidden states of the real tokens, sequence by sequence."""
+    if where is None:
+        where = [(b, 0) for b in range(len(lengths))]
+    return torch.cat([h[r, o:o + n] for (r, o), n in zip(where, lengths)])
+
+
+def liger_arm(hf, folder: str):
+    """A copy of `hf` with Liger's kernels, and the module globals they swap (restored here, so
+    the other arms run stock; `swapped` puts them back around this arm's calls)."""
+    sys.path.insert(0, os.path.abspath(folder))
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    mod = sys.modules[type(hf).__module__]
+    before = dict(vars(mod))
+    model = copy.deepcopy(hf)
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    theirs = {k: v for k, v in vars(mod).items() if before.get(k) is not v}
+    for k in theirs:
+        setattr(mod, k, before[k]) if k in before else delattr(mod, k)
+    return model, mod, theirs
+
+
+class swapped:
+    def __init__(self, mod, values):
+        self.mod, self.values = mod, values
+
+    def __enter__(self):
+        self.old = {k: getattr(self.mod, k, None) for k in self.values}
+        for k, v in self.values.items():
+            setattr(self.mod, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.mod, k, v)
+
+
+def profile(base, ids, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), prof(activities=acts) as p:
+        base(input_ids=ids, use_cache=False)
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ev = [e for e in p.key_averages() if getattr(e, attr, 0) > 0]
+    ev.sort(key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in ev) or 1
+    groups = {"attention": 0.0, "matrix products": 0.0, "the rest": 0.0}
+    for e in ev:
+        n = e.key.lower()
+        g = ("attention" if any(w in n for w in ("attention", "flash", "fmha", "sdpa", "efficient")) else
+             "matrix products" if any(w in n for w in ("gemm", "mm", "matmul", "linear", "cutlass", "sm90", "nvjet"))
+             else "the rest")
+        groups[g] += getattr(e, attr)
+    out(f"profile of one stock batch ({'device' if cuda else 'CPU'} time {total / 1e3:.1f} ms): "
+        + ", ".join(f"{k} {v / total:.0%}" for k, v in groups.items()))
+    for e in ev[:12]:
+        out(f"  {getattr(e, attr) / 1e3:8.2f} ms  {e.count:6d} calls  {e.key[:90]}")
+
+
+def main(a) -> None:
+    from ffkv.corpus.batching import pack
+    from ffkv.mine.engine import MineSettings
+    from ffkv.mine.runner import resolve_batch_tokens
+    from ffkv.model.load import resolve_dtype
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = resolve_dtype(a.dtype, device)
+    mm = build_shape(a.shape, device, dtype)
+    ids, _ = corpus_ids(a.corpus, mm, default_tokenizer)
+    toks = stream(ids, a.tokens, mm.max_length or 8192)
+    lengths = [len(t) for t in toks]
+    bt = resolve_batch_tokens(mm, MineSettings(batch_tokens=a.batch_tokens))
+    batches = pack(lengths, bt)
+    ntok = sum(lengths)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out(f"bench_forward_gpu: random-weight {a.shape} shape, {str(dtype).replace('torch.', '')} on "
+        f"{torch.cuda.get_device_name(0) if cuda else 'CPU (' + str(torch.get_num_threads()) + ' threads)'} "
+        f"(torch {torch.__version__}); {ntok:,} tokens in {len(toks):,} sequences, {len(batches)} batches of "
+        f"up to {bt} tokens; packed rows of {a.pack_len} tokens")
+    pad = mm.pad_id()
+    stock_base = mm.hf.model
+    want = set(a.arms)
+    arms = {"stock": stock_base, **({"packed": stock_base} if "packed" in want else {})}
+    ctx = {}
+    if a.liger and "liger" in want:
+        if not cuda:
+            out("liger: skipped (its kernels need a CUDA device)")
+        else:
+            try:
+                lm, mod, theirs = liger_arm(mm.hf, a.liger)
+                arms["liger"], ctx["liger"] = lm.model, swapped(mod, theirs)
+                out(f"liger: Liger Kernel {_version('liger_kernel')} on a copy; module globals swapped in its "
+                    f"calls only: {sorted(theirs) or 'none'}")
+            except Exception as e:  # noqa: BLE001  (a probe: say why, run the other arms)
+                out(f"liger: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+    if "compiled" in want:
+        cm = copy.deepcopy(mm.hf)
+        for layer in cm.model.layers:
+            layer.compile(dynamic=True)
+        arms["compiled"] = cm.model
+
+    def run(arm, b):
+        seqs = [toks[i] for i in b]
+        if arm == "packed":
+            pids, ppos, pmask, where = packed_rows(seqs, pad, a.pack_len)
+            kw = dict(input_ids=pids.to(device), position_ids=ppos.to(device), attention_mask=pmask.to(device))
+        else:
+            where = None
+            kw = dict(input_ids=mm.batch(seqs)[0].to(device))
+        from contextlib import nullcontext
+
+        with torch.no_grad(), ctx.get(arm, nullcontext()):
+            h = arms[arm](use_cache=False, **kw).last_hidden_state
+        return h, where, [len(s) for s in seqs]
+
+    # correctness and warm-up (compile included) on the first two batches, untimed
+    ref = None
+    for name in list(arms):
+        t0 = time.perf_counter()
+        try:
+            for b in batches[:2]:
+                h, where, lens = run(name, b)
+                sync()
+                if b is batches[0]:
+                    got = gather_real(h, lens, where).float()
+                    if name == "stock":
+                        ref = got
+                        out(f"stock: rows of {h.shape[1]} tokens, {h.shape[0]} rows in the first batch")
+                    else:
+                        err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+                        rows = f", {h.shape[0]} rows in the first batch" if name == "packed" else ""
+                        out(f"{name}: last hidden states at real tokens, max |diff| / max |stock| = {err:.2e}{rows}")
+        except Exception as e:  # noqa: BLE001
+            out(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            del arms[name]
+            continue
+        if name == "compiled":
+            out(f"compiled: warm-up (compile) {time.perf_counter() - t0:.1f} s over two batches")
+    secs = {k: 0.0 for k in arms}
+    timed = batches[2:] or batches
+    tokens = sum(lengths[i] for b in timed for i in b)
+    for bi, b in enumerate(timed):
+        for arm in (list(arms) if bi % 2 == 0 else list(arms)[::-1]):
+            sync()
+            t0 = time.perf_counter()
+            run(arm, b)
+            sync()
+            secs[arm] += time.perf_counter() - t0
+    base = secs["stock"]
+    out(f"throughput over {tokens:,} tokens ({len(timed)} batches): " + "; ".join(
+        f"{k} {tokens / v:,.0f} tok/s ({base / v:.2f}x)" for k, v in secs.items()))
+    profile(stock_base, mm.batch([toks[i] for i in timed[0]])[0].to(device), cuda)
+
+
+def _version(pkg: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:  # noqa: BLE001  (a folder on sys.path, not an installed distribution)
+        return getattr(sys.modules.get(pkg), "__version__", "(folder)")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--corpus", default=None, help="a Parquet file of token id lists, or a text corpus spec")
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--batch-tokens", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--pack-len", type=int, default=256, help="tokens per packed row (default 256)")
+    ap.add_argument("--liger", default=None, help="a folder holding the liger_kernel package (CUDA only)")
+    ap.add_argument("--arms", default="packed,liger,compiled",
+                    help="arms beside stock, comma-separated (default packed,liger,compiled; the compile can take "
+                         "a minute, so a short lease may time it in a second run: --arms compiled)")
+    a = ap.parse_args()
+    a.arms = [x for x in a.arms.split(",") if x]
+    if set(a.arms) - {"stock", "packed", "liger", "compiled"}:
+        print(f"bench_forward_gpu: --arms takes packed, liger and compiled, not {a.arms}", file=sys.stderr)
+        sys.exit(2)
+    if a.tokens < 1 or a.pack_len < 1:
+        print("bench_forward_gpu: --tokens and --pack-len must be at least 1", file=sys.stderr)
+        sys.exit(2)
+    main(a)
