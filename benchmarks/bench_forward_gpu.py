@@ -8,7 +8,7 @@ tok/s goal. This probe times, on the same length-sorted batches (budget as `ffkv
 interleaved batch by batch, the base model to its last layer (no LM head, as mining stops there):
 
   stock     right-padded rows and no mask, as mining runs it;
-  packed    the batch's sequences packed into rows of --pack-len tokens, each attending only to
+  packedN   the batch's sequences packed into rows of N tokens (--pack-len, each length an arm), each attending only to
             itself (position ids restart; a 4D block-causal mask): a tenth of the rows for
             WikiText's short sentences, so attention launches far fewer tiny tiles;
   liger     Liger Kernel's fused RMSNorm, RoPE and SwiGLU on a copy of the model (--liger: a
@@ -154,11 +154,11 @@ def main(a) -> None:
     out(f"bench_forward_gpu: random-weight {a.shape} shape, {str(dtype).replace('torch.', '')} on "
         f"{torch.cuda.get_device_name(0) if cuda else 'CPU (' + str(torch.get_num_threads()) + ' threads)'} "
         f"(torch {torch.__version__}); {ntok:,} tokens in {len(toks):,} sequences, {len(batches)} batches of "
-        f"up to {bt} tokens; packed rows of {a.pack_len} tokens")
+        f"up to {bt} tokens; packed rows of {', '.join(map(str, a.pack_len))} tokens")
     pad = mm.pad_id()
     stock_base = mm.hf.model
     want = set(a.arms)
-    arms = {"stock": stock_base, **({"packed": stock_base} if "packed" in want else {})}
+    arms = {"stock": stock_base, **({f"packed{n}": stock_base for n in a.pack_len} if "packed" in want else {})}
     ctx = {}
     if a.liger and "liger" in want:
         if not cuda:
@@ -179,8 +179,8 @@ def main(a) -> None:
 
     def run(arm, b):
         seqs = [toks[i] for i in b]
-        if arm == "packed":
-            pids, ppos, pmask, where = packed_rows(seqs, pad, a.pack_len)
+        if arm.startswith("packed"):
+            pids, ppos, pmask, where = packed_rows(seqs, pad, int(arm[6:]))
             kw = dict(input_ids=pids.to(device), position_ids=ppos.to(device), attention_mask=pmask.to(device))
         else:
             where = None
@@ -206,7 +206,7 @@ def main(a) -> None:
                         out(f"stock: rows of {h.shape[1]} tokens, {h.shape[0]} rows in the first batch")
                     else:
                         err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-                        rows = f", {h.shape[0]} rows in the first batch" if name == "packed" else ""
+                        rows = f", {h.shape[0]} rows in the first batch" if name.startswith("packed") else ""
                         out(f"{name}: last hidden states at real tokens, max |diff| / max |stock| = {err:.2e}{rows}")
         except Exception as e:  # noqa: BLE001
             out(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
@@ -246,7 +246,7 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--batch-tokens", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--pack-len", type=int, default=256, help="tokens per packed row (default 256)")
+    ap.add_argument("--pack-len", default="128,256", help="tokens per packed row, one arm each (default 128,256)")
     ap.add_argument("--liger", default=None, help="a folder holding the liger_kernel package (CUDA only)")
     ap.add_argument("--arms", default="packed,liger,compiled",
                     help="arms beside stock, comma-separated (default packed,liger,compiled; the compile can take "
@@ -256,7 +256,11 @@ if __name__ == "__main__":
     if set(a.arms) - {"stock", "packed", "liger", "compiled"}:
         print(f"bench_forward_gpu: --arms takes packed, liger and compiled, not {a.arms}", file=sys.stderr)
         sys.exit(2)
-    if a.tokens < 1 or a.pack_len < 1:
-        print("bench_forward_gpu: --tokens and --pack-len must be at least 1", file=sys.stderr)
+    try:
+        a.pack_len = [int(x) for x in a.pack_len.split(",") if x]
+    except ValueError:
+        a.pack_len = []
+    if a.tokens < 1 or not a.pack_len or min(a.pack_len) < 1:
+        print("bench_forward_gpu: --tokens and each --pack-len must be whole numbers of at least 1", file=sys.stderr)
         sys.exit(2)
     main(a)
