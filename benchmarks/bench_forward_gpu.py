@@ -9,7 +9,8 @@ interleaved batch by batch, the base model to its last layer (no LM head, as min
 
   stock     right-padded rows and no mask, as mining runs it;
   packedN   the batch's sequences packed into rows of N tokens (--pack-len, each length an arm), each attending only to
-            itself (position ids restart; a 4D block-causal mask): a tenth of the rows for
+            itself (position ids restart, no mask: transformers finds the packed sequences and masks
+            across them, as it does for packed training batches): a tenth of the rows for
             WikiText's short sentences, so attention launches far fewer tiny tiles;
   liger     Liger Kernel's fused RMSNorm, RoPE and SwiGLU on a copy of the model (--liger: a
             folder holding the liger_kernel package; CUDA only);
@@ -40,36 +41,30 @@ from bench_gpu import SHAPES, build_shape, corpus_ids, default_tokenizer, stream
 
 
 def packed_rows(seqs, pad_id: int, cap: int):
-    """Sequences first-fit into rows of `cap` tokens (at least the longest): ids, position ids,
-    a (R, 1, C, C) bool block-causal mask (a pad attends to itself only, so no row is all -inf),
-    and each sequence's (row, offset)."""
+    """Sequences next-fit into rows of `cap` tokens (at least the longest): ids, position ids
+    restarting at each sequence (a pad is a sequence of one), and each sequence's (row, offset).
+    No mask: given position ids and no mask, transformers finds the packed sequences itself and
+    builds the block-causal mask its attention takes (sdpa, eager, flex; varlen for flash)."""
     cap = max(cap, max(map(len, seqs)))
-    rows, fill, where = [], [], []
+    rows, where = [[]], []
+    fill = 0
     for s in seqs:
-        r = next((i for i, f in enumerate(fill) if f + len(s) <= cap), None)
-        if r is None:
+        if fill + len(s) > cap:
             rows.append([])
-            fill.append(0)
-            r = len(rows) - 1
-        where.append((r, fill[r]))
-        rows[r].append(s)
-        fill[r] += len(s)
-    R, C = len(rows), max(fill)
-    ids = np.full((R, C), pad_id, np.int64)
-    pos = np.zeros((R, C), np.int64)
-    seg = np.full((R, C), -1, np.int64)
+            fill = 0
+        where.append((len(rows) - 1, fill))
+        rows[-1].append(s)
+        fill += len(s)
+    C = max(sum(map(len, r)) for r in rows)
+    ids = np.full((len(rows), C), pad_id, np.int64)
+    pos = np.zeros((len(rows), C), np.int64)
     for r, row in enumerate(rows):
         o = 0
-        for j, s in enumerate(row):
+        for s in row:
             ids[r, o:o + len(s)] = s
             pos[r, o:o + len(s)] = np.arange(len(s))
-            seg[r, o:o + len(s)] = j
             o += len(s)
-    seg_t = torch.from_numpy(seg)
-    q, k = torch.arange(C)[:, None], torch.arange(C)[None, :]
-    same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0) & (k <= q)
-    same |= torch.eye(C, dtype=torch.bool)
-    return torch.from_numpy(ids), torch.from_numpy(pos), same.unsqueeze(1), where
+    return torch.from_numpy(ids), torch.from_numpy(pos), where
 
 
 def gather_real(h, lengths, where=None):
@@ -180,8 +175,8 @@ def main(a) -> None:
     def run(arm, b):
         seqs = [toks[i] for i in b]
         if arm.startswith("packed"):
-            pids, ppos, pmask, where = packed_rows(seqs, pad, int(arm[6:]))
-            kw = dict(input_ids=pids.to(device), position_ids=ppos.to(device), attention_mask=pmask.to(device))
+            pids, ppos, where = packed_rows(seqs, pad, int(arm[6:]))
+            kw = dict(input_ids=pids.to(device), position_ids=ppos.to(device))
         else:
             where = None
             kw = dict(input_ids=mm.batch(seqs)[0].to(device))

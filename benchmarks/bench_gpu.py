@@ -13,7 +13,8 @@ sentence splitter: what a machine without spaCy runs). --tokens N streams N toke
 corpus when it is shorter. On the same length-packed batches (budget: --batch-tokens, default
 auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, the
 forward as mining runs it with nothing captured (its ceiling), mining (top-50 of every key, --no-stats), mining with key statistics, and both again with the fused
-kernels (`FFKV_TRITON=1`, where Triton and CUDA are). It prints tok/s and ratios, host
+kernels (`FFKV_TRITON=1`, where Triton and CUDA are), and with --pack C the ceiling and mining
+with statistics in packed rows of C tokens (`FFKV_PACK`, `ffkv.mine.packing`). It prints tok/s and ratios, host
 preparation tok/s (corpus -> token ids; and streamed as `ffkv mine` streams it, with each
 --workers count), peak GPU memory (CUDA), the trackers' aten ops per
 layer and batch (torch.profiler, the CPU proxy of kernel launches) and the projected wall time
@@ -226,7 +227,18 @@ def main(a) -> dict:
         line += f"; fused kernels (a launch counts one): {fb:.1f} top-k only, {ff:.1f} with key statistics"
     out(line)
     arms = ["plain", "floor", "bare", "stats"] + (["bare_fused", "stats_fused"] if fused else [])
-    states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms[2:]}
+    packed = None
+    if a.pack:
+        from ffkv.mine.packing import Packed, refusal
+
+        why = refusal(mm)
+        if why:
+            out(f"packed rows (FFKV_PACK={a.pack}): skipped, {why}")
+        else:
+            packed = a.pack
+            arms += ["floor_packed", "stats_packed"] + (["stats_fused_packed"] if fused else [])
+    states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms
+              if not arm.startswith(("plain", "floor"))}
     sids = list(range(len(toks)))
     secs = {arm: 0.0 for arm in arms}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -240,7 +252,8 @@ def main(a) -> dict:
         ids_b, mask = mm.batch([toks[i] for i in idx])
         ids_b, mask = ids_b.to(mm.device), mask.to(mm.device)
         for arm in (arms if bi % 2 == 0 else arms[::-1]):
-            os.environ["FFKV_TRITON"] = "1" if arm.endswith("_fused") else "0"
+            os.environ["FFKV_TRITON"] = "1" if "_fused" in arm else "0"
+            os.environ["FFKV_PACK"] = str(packed) if arm.endswith("_packed") else "0"
             sync()
             t0 = time.perf_counter()
             if arm == "plain":
@@ -249,11 +262,18 @@ def main(a) -> dict:
             elif arm == "floor":  # what mining's forward costs with nothing captured: its ceiling
                 with torch.no_grad():
                     mm.capture(ids_b, None, what=())
+            elif arm == "floor_packed":  # the same in packed rows (`ffkv.mine.packing`)
+                from ffkv.mine.engine import flat_rows
+
+                p = Packed(*flat_rows(toks, idx), mm.pad_id(), packed, mm.device)
+                with torch.no_grad():
+                    mm.capture(p.ids, None, what=(), position_ids=p.position_ids)
             else:
                 mine_batches(mm, states[arm], toks, sids, [(bi, idx)])
             sync()
             secs[arm] += time.perf_counter() - t0
     os.environ["FFKV_TRITON"] = flag
+    os.environ.pop("FFKV_PACK", None)
     rate = {k: ntok / v for k, v in secs.items()}
     out(f"throughput: plain forward (with logits) {rate['plain']:,.0f} tok/s; mining {rate['bare']:,.0f} tok/s "
         f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
@@ -268,6 +288,14 @@ def main(a) -> dict:
             + (f"; BROKEN, the portable path ran: {broken}" if broken else ""))
     else:
         out("throughput, fused kernels: skipped (no Triton, or no CUDA device)")
+    if packed:
+        line = (f"throughput, packed rows of {packed} tokens (FFKV_PACK={packed}, ffkv.mine.packing): mining's ceiling "
+                f"{rate['floor_packed']:,.0f} tok/s ({secs['floor'] / secs['floor_packed']:.2f}x the padded ceiling); "
+                f"mining with key statistics {rate['stats_packed']:,.0f} tok/s ({secs['plain'] / secs['stats_packed']:.2f}x)")
+        if fused:
+            line += (f", fused {rate['stats_fused_packed']:,.0f} tok/s "
+                     f"({secs['plain'] / secs['stats_fused_packed']:.2f}x)")
+        out(line)
     out(f"host preparation (corpus -> token ids, one process): {host_tok_s:,.0f} tok/s")
     streamed = None
     try:
@@ -280,7 +308,7 @@ def main(a) -> dict:
             f"{r:,.0f} tok/s {'in-process' if w == 0 else f'with {w} worker process(es)'} (first chunk after {t0:.1f} s)"
             for w, (r, t0) in streamed.items()) + f"; {torch.get_num_threads()} torch threads, "
             f"{len(os.sched_getaffinity(0))} cores")
-    best_stats = max(rate["stats"], rate.get("stats_fused", 0.0))
+    best_stats = max(v for k, v in rate.items() if k.startswith("stats"))
     hours = 1e8 / best_stats / 3600
     serial = 1e8 / best_stats + 1e8 / host_tok_s
     line = (f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
@@ -319,6 +347,8 @@ if __name__ == "__main__":
                     help="worker counts for the streamed host figure, e.g. 0,4 (default: 0 and the mine step's default, "
                          "at least 1)")
     ap.add_argument("--host-tokens", type=int, default=300_000, help="tokens streamed per worker count")
+    ap.add_argument("--pack", type=int, default=0,
+                    help="also time mining's forward in packed rows of this many tokens (FFKV_PACK; 0: not)")
     args = ap.parse_args()
     from ffkv.corpus.stream import default_workers
 
@@ -328,7 +358,7 @@ if __name__ == "__main__":
     except ValueError:
         print(f"bench_gpu: --workers takes whole numbers, e.g. 0,4 (got {args.workers!r})", file=sys.stderr)
         sys.exit(2)
-    if args.tokens < 1:
-        print("bench_gpu: --tokens must be at least 1", file=sys.stderr)
+    if args.tokens < 1 or args.pack < 0:
+        print("bench_gpu: --tokens must be at least 1, and --pack at least 0", file=sys.stderr)
         sys.exit(2)
     main(args)

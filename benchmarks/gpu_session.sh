@@ -18,8 +18,8 @@ PY=${PY:-python3}
 W=${W:-/tmp/gpu_work}; rm -rf "$W"; mkdir -p "$W"
 DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
-if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 MINE=100000 LAYERS=2 T=200; else
-  S1=2000000 S8=100000 S1B=500000 MINE=20000000 LAYERS=30 T=1; fi
+if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
+  S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=20000000 LAYERS=30 T=1; fi
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
   echo "=== rc=$rc in $(echo "$(date +%s.%N) - $t0" | bc 2>/dev/null || $PY -c "import time;print(round(time.time()-$t0,1))") s"; }
@@ -27,7 +27,7 @@ part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)";
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
 part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
-part 110 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000
+part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000 --pack 256
 part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
 part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json

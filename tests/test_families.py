@@ -371,6 +371,25 @@ def test_mined_top1_equals_brute_force(family_model):
 
 
 @pytest.mark.parametrize("family_model", _supported(), indirect=True)
+def test_packed_mining_equals_brute_force(family_model, monkeypatch, capsys):
+    """FFKV_PACK=40: several sentences share a row (position ids restarting, no mask), and the
+    mined top-1 still equals each sentence run alone. A family whose forward mixes packed
+    sentences fails `refusal`'s check (run on the model), says so once and mines padded rows,
+    with the same result; without the check, those families' results differ (seen for BLOOM and
+    the three Falcon layouts)."""
+    name, mm = family_model
+    monkeypatch.setenv("FFKV_PACK", "40")
+    mm.__dict__.pop("_pack_refusal", None)
+    refused = name.split("-")[0] in ("bloom", "falcon")  # ALiBi, or masks of their own: the check finds them
+    from ffkv import errors
+
+    errors._said.clear()  # said once a process: this test's model must say it again
+    assert_mined_top1(mm, FAMILIES[name], 12, name)
+    assert (mm.__dict__["_pack_refusal"] is not None) == refused, mm.__dict__["_pack_refusal"]
+    assert ("ffkv: FFKV_PACK: padded rows for this model" in capsys.readouterr().err) == refused
+
+
+@pytest.mark.parametrize("family_model", _supported(), indirect=True)
 def test_suppressing_a_memory_matches_a_hook(family_model):
     """ffkv's intervention vs. a hand-written hook: memory (ℓ, i) removed at the last position is
     m_i·v_i taken out of what the FFN adds (a post-FFN norm keeps the token's scale)."""

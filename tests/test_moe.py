@@ -227,12 +227,15 @@ def _brute_m(mm, name, token_lists):
     return coefs
 
 
+@pytest.mark.parametrize("packed", ["0", "40"])
 @pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe", "olmoe-top1"], indirect=True)
-def test_mined_top1_equals_brute_force(moe_model):
+def test_mined_top1_equals_brute_force(moe_model, packed, monkeypatch):
+    """Padded rows, and (FFKV_PACK=40) several sentences to a row: routing is per token."""
     from ffkv.corpus.batching import pack
     from ffkv.mine.runner import MineSettings, mine_batches, new_state
 
     name, mm = moe_model
+    monkeypatch.setenv("FFKV_PACK", packed)
     token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(12)]
     coefs = _brute_m(mm, name, token_lists)
     s = MineSettings(top_k=1, negative=True, batch_tokens=60)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ffkv.mine.topk import TopKState
 from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-exported)
@@ -74,36 +75,59 @@ class FlatTokens:
 
 
 def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None) -> MineState:
-    """Feed batches (lists of indices into token_lists) through one captured pass each."""
+    """Feed batches (lists of indices into token_lists) through one captured pass each; in packed
+    rows when FFKV_PACK asks for them and the model takes them (`ffkv.mine.packing`)."""
+    from ffkv.mine.packing import Packed, cap_for
+
+    cap = cap_for(mm)
     for bi, idx in batches:
-        if isinstance(token_lists, FlatTokens):
-            ids, mask, lens = batch_tensors(mm, token_lists, idx)
+        if cap:
+            flat, lens = flat_rows(token_lists, idx)
+            p = Packed(flat, lens, mm.pad_id(), cap, getattr(mm, "device", "cpu"))
+            lens_t = torch.as_tensor(lens).to(p.ids.device, non_blocking=True)
+            mask = torch.arange(p.shape[1], device=p.ids.device)[None, :] < lens_t[:, None]
+            lens = lens.tolist()
+            batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+            # position ids and no mask: transformers masks attention across the packed sentences
+            mm.capture(p.ids, None, layers=state.layers, what=("m",), position_ids=p.position_ids,
+                       callback=lambda l, name, m: state.update(l, p.unpack(m), batch))
         else:
-            seqs = [token_lists[i] for i in idx]
-            ids, mask = mm.batch(seqs)
-            lens = [len(x) for x in seqs]
-        batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-        # No attention mask: the rows are right-padded, so under causal attention no real token
-        # sees a pad, and the model's outputs at real tokens are the same. With a padding mask,
-        # transformers builds a 4D mask (no flash attention on CUDA) after reading the mask on
-        # the host (a sync a batch). The trackers still take the mask, through `batch`.
-        mm.capture(ids, None, layers=state.layers, what=("m",),
-                   callback=lambda l, name, m: state.update(l, m, batch))
+            if isinstance(token_lists, FlatTokens):
+                ids, mask, lens = batch_tensors(mm, token_lists, idx)
+            else:
+                seqs = [token_lists[i] for i in idx]
+                ids, mask = mm.batch(seqs)
+                lens = [len(x) for x in seqs]
+            batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+            # No attention mask: the rows are right-padded, so under causal attention no real token
+            # sees a pad, and the model's outputs at real tokens are the same. With a padding mask,
+            # transformers builds a 4D mask (no flash attention on CUDA) after reading the mask on
+            # the host (a sync a batch). The trackers still take the mask, through `batch`.
+            mm.capture(ids, None, layers=state.layers, what=("m",),
+                       callback=lambda l, name, m: state.update(l, m, batch))
         if on_batch is not None:
             on_batch(bi, int(sum(lens)))
     return state
+
+
+def flat_rows(tokens, idx) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `idx` of `tokens` (FlatTokens, or lists) one after another, and their lengths."""
+    if not isinstance(tokens, FlatTokens):
+        seqs = [np.asarray(tokens[i], dtype=np.int64).reshape(-1) for i in idx]
+        return np.concatenate(seqs), np.fromiter(map(len, seqs), np.int64, len(seqs))
+    idx = np.asarray(idx, np.int64)
+    start = tokens.offsets[idx]
+    lens = tokens.offsets[idx + 1] - start
+    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    return tokens.values[np.repeat(start, lens) + cols], lens
 
 
 def batch_tensors(mm, tokens: FlatTokens, idx):
     """`MemoryModel.batch` of flat rows, in numpy (no Python list per row): (ids, mask, lengths)."""
     from ffkv.model.memories import pad_rows
 
-    idx = np.asarray(idx, np.int64)
-    start = tokens.offsets[idx]
-    lens = tokens.offsets[idx + 1] - start
-    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    ids, mask = pad_rows(tokens.values[np.repeat(start, lens) + cols], lens, mm.pad_id(),
-                         getattr(mm, "device", "cpu"))
+    flat, lens = flat_rows(tokens, idx)
+    ids, mask = pad_rows(flat, lens, mm.pad_id(), getattr(mm, "device", "cpu"))
     return ids, mask, lens.tolist()
 
 

@@ -19,15 +19,16 @@ ops in all (`tests/test_fused_cuda.py`), against 132 and 235 for the portable pa
 
 Off unless `FFKV_TRITON=1` until a GPU has measured it against the portable path
 (`benchmarks/gpu_session.sh` runs both). A kernel that fails to compile turns the path off for
-the process with one warning, and the portable path runs instead.
+the process with one line on stderr (`ffkv.errors.notice`), and the portable path runs instead.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 
 import torch
+
+from ffkv.errors import notice
 
 BW = 64  # keys per program of the capture kernel
 ROWS = 8  # rows per program
@@ -76,7 +77,7 @@ def bin_lut(device) -> torch.Tensor:
 
 def _launch(kernel, grid, *args, **kw) -> bool:
     """Launch `kernel` (its name in `_fused_kernel`); on a compile or launch error turn this path
-    off (one warning) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
+    off (one line on stderr) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
     GPU instead and runs nothing."""
     global _broken, launches
     if _aot is not None:  # a compile error there is the tool's to show, not to fall back from
@@ -93,7 +94,7 @@ def _launch(kernel, grid, *args, **kw) -> bool:
         return True
     except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
         _broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        warnings.warn(f"ffkv: the fused CUDA kernels failed ({_broken}); using the portable path", stacklevel=3)
+        notice(f"the fused CUDA kernels failed ({_broken}); using the portable path")
         return False
 
 

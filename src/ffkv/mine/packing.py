@@ -1,0 +1,129 @@
+"""Mining's forward over packed rows (off unless FFKV_PACK=C, tokens per row).
+
+A mining batch of short sentences is some 2,000 right-padded rows of about 12 tokens. On a GPU,
+attention then runs a tile per row and head, and took as long as all of the model's products in
+a profile of the SmolLM2 shape (benchmarks/GPU.md). Packed, the same sentences sit side by side in
+rows of C tokens, their position ids restarting at each sentence. Given position ids and no mask,
+transformers finds the packed sequences itself and masks attention across them (as for packed
+training batches), so every sentence's forward is its own. The captures are then put back in the
+padded (B, T) layout that the trackers read, so nothing after the forward changes.
+
+Off by default until a GPU says it wins (`benchmarks/bench_forward_gpu.py` times it); on a CPU it
+does not (0.89-1.04x). A model whose forward does not keep packed sentences apart (found by
+running it: `refusal`) keeps padded rows.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ffkv.errors import FfkvError, notice
+
+ENV = "FFKV_PACK"
+CHECK_LENGTHS = (5, 7, 3)  # the self-check's sentences, packed into one row
+
+
+def rows_tokens() -> int | None:
+    """C from FFKV_PACK (tokens per packed row), None when unset or 0."""
+    raw = os.environ.get(ENV, "").strip()
+    if raw in ("", "0"):
+        return None
+    try:
+        c = int(raw)
+    except ValueError:
+        c = -1
+    if c < 1:
+        raise FfkvError(f"{ENV}={raw!r}: give the tokens per packed row as a whole number (e.g. 256), or 0 for "
+                        f"padded rows")
+    return c
+
+
+@torch.no_grad()
+def refusal(mm) -> str | None:
+    """Why this model's forward cannot take packed rows, found by running it (None: it can).
+
+    Whether a family honours restarting position ids and masks across packed sentences is up to
+    its transformers code (ALiBi families, OPT and Falcon do not), and may change with the
+    version: so three short sentences go through the model packed into one row and as padded
+    rows, and their coefficients at the first and last layers must agree to the dtype's rounding."""
+    vocab = min(int(mm.vocab_size), len(mm.tok)) if mm.tok is not None else int(mm.vocab_size)
+    g = np.random.default_rng(0)
+    lens = np.array(CHECK_LENGTHS, np.int64)
+    flat = g.integers(0, vocab, int(lens.sum()))
+    dev = getattr(mm, "device", "cpu")
+    layers = sorted({0, mm.n_layers - 1})
+    p = Packed(flat, lens, mm.pad_id(), int(lens.sum()), dev)
+    got = mm.capture(p.ids, None, layers=layers, what=("m",), position_ids=p.position_ids)
+    from ffkv.model.memories import pad_rows
+
+    ids, mask = pad_rows(flat, lens, mm.pad_id(), dev)
+    want = mm.capture(ids, None, layers=layers, what=("m",))
+    keep = mask.bool()
+    tol = 1e-4 if mm.dtype == torch.float32 else 3e-2
+    for l in layers:
+        a = p.unpack(got[l]["m"]).float()[keep]
+        b = want[l]["m"].float()[keep]
+        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        if not err <= tol:  # NaN too
+            return f"its sentences see each other or lose their positions in a packed row (layer {l}: {err:.1e})"
+    return None
+
+
+def cap_for(mm) -> int | None:
+    """C for this model, or None: FFKV_PACK unset, or the model fails the check (said once)."""
+    c = rows_tokens()
+    if c is None:
+        return None
+    why = mm.__dict__.get("_pack_refusal", False)
+    if why is False:
+        why = mm.__dict__["_pack_refusal"] = refusal(mm)
+        if why:
+            notice(f"{ENV}: padded rows for this model: {why}")
+    return None if why else c
+
+
+class Packed:
+    """One batch's sentences in packed rows, and the way back to its padded (B, T) layout."""
+
+    def __init__(self, flat: np.ndarray, lens, pad_id: int, cap: int, device):
+        lens = np.asarray(lens, dtype=np.int64)
+        B, T = len(lens), int(lens.max())
+        cap = max(int(cap), T)
+        # next-fit in the batch's order (length-sorted by `pack`, so rows fill well)
+        row = np.empty(B, np.int64)
+        off = np.empty(B, np.int64)
+        r = fill = 0
+        for i, n in enumerate(lens.tolist()):
+            if fill + n > cap:
+                r, fill = r + 1, 0
+            row[i], off[i] = r, fill
+            fill += n
+        R, C = r + 1, int((off + lens).max())
+        starts = np.cumsum(lens) - lens
+        t = np.arange(int(lens.sum())) - np.repeat(starts, lens)
+        dest = np.repeat(row * C + off, lens) + t  # flat packed slot of each real token
+        ids = np.full(R * C, pad_id, np.int64)
+        ids[dest] = flat
+        pos = np.zeros(R * C, np.int64)  # a pad is a sequence of one (position 0): it sees itself only
+        pos[dest] = t
+        # padded (b, t) -> packed slot; a pad position reads its row's last real token (finite,
+        # and the trackers never read it: they take the lengths and the mask)
+        tt = np.minimum(np.arange(T)[None, :], lens[:, None] - 1)
+        index = (row * C + off)[:, None] + tt
+        dev = torch.device(device)
+        pin = dev.type == "cuda"
+
+        def put(a):
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(dev, non_blocking=True) if pin else t.to(dev)
+
+        self.ids, self.position_ids = put(ids.reshape(R, C)), put(pos.reshape(R, C))
+        self.index = put(index.reshape(-1))
+        self.shape = (B, T)
+        self.rows = R
+
+    def unpack(self, m: torch.Tensor) -> torch.Tensor:
+        """(R, C, n) packed captures -> (B, T, n) in the padded layout."""
+        return m.reshape(-1, m.shape[-1]).index_select(0, self.index).view(*self.shape, m.shape[-1])
