@@ -5,6 +5,8 @@ Every family's packed mining against a per-sentence brute force is in tests/test
 tests/test_moe.py (`test_packed_mining_equals_brute_force`, FFKV_PACK=40)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +38,8 @@ def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path
     said = [l for l in res.stderr.splitlines() if "FFKV_PACK" in l]
     assert said == ([f"ffkv: FFKV_PACK: padded rows for this model: {why}"] if why else []), res.stderr
     _assert_same_mine(tmp_path / "packed", want)
+    rec = json.loads((tmp_path / "packed" / "manifest.json").read_text())["steps"]["mine"]
+    assert rec["packed_rows"] == (None if why else 48)
 
 
 @pytest.mark.parametrize("value", ["x", "-3", "1.5", "1e9x"])

@@ -264,7 +264,8 @@ def compute(ctx) -> dict:
             "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1,
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
-            "device": str(getattr(mm, "device", "")), "batches": plan.record()}
+            "device": str(getattr(mm, "device", "")), "batches": plan.record(),
+            "packed_rows": _packed_rows(mm)}
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
@@ -272,6 +273,13 @@ def compute(ctx) -> dict:
     else:
         info["stats"] = None
     return info
+
+
+def _packed_rows(mm) -> int | None:
+    """Tokens per packed row of the forward (FFKV_PACK, `ffkv.mine.packing`), None: padded rows."""
+    from ffkv.mine.packing import cap_for
+
+    return cap_for(mm)
 
 
 def _ray_plan(run, s: MineSettings, bt: int):
