@@ -40,6 +40,7 @@ def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path
     _assert_same_mine(tmp_path / "packed", want)
     rec = json.loads((tmp_path / "packed" / "manifest.json").read_text())["steps"]["mine"]
     assert rec["packed_rows"] == (None if why else 48)
+    assert ("packed rows of 48 tokens" in res.stdout) == (why is None), res.stdout
 
 
 @pytest.mark.parametrize("value", ["x", "-3", "1.5", "1e9x"])

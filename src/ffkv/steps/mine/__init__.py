@@ -209,7 +209,9 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
     n = c.get("sentences")
     empty = f", {c['empty_rows']} empty row{'' if c['empty_rows'] == 1 else 's'} skipped" if c.get("empty_rows") else ""
     print(f"mined {n} sentence{'' if n == 1 else 's'} ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated{empty}) "
-          f"into {run.path}: {info.get('rows')} trigger rows, padding {info.get('padding_share', 0):.1%}, "
+          f"into {run.path}: {info.get('rows')} trigger rows, "
+          + (f"packed rows of {info['packed_rows']} tokens, " if info.get("packed_rows") else
+             f"padding {info.get('padding_share', 0):.1%}, ") +
           f"{info.get('tokens_per_s')} tok/s")
 
 
