@@ -1,22 +1,22 @@
-"""Where a faster mining forward could come from (issue 24): the same batches through four forwards.
+"""Where a faster mining forward could come from (issue 24): the same batches through several forwards.
 
-    PYTHONPATH=src python3 benchmarks/bench_forward_gpu.py --shape smollm2-135m --corpus ids.parquet \
-        --tokens 1000000 --liger .dev/liger
+    PYTHONPATH=src python3 benchmarks/bench_forward_gpu.py --corpus ids.parquet --tokens 1000000 --liger .dev/liger
 
 Mining cannot beat its own forward, and on an H100 the SmolLM2 shape's forward ran below the 400k
 tok/s goal. This probe times, on the same length-sorted batches (budget as `ffkv mine` sizes it),
 interleaved batch by batch, the base model to its last layer (no LM head, as mining stops there):
 
   stock     right-padded rows and no mask, as mining runs it;
-  packedN   the batch's sequences packed into rows of N tokens (--pack-len, each length an arm), each attending only to
-            itself (position ids restart, no mask: transformers finds the packed sequences and masks
-            across them, as it does for packed training batches): a tenth of the rows for
-            WikiText's short sentences, so attention launches far fewer tiny tiles;
+  packedN   the batch's sequences in rows of N tokens (--pack-len; one arm a length) as `ffkv mine`
+            packs them under FFKV_PACK (`ffkv.mine.packing`: position ids restart, no mask, so
+            transformers masks across the sentences): a tenth of the rows for WikiText's short
+            sentences, so attention launches far fewer tiny tiles;
   liger     Liger Kernel's fused RMSNorm, RoPE and SwiGLU on a copy of the model (--liger: a
             folder holding the liger_kernel package; CUDA only);
-  compiled  torch.compile of every decoder layer (dynamic shapes; its compile time is printed).
+  compiled  torch.compile of every decoder layer (dynamic shapes; its compile time is printed);
+  X+packedN Liger's or the compiled model on packed rows (do the gains add up?).
 
---arms picks the arms beside stock (default all three).
+--arms picks the arms beside stock (default packed,liger,compiled).
 
 For each arm: tok/s, its ratio to stock, and its last hidden states at real tokens against
 stock's (max |diff| / max |stock|: a faster forward is worth having only if it computes the same
@@ -28,50 +28,23 @@ from __future__ import annotations
 
 import argparse
 import copy
+from contextlib import nullcontext
 import os
 import sys
 import time
 
 from _common import out
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402  (after _common, which imports ffkv first)
 
 from bench_gpu import SHAPES, build_shape, corpus_ids, default_tokenizer, stream  # noqa: E402
+from ffkv.mine.engine import flat_rows  # noqa: E402
+from ffkv.mine.packing import Packed  # noqa: E402
 
 
-def packed_rows(seqs, pad_id: int, cap: int):
-    """Sequences next-fit into rows of `cap` tokens (at least the longest): ids, position ids
-    restarting at each sequence (a pad is a sequence of one), and each sequence's (row, offset).
-    No mask: given position ids and no mask, transformers finds the packed sequences itself and
-    builds the block-causal mask its attention takes (sdpa, eager, flex; varlen for flash)."""
-    cap = max(cap, max(map(len, seqs)))
-    rows, where = [[]], []
-    fill = 0
-    for s in seqs:
-        if fill + len(s) > cap:
-            rows.append([])
-            fill = 0
-        where.append((len(rows) - 1, fill))
-        rows[-1].append(s)
-        fill += len(s)
-    C = max(sum(map(len, r)) for r in rows)
-    ids = np.full((len(rows), C), pad_id, np.int64)
-    pos = np.zeros((len(rows), C), np.int64)
-    for r, row in enumerate(rows):
-        o = 0
-        for s in row:
-            ids[r, o:o + len(s)] = s
-            pos[r, o:o + len(s)] = np.arange(len(s))
-            o += len(s)
-    return torch.from_numpy(ids), torch.from_numpy(pos), where
-
-
-def gather_real(h, lengths, where=None):
-    """(N, d) hidden states of the real tokens, sequence by sequence."""
-    if where is None:
-        where = [(b, 0) for b in range(len(lengths))]
-    return torch.cat([h[r, o:o + n] for (r, o), n in zip(where, lengths)])
+def gather_real(h, lengths):
+    """(N, d) hidden states of the real tokens of a padded (B, T, d) batch, sequence by sequence."""
+    return torch.cat([h[b, :n] for b, n in enumerate(lengths)])
 
 
 def liger_arm(hf, folder: str):
@@ -153,7 +126,8 @@ def main(a) -> None:
     pad = mm.pad_id()
     stock_base = mm.hf.model
     want = set(a.arms)
-    arms = {"stock": stock_base, **({f"packed{n}": stock_base for n in a.pack_len} if "packed" in want else {})}
+    arms = {"stock": stock_base}  # the forward of each arm's model; "X+packedN" runs X on packed rows
+    names = ["stock"] + ([f"packed{n}" for n in a.pack_len] if "packed" in want else [])
     ctx = {}
     if a.liger and "liger" in want:
         if not cuda:
@@ -162,6 +136,7 @@ def main(a) -> None:
             try:
                 lm, mod, theirs = liger_arm(mm.hf, a.liger)
                 arms["liger"], ctx["liger"] = lm.model, swapped(mod, theirs)
+                names += ["liger"] + ([f"liger+packed{max(a.pack_len)}"] if "packed" in want else [])
                 out(f"liger: Liger Kernel {_version('liger_kernel')} on a copy; module globals swapped in its "
                     f"calls only: {sorted(theirs) or 'none'}")
             except Exception as e:  # noqa: BLE001  (a probe: say why, run the other arms)
@@ -171,49 +146,51 @@ def main(a) -> None:
         for layer in cm.model.layers:
             layer.compile(dynamic=True)
         arms["compiled"] = cm.model
+        names += ["compiled", f"compiled+packed{max(a.pack_len)}"]
 
     def run(arm, b):
-        seqs = [toks[i] for i in b]
-        if arm.startswith("packed"):
-            pids, ppos, where = packed_rows(seqs, pad, int(arm[6:]))
-            kw = dict(input_ids=pids.to(device), position_ids=ppos.to(device))
+        base, _, pack = arm.partition("+")
+        if base.startswith("packed"):
+            base, pack = "stock", base
+        if pack:  # `ffkv.mine.packing`, as `ffkv mine` packs rows under FFKV_PACK
+            p = Packed(*flat_rows(toks, b), pad, int(pack[6:]), device)
+            kw = dict(input_ids=p.ids, position_ids=p.position_ids)
         else:
-            where = None
-            kw = dict(input_ids=mm.batch(seqs)[0].to(device))
-        from contextlib import nullcontext
-
-        with torch.no_grad(), ctx.get(arm, nullcontext()):
-            h = arms[arm](use_cache=False, **kw).last_hidden_state
-        return h, where, [len(s) for s in seqs]
+            p = None
+            kw = dict(input_ids=mm.batch([toks[i] for i in b])[0].to(device))
+        with torch.no_grad(), ctx.get(base, nullcontext()):
+            h = arms[base](use_cache=False, **kw).last_hidden_state
+        rows = h.shape[0]
+        return (p.unpack(h) if p is not None else h), rows, [lengths[i] for i in b]
 
     # correctness and warm-up (compile included) on the first two batches, untimed
     ref = None
-    for name in list(arms):
+    for name in list(names):
         t0 = time.perf_counter()
         try:
             for b in batches[:2]:
-                h, where, lens = run(name, b)
+                h, rows, lens = run(name, b)
                 sync()
                 if b is batches[0]:
-                    got = gather_real(h, lens, where).float()
+                    got = gather_real(h, lens).float()
                     if name == "stock":
                         ref = got
-                        out(f"stock: rows of {h.shape[1]} tokens, {h.shape[0]} rows in the first batch")
+                        out(f"stock: rows of {h.shape[1]} tokens, {rows} rows in the first batch")
                     else:
                         err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-                        rows = f", {h.shape[0]} rows in the first batch" if name.startswith("packed") else ""
-                        out(f"{name}: last hidden states at real tokens, max |diff| / max |stock| = {err:.2e}{rows}")
+                        said = f", {rows} rows in the first batch" if "packed" in name else ""
+                        out(f"{name}: last hidden states at real tokens, max |diff| / max |stock| = {err:.2e}{said}")
         except Exception as e:  # noqa: BLE001
             out(f"{name}: left out ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
-            del arms[name]
+            names.remove(name)
             continue
-        if name == "compiled":
-            out(f"compiled: warm-up (compile) {time.perf_counter() - t0:.1f} s over two batches")
-    secs = {k: 0.0 for k in arms}
+        if name.startswith("compiled"):
+            out(f"{name}: warm-up (compile) {time.perf_counter() - t0:.1f} s over two batches")
+    secs = {k: 0.0 for k in names}
     timed = batches[2:] or batches
     tokens = sum(lengths[i] for b in timed for i in b)
     for bi, b in enumerate(timed):
-        for arm in (list(arms) if bi % 2 == 0 else list(arms)[::-1]):
+        for arm in (names if bi % 2 == 0 else names[::-1]):
             sync()
             t0 = time.perf_counter()
             run(arm, b)
