@@ -95,16 +95,17 @@ class ShardMiner:
 
     def mine(self, k: int, sentences_path, batch_rows, sent=None):
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
-        rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays),
-        or (k, None) when the table is out of this node's reach."""
+        rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays,
+        tokens per packed row or None), or (k, None, None) when the table is out of this node's reach."""
         import pyarrow as pa
 
         from ffkv.mine.engine import FlatTokens, mine_batches, new_state
+        from ffkv.mine.packing import cap_for
         from ffkv.model.onednn import products_of
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
-            return k, None
+            return k, None, None
         got = [t for t in got if t is not None and t.num_rows]
         state = new_state(self.mm, self.s)
         if got:
@@ -115,12 +116,22 @@ class ShardMiner:
             batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
             with products_of(self.mm):  # as the one-process pass (`ffkv.mine.runner`)
                 state = mine_batches(self.mm, state, tokens, sids, batches)
-        return k, state.arrays()
+        return k, state.arrays(), cap_for(self.mm)
+
+
+SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what it finds
+
+
+def switches() -> dict:
+    """The driver's settings of ffkv's switches, for the actors' environment: a cluster's workers
+    do not inherit the driver's (a local instance's do)."""
+    return {k: os.environ[k] for k in SWITCHES if k in os.environ}
 
 
 def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
-    run redoes only the others. Returns the merged state and the number of shards."""
+    run redoes only the others. Returns the merged state, the number of shards, and the set of
+    tokens per packed row that the shards mined now reported (None: padded rows)."""
     from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
@@ -146,8 +157,11 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
             todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)]))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
+    packed = set()
     if todo:
-        actor = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0)(ShardMiner)
+        env = switches()
+        actor = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0,
+                           **({"runtime_env": {"env_vars": env}} if env else {}))(ShardMiner)
         args = (run.model_arg(), device, str(mm.dtype).replace("torch.", ""), asdict(s),
                 None if gpus else per_task_cpu)
         actors = [actor.remote(*args) for _ in range(n_actors)]
@@ -155,8 +169,9 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
         try:
             with progress() as bar:
                 task = bar.add_task("mine shards", total=len(todo))
-                for k, arrs in _drain(ray, actors, {k: rows for k, _, rows in todo},
-                                      str(run.table_path("sentences"))):
+                for k, arrs, cap in _drain(ray, actors, {k: rows for k, _, rows in todo},
+                                           str(run.table_path("sentences"))):
+                    packed.add(cap)
                     save_npz(files[k], arrs)
                     state.merge(new_state(mm, s).load_arrays(arrs))
                     bar.advance(task)
@@ -166,13 +181,13 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     for f in shard_dir.glob("*.npz"):
         f.unlink()
     shard_dir.rmdir()
-    return state, shards
+    return state, shards, packed
 
 
 def _drain(ray, actors, jobs: dict, sent_path: str):
-    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays) as each
-    finishes. A shard whose actor could not read the run's sentences (another node's disk) is
-    sent again with its rows."""
+    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays, tokens per
+    packed row) as each finishes. A shard whose actor could not read the run's sentences (another
+    node's disk) is sent again with its rows."""
     queue = [(k, None) for k in jobs]
     idle, pending = list(actors), {}
     while queue or pending:
@@ -183,10 +198,10 @@ def _drain(ray, actors, jobs: dict, sent_path: str):
         done, _ = ray.wait(list(pending), num_returns=1)
         idle.append(pending.pop(done[0]))
         try:
-            k, arrs = ray.get(done[0])
+            k, arrs, cap = ray.get(done[0])
         except Exception as e:  # noqa: BLE001
             raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
         if arrs is None:
             queue.append((k, read_rows(sent_path, jobs[k])))
         else:
-            yield k, arrs
+            yield k, arrs, cap

@@ -230,7 +230,10 @@ def _trim_malloc() -> None:
 def compute(ctx) -> dict:
     """The pass (the step's `compute`): prepare the corpus, mine every batch not yet in the
     checkpoint (or on Ray shards), write the tables; returns the step's info."""
+    from ffkv.mine.packing import rows_tokens
+
     run, s, mm = ctx.run, ctx.settings, ctx.model()
+    rows_tokens()  # a bad FFKV_PACK is refused before any work
     fit(s, mm)
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
     if ctx.force:
@@ -246,9 +249,10 @@ def compute(ctx) -> dict:
             _write_sentences(run, mm, s)
         batches, plan = _ray_plan(run, s, bt)
         _shards_of_this_plan(run, layout_key(s, bt))
-        state, shards = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
+        state, shards, caps = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
         mined_tokens = plan.tokens
     else:
+        caps = None
         state, mined_tokens, plan = _mine_local(run, mm, s, state, whole, checkpoint_every, ctx.show_progress,
                                                 ctx.log, bt)
     secs = time.time() - t0
@@ -265,7 +269,7 @@ def compute(ctx) -> dict:
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
             "device": str(getattr(mm, "device", "")), "batches": plan.record(),
-            "packed_rows": _packed_rows(mm)}
+            "packed_rows": max(caps, key=lambda c: c or 0) if caps else _packed_rows(mm)}  # the shards' own
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
