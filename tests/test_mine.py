@@ -143,8 +143,12 @@ def _few(n_units: int) -> int:
     return 3 + n_units // 1000
 
 
-def _assert_same_mine(got_dir, want_dir):
+def _assert_same_mine(got_dir, want_dir, other_kernels: bool = False):
     """The same mining, checked to the bit or, failing that, up to a different float rounding.
+
+    `other_kernels`: the two ran through different kernels (a compiled forward), which round
+    every value a little differently, so every near-tie may swap, not only a handful (GELU's
+    negative side is one long plateau of ties); a swap still needs a near-tie.
 
     Bit-identical floats across processes rest on the BLAS (`MKL_CBWR`), but a fresh process's first
     forward sometimes rounds differently (~2e-6; DEVELOPING.md), so a value near an octave edge can
@@ -152,7 +156,8 @@ def _assert_same_mine(got_dir, want_dir):
     allowance: token and sentence totals, per key and in all, stay exact, no list holds a prefix
     twice, and only a handful of near-tied or near-edge values may move."""
     notes, moved = [], set()  # (layer, dim) of the keys whose histogram differs
-    for name, check in (("triggers", _triggers_wobble), ("key_hist", _hist_wobble),
+    triggers = (lambda g, w, m: _triggers_wobble(g, w, m, cap=False)) if other_kernels else _triggers_wobble
+    for name, check in (("triggers", triggers), ("key_hist", _hist_wobble),
                         ("key_stats", _stats_wobble), ("key_samples", _samples_wobble)):
         got, want = _table(got_dir, name), _table(want_dir, name)
         assert got.schema == want.schema, name
@@ -176,7 +181,7 @@ def _allclose(name, g, w):
     return int((~np.isclose(g, w, rtol=0, atol=0, equal_nan=True)).sum())  # how many rounded at all
 
 
-def _triggers_wobble(g, w, _):
+def _triggers_wobble(g, w, _, cap: bool = True):
     lst, ids = ["layer", "sign", "dim"], ["sentence_id", "position", "next_token"]
     assert len(g) == len(w) and (g[[*lst, "rank"]].values == w[[*lst, "rank"]].values).all(), \
         "triggers: other lists or ranks"
@@ -193,7 +198,7 @@ def _triggers_wobble(g, w, _):
     tie[:-1] |= near
     tie |= w["rank"].to_numpy() == w["rank"].max()
     assert not (moved & ~tie).any(), "triggers: a prefix changed where no near-tie explains it"
-    assert moved.sum() <= _few(len(w)), f"triggers: {int(moved.sum())} prefixes changed"
+    assert not cap or moved.sum() <= _few(len(w)), f"triggers: {int(moved.sum())} prefixes changed"
     return f"triggers: {n} coef rounded, {int(moved.sum())} near-tied prefixes swapped"
 
 

@@ -101,7 +101,7 @@ class ShardMiner:
 
         from ffkv.mine.engine import FlatTokens, mine_batches, new_state
         from ffkv.mine.packing import cap_for
-        from ffkv.model.onednn import products_of
+        from ffkv.mine.compiled import mining_forward
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
@@ -114,8 +114,8 @@ class ShardMiner:
             sids = rows.column("sentence_id").to_numpy()
             starts = np.cumsum([0] + [t.num_rows for t in got])
             batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
-            with products_of(self.mm):  # as the one-process pass (`ffkv.mine.runner`)
-                state = mine_batches(self.mm, state, tokens, sids, batches)
+            with mining_forward(self.mm, state.layers) as compiled:  # as the one-process pass
+                state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled)
         return k, state.arrays(), cap_for(self.mm)
 
 

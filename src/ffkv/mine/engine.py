@@ -74,39 +74,57 @@ class FlatTokens:
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
 
-def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None) -> MineState:
+def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None, compiled=None) -> MineState:
     """Feed batches (lists of indices into token_lists) through one captured pass each; in packed
-    rows when FFKV_PACK asks for them and the model takes them (`ffkv.mine.packing`)."""
+    rows when FFKV_PACK asks for them and the model takes them (`ffkv.mine.packing`), through
+    compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here)."""
+    from ffkv.mine.compiled import compiled_for
     from ffkv.mine.packing import Packed, cap_for
 
     cap = cap_for(mm)
-    for bi, idx in batches:
-        if cap:
-            flat, lens = flat_rows(token_lists, idx)
-            p = Packed(flat, lens, mm.pad_id(), cap, getattr(mm, "device", "cpu"))
-            lens_t = torch.as_tensor(lens).to(p.ids.device, non_blocking=True)
-            mask = torch.arange(p.shape[1], device=p.ids.device)[None, :] < lens_t[:, None]
-            lens = lens.tolist()
-            batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-            # position ids and no mask: transformers masks attention across the packed sentences
-            mm.capture(p.ids, None, layers=state.layers, what=("m",), position_ids=p.position_ids,
-                       callback=lambda l, name, m: state.update(l, p.unpack(m), batch))
+    own = compiled is None
+    if own:
+        compiled = compiled_for(mm, state.layers)
+
+    def forward(ids, batch, unpack=None, **fw):
+        def update(l, m):
+            state.update(l, m if unpack is None else unpack(m), batch)
+
+        if compiled is not None:
+            compiled.capture(ids, update, **fw)
         else:
-            if isinstance(token_lists, FlatTokens):
-                ids, mask, lens = batch_tensors(mm, token_lists, idx)
+            mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
+
+    try:
+        for bi, idx in batches:
+            if cap:
+                flat, lens = flat_rows(token_lists, idx)
+                p = Packed(flat, lens, mm.pad_id(), cap, getattr(mm, "device", "cpu"))
+                lens_t = torch.as_tensor(lens).to(p.ids.device, non_blocking=True)
+                mask = torch.arange(p.shape[1], device=p.ids.device)[None, :] < lens_t[:, None]
+                lens = lens.tolist()
+                batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+                # position ids and no mask: transformers masks attention across the packed sentences
+                forward(p.ids, batch, p.unpack, position_ids=p.position_ids)
             else:
-                seqs = [token_lists[i] for i in idx]
-                ids, mask = mm.batch(seqs)
-                lens = [len(x) for x in seqs]
-            batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-            # No attention mask: the rows are right-padded, so under causal attention no real token
-            # sees a pad, and the model's outputs at real tokens are the same. With a padding mask,
-            # transformers builds a 4D mask (no flash attention on CUDA) after reading the mask on
-            # the host (a sync a batch). The trackers still take the mask, through `batch`.
-            mm.capture(ids, None, layers=state.layers, what=("m",),
-                       callback=lambda l, name, m: state.update(l, m, batch))
-        if on_batch is not None:
-            on_batch(bi, int(sum(lens)))
+                if isinstance(token_lists, FlatTokens):
+                    ids, mask, lens = batch_tensors(mm, token_lists, idx)
+                else:
+                    seqs = [token_lists[i] for i in idx]
+                    ids, mask = mm.batch(seqs)
+                    lens = [len(x) for x in seqs]
+                batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+                # No attention mask: the rows are right-padded, so under causal attention no real
+                # token sees a pad, and the model's outputs at real tokens are the same. With a
+                # padding mask, transformers builds a 4D mask (no flash attention on CUDA) after
+                # reading the mask on the host (a sync a batch). The trackers still take the mask,
+                # through `batch`.
+                forward(ids, batch)
+            if on_batch is not None:
+                on_batch(bi, int(sum(lens)))
+    finally:
+        if own and compiled is not None:
+            compiled.close()
     return state
 
 

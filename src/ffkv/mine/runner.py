@@ -22,7 +22,6 @@ from ffkv.steps.lifecycle import execute
 from ffkv.steps.mine import (STATS_TABLES, STEP, TABLES, TRACKERS, MineSettings,  # noqa: F401  (re-exported)
                              TrackerSpec, check_batch_tokens, done_info, fit, record)
 from ffkv.model import identity
-from ffkv.model.onednn import products_of
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -147,6 +146,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     from contextlib import nullcontext
 
     from ffkv.corpus.stream import SCHEMA, table_chunks
+    from ffkv.mine.compiled import mining_forward
     from ffkv.progress import progress
 
     ckpt = run.path / CKPT
@@ -162,7 +162,8 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
     _tune_malloc()
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
-            progress(None if show_progress is None else not show_progress) as bar, products_of(mm):
+            progress(None if show_progress is None else not show_progress) as bar, \
+            mining_forward(mm, state.layers) as compiled:
         task = bar.add_task("mine", total=s.max_sentences, completed=0, tokens=0)
         rows = {}  # global batch index -> its rows, for the bar
 
@@ -183,7 +184,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
             rows.update((bi, len(b)) for bi, b in todo)
             bar.update(task, advance=len(chunk) - sum(len(b) for _, b in todo))  # mined before a resume
             mine_batches(mm, state, FlatTokens(values=chunk.values, offsets=chunk.offsets), chunk.sentence_id,
-                         todo, on_batch)
+                         todo, on_batch, compiled=compiled)
             done += len(batches)
             plan.add(lengths, batches)
             del chunk, batches, todo
@@ -230,10 +231,12 @@ def _trim_malloc() -> None:
 def compute(ctx) -> dict:
     """The pass (the step's `compute`): prepare the corpus, mine every batch not yet in the
     checkpoint (or on Ray shards), write the tables; returns the step's info."""
+    from ffkv.mine.compiled import enabled as compile_enabled
     from ffkv.mine.packing import rows_tokens
 
     run, s, mm = ctx.run, ctx.settings, ctx.model()
-    rows_tokens()  # a bad FFKV_PACK is refused before any work
+    rows_tokens()  # a bad FFKV_PACK or FFKV_COMPILE is refused before any work
+    compile_enabled()
     fit(s, mm)
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
     if ctx.force:
@@ -269,7 +272,8 @@ def compute(ctx) -> dict:
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
             "device": str(getattr(mm, "device", "")), "batches": plan.record(),
-            "packed_rows": max(caps, key=lambda c: c or 0) if caps else _packed_rows(mm)}  # the shards' own
+            "packed_rows": max(caps, key=lambda c: c or 0) if caps else _packed_rows(mm),  # the shards' own
+            "compiled_forward": None if ray_address else _compiled(mm, state.layers)}  # Ray: the actors know
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
@@ -277,6 +281,13 @@ def compute(ctx) -> dict:
     else:
         info["stats"] = None
     return info
+
+
+def _compiled(mm, layers) -> bool:
+    """Whether this process mined through compiled blocks (FFKV_COMPILE, `ffkv.mine.compiled`)."""
+    from ffkv.mine.compiled import accepted
+
+    return accepted(mm, layers)
 
 
 def _packed_rows(mm) -> int | None:

@@ -1,0 +1,198 @@
+"""Mining's forward with its decoder blocks compiled (off unless FFKV_COMPILE=1).
+
+Most of a small model's forward on a GPU is element-wise work (norms, RoPE, SiLU·up, adds) in
+many small kernels; torch.compile fuses them. A capture hook inside a compiled block would break
+its graph, and the parts after a break were compiled again for every new batch shape (8-9 s a
+batch on this CPU). So while compiled, each block's value projection is wrapped by a `_Tap` that
+appends its input (the coefficients m) to a list, which dynamo keeps in the graph as a side
+effect, and a hook on the block itself, outside the compiled forward, hands it to the trackers.
+One graph then serves every layer and batch shape (dynamic shapes).
+
+Families whose coefficients are read elsewhere than the value projection's input (post-FFN
+norms, mixtures of experts) keep the eager forward, and so does any model whose compiled
+captures differ from the eager ones on a check run when mining starts (`refusal`).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from ffkv.errors import FfkvError, notice
+
+ENV = "FFKV_COMPILE"
+_SINK: list = []  # the taps' inputs, one per block call, drained by the block's hook
+
+
+def enabled() -> bool:
+    raw = os.environ.get(ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise FfkvError(f"{ENV}={raw!r}: 1 compiles mining's forward, 0 (or unset) does not")
+    return raw == "1"
+
+
+class _Tap(torch.nn.Module):
+    """A value projection that keeps its input for the block's hook (a list append: no graph break)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, *args, **kwargs):
+        _SINK.append(x)
+        return self.inner(x, *args, **kwargs)
+
+
+def _eligible(mm) -> str | None:
+    from ffkv.model.arch import Architecture
+
+    arch = type(mm.arch)
+    if arch.hook_m is not Architecture.hook_m or arch.module is not Architecture.module:
+        return f"{mm.arch.name} reads its coefficients elsewhere than the value projection's input"
+    return None
+
+
+class CompiledBlocks:
+    """The model's blocks compiled with taps, for one mining pass; `close` puts everything back."""
+
+    def __init__(self, mm, layers):
+        from ffkv.model.arch import get_path
+
+        self.mm, self.want = mm, set(layers)
+        self.last = max(layers)
+        self.callback, self.shape = None, None
+        self.undo, self.hooks = [], []
+        # one tap and one compiled forward a block for the model's life: a new torch.compile
+        # wrapper would compile again (~10 s on a CPU) at every pass or chunk
+        made = mm.__dict__.setdefault("_ffkv_compiled", {})
+        parent_path, _, name = mm.arch.value.rpartition(".")
+        try:
+            for l, blk in enumerate(mm.blocks[: self.last + 1]):
+                parent = get_path(blk, parent_path) if parent_path else blk
+                inner = getattr(parent, name)
+                if l not in made:
+                    made[l] = (_Tap(inner), torch.compile(blk.forward, dynamic=True))
+                tap, fwd = made[l]
+                tap.inner = inner
+                setattr(parent, name, tap)
+                self.undo.append((parent, name, inner, blk))
+                blk.forward = fwd
+                self.hooks.append(blk.register_forward_hook(self._drain(l)))
+        except Exception:
+            self.close()
+            raise
+
+    def _drain(self, l: int):
+        def drain(mod, args, out):
+            m = _SINK.pop()
+            if l in self.want and self.callback is not None:
+                self.callback(l, self.mm.arch._tokens(m.detach(), self.shape))
+            if l == self.last:
+                from ffkv.model.memories import _Stop
+
+                raise _Stop
+        return drain
+
+    @torch.no_grad()
+    def capture(self, ids: torch.Tensor, callback, **forward) -> None:
+        """One forward to the last wanted layer: callback(layer, m (B, T, d_m)) at each wanted one."""
+        from ffkv.model.memories import _Stop
+
+        _SINK.clear()
+        self.callback, self.shape = callback, list(ids.shape[:2])
+        try:
+            self.mm.hf(input_ids=ids, attention_mask=None, use_cache=False, **forward)
+        except _Stop:
+            pass
+        finally:
+            self.callback = None
+            _SINK.clear()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for parent, name, inner, blk in self.undo:
+            setattr(parent, name, inner)
+            blk.__dict__.pop("forward", None)
+        self.hooks, self.undo = [], []
+
+
+CHECK_LENGTHS = (5, 7, 3)  # the check's sentences, as a padded batch
+
+
+def _differs(mm, layers, eager, compiled, keep) -> str | None:
+    tol = 1e-4 if mm.dtype == torch.float32 else 3e-2
+    for l in layers:
+        a, b = compiled[l][keep], eager[l]["m"].float()[keep]
+        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        if not err <= tol:  # NaN too
+            return f"its compiled coefficients differ from the eager ones (layer {l}: {err:.1e})"
+    return None
+
+
+def compiled_for(mm, layers) -> CompiledBlocks | None:
+    """The compiled blocks for a mining pass over `layers`, or None: FFKV_COMPILE unset, or the
+    model cannot (said once). Checked on three short sentences run eagerly and compiled: the
+    same coefficients to the dtype's rounding at every wanted layer, or the eager forward."""
+    from ffkv.mine.packing import cap_for
+    from ffkv.model.memories import pad_rows
+
+    if not enabled():
+        return None
+    cap_for(mm)  # the packing check runs the model eagerly: before the blocks change
+    layers = sorted(set(layers))
+    verdicts = mm.__dict__.setdefault("_ffkv_compile_verdicts", {})  # checked once a model and layers
+    verdict = verdicts.get(tuple(layers), False)
+    if verdict is None:
+        return CompiledBlocks(mm, layers)
+    if verdict:  # refused before, and said
+        return None
+    why, blocks = _eligible(mm), None
+    if why is None:
+        vocab = min(int(mm.vocab_size), len(mm.tok)) if mm.tok is not None else int(mm.vocab_size)
+        lens = np.array(CHECK_LENGTHS, np.int64)
+        flat = np.random.default_rng(0).integers(0, vocab, int(lens.sum()))
+        ids, mask = pad_rows(flat, lens, mm.pad_id(), getattr(mm, "device", "cpu"))
+        eager = mm.capture(ids, None, layers=layers, what=("m",))  # before the blocks change
+        got = {}
+        try:
+            blocks = CompiledBlocks(mm, layers)
+            blocks.capture(ids, lambda l, m: got.__setitem__(l, m.float()))
+        except Exception as e:  # noqa: BLE001  (a compiler that cannot: say why, mine eagerly)
+            why = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        else:
+            why = _differs(mm, layers, eager, got, mask.bool())
+        if why and blocks is not None:
+            blocks.close()
+            blocks = None
+    verdicts[tuple(layers)] = why
+    if why:
+        notice(f"{ENV}: the eager forward for this model: {why}")
+    return blocks
+
+
+def accepted(mm, layers) -> bool:
+    """Whether mining over `layers` ran (or would run) through compiled blocks."""
+    verdicts = mm.__dict__.get("_ffkv_compile_verdicts", {})
+    return enabled() and tuple(sorted(set(layers))) in verdicts and verdicts[tuple(sorted(set(layers)))] is None
+
+
+@contextmanager
+def mining_forward(mm, layers):
+    """A pass's forward (every chunk's batches): compiled blocks under FFKV_COMPILE, put back at
+    the end, else the eager forward with its products through oneDNN on a CPU
+    (`ffkv.model.onednn`; dynamo cannot trace that mode, and compiled code picks its own)."""
+    from ffkv.model.onednn import products_of
+
+    blocks = compiled_for(mm, layers)
+    try:
+        if blocks is None:
+            with products_of(mm):
+                yield None
+        else:
+            yield blocks
+    finally:
+        if blocks is not None:
+            blocks.close()

@@ -1,0 +1,88 @@
+"""Mining's forward through compiled blocks (`ffkv.mine.compiled`, FFKV_COMPILE=1): the same tables
+as the eager forward, a model given back as it was, families that cannot refused with a note, and
+a bad setting as one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import WT2, mine_tiny, run_cli
+from test_cli_errors import one_line_error
+from test_mine import _assert_same_mine
+
+
+def _mine(out, model, *extra):
+    res = run_cli("mine", "--out", out, "--model", model, "--corpus", WT2 / "wiki.valid.tokens",
+                  "--max-sentences", "60", "--top-k", "5", "--negative", *extra)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compiled_mining_writes_the_eager_tables(tiny_dirs, tmp_path, monkeypatch, arch):
+    """One compiled graph for every block and batch shape; the tables equal the eager pass's,
+    also in packed rows; the manifest says the forward was compiled."""
+    want = mine_tiny(tmp_path / "eager", tiny_dirs[arch], 60, 5, "--negative")
+    monkeypatch.setenv("FFKV_COMPILE", "1")
+    res = _mine(tmp_path / "compiled", tiny_dirs[arch])
+    assert "FFKV_COMPILE" not in res.stderr, res.stderr
+    _assert_same_mine(tmp_path / "compiled", want, other_kernels=True)
+    info = json.loads((tmp_path / "compiled" / "manifest.json").read_text())["steps"]["mine"]
+    assert info["compiled_forward"] is True
+    monkeypatch.setenv("FFKV_PACK", "48")
+    _mine(tmp_path / "both", tiny_dirs[arch])
+    _assert_same_mine(tmp_path / "both", want, other_kernels=True)
+
+
+def test_the_model_is_given_back(tiny_models, monkeypatch):
+    """After a compiled pass the blocks are the model's own again: captures equal those before,
+    and no tap is left to hold coefficients."""
+    from ffkv.corpus.batching import pack
+    from ffkv.mine.compiled import _SINK
+    from ffkv.mine.engine import MineSettings, mine_batches, new_state
+
+    mm = tiny_models["llama"]
+    ids = torch.randint(0, mm.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    before = mm.capture(ids, None, what=("m", "y"))
+    mods = [type(m).__name__ for m in mm.hf.modules()]
+    monkeypatch.setenv("FFKV_COMPILE", "1")
+    toks = [ids[i].tolist() for i in range(3)]
+    mine_batches(mm, new_state(mm, MineSettings(top_k=2)), toks, [0, 1, 2], list(enumerate(pack([9] * 3, 64))))
+    assert [type(m).__name__ for m in mm.hf.modules()] == mods and not _SINK
+    assert all("forward" not in blk.__dict__ for blk in mm.blocks)
+    after = mm.capture(ids, None, what=("m", "y"))
+    for l in before.layers:
+        for q in ("m", "y"):
+            assert torch.equal(before[l][q], after[l][q]), (l, q)
+
+
+def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir):
+    """A post-FFN norm's coefficients are read at the norm, not the value projection's input:
+    such a model mines eagerly, with one line saying why, and the same tables."""
+    from test_families import FAMILIES, open_tiny
+    from ffkv import errors
+
+    name, mm = open_tiny("gemma2", FAMILIES["gemma2"].config, lambda: tmp_path, tok_dir, {})
+    path = tmp_path / "gemma2"
+    want = mine_tiny(tmp_path / "eager", path, 30, 3)
+    monkeypatch.setenv("FFKV_COMPILE", "1")
+    errors._said.clear()
+    res = run_cli("mine", "--out", tmp_path / "c", "--model", path, "--corpus", WT2 / "wiki.valid.tokens",
+                  "--max-sentences", "30", "--top-k", "3")
+    assert res.returncode == 0, res.stderr
+    said = [l for l in res.stderr.splitlines() if "FFKV_COMPILE" in l]
+    assert len(said) == 1 and "the eager forward for this model" in said[0], res.stderr
+    _assert_same_mine(tmp_path / "c", want)  # eager both times
+    info = json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
+    assert info["compiled_forward"] is False
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "-1"])
+def test_a_bad_setting_is_one_line(tiny_dirs, tmp_path, monkeypatch, value):
+    monkeypatch.setenv("FFKV_COMPILE", value)
+    res = run_cli("mine", "--out", tmp_path / "r", "--model", tiny_dirs["llama"], "--corpus",
+                  WT2 / "wiki.valid.tokens", "--max-sentences", "5")
+    one_line_error(res, 2, "FFKV_COMPILE")
+    assert not (tmp_path / "r" / "triggers.parquet").exists()
