@@ -14,7 +14,8 @@ corpus when it is shorter. On the same length-packed batches (budget: --batch-to
 auto as `ffkv mine` sizes it), interleaved batch by batch: a plain forward with logits, the
 forward as mining runs it with nothing captured (its ceiling), mining (top-50 of every key, --no-stats), mining with key statistics, and both again with the fused
 kernels (`FFKV_TRITON=1`, where Triton and CUDA are), and with --pack C the ceiling and mining
-with statistics in packed rows of C tokens (`FFKV_PACK`, `ffkv.mine.packing`). It prints tok/s and ratios, host
+with statistics in packed rows of C tokens (`FFKV_PACK`, `ffkv.mine.packing`), and with --compile
+through compiled blocks (`FFKV_COMPILE`, `ffkv.mine.compiled`); --arms keeps only some. It prints tok/s and ratios, host
 preparation tok/s (corpus -> token ids; and streamed as `ffkv mine` streams it, with each
 --workers count), peak GPU memory (CUDA), the trackers' aten ops per
 layer and batch (torch.profiler, the CPU proxy of kernel launches) and the projected wall time
@@ -237,6 +238,10 @@ def main(a) -> dict:
         else:
             packed = a.pack
             arms += ["floor_packed", "stats_packed"] + (["stats_fused_packed"] if fused else [])
+    if a.compile:
+        arms += ["stats_compiled"] + (["stats_fused_packed_compiled"] if fused and packed else [])
+    if a.arms:
+        arms = ["plain"] + [x for x in arms if x in a.arms and x != "plain"]
     states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms
               if not arm.startswith(("plain", "floor"))}
     sids = list(range(len(toks)))
@@ -245,6 +250,16 @@ def main(a) -> dict:
     with torch.no_grad():  # warm-up, untimed
         i0, m0 = mm.batch([toks[i] for i in batches[0]])
         mm.hf(input_ids=i0.to(mm.device), attention_mask=m0.to(mm.device), use_cache=False)
+    if a.compile:  # the compile happens here, untimed (`ffkv.mine.compiled`: one graph for all shapes)
+        t0 = time.perf_counter()
+        os.environ["FFKV_COMPILE"] = "1"
+        for arm in [x for x in arms if "_compiled" in x]:
+            os.environ["FFKV_TRITON"] = "1" if "_fused" in arm else "0"
+            os.environ["FFKV_PACK"] = str(packed) if "_packed" in arm else "0"
+            mine_batches(mm, new_state(mm, full_s), toks, sids, [(0, batches[0])])
+        os.environ["FFKV_COMPILE"] = "0"
+        sync()
+        out(f"compiled blocks (FFKV_COMPILE=1): warm-up {time.perf_counter() - t0:.1f} s")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sync()
@@ -253,7 +268,8 @@ def main(a) -> dict:
         ids_b, mask = ids_b.to(mm.device), mask.to(mm.device)
         for arm in (arms if bi % 2 == 0 else arms[::-1]):
             os.environ["FFKV_TRITON"] = "1" if "_fused" in arm else "0"
-            os.environ["FFKV_PACK"] = str(packed) if arm.endswith("_packed") else "0"
+            os.environ["FFKV_PACK"] = str(packed) if "_packed" in arm else "0"
+            os.environ["FFKV_COMPILE"] = "1" if "_compiled" in arm else "0"
             sync()
             t0 = time.perf_counter()
             if arm == "plain":
@@ -273,29 +289,23 @@ def main(a) -> dict:
             sync()
             secs[arm] += time.perf_counter() - t0
     os.environ["FFKV_TRITON"] = flag
-    os.environ.pop("FFKV_PACK", None)
+    for k in ("FFKV_PACK", "FFKV_COMPILE"):
+        os.environ.pop(k, None)
     rate = {k: ntok / v for k, v in secs.items()}
-    out(f"throughput: plain forward (with logits) {rate['plain']:,.0f} tok/s; mining {rate['bare']:,.0f} tok/s "
-        f"({secs['plain'] / secs['bare']:.2f}x) without statistics; {rate['stats']:,.0f} tok/s "
-        f"({secs['plain'] / secs['stats']:.2f}x) with key statistics")
-    out(f"mining's ceiling: the forward to the last layer with nothing captured (no padding mask, as mining "
-        f"runs it; no logits) {rate['floor']:,.0f} tok/s ({secs['plain'] / secs['floor']:.2f}x the plain forward)")
-    if fused:
-        broken = fused_cuda._broken
-        out(f"throughput, fused kernels (FFKV_TRITON=1, ffkv.mine.fused_cuda): mining {rate['bare_fused']:,.0f} tok/s "
-            f"({secs['plain'] / secs['bare_fused']:.2f}x) without statistics; {rate['stats_fused']:,.0f} tok/s "
-            f"({secs['plain'] / secs['stats_fused']:.2f}x) with key statistics"
-            + (f"; BROKEN, the portable path ran: {broken}" if broken else ""))
-    else:
+    what = {"plain": "plain forward (with logits)",
+            "floor": "mining's ceiling (the forward to the last layer, no mask, nothing captured)",
+            "bare": "mining without statistics", "stats": "mining with key statistics"}
+    tags = {"fused": "fused kernels (FFKV_TRITON=1)", "packed": f"packed rows of {packed} tokens (FFKV_PACK)",
+            "compiled": "compiled blocks (FFKV_COMPILE=1)"}
+    out("throughput on the same batches, interleaved (tok/s, and x the plain forward):")
+    for arm in arms:
+        base, *tg = arm.split("_")
+        out(f"  {what[base]}{', ' + ', '.join(tags[t] for t in tg) if tg else ''}: {rate[arm]:,.0f} tok/s "
+            f"({secs['plain'] / secs[arm]:.2f}x)")
+    if fused and fused_cuda._broken:
+        out(f"  BROKEN fused kernels, the portable path ran: {fused_cuda._broken}")
+    if not fused:
         out("throughput, fused kernels: skipped (no Triton, or no CUDA device)")
-    if packed:
-        line = (f"throughput, packed rows of {packed} tokens (FFKV_PACK={packed}, ffkv.mine.packing): mining's ceiling "
-                f"{rate['floor_packed']:,.0f} tok/s ({secs['floor'] / secs['floor_packed']:.2f}x the padded ceiling); "
-                f"mining with key statistics {rate['stats_packed']:,.0f} tok/s ({secs['plain'] / secs['stats_packed']:.2f}x)")
-        if fused:
-            line += (f", fused {rate['stats_fused_packed']:,.0f} tok/s "
-                     f"({secs['plain'] / secs['stats_fused_packed']:.2f}x)")
-        out(line)
     out(f"host preparation (corpus -> token ids, one process): {host_tok_s:,.0f} tok/s")
     streamed = None
     try:
@@ -308,7 +318,7 @@ def main(a) -> dict:
             f"{r:,.0f} tok/s {'in-process' if w == 0 else f'with {w} worker process(es)'} (first chunk after {t0:.1f} s)"
             for w, (r, t0) in streamed.items()) + f"; {torch.get_num_threads()} torch threads, "
             f"{len(os.sched_getaffinity(0))} cores")
-    best_stats = max(v for k, v in rate.items() if k.startswith("stats"))
+    best_stats = max((v for k, v in rate.items() if k.startswith("stats")), default=float("nan"))
     hours = 1e8 / best_stats / 3600
     serial = 1e8 / best_stats + 1e8 / host_tok_s
     line = (f"projected 100M tokens: {hours * 60:,.1f} min mining with statistics; {serial / 60:,.1f} min with host "
@@ -349,6 +359,10 @@ if __name__ == "__main__":
     ap.add_argument("--host-tokens", type=int, default=300_000, help="tokens streamed per worker count")
     ap.add_argument("--pack", type=int, default=0,
                     help="also time mining's forward in packed rows of this many tokens (FFKV_PACK; 0: not)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time mining through compiled blocks (FFKV_COMPILE=1; compiled before the timing)")
+    ap.add_argument("--arms", default=None,
+                    help="keep only these arms beside the plain forward, comma-separated (e.g. stats,stats_compiled)")
     args = ap.parse_args()
     from ffkv.corpus.stream import default_workers
 
@@ -358,6 +372,7 @@ if __name__ == "__main__":
     except ValueError:
         print(f"bench_gpu: --workers takes whole numbers, e.g. 0,4 (got {args.workers!r})", file=sys.stderr)
         sys.exit(2)
+    args.arms = [x for x in args.arms.split(",") if x] if args.arms else None
     if args.tokens < 1 or args.pack < 0:
         print("bench_gpu: --tokens must be at least 1, and --pack at least 0", file=sys.stderr)
         sys.exit(2)

@@ -3,12 +3,13 @@
 # spaCy, Ray, DuckDB or FastAPI), from the checkout with PYTHONPATH=src:
 #   here:  .venv/bin/python benchmarks/gpu_fixture.py prepare .dev     (~8 MB: ids + tokenizer)
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
-# Sized for a lent machine's 15 minutes, start-up included: about 11 minutes, in order of priority,
+# Sized for a lent machine's 15 minutes, start-up included: about 13 minutes, in order of priority,
 # each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
 # path: equal states, kernel times, a profile), bench_gpu.py on the SmolLM2-135M shape (every arm,
 # fused included), bench_forward_gpu.py (where a faster forward could come from: packed rows,
 # Liger's kernels), `ffkv mine` end to end over 20M tokens with the fused kernels, the forward
-# probe's torch.compile arm, then bench_gpu.py on the 1B and 8B Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
+# probe's torch.compile arm, mining through compiled blocks (FFKV_COMPILE) beside the best of the
+# rest, then bench_gpu.py on the 1B and 8B Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +33,7 @@ part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms pa
 part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
+part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_packed_compiled
 part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
 [ "${QUICK:-0}" = 1 ] || part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000
 if [ "${EXTRA:-0}" = 1 ]; then

@@ -228,7 +228,8 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "(unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder, "
         "or a run of this model.\n\n"
         "GPU paths under measurement, off by default, the same tables: FFKV_TRITON=1 (fused Triton "
-        "trackers), FFKV_PACK=256 (short sentences side by side in rows of 256 tokens).")
+        "trackers), FFKV_PACK=256 (short sentences side by side in rows of 256 tokens), FFKV_COMPILE=1 "
+        "(torch.compile of the blocks; slower on a CPU).")
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
