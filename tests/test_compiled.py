@@ -1,6 +1,6 @@
 """Mining's forward through compiled blocks (`ffkv.mine.compiled`, FFKV_COMPILE=1): the same tables
-as the eager forward, a model given back as it was, families that cannot refused with a note, and
-a bad setting as one line."""
+as the eager forward, a model given back as it was, and families that cannot refused with a note
+(a bad setting: tests/test_packing.py, `test_a_bad_switch_is_one_line`)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import WT2, mine_tiny, run_cli
-from test_cli_errors import one_line_error
 from test_mine import _assert_same_mine
 
 
@@ -77,12 +76,3 @@ def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir):
     _assert_same_mine(tmp_path / "c", want)  # eager both times
     info = json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
     assert info["compiled_forward"] is False
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "-1"])
-def test_a_bad_setting_is_one_line(tiny_dirs, tmp_path, monkeypatch, value):
-    monkeypatch.setenv("FFKV_COMPILE", value)
-    res = run_cli("mine", "--out", tmp_path / "r", "--model", tiny_dirs["llama"], "--corpus",
-                  WT2 / "wiki.valid.tokens", "--max-sentences", "5")
-    one_line_error(res, 2, "FFKV_COMPILE")
-    assert not (tmp_path / "r" / "triggers.parquet").exists()

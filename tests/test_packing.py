@@ -43,12 +43,14 @@ def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path
     assert ("packed rows of 48 tokens" in res.stdout) == (why is None), res.stdout
 
 
-@pytest.mark.parametrize("value", ["x", "-3", "1.5", "1e9x"])
-def test_a_bad_setting_is_one_line(tiny_dirs, tmp_path, monkeypatch, value):
-    monkeypatch.setenv("FFKV_PACK", value)
+@pytest.mark.parametrize("switch, value", [("FFKV_PACK", v) for v in ("x", "-3", "1.5", "1e9x")]
+                         + [("FFKV_COMPILE", v) for v in ("yes", "2", "-1")])
+def test_a_bad_switch_is_one_line(tiny_dirs, tmp_path, monkeypatch, switch, value):
+    """Refused before any work, the switch named."""
+    monkeypatch.setenv(switch, value)
     res = run_cli("mine", "--out", tmp_path / "r", "--model", tiny_dirs["llama"], "--corpus",
                   WT2 / "wiki.valid.tokens", "--max-sentences", "5")
-    one_line_error(res, 2, "FFKV_PACK")
+    one_line_error(res, 2, switch)
     assert not (tmp_path / "r" / "triggers.parquet").exists()
 
 
