@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from ffkv.errors import FfkvError, notice
@@ -119,24 +118,12 @@ class CompiledBlocks:
         self.hooks, self.undo = [], []
 
 
-CHECK_LENGTHS = (5, 7, 3)  # the check's sentences, as a padded batch
-
-
-def _differs(mm, layers, eager, compiled, keep) -> str | None:
-    tol = 1e-4 if mm.dtype == torch.float32 else 3e-2
-    for l in layers:
-        a, b = compiled[l][keep], eager[l]["m"].float()[keep]
-        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-        if not err <= tol:  # NaN too
-            return f"its compiled coefficients differ from the eager ones (layer {l}: {err:.1e})"
-    return None
-
-
 def compiled_for(mm, layers) -> CompiledBlocks | None:
     """The compiled blocks for a mining pass over `layers`, or None: FFKV_COMPILE unset, or the
-    model cannot (said once). Checked on three short sentences run eagerly and compiled: the
-    same coefficients to the dtype's rounding at every wanted layer, or the eager forward."""
+    model cannot (said once). The check's sentences (`ffkv.mine.selfcheck`) run eagerly and
+    compiled must agree at every wanted layer, or the eager forward is kept."""
     from ffkv.mine.packing import cap_for
+    from ffkv.mine.selfcheck import first_difference, sentences
     from ffkv.model.memories import pad_rows
 
     if not enabled():
@@ -151,19 +138,18 @@ def compiled_for(mm, layers) -> CompiledBlocks | None:
         return None
     why, blocks = _eligible(mm), None
     if why is None:
-        vocab = min(int(mm.vocab_size), len(mm.tok)) if mm.tok is not None else int(mm.vocab_size)
-        lens = np.array(CHECK_LENGTHS, np.int64)
-        flat = np.random.default_rng(0).integers(0, vocab, int(lens.sum()))
+        flat, lens = sentences(mm)
         ids, mask = pad_rows(flat, lens, mm.pad_id(), getattr(mm, "device", "cpu"))
         eager = mm.capture(ids, None, layers=layers, what=("m",))  # before the blocks change
         got = {}
         try:
             blocks = CompiledBlocks(mm, layers)
-            blocks.capture(ids, lambda l, m: got.__setitem__(l, m.float()))
+            blocks.capture(ids, lambda l, m: got.__setitem__(l, m))
         except Exception as e:  # noqa: BLE001  (a compiler that cannot: say why, mine eagerly)
             why = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
         else:
-            why = _differs(mm, layers, eager, got, mask.bool())
+            diff = first_difference(mm, got, {l: eager[l]["m"] for l in layers}, mask.bool())
+            why = diff and f"its compiled coefficients differ from the eager ones (layer {diff[0]}: {diff[1]:.1e})"
         if why and blocks is not None:
             blocks.close()
             blocks = None

@@ -22,7 +22,6 @@ import torch
 from ffkv.errors import FfkvError, notice
 
 ENV = "FFKV_PACK"
-CHECK_LENGTHS = (5, 7, 3)  # the self-check's sentences, packed into one row
 
 
 def rows_tokens() -> int | None:
@@ -46,28 +45,22 @@ def refusal(mm) -> str | None:
 
     Whether a family honours restarting position ids and masks across packed sentences is up to
     its transformers code (ALiBi families, OPT and Falcon do not), and may change with the
-    version: so three short sentences go through the model packed into one row and as padded
-    rows, and their coefficients at the first and last layers must agree to the dtype's rounding."""
-    vocab = min(int(mm.vocab_size), len(mm.tok)) if mm.tok is not None else int(mm.vocab_size)
-    g = np.random.default_rng(0)
-    lens = np.array(CHECK_LENGTHS, np.int64)
-    flat = g.integers(0, vocab, int(lens.sum()))
+    version: so the check's sentences (`ffkv.mine.selfcheck`) go through the model packed into
+    one row and as padded rows, and agree at the first and last layers, or packing is refused."""
+    from ffkv.mine.selfcheck import first_difference, sentences
+    from ffkv.model.memories import pad_rows
+
+    flat, lens = sentences(mm)
     dev = getattr(mm, "device", "cpu")
     layers = sorted({0, mm.n_layers - 1})
     p = Packed(flat, lens, mm.pad_id(), int(lens.sum()), dev)
     got = mm.capture(p.ids, None, layers=layers, what=("m",), position_ids=p.position_ids)
-    from ffkv.model.memories import pad_rows
-
     ids, mask = pad_rows(flat, lens, mm.pad_id(), dev)
     want = mm.capture(ids, None, layers=layers, what=("m",))
-    keep = mask.bool()
-    tol = 1e-4 if mm.dtype == torch.float32 else 3e-2
-    for l in layers:
-        a = p.unpack(got[l]["m"]).float()[keep]
-        b = want[l]["m"].float()[keep]
-        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-        if not err <= tol:  # NaN too
-            return f"its sentences see each other or lose their positions in a packed row (layer {l}: {err:.1e})"
+    diff = first_difference(mm, {l: p.unpack(got[l]["m"]) for l in layers}, {l: want[l]["m"] for l in layers},
+                            mask.bool())
+    if diff:
+        return f"its sentences see each other or lose their positions in a packed row (layer {diff[0]}: {diff[1]:.1e})"
     return None
 
 
