@@ -161,8 +161,8 @@ def compiled_for(mm, layers) -> CompiledBlocks | None:
 
 def accepted(mm, layers) -> bool:
     """Whether mining over `layers` ran (or would run) through compiled blocks."""
-    verdicts = mm.__dict__.get("_ffkv_compile_verdicts", {})
-    return enabled() and tuple(sorted(set(layers))) in verdicts and verdicts[tuple(sorted(set(layers)))] is None
+    key = tuple(sorted(set(layers)))
+    return enabled() and mm.__dict__.get("_ffkv_compile_verdicts", {}).get(key, False) is None
 
 
 @contextmanager
