@@ -307,3 +307,61 @@ def test_aot_refuses_bad_input(args, env, says):
     p = subprocess.run([sys.executable, "-m", "ffkv.mine.fused_aot", *args], env={**base, **env},
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and says in p.stderr.splitlines()[-1], p.stderr[-2000:]
+
+
+def test_verify_passes_and_catches_a_wrong_kernel():
+    """`verify` (run before the kernels mine) passes on the interpreter's kernels, and turns the
+    path off with one line when a kernel runs but computes something else (here: a top-k kernel
+    that writes nothing, as a miscompiled one might); the tuner then offers the portable path only."""
+    script = PATCH + textwrap.dedent('''
+        import os, warnings
+        warnings.filterwarnings("ignore")
+        from ffkv.mine import fused_cuda
+        from ffkv.mine.tune import arms_for
+        class Tiny:
+            device = "cpu"
+        os.environ["FFKV_TRITON"] = "auto"
+        assert [a.name for a in arms_for(Tiny())] == ["padded", "padded+fused"]
+        assert fused_cuda.verify("cpu") and fused_cuda._broken is None
+        fused_cuda._verified.clear()
+        from ffkv.mine import _fused_kernel
+        class Idle:
+            def __getitem__(self, grid):
+                return lambda *a, **k: None
+        _fused_kernel.topk_kernel = Idle()
+        assert not fused_cuda.verify("cpu")
+        assert not fused_cuda.verify("cpu")                          # said once
+        with fused_cuda.forced(True):
+            assert not fused_cuda.available("cpu")
+        assert [a.name for a in arms_for(Tiny())] == ["padded"]
+        print("ok")
+    ''')
+    p = _run(script, FFKV_NUMBA="1")
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+    said = [l for l in p.stderr.splitlines() if l.startswith("ffkv:")]
+    assert len(said) == 1 and "disagree with the portable path" in said[0] and "key_p0 differs" in said[0], p.stderr[-2000:]
+
+
+def test_auto_times_the_fused_path_and_mines_the_same_tables(tmp_path, tiny_dirs):
+    """FFKV_TRITON=auto where the kernels run (the interpreter here): the first batches are mined
+    by the portable path and the fused one in turn, the faster mines the rest, the tables equal the
+    portable path's, and the manifest says which ran."""
+    import json
+
+    from conftest import WT2
+    from test_mine import _assert_same_mine
+
+    outs = {}
+    for flag in ("0", "auto"):
+        outs[flag] = tmp_path / f"run{flag}"
+        args = ["mine", "--out", str(outs[flag]), "--model", str(tiny_dirs["llama"]), "--corpus",
+                str(WT2 / "wiki.valid.tokens"), "--max-sentences", "40", "--top-k", "4", "--batch-tokens", "96"]
+        p = _run(PATCH + f"import sys; from ffkv.cli import main; sys.exit(main({args!r}))", FFKV_TRITON=flag,
+                 HF_HUB_OFFLINE="1")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "ffkv:" not in p.stderr, p.stderr[-2000:]
+    _assert_same_mine(outs["auto"], outs["0"])
+    rec = json.loads((outs["auto"] / "manifest.json").read_text())["steps"]["mine"]
+    t = rec["tuning"]
+    assert [a["arm"] for a in t["arms"]] == ["padded", "padded+fused"] and t["chosen"] is not None
+    assert rec["fused_trackers"] == (t["chosen"] == "padded+fused")

@@ -122,13 +122,14 @@ def compiled_for(mm, layers) -> CompiledBlocks | None:
     """The compiled blocks for a mining pass over `layers`, or None: FFKV_COMPILE unset, or the
     model cannot (said once). The check's sentences (`ffkv.mine.selfcheck`) run eagerly and
     compiled must agree at every wanted layer, or the eager forward is kept."""
-    from ffkv.mine.packing import cap_for
+    from ffkv.mine import packing
     from ffkv.mine.selfcheck import first_difference, sentences
     from ffkv.model.memories import pad_rows
 
     if not enabled():
         return None
-    cap_for(mm)  # the packing check runs the model eagerly: before the blocks change
+    if packing.setting(getattr(mm, "device", None)) is not None:
+        packing.accepts(mm)  # the packing check runs the model eagerly: before the blocks change
     layers = sorted(set(layers))
     verdicts = mm.__dict__.setdefault("_ffkv_compile_verdicts", {})  # checked once a model and layers
     verdict = verdicts.get(tuple(layers), False)

@@ -92,6 +92,7 @@ class ShardMiner:
             torch.set_num_threads(threads)
         self.mm = open_model(model_arg, device=device, dtype=dtype)
         self.s = MineSettings(**settings)
+        self.tuner = None  # made at the first shard, kept for the next ones (`ffkv.mine.tune`)
 
     def mine(self, k: int, sentences_path, batch_rows, sent=None):
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
@@ -100,8 +101,8 @@ class ShardMiner:
         import pyarrow as pa
 
         from ffkv.mine.engine import FlatTokens, mine_batches, new_state
-        from ffkv.mine.packing import cap_for
         from ffkv.mine.compiled import mining_forward
+        from ffkv.mine.tune import tuner_for
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
@@ -114,9 +115,12 @@ class ShardMiner:
             sids = rows.column("sentence_id").to_numpy()
             starts = np.cumsum([0] + [t.num_rows for t in got])
             batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
+            if self.tuner is None:
+                self.tuner = tuner_for(self.mm)
             with mining_forward(self.mm, state.layers) as compiled:  # as the one-process pass
-                state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled)
-        return k, state.arrays(), cap_for(self.mm)
+                state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled, tuner=self.tuner)
+        arm = self.tuner.chosen if self.tuner is not None else None
+        return k, state.arrays(), arm.pack if arm is not None else None
 
 
 SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what it finds

@@ -74,14 +74,19 @@ class FlatTokens:
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
 
-def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None, compiled=None) -> MineState:
-    """Feed batches (lists of indices into token_lists) through one captured pass each; in packed
-    rows when FFKV_PACK asks for them and the model takes them (`ffkv.mine.packing`), through
-    compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here)."""
-    from ffkv.mine.compiled import compiled_for
-    from ffkv.mine.packing import Packed, cap_for
+def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None, compiled=None,
+                 tuner=None) -> MineState:
+    """Feed batches (lists of indices into token_lists) through one captured pass each.
 
-    cap = cap_for(mm)
+    With a `tuner` (`ffkv.mine.tune`, kept across a pass's calls), each batch runs in packed rows
+    or padded, with the fused kernels or the portable trackers, as the tuner says; without one, as
+    FFKV_PACK=C and FFKV_TRITON=1 say (`auto` is the tuner's: padded and portable here). Through
+    compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here)."""
+    from ffkv.mine import fused_cuda
+    from ffkv.mine.compiled import compiled_for
+    from ffkv.mine.packing import cap_for
+
+    cap0 = cap_for(mm) if tuner is None else None
     own = compiled is None
     if own:
         compiled = compiled_for(mm, state.layers)
@@ -97,35 +102,50 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
 
     try:
         for bi, idx in batches:
-            if cap:
-                flat, lens = flat_rows(token_lists, idx)
-                p = Packed(flat, lens, mm.pad_id(), cap, getattr(mm, "device", "cpu"))
-                lens_t = torch.as_tensor(lens).to(p.ids.device, non_blocking=True)
-                mask = torch.arange(p.shape[1], device=p.ids.device)[None, :] < lens_t[:, None]
-                lens = lens.tolist()
-                batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-                # position ids and no mask: transformers masks attention across the packed sentences
-                forward(p.ids, batch, p.unpack, position_ids=p.position_ids)
-            else:
-                if isinstance(token_lists, FlatTokens):
-                    ids, mask, lens = batch_tensors(mm, token_lists, idx)
-                else:
-                    seqs = [token_lists[i] for i in idx]
-                    ids, mask = mm.batch(seqs)
-                    lens = [len(x) for x in seqs]
-                batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
-                # No attention mask: the rows are right-padded, so under causal attention no real
-                # token sees a pad, and the model's outputs at real tokens are the same. With a
-                # padding mask, transformers builds a 4D mask (no flash attention on CUDA) after
-                # reading the mask on the host (a sync a batch). The trackers still take the mask,
-                # through `batch`.
-                forward(ids, batch)
+            arm, timed = tuner.next() if tuner is not None else (None, False)
+            cap = cap0 if arm is None else arm.pack
+            t0 = tuner.start(timed) if tuner is not None else 0.0
+            with fused_cuda.forced(None if arm is None else arm.fused):
+                lens = _one_batch(mm, token_lists, sids, idx, cap, forward)
+            ntok = int(sum(lens))
+            if tuner is not None:
+                tuner.done(arm, timed, t0, ntok)
             if on_batch is not None:
-                on_batch(bi, int(sum(lens)))
+                on_batch(bi, ntok)
     finally:
         if own and compiled is not None:
             compiled.close()
     return state
+
+
+def _one_batch(mm, token_lists, sids, idx, cap, forward) -> list[int]:
+    """One batch's forward (packed rows of `cap` tokens, or padded rows) and its trackers'
+    updates; returns its sentences' lengths."""
+    from ffkv.mine.packing import Packed
+
+    if cap:
+        flat, lens = flat_rows(token_lists, idx)
+        p = Packed(flat, lens, mm.pad_id(), cap, getattr(mm, "device", "cpu"))
+        lens_t = torch.as_tensor(lens).to(p.ids.device, non_blocking=True)
+        mask = torch.arange(p.shape[1], device=p.ids.device)[None, :] < lens_t[:, None]
+        lens = lens.tolist()
+        batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+        # position ids and no mask: transformers masks attention across the packed sentences
+        forward(p.ids, batch, p.unpack, position_ids=p.position_ids)
+        return lens
+    if isinstance(token_lists, FlatTokens):
+        ids, mask, lens = batch_tensors(mm, token_lists, idx)
+    else:
+        seqs = [token_lists[i] for i in idx]
+        ids, mask = mm.batch(seqs)
+        lens = [len(x) for x in seqs]
+    batch = Batch.from_lengths(lens, [sids[i] for i in idx], mask)
+    # No attention mask: the rows are right-padded, so under causal attention no real token sees a
+    # pad, and the model's outputs at real tokens are the same. With a padding mask, transformers
+    # builds a 4D mask (no flash attention on CUDA) after reading the mask on the host (a sync a
+    # batch). The trackers still take the mask, through `batch`.
+    forward(ids, batch)
+    return lens
 
 
 def flat_rows(tokens, idx) -> tuple[np.ndarray, np.ndarray]:

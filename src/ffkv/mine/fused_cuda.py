@@ -17,18 +17,24 @@ On a GPU each read is a full pass over 2 GB, and the statistics cost as much as 
 Per update: 3 launches with one sign (5 with two) and about a dozen small torch ops, 15 and 17
 ops in all (`tests/test_fused_cuda.py`), against 132 and 235 for the portable path.
 
-Off unless `FFKV_TRITON=1` until a GPU has measured it against the portable path
-(`benchmarks/gpu_session.sh` runs both). A kernel that fails to compile turns the path off for
-the process with one line on stderr (`ffkv.errors.notice`), and the portable path runs instead.
+`FFKV_TRITON=1` turns it on; `auto` (the default on CUDA) lets `ffkv mine` time it against the
+portable path on the run's first batches and keep the faster (`ffkv.mine.tune`). Before its first
+use on a device, `verify` feeds made-up captures through both paths and compares the states: a
+kernel that fails to compile, or that disagrees on this GPU (only Triton's CPU interpreter has
+checked them in the test suite), turns the path off for the process with one line on stderr
+(`ffkv.errors.notice`), and the portable path runs instead.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 
 import torch
 
-from ffkv.errors import notice
+from ffkv.errors import FfkvError, notice
+
+ENV = "FFKV_TRITON"
 
 BW = 64  # keys per program of the capture kernel
 ROWS = 8  # rows per program
@@ -42,6 +48,8 @@ FIELD = 65535  # a row longer than this would overflow a 16-bit field
 FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lower it)
 
 _broken: str | None = None
+_forced: bool | None = None  # the tuner's arm for the batch at hand (`ffkv.mine.tune`), over the setting
+_verified: set[str] = set()  # devices where `verify` passed
 _has_triton: bool | None = None
 _luts: dict = {}
 launches = 0  # kernel launches so far
@@ -49,13 +57,21 @@ _aot = None  # `ffkv.mine.fused_aot.compiled_for`'s compiler while it is active
 KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, whatever runs inside
 
 
-def available(device) -> bool:
-    """This path runs here: asked for (FFKV_TRITON=1), Triton present, a CUDA device (or Triton's
-    interpreter), and no kernel has failed. Triton is imported only then: on a CPU its import
-    alone slowed mining."""
-    if _aot is not None:  # compiling for a GPU that is not here: every launch counts
-        return True
-    if os.environ.get("FFKV_TRITON", "0") != "1" or _broken is not None:
+def setting(device=None) -> str:
+    """FFKV_TRITON as "0", "1" or "auto"; unset: "auto" on CUDA (timed against the portable path),
+    "0" elsewhere. A bad value is the user's to fix (FfkvError)."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw == "":
+        return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
+    if raw not in ("0", "1", "auto"):
+        raise FfkvError(f"{ENV}={raw!r}: 1 uses the fused Triton kernels, 0 the portable path, auto times both "
+                        f"on the run's first batches (the default on CUDA)")
+    return raw
+
+
+def runs_here(device) -> bool:
+    """The kernels can run here: Triton present, a CUDA device (or Triton's interpreter), none failed."""
+    if _broken is not None:
         return False
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
@@ -63,6 +79,96 @@ def available(device) -> bool:
     if _has_triton is None:  # asked a few times per update: look once
         _has_triton = importlib.util.find_spec("triton") is not None
     return _has_triton
+
+
+def available(device) -> bool:
+    """This path runs here: asked for (FFKV_TRITON=1, or the tuner's arm), and `runs_here`. Triton
+    is imported only then: on a CPU its import alone slowed mining."""
+    if _aot is not None:  # compiling for a GPU that is not here: every launch counts
+        return True
+    want = _forced if _forced is not None else os.environ.get(ENV, "0").strip() == "1"
+    return want and runs_here(device)
+
+
+@contextmanager
+def forced(on: bool | None):
+    """Within: the fused path on or off whatever FFKV_TRITON says (None: as it says)."""
+    global _forced
+    prev, _forced = _forced, on
+    try:
+        yield
+    finally:
+        _forced = prev
+
+
+def verify(device) -> bool:
+    """Whether the fused path gives the portable path's states on `device`, checked once per
+    device on made-up captures (`_check_states`); a disagreement turns the path off for the process
+    (one line on stderr). False too where the path cannot run."""
+    global _broken
+    key = str(torch.device(device))
+    if key in _verified:
+        return _broken is None
+    if not runs_here(device):
+        return False
+    try:
+        why = _check_states(device)
+    except Exception as e:  # noqa: BLE001  (whatever breaks: the portable path is exact)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if why and _broken is None:
+        _broken = why
+        notice(f"the fused CUDA kernels disagree with the portable path here ({why}); using the portable path")
+    _verified.add(key)
+    return _broken is None
+
+
+@torch.no_grad()
+def _check_states(device) -> str | None:
+    """Three made-up batches (both signs, samples, two layers side by side, padding, ties, zeros)
+    through a whole mining state by each path: the counts, maxima, positions, samples and top-k
+    lists must be equal bit for bit, the sums to float32 rounding. None: they are."""
+    import numpy as np
+
+    from ffkv.mine import stats
+    from ffkv.mine.topk import TopKState
+    from ffkv.mine.trackers import Batch, MineState
+
+    g = torch.Generator().manual_seed(0)
+    B, T, w, layers = 12, 9, 160, (0, 1)
+    m = torch.randn(B, T, 2 * w, generator=g) * torch.exp(torch.randn(B, T, 2 * w, generator=g) * 2)
+    m[1, :, 9] = 1.5  # ties: the first position wins
+    m[0, 0, :5] = 0.0
+    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    lengths[0] = T
+    m = m.to(device)
+    mask = torch.arange(T, device=m.device)[None, :] < torch.tensor(lengths, device=m.device)[:, None]
+    m = m.masked_fill(~mask[..., None], 3.0)  # padding must not count
+    got = []
+    for on in (False, True):
+        with forced(on):
+            st = MineState({"topk": TopKState(list(layers), None, w, 4, negative=True, device=m.device, group=2),
+                            "stats": stats.KeyStats(list(layers), None, w, signs=(1, -1), samples=3,
+                                                    device=m.device, group=2)}, list(layers), None, device=m.device)
+            for rep in (0, 1, 3):  # samples move; a power of two apart: exact in any path
+                batch = Batch.from_lengths(lengths, [rep * 100 + i for i in range(B)], mask)
+                for i, l in enumerate(layers):
+                    st.update(l, (m * (1 + rep))[..., i * w:(i + 1) * w], batch)
+            got.append({a: np.array(v) for a, v in st.arrays().items()})
+        if _broken is not None:  # a launch failed (said already)
+            return None
+    want, have = got
+    for a in want:
+        x, y = want[a], have.get(a)
+        if y is None or x.shape != y.shape:
+            return f"{a} missing or of another shape"
+        if "limbs" in a:
+            x = np.stack([stats.from_limbs(x[0]), stats.from_limbs(x[1])])
+            y = np.stack([stats.from_limbs(y[0]), stats.from_limbs(y[1])])
+            if not np.allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(x).max() or 1.0)):
+                return f"the sums differ ({a})"
+        elif not np.array_equal(x, y, equal_nan=True):
+            return f"{a} differs at {len(np.argwhere(x != y))} entries"
+    return None
 
 
 def bin_lut(device) -> torch.Tensor:

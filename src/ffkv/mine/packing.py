@@ -8,8 +8,9 @@ transformers finds the packed sequences itself and masks attention across them (
 training batches), so every sentence's forward is its own. The captures are then put back in the
 padded (B, T) layout that the trackers read, so nothing after the forward changes.
 
-Off by default until a GPU says it wins (`benchmarks/bench_forward_gpu.py` times it); on a CPU it
-does not (0.89-1.04x). A model whose forward does not keep packed sentences apart (found by
+On CUDA, `ffkv mine` times packed rows of 128 and 256 tokens against padded rows on its first
+batches and keeps the fastest (FFKV_PACK=auto, the default there: `ffkv.mine.tune`); on a CPU,
+where they do not win (0.89-1.04x), rows stay padded unless FFKV_PACK=C asks. A model whose forward does not keep packed sentences apart (found by
 running it: `refusal`) keeps padded rows.
 """
 from __future__ import annotations
@@ -24,19 +25,33 @@ from ffkv.errors import FfkvError, notice
 ENV = "FFKV_PACK"
 
 
-def rows_tokens() -> int | None:
-    """C from FFKV_PACK (tokens per packed row), None when unset or 0."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw in ("", "0"):
+SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
+
+
+def setting(device=None) -> int | str | None:
+    """FFKV_PACK as C (tokens per packed row), "auto" or None (padded rows); unset: "auto" on CUDA
+    (timed against padded rows on the run's first batches), None elsewhere."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw == "":
+        return "auto" if device is not None and torch.device(device).type == "cuda" else None
+    if raw == "auto":
+        return raw
+    if raw == "0":
         return None
     try:
         c = int(raw)
     except ValueError:
         c = -1
     if c < 1:
-        raise FfkvError(f"{ENV}={raw!r}: give the tokens per packed row as a whole number (e.g. 256), or 0 for "
-                        f"padded rows")
+        raise FfkvError(f"{ENV}={raw!r}: give the tokens per packed row as a whole number (e.g. 256), 0 for "
+                        f"padded rows, or auto to time both on the run's first batches (the default on CUDA)")
     return c
+
+
+def rows_tokens() -> int | None:
+    """C from FFKV_PACK, None when unset, 0 or auto (auto is the tuner's: `ffkv.mine.tune`)."""
+    c = setting()
+    return c if isinstance(c, int) else None
 
 
 @torch.no_grad()
@@ -64,17 +79,21 @@ def refusal(mm) -> str | None:
     return None
 
 
-def cap_for(mm) -> int | None:
-    """C for this model, or None: FFKV_PACK unset, or the model fails the check (said once)."""
-    c = rows_tokens()
-    if c is None:
-        return None
+def accepts(mm) -> bool:
+    """Whether this model's forward keeps packed sentences apart (`refusal`, run once a model; a
+    refusal is said once)."""
     why = mm.__dict__.get("_pack_refusal", False)
     if why is False:
         why = mm.__dict__["_pack_refusal"] = refusal(mm)
         if why:
             notice(f"{ENV}: padded rows for this model: {why}")
-    return None if why else c
+    return not why
+
+
+def cap_for(mm) -> int | None:
+    """C for this model, or None: FFKV_PACK unset (or auto: the tuner's), or the model fails the check."""
+    c = rows_tokens()
+    return c if c is not None and accepts(mm) else None
 
 
 class Packed:

@@ -147,6 +147,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
 
     from ffkv.corpus.stream import SCHEMA, table_chunks
     from ffkv.mine.compiled import mining_forward
+    from ffkv.mine.tune import tuner_for
     from ffkv.progress import progress
 
     ckpt = run.path / CKPT
@@ -160,6 +161,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     chunks = table_chunks(run.table_path("sentences"), s.chunk_sentences) if whole else iter(stream)
     plan = Layout(batch_tokens)
     mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
+    tuner = tuner_for(mm)  # before the compiled blocks: its packing check runs the model eagerly
     _tune_malloc()
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
             progress(None if show_progress is None else not show_progress) as bar, \
@@ -184,14 +186,14 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
             rows.update((bi, len(b)) for bi, b in todo)
             bar.update(task, advance=len(chunk) - sum(len(b) for _, b in todo))  # mined before a resume
             mine_batches(mm, state, FlatTokens(values=chunk.values, offsets=chunk.offsets), chunk.sentence_id,
-                         todo, on_batch, compiled=compiled)
+                         todo, on_batch, compiled=compiled, tuner=tuner)
             done += len(batches)
             plan.add(lengths, batches)
             del chunk, batches, todo
             _trim_malloc()
     if stream is not None:
         _record_corpus(run, s, stream)
-    return state, mined, plan
+    return state, mined, plan, tuner
 
 
 # glibc's malloc, tuned from Python (ctypes) because the pass's big buffers come and go:
@@ -231,11 +233,12 @@ def _trim_malloc() -> None:
 def compute(ctx) -> dict:
     """The pass (the step's `compute`): prepare the corpus, mine every batch not yet in the
     checkpoint (or on Ray shards), write the tables; returns the step's info."""
+    from ffkv.mine import fused_cuda, packing
     from ffkv.mine.compiled import enabled as compile_enabled
-    from ffkv.mine.packing import rows_tokens
 
     run, s, mm = ctx.run, ctx.settings, ctx.model()
-    rows_tokens()  # a bad FFKV_PACK or FFKV_COMPILE is refused before any work
+    packing.setting()  # a bad FFKV_PACK, FFKV_TRITON or FFKV_COMPILE is refused before any work
+    fused_cuda.setting()
     compile_enabled()
     fit(s, mm)
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
@@ -255,9 +258,8 @@ def compute(ctx) -> dict:
         state, shards, caps = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
         mined_tokens = plan.tokens
     else:
-        caps = None
-        state, mined_tokens, plan = _mine_local(run, mm, s, state, whole, checkpoint_every, ctx.show_progress,
-                                                ctx.log, bt)
+        state, mined_tokens, plan, tuner = _mine_local(run, mm, s, state, whole, checkpoint_every,
+                                                       ctx.show_progress, ctx.log, bt)
     secs = time.time() - t0
     tables = state.finish(_FinishContext(run))
     trig = tables.pop("triggers")
@@ -272,8 +274,11 @@ def compute(ctx) -> dict:
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
             "device": str(getattr(mm, "device", "")), "batches": plan.record(),
-            "packed_rows": max(caps, key=lambda c: c or 0) if caps else _packed_rows(mm),  # the shards' own
-            "compiled_forward": None if ray_address else _compiled(mm, state.layers)}  # Ray: the actors know
+            "packed_rows": (max(caps, key=lambda c: c or 0, default=None) if ray_address  # the shards' own
+                            else _ran(tuner, "pack")),
+            "fused_trackers": None if ray_address else bool(_ran(tuner, "fused")),  # Ray: the actors know
+            "tuning": None if ray_address else tuner.record(),
+            "compiled_forward": None if ray_address else _compiled(mm, state.layers)}
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
@@ -290,11 +295,11 @@ def _compiled(mm, layers) -> bool:
     return accepted(mm, layers)
 
 
-def _packed_rows(mm) -> int | None:
-    """Tokens per packed row of the forward (FFKV_PACK, `ffkv.mine.packing`), None: padded rows."""
-    from ffkv.mine.packing import cap_for
-
-    return cap_for(mm)
+def _ran(tuner, what: str):
+    """The pass's `pack` or `fused` (`ffkv.mine.tune.Arm`): its tuner's choice (None while it was
+    still timing when the corpus ran out)."""
+    arm = tuner.chosen
+    return None if arm is None else getattr(arm, what)
 
 
 def _ray_plan(run, s: MineSettings, bt: int):

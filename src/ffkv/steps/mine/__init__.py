@@ -211,8 +211,19 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
     print(f"mined {n} sentence{'' if n == 1 else 's'} ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated{empty}) "
           f"into {run.path}: {info.get('rows')} trigger rows, "
           + (f"packed rows of {info['packed_rows']} tokens, " if info.get("packed_rows") else
-             f"padding {info.get('padding_share', 0):.1%}, ") +
-          f"{info.get('tokens_per_s')} tok/s")
+             f"padding {info.get('padding_share', 0):.1%}, ")
+          + ("fused kernels, " if info.get("fused_trackers") else "") +
+          f"{info.get('tokens_per_s')} tok/s" + _tuned(info.get("tuning")))
+
+
+def _tuned(t: dict | None) -> str:
+    """The tuner's choice and its figures (`ffkv.mine.tune`), for the summary line."""
+    if not t:
+        return ""
+    figs = ", ".join(f"{a['arm']} {a['tokens_per_s']:,.0f}" for a in t["arms"] if a.get("tokens_per_s"))
+    if t.get("chosen") is None:
+        return f" (the corpus ended while timing: {figs} tok/s)"
+    return f" ({t['chosen']} chosen on the first batches: {figs} tok/s)"
 
 
 def reproduce(r, mm) -> MineSettings:
@@ -227,9 +238,11 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and "
         "(unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder, "
         "or a run of this model.\n\n"
-        "GPU paths under measurement, off by default, the same tables: FFKV_TRITON=1 (fused Triton "
-        "trackers), FFKV_PACK=256 (short sentences side by side in rows of 256 tokens), FFKV_COMPILE=1 "
-        "(torch.compile of the blocks; slower on a CPU).")
+        "Faster paths, the same tables: FFKV_PACK=C (short sentences side by side in rows of C "
+        "tokens), FFKV_TRITON=1 (fused Triton trackers, CUDA only), FFKV_COMPILE=1 (torch.compile of "
+        "the blocks; slower on a CPU). On CUDA, FFKV_PACK and FFKV_TRITON default to auto: the first "
+        "batches are mined by each combination in turn, timed, and the fastest mines the rest "
+        "(recorded in the manifest as `tuning`); 0 turns one off. On a CPU both are off unless set.")
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
