@@ -7,7 +7,9 @@
 # each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
 # path: equal states, kernel times, a profile), bench_gpu.py on the SmolLM2-135M shape (every arm,
 # fused included), bench_forward_gpu.py (where a faster forward could come from: packed rows,
-# Liger's kernels), `ffkv mine` end to end over 20M tokens with the fused kernels, the forward
+# Liger's kernels), `ffkv mine` end to end over 20M tokens as a user runs it (its first batches
+# time packed rows and the fused kernels, FFKV_PACK/FFKV_TRITON=auto; mine_manifest.json's
+# `tuning` holds each arm's throughput), the forward
 # probe's torch.compile arm, mining through compiled blocks (FFKV_COMPILE) beside the best of the
 # rest, then bench_gpu.py on the 1B and 8B Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
@@ -31,7 +33,7 @@ part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
 part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000 --pack 256
 part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
 part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
-part 150 env FFKV_TRITON=1 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
+part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
 part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_packed_compiled
 part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000

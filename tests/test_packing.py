@@ -43,8 +43,9 @@ def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path
     assert ("packed rows of 48 tokens" in res.stdout) == (why is None), res.stdout
 
 
-@pytest.mark.parametrize("switch, value", [("FFKV_PACK", v) for v in ("x", "-3", "1.5", "1e9x")]
-                         + [("FFKV_COMPILE", v) for v in ("yes", "2", "-1")])
+@pytest.mark.parametrize("switch, value", [("FFKV_PACK", v) for v in ("x", "-3", "1.5", "1e9x", "autox")]
+                         + [("FFKV_COMPILE", v) for v in ("yes", "2", "-1")]
+                         + [("FFKV_TRITON", v) for v in ("yes", "2", "on")])
 def test_a_bad_switch_is_one_line(tiny_dirs, tmp_path, monkeypatch, switch, value):
     """Refused before any work, the switch named."""
     monkeypatch.setenv(switch, value)

@@ -1,4 +1,4 @@
-"""Mining's forward over packed rows (off unless FFKV_PACK=C, tokens per row).
+"""Mining's forward over packed rows (FFKV_PACK=C tokens per row; auto, the default on CUDA, times it).
 
 A mining batch of short sentences is some 2,000 right-padded rows of about 12 tokens. On a GPU,
 attention then runs a tile per row and head, and took as long as all of the model's products in
