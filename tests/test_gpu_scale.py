@@ -326,8 +326,9 @@ def test_shard_reads_its_rows_and_equals_one_process(tmp_path, tiny_dirs):
         got = read_rows(path, rows)
         assert [(g.column("token_ids").to_pylist(), g.column("sentence_id").to_pylist()) for g in got] == \
             [([toks[i] for i in r], [sids[i] for i in r]) for r in rows]
-        k, arrs, packed = miner.mine(a, path, rows)
-        assert k == a and packed is None  # padded rows: FFKV_PACK unset
+        k, arrs, how = miner.mine(a, path, rows)
+        assert k == a and how == {"packed_rows": None, "fused_trackers": False,  # FFKV_PACK unset, a CPU
+                                  "compiled_forward": False, "tuning": None}
         assert miner.mine(a, str(tmp_path / "elsewhere.parquet"), rows) == (a, None, None)  # not visible here
         _assert_arrays_equal(miner.mine(a, None, rows, sent=got)[1], arrs)
         part = new_state(miner.mm, miner.s).load_arrays(arrs)

@@ -446,6 +446,10 @@ def test_ray_two_shards_identical(tmp_path, tiny_dirs, pack):
     _assert_same_mine(tmp_path / "ray", tmp_path / "single")  # the same tables from two shards
     info = json.loads((tmp_path / "ray" / "manifest.json").read_text())["steps"]["mine"]
     assert info["packed_rows"] in ((None, 128, 256) if pack == "auto" else (48 if pack == "48" else None,))
+    assert info["fused_trackers"] is False and info["compiled_forward"] is False and info["tuning"] is None
+    if pack == "auto":  # each actor timed the arms on its own first batches
+        assert all([a["arm"] for a in t["arms"]] == ["padded", "packed128", "packed256"]
+                   for t in info["shards_tuning"] or [])
 
 
 @pytest.mark.slow

@@ -97,12 +97,12 @@ class ShardMiner:
     def mine(self, k: int, sentences_path, batch_rows, sent=None):
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
         rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays,
-        tokens per packed row or None), or (k, None, None) when the table is out of this node's reach."""
+        how it ran: `how`), or (k, None, None) when the table is out of this node's reach."""
         import pyarrow as pa
 
         from ffkv.mine.engine import FlatTokens, mine_batches, new_state
         from ffkv.mine.compiled import mining_forward
-        from ffkv.mine.tune import tuner_for
+        from ffkv.mine.tune import how, tuner_for
 
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
@@ -119,11 +119,11 @@ class ShardMiner:
                 self.tuner = tuner_for(self.mm)
             with mining_forward(self.mm, state.layers) as compiled:  # as the one-process pass
                 state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled, tuner=self.tuner)
-        arm = self.tuner.chosen if self.tuner is not None else None
-        return k, state.arrays(), arm.pack if arm is not None else None
+        return k, state.arrays(), how(self.mm, self.tuner, state.layers)
 
 
-SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what it finds
+SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_COMPILE", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what
+# it finds
 
 
 def switches() -> dict:
@@ -134,8 +134,8 @@ def switches() -> dict:
 
 def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
-    run redoes only the others. Returns the merged state, the number of shards, and the set of
-    tokens per packed row that the shards mined now reported (None: padded rows)."""
+    run redoes only the others. Returns the merged state, the number of shards, and how the shards
+    mined now ran (`how`, one per shard)."""
     from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
@@ -161,7 +161,7 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
             todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)]))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
-    packed = set()
+    hows = []
     if todo:
         env = switches()
         actor = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0,
@@ -173,9 +173,9 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
         try:
             with progress() as bar:
                 task = bar.add_task("mine shards", total=len(todo))
-                for k, arrs, cap in _drain(ray, actors, {k: rows for k, _, rows in todo},
-                                           str(run.table_path("sentences"))):
-                    packed.add(cap)
+                for k, arrs, h in _drain(ray, actors, {k: rows for k, _, rows in todo},
+                                         str(run.table_path("sentences"))):
+                    hows.append(h)
                     save_npz(files[k], arrs)
                     state.merge(new_state(mm, s).load_arrays(arrs))
                     bar.advance(task)
@@ -185,12 +185,12 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     for f in shard_dir.glob("*.npz"):
         f.unlink()
     shard_dir.rmdir()
-    return state, shards, packed
+    return state, shards, hows
 
 
 def _drain(ray, actors, jobs: dict, sent_path: str):
-    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays, tokens per
-    packed row) as each finishes. A shard whose actor could not read the run's sentences (another
+    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays, `how`) as
+    each finishes. A shard whose actor could not read the run's sentences (another
     node's disk) is sent again with its rows."""
     queue = [(k, None) for k in jobs]
     idle, pending = list(actors), {}
@@ -202,10 +202,10 @@ def _drain(ray, actors, jobs: dict, sent_path: str):
         done, _ = ray.wait(list(pending), num_returns=1)
         idle.append(pending.pop(done[0]))
         try:
-            k, arrs, cap = ray.get(done[0])
+            k, arrs, h = ray.get(done[0])
         except Exception as e:  # noqa: BLE001
             raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
         if arrs is None:
             queue.append((k, read_rows(sent_path, jobs[k])))
         else:
-            yield k, arrs, cap
+            yield k, arrs, h

@@ -235,6 +235,7 @@ def compute(ctx) -> dict:
     checkpoint (or on Ray shards), write the tables; returns the step's info."""
     from ffkv.mine import fused_cuda, packing
     from ffkv.mine.compiled import enabled as compile_enabled
+    from ffkv.mine.tune import how, how_of_shards
 
     run, s, mm = ctx.run, ctx.settings, ctx.model()
     packing.setting()  # a bad FFKV_PACK, FFKV_TRITON or FFKV_COMPILE is refused before any work
@@ -255,11 +256,13 @@ def compute(ctx) -> dict:
             _write_sentences(run, mm, s)
         batches, plan = _ray_plan(run, s, bt)
         _shards_of_this_plan(run, layout_key(s, bt))
-        state, shards, caps = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
+        state, shards, hows = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
+        ran = how_of_shards(hows)
         mined_tokens = plan.tokens
     else:
         state, mined_tokens, plan, tuner = _mine_local(run, mm, s, state, whole, checkpoint_every,
                                                        ctx.show_progress, ctx.log, bt)
+        ran = how(mm, tuner, state.layers)
     secs = time.time() - t0
     tables = state.finish(_FinishContext(run))
     trig = tables.pop("triggers")
@@ -273,12 +276,7 @@ def compute(ctx) -> dict:
             "mine_seconds": round(secs, 2), "shards": shards if ray_address else 1,
             "batch_tokens": bt, "batch_tokens_setting": s.batch_tokens,
             "dtype": str(getattr(mm, "dtype", "")).replace("torch.", ""),
-            "device": str(getattr(mm, "device", "")), "batches": plan.record(),
-            "packed_rows": (max(caps, key=lambda c: c or 0, default=None) if ray_address  # the shards' own
-                            else _ran(tuner, "pack")),
-            "fused_trackers": None if ray_address else bool(_ran(tuner, "fused")),  # Ray: the actors know
-            "tuning": None if ray_address else tuner.record(),
-            "compiled_forward": None if ray_address else _compiled(mm, state.layers)}
+            "device": str(getattr(mm, "device", "")), "batches": plan.record(), **ran}
     if state.stats is not None:
         from ffkv.mine.stats import layout
 
@@ -286,20 +284,6 @@ def compute(ctx) -> dict:
     else:
         info["stats"] = None
     return info
-
-
-def _compiled(mm, layers) -> bool:
-    """Whether this process mined through compiled blocks (FFKV_COMPILE, `ffkv.mine.compiled`)."""
-    from ffkv.mine.compiled import accepted
-
-    return accepted(mm, layers)
-
-
-def _ran(tuner, what: str):
-    """The pass's `pack` or `fused` (`ffkv.mine.tune.Arm`): its tuner's choice (None while it was
-    still timing when the corpus ran out)."""
-    arm = tuner.chosen
-    return None if arm is None else getattr(arm, what)
 
 
 def _ray_plan(run, s: MineSettings, bt: int):

@@ -115,3 +115,24 @@ def arms_for(mm) -> list[Arm]:
 def tuner_for(mm) -> Tuner:
     """The tuner of a mining pass over this model (one arm, untimed, where nothing is `auto`)."""
     return Tuner(arms_for(mm), getattr(mm, "device", None))
+
+
+def how(mm, tuner, layers) -> dict:
+    """How a pass ran, for the manifest: tokens per packed row (None: padded), the fused kernels,
+    compiled blocks, and the tuner's figures (`ffkv.mine.tune`; None when nothing was timed)."""
+    from ffkv.mine.compiled import accepted
+
+    arm = tuner.chosen if tuner is not None else None
+    return {"packed_rows": arm.pack if arm is not None else None,
+            "fused_trackers": bool(arm is not None and arm.fused),
+            "compiled_forward": accepted(mm, layers),
+            "tuning": tuner.record() if tuner is not None else None}
+
+
+def how_of_shards(hows: list[dict]) -> dict:
+    """The shards' `how` as one record: what any shard did (the largest packed rows); each actor
+    tunes on its own first batches, so their figures go in `shards_tuning`, in order of finishing."""
+    return {"packed_rows": max((h["packed_rows"] for h in hows), key=lambda c: c or 0, default=None),
+            "fused_trackers": any(h["fused_trackers"] for h in hows) if hows else None,
+            "compiled_forward": any(h["compiled_forward"] for h in hows) if hows else None,
+            "tuning": None, "shards_tuning": [h["tuning"] for h in hows if h.get("tuning")] or None}
