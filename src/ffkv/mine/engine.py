@@ -100,16 +100,18 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
         else:
             mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
 
+    batches = list(batches)
+    slots = tuner.plan(len(batches)) if tuner is not None else None
     try:
-        for bi, idx in batches:
-            arm, timed = tuner.next() if tuner is not None else (None, False)
+        for j, (bi, idx) in enumerate(batches):
+            arm, timed, trial = tuner.take(slots[j]) if tuner is not None else (None, False, False)
             cap = cap0 if arm is None else arm.pack
             t0 = tuner.start(timed) if tuner is not None else 0.0
             with fused_cuda.forced(None if arm is None else arm.fused):
                 lens = _one_batch(mm, token_lists, sids, idx, cap, forward)
             ntok = int(sum(lens))
             if tuner is not None:
-                tuner.done(arm, timed, t0, ntok)
+                tuner.done(arm, timed, t0, ntok, trial)
             if on_batch is not None:
                 on_batch(bi, ntok)
     finally:

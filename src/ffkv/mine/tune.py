@@ -8,9 +8,14 @@ picks its algorithms. Nothing is thrown away: the timed batches are mined by the
 them, and every arm's results are the same (packing checks the model first, the fused kernels
 check themselves against the portable path).
 
-The batches of a chunk come sorted by length, so neighbours are alike but not equal: after one
-untimed round (compiles, caches) the arms run twice, in order and then in reverse, so that a
-drift in the batches' lengths weighs on every arm alike; the score is seconds per real token.
+A chunk's batches come sorted by length (`ffkv.corpus.batching.pack`), so its first batches hold
+its shortest sentences, where packed rows gain most: timed there alone, the choice would not hold
+for the rest. So the trial is in blocks: one untimed block of every arm at the start (compiles,
+caches), then ROUNDS timed blocks spread over the chunk's batches, each block's arms on
+neighbouring batches (alike in length), in alternating order; the batches between mine with the
+first arm (padded rows, the portable trackers). The score is seconds per real token over all
+blocks. A chunk too short for the blocks to spread runs them one after another, and the rest go on
+in the next chunk.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROUNDS = 2  # timed rounds, after one untimed
+ROUNDS = 3  # timed blocks, after one untimed
 
 
 @dataclass(frozen=True)
@@ -35,42 +40,73 @@ class Arm:
 
 
 class Tuner:
-    """The arm of each batch of a pass: each arm in turn while timing, then the fastest."""
+    """The arm of each batch of a pass: the trial's blocks while timing, then the fastest."""
 
     def __init__(self, arms: list[Arm], device=None):
         self.arms = list(arms)
         self.cuda = torch.device(device or "cpu").type == "cuda"
         self.device = device
         n = len(self.arms)
-        timed = [a for r in range(ROUNDS) for a in (self.arms if r % 2 == 0 else self.arms[::-1])]
-        self._plan = [(a, False) for a in self.arms] + [(a, True) for a in timed] if n > 1 else []
+        self._blocks = ([[(a, False) for a in self.arms]]
+                        + [[(a, True) for a in (self.arms if r % 2 == 0 else self.arms[::-1])] for r in range(ROUNDS)]
+                        if n > 1 else [])
+        self._left = sum(map(len, self._blocks))  # trial batches not yet mined
         self.seconds = {a: 0.0 for a in self.arms}
         self.tokens = {a: 0 for a in self.arms}
         self.batches = {a: 0 for a in self.arms}
         self.chosen: Arm | None = self.arms[0] if n == 1 else None
 
-    def next(self) -> tuple[Arm, bool]:
-        """The next batch's arm, and whether it is timed."""
-        if self._plan:
-            return self._plan.pop(0)
-        if self.chosen is None:  # every arm timed: keep the fastest
+    def plan(self, n: int) -> list:
+        """The slots of the next n batches (one call of `mine_batches`, in order): (arm, timed) for
+        a trial batch, None for any other (`take`)."""
+        slots: list = [None] * n
+        blocks, self._blocks = self._blocks, []
+        need = sum(map(len, blocks))
+        if not blocks or n == 0:
+            self._blocks = blocks
+            return slots
+        if need >= n:  # too few batches to spread the blocks: one after another, the rest later
+            flat = [x for b in blocks for x in b]
+            slots[:] = flat[:n]
+            if flat[n:]:
+                self._blocks = [flat[n:]]
+            return slots
+        first, rest = blocks[0], blocks[1:]
+        slots[:len(first)] = first
+        end = len(first)
+        seg = (n - end) / max(1, len(rest))
+        for i, b in enumerate(rest):  # each centred in its share of the batches after the first
+            after = sum(map(len, rest[i + 1:]))
+            start = min(max(end, round(len(first) + (i + 0.5) * seg - len(b) / 2)), n - after - len(b))
+            slots[start:start + len(b)] = b
+            end = start + len(b)
+        return slots
+
+    def take(self, slot) -> tuple[Arm, bool, bool]:
+        """A slot of `plan` as (arm, timed, in the trial): a trial slot as planned; any other the
+        chosen arm, chosen once every trial batch has been mined (until then, the first arm)."""
+        if slot is not None:
+            return slot[0], slot[1], True
+        if self.chosen is None and self._left == 0:
             self.chosen = min(self.arms, key=lambda a: (self.seconds[a] / max(1, self.tokens[a]), self.arms.index(a)))
-        return self.chosen, False
+        return (self.chosen or self.arms[0]), False, False
 
     def start(self, timed: bool) -> float:
         if timed and self.cuda:  # the batch before must not count
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def done(self, arm: Arm, timed: bool, t0: float, tokens: int) -> None:
+    def done(self, arm: Arm, timed: bool, t0: float, tokens: int, trial: bool = False) -> None:
         """A batch of `arm` ended (started at `t0`, from `start`)."""
         if timed and self.cuda:
             torch.cuda.synchronize(self.device)
-        self.add(arm, tokens, time.perf_counter() - t0 if timed else None)
+        self.add(arm, tokens, time.perf_counter() - t0 if timed else None, trial)
 
-    def add(self, arm: Arm, tokens: int, seconds: float | None) -> None:
-        """A batch of `arm` with its real tokens, and its seconds where it was timed."""
+    def add(self, arm: Arm, tokens: int, seconds: float | None, trial: bool = False) -> None:
+        """A batch of `arm` with its real tokens, its seconds where it was timed, and whether it
+        was one of the trial's."""
         self.batches[arm] += 1
+        self._left -= bool(trial)
         if seconds is not None:
             self.seconds[arm] += seconds
             self.tokens[arm] += int(tokens)
