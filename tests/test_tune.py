@@ -10,58 +10,58 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import WT2, mine_tiny, run_cli
 from test_mine import _assert_same_mine
-from ffkv.mine.tune import ROUNDS, Arm, Tuner
+from ffkv.mine.tune import STRATA, Arm, Tuner
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 6), st.lists(st.integers(0, 60), min_size=1, max_size=6), st.data())
-def test_the_trial_spreads_its_blocks_and_keeps_the_fastest(n, chunks, data):
-    """Over calls of any sizes (a pass's chunks): every arm is mined once untimed and ROUNDS times
-    timed, the trial's blocks whole and in order; in a call with room for them, the first block
-    starts it and the timed blocks sit one in each share of the rest (spread over the lengths);
-    every other batch mines with the first arm until the trial ends, then with the arm of fewest
-    seconds per token (the first of equals)."""
+@given(st.integers(1, 6), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.data())
+def test_every_arm_is_timed_on_every_stratum_and_the_fastest_kept(n, chunks, data):
+    """Over chunks of any sizes: each arm's first batch is untimed, then it is timed once in every
+    stratum (its place in its chunk: first quarter, second, ...), so every arm is timed on alike
+    sentences; the arms of a stratum sit on neighbouring batches. Other batches mine with the first
+    arm until the trial ends, then with the arm of fewest seconds per token (the first of equals)."""
     arms = [Arm(p, f) for p, f in [(None, False), (128, False), (256, False), (None, True), (128, True),
                                     (256, True)][:n]]
     tu = Tuner(arms)
     secs = {a: data.draw(st.integers(1, 9), label=f"seconds per token of {a.name}") for a in arms}  # exact sums
     best = min(arms, key=lambda a: (secs[a], arms.index(a)))
-    need = n * (1 + ROUNDS) if n > 1 else 0
-    trial, done = [], 0
+    warm, timed_at = [], {a: [] for a in arms}
+    S = None
     for size in chunks:
-        fresh = done == 0
         slots = tu.plan(size)
         assert len(slots) == size
+        if size and S is None and n > 1:
+            S = min(STRATA, size)
+        for q in range(S or 0):  # a stratum's trial batches are neighbours
+            js = [j for j, s in enumerate(slots) if s is not None and s[1] and j * S // size == q]
+            assert js == list(range(js[0], js[0] + len(js))) if js else True
         for j, slot in enumerate(slots):
             arm, timed, in_trial = tu.take(slot)
             assert in_trial == (slot is not None)
             if in_trial:
-                trial.append((arm, timed))
-            elif done < need:
+                if timed:
+                    timed_at[arm].append(j * S // size)
+                else:
+                    assert all(not t for t in timed_at[arm])  # warm before timed
+                    warm.append(arm)
+            elif tu.chosen is None:
                 assert arm == arms[0] and not timed  # the trial is not over
             else:
                 assert arm == best and not timed
             ntok = data.draw(st.integers(1, 5000))
             tu.add(arm, ntok, secs[arm] * ntok if timed else None, in_trial)
-            done += in_trial
-        if fresh and n > 1 and size > need:  # room: the blocks spread over the call
-            starts = [j for j, s in enumerate(slots) if s is not None and (j == 0 or slots[j - 1] is None)]
-            assert starts[0] == 0 and len(starts) >= 2
-            if size >= 2 * need:
-                share = (size - n) / ROUNDS
-                at = [j for j, s in enumerate(slots) if s is not None and s[1]][::n]  # each timed block's start
-                assert all(n + r * share <= j and j + n <= n + (r + 1) * share + 1 for r, j in enumerate(at)), (at, share)
-    blocks = [arms] + [arms if r % 2 == 0 else arms[::-1] for r in range(ROUNDS)] if n > 1 else []
-    want = [(a, b > 0) for b, blk in enumerate(blocks) for a in blk]
-    assert trial == want[:len(trial)]  # whole blocks, in order (a short pass ends inside one)
-    if len(trial) == len(want):
+    if n == 1:
+        assert tu.chosen == arms[0] and tu.record() is None and not warm
+        return
+    assert warm == arms[:len(warm)]  # each arm's first batch, in order
+    for a in arms:
+        assert sorted(timed_at[a]) == sorted(set(timed_at[a])) and set(timed_at[a]) <= set(range(S or 0))
+    if S and all(sorted(timed_at[a]) == list(range(S)) for a in arms):
         assert tu.take(None)[0] == best and tu.chosen == best
-        rec = tu.record()
-        if n > 1:
-            assert rec["chosen"] == best.name
-            assert sum(r["batches"] for r in rec["arms"]) == sum(chunks)
-    elif n > 1:
-        assert tu.chosen is None
+        assert tu.record()["chosen"] == best.name
+        assert sum(r["batches"] for r in tu.record()["arms"]) == sum(chunks)
+    else:
+        assert tu.chosen is None and tu.record()["chosen"] is None
 
 
 def test_settings_default_by_device(monkeypatch):
@@ -104,11 +104,11 @@ def test_auto_mines_the_same_tables(tiny_dirs, tmp_path, monkeypatch, arch):
     assert [a["arm"] for a in t["arms"]] == ["padded", "packed128", "packed256"]
     batches = rec["batches"]["batches"]
     assert sum(a["batches"] for a in t["arms"]) == batches
-    assert all(a["batches"] >= 1 + ROUNDS and a["timed_tokens"] > 0 for a in t["arms"])
+    assert all(a["batches"] >= 1 + STRATA and a["timed_tokens"] > 0 for a in t["arms"])
     best = max(t["arms"], key=lambda a: a["tokens_per_s"])
     assert t["chosen"] == best["arm"] and rec["packed_rows"] == best["packed_rows"]
     others = [a for a in t["arms"] if a is not best and a["arm"] != "padded"]
-    assert all(a["batches"] == 1 + ROUNDS for a in others)  # their trial's only
+    assert all(a["batches"] == 1 + STRATA for a in others)  # their trial's only
     assert rec["fused_trackers"] is False
     assert f"{best['arm']} chosen on the first batches" in res.stdout
 

@@ -8,14 +8,16 @@ picks its algorithms. Nothing is thrown away: the timed batches are mined by the
 them, and every arm's results are the same (packing checks the model first, the fused kernels
 check themselves against the portable path).
 
-A chunk's batches come sorted by length (`ffkv.corpus.batching.pack`), so its first batches hold
-its shortest sentences, where packed rows gain most: timed there alone, the choice would not hold
-for the rest. So the trial is in blocks: one untimed block of every arm at the start (compiles,
-caches), then ROUNDS timed blocks spread over the chunk's batches, each block's arms on
-neighbouring batches (alike in length), in alternating order; the batches between mine with the
-first arm (padded rows, the portable trackers). The score is seconds per real token over all
-blocks. A chunk too short for the blocks to spread runs them one after another, and the rest go on
-in the next chunk.
+A chunk's batches come sorted by length (`ffkv.corpus.batching.pack`): its first batches hold its
+shortest sentences, where packed rows gain most, its last ones the longest. Arms timed on
+different parts of a chunk would be compared on different sentences. So each chunk's batches are
+cut into STRATA equal strata by their place in it (first quarter, second, ...), and every arm is
+timed on one batch of every stratum, in the first chunks that have room (the arms of one stratum
+on neighbouring batches, in alternating order from chunk to chunk); each arm's first batch, before
+that, is untimed (compiles, caches). Other batches mine with the first arm (padded rows, the
+portable trackers) until every arm has been timed everywhere; then the arm of fewest seconds per
+real token mines the rest. Chunks of a few batches (a GPU's budget over short sentences) fill a
+stratum or two each, and the trial spans several.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROUNDS = 3  # timed blocks, after one untimed
+STRATA = 4  # parts of a chunk (by place, so by length) on which every arm is timed once
 
 
 @dataclass(frozen=True)
@@ -40,46 +42,49 @@ class Arm:
 
 
 class Tuner:
-    """The arm of each batch of a pass: the trial's blocks while timing, then the fastest."""
+    """The arm of each batch of a pass: the trial's while timing, then the fastest."""
 
     def __init__(self, arms: list[Arm], device=None):
         self.arms = list(arms)
         self.cuda = torch.device(device or "cpu").type == "cuda"
         self.device = device
-        n = len(self.arms)
-        self._blocks = ([[(a, False) for a in self.arms]]
-                        + [[(a, True) for a in (self.arms if r % 2 == 0 else self.arms[::-1])] for r in range(ROUNDS)]
-                        if n > 1 else [])
-        self._left = sum(map(len, self._blocks))  # trial batches not yet mined
+        tuning = len(self.arms) > 1
+        self._warm = list(self.arms) if tuning else []  # arms whose untimed first batch is still to come
+        self._need: set | None = None  # (arm, stratum) not yet timed; made at the first chunk
+        self._strata = STRATA
+        self._pending = 0  # trial batches planned, not yet mined
+        self._chunks = 0
         self.seconds = {a: 0.0 for a in self.arms}
         self.tokens = {a: 0 for a in self.arms}
         self.batches = {a: 0 for a in self.arms}
-        self.chosen: Arm | None = self.arms[0] if n == 1 else None
+        self.chosen: Arm | None = None if tuning else self.arms[0]
+
+    @property
+    def tuning(self) -> bool:
+        return len(self.arms) > 1
 
     def plan(self, n: int) -> list:
-        """The slots of the next n batches (one call of `mine_batches`, in order): (arm, timed) for
-        a trial batch, None for any other (`take`)."""
+        """The slots of the next n batches (one chunk's, in order): (arm, timed) for a trial
+        batch, None for any other (`take`)."""
         slots: list = [None] * n
-        blocks, self._blocks = self._blocks, []
-        need = sum(map(len, blocks))
-        if not blocks or n == 0:
-            self._blocks = blocks
+        if not self.tuning or n == 0 or self.chosen is not None:
             return slots
-        if need >= n:  # too few batches to spread the blocks: one after another, the rest later
-            flat = [x for b in blocks for x in b]
-            slots[:] = flat[:n]
-            if flat[n:]:
-                self._blocks = [flat[n:]]
-            return slots
-        first, rest = blocks[0], blocks[1:]
-        slots[:len(first)] = first
-        end = len(first)
-        seg = (n - end) / max(1, len(rest))
-        for i, b in enumerate(rest):  # each centred in its share of the batches after the first
-            after = sum(map(len, rest[i + 1:]))
-            start = min(max(end, round(len(first) + (i + 0.5) * seg - len(b) / 2)), n - after - len(b))
-            slots[start:start + len(b)] = b
-            end = start + len(b)
+        if self._need is None:  # a pass whose chunks hold fewer batches: fewer strata
+            self._strata = min(STRATA, n)
+            self._need = {(a, q) for a in self.arms for q in range(self._strata)}
+        j0 = 0
+        while self._warm and j0 < n:
+            slots[j0] = (self._warm.pop(0), False)
+            j0 += 1
+        order = self.arms if self._chunks % 2 == 0 else self.arms[::-1]
+        self._chunks += 1
+        S = self._strata
+        for q in range(S):
+            places = [j for j in range(j0, n) if j * S // n == q]
+            for j, a in zip(places, [a for a in order if (a, q) in self._need]):
+                slots[j] = (a, True)
+                self._need.discard((a, q))
+        self._pending += sum(s is not None for s in slots)
         return slots
 
     def take(self, slot) -> tuple[Arm, bool, bool]:
@@ -87,7 +92,7 @@ class Tuner:
         chosen arm, chosen once every trial batch has been mined (until then, the first arm)."""
         if slot is not None:
             return slot[0], slot[1], True
-        if self.chosen is None and self._left == 0:
+        if self.chosen is None and not self._warm and self._need == set() and self._pending == 0:
             self.chosen = min(self.arms, key=lambda a: (self.seconds[a] / max(1, self.tokens[a]), self.arms.index(a)))
         return (self.chosen or self.arms[0]), False, False
 
@@ -106,14 +111,10 @@ class Tuner:
         """A batch of `arm` with its real tokens, its seconds where it was timed, and whether it
         was one of the trial's."""
         self.batches[arm] += 1
-        self._left -= bool(trial)
+        self._pending -= bool(trial)
         if seconds is not None:
             self.seconds[arm] += seconds
             self.tokens[arm] += int(tokens)
-
-    @property
-    def tuning(self) -> bool:
-        return len(self.arms) > 1
 
     def record(self) -> dict | None:
         """For the manifest: each arm's timed throughput and batches, and the choice (None when
