@@ -113,15 +113,20 @@ def test_auto_mines_the_same_tables(tiny_dirs, tmp_path, monkeypatch, arch):
     assert f"{best['arm']} chosen on the first batches" in res.stdout
 
 
-def test_a_short_corpus_ends_while_timing(tiny_dirs, tmp_path, monkeypatch):
-    """Fewer batches than the timing needs: each mined by its arm, nothing chosen, and the run
-    says so; the tables are still right."""
-    want = mine_tiny(tmp_path / "padded", tiny_dirs["llama"], 20, 5)
+@pytest.mark.parametrize("budget", ["2048", "96"])
+def test_a_short_corpus_ends_while_timing(tiny_dirs, tmp_path, monkeypatch, budget):
+    """Fewer batches than the timing needs: the trial's batches by their arms, the rest by the
+    first (padded rows), nothing chosen; the run gives the figures it has (none for a single
+    batch, which only warmed up), and the tables are still right."""
+    want = mine_tiny(tmp_path / "padded", tiny_dirs["llama"], 20, 5, "--batch-tokens", budget)
     monkeypatch.setenv("FFKV_PACK", "auto")
     res = run_cli("mine", "--out", tmp_path / "auto", "--model", tiny_dirs["llama"], "--corpus",
-                  WT2 / "wiki.valid.tokens", "--max-sentences", "20", "--top-k", "5")
+                  WT2 / "wiki.valid.tokens", "--max-sentences", "20", "--top-k", "5", "--batch-tokens", budget)
     assert res.returncode == 0, res.stderr
     _assert_same_mine(tmp_path / "auto", want)
     rec = json.loads((tmp_path / "auto" / "manifest.json").read_text())["steps"]["mine"]
-    assert rec["tuning"]["chosen"] is None and rec["packed_rows"] is None
-    assert "the corpus ended while timing" in res.stdout
+    t = rec["tuning"]
+    assert t["chosen"] is None and rec["packed_rows"] is None
+    timed = [a for a in t["arms"] if a["tokens_per_s"]]
+    assert bool(timed) == (budget == "96") and ("the corpus ended while timing" in res.stdout) == bool(timed)
+    assert "chosen" not in res.stdout

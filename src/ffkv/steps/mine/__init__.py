@@ -221,8 +221,8 @@ def _tuned(t: dict | None) -> str:
     if not t:
         return ""
     figs = ", ".join(f"{a['arm']} {a['tokens_per_s']:,.0f}" for a in t["arms"] if a.get("tokens_per_s"))
-    if t.get("chosen") is None:
-        return f" (the corpus ended while timing: {figs} tok/s)"
+    if t.get("chosen") is None:  # a short pass: the first arm mined all but the trial's batches
+        return f" (the corpus ended while timing: {figs} tok/s)" if figs else ""
     return f" ({t['chosen']} chosen on the first batches: {figs} tok/s)"
 
 
