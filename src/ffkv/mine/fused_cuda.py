@@ -125,8 +125,9 @@ def verify(device) -> bool:
 @torch.no_grad()
 def _check_states(device) -> str | None:
     """Three made-up batches (both signs, samples, two layers side by side, padding, ties, zeros)
-    through a whole mining state by each path: the counts, maxima, positions, samples and top-k
-    lists must be equal bit for bit, the sums to float32 rounding. None: they are."""
+    through a whole mining state by each path, as float32 and as bf16 captures (what a GPU mines):
+    the counts, maxima, positions, samples and top-k lists must be equal bit for bit, the sums to
+    float32 rounding. None: they are."""
     import numpy as np
 
     from ffkv.mine import stats
@@ -143,19 +144,47 @@ def _check_states(device) -> str | None:
     m = m.to(device)
     mask = torch.arange(T, device=m.device)[None, :] < torch.tensor(lengths, device=m.device)[:, None]
     m = m.masked_fill(~mask[..., None], 3.0)  # padding must not count
-    got = []
-    for on in (False, True):
-        with forced(on):
-            st = MineState({"topk": TopKState(list(layers), None, w, 4, negative=True, device=m.device, group=2),
-                            "stats": stats.KeyStats(list(layers), None, w, signs=(1, -1), samples=3,
-                                                    device=m.device, group=2)}, list(layers), None, device=m.device)
-            for rep in (0, 1, 3):  # samples move; a power of two apart: exact in any path
-                batch = Batch.from_lengths(lengths, [rep * 100 + i for i in range(B)], mask)
-                for i, l in enumerate(layers):
-                    st.update(l, (m * (1 + rep))[..., i * w:(i + 1) * w], batch)
-            got.append({a: np.array(v) for a, v in st.arrays().items()})
-        if _broken is not None:  # a launch failed (said already)
-            return None
+    for dtype in (torch.float32, torch.bfloat16):
+        got = []
+        for on in (False, True):
+            with forced(on):
+                st = MineState({"topk": TopKState(list(layers), None, w, 4, negative=True, device=m.device, group=2),
+                                "stats": stats.KeyStats(list(layers), None, w, signs=(1, -1), samples=3,
+                                                        device=m.device, group=2)}, list(layers), None,
+                               device=m.device)
+                for rep in (0, 1, 3):  # samples move; a power of two apart: exact in any dtype
+                    batch = Batch.from_lengths(lengths, [rep * 100 + i for i in range(B)], mask)
+                    x = (m * (1 + rep)).to(dtype)
+                    for i, l in enumerate(layers):
+                        st.update(l, x[..., i * w:(i + 1) * w], batch)
+                got.append({a: np.array(v) for a, v in st.arrays().items()})
+            if _broken is not None:  # a launch failed (said already)
+                return None
+        why = _first_mismatch(*got)
+        if why:
+            return f"{why}, {str(dtype).replace('torch.', '')} captures"
+    return None
+
+
+def _first_mismatch(want: dict, have: dict) -> str | None:
+    """The first array of the fused path's state that is not the portable path's (the sums:
+    float32 rounding apart, the fused kernel sums in float64)."""
+    import numpy as np
+
+    from ffkv.mine import stats
+
+    for a in want:
+        x, y = want[a], have.get(a)
+        if y is None or x.shape != y.shape:
+            return f"{a} missing or of another shape"
+        if "limbs" in a:
+            x = np.stack([stats.from_limbs(x[0]), stats.from_limbs(x[1])])
+            y = np.stack([stats.from_limbs(y[0]), stats.from_limbs(y[1])])
+            if not np.allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(x).max() or 1.0)):
+                return f"the sums differ ({a})"
+        elif not np.array_equal(x, y, equal_nan=True):
+            return f"{a} differs at {len(np.argwhere(x != y))} entries"
+    return None
     want, have = got
     for a in want:
         x, y = want[a], have.get(a)
