@@ -130,3 +130,37 @@ def test_a_short_corpus_ends_while_timing(tiny_dirs, tmp_path, monkeypatch, budg
     timed = [a for a in t["arms"] if a["tokens_per_s"]]
     assert bool(timed) == (budget == "96") and ("the corpus ended while timing" in res.stdout) == bool(timed)
     assert "chosen" not in res.stdout
+
+
+def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path, monkeypatch):
+    """--pack, --fused-kernels and --compile give what their variables give, a flag wins over its
+    variable, the variables are as they were after the pass (a library call), and a bad value is
+    one line naming the flag, before any work."""
+    import os
+
+    from test_cli_errors import one_line_error
+
+    common = ["--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", "60",
+              "--top-k", "5"]
+    want = mine_tiny(tmp_path / "padded", tiny_dirs["llama"], 60, 5)
+    monkeypatch.setenv("FFKV_PACK", "0")
+    res = run_cli("mine", "--out", tmp_path / "flag", *common, "--pack", "48", "--fused-kernels", "0")
+    assert res.returncode == 0, res.stderr
+    _assert_same_mine(tmp_path / "flag", want)
+    man = json.loads((tmp_path / "flag" / "manifest.json").read_text())
+    rec = man["steps"]["mine"]
+    assert rec["packed_rows"] == 48 and rec["fused_trackers"] is False and rec["tuning"] is None
+    assert man["settings"]["mine"] == json.loads((tmp_path / "padded" / "manifest.json").read_text())["settings"]["mine"]
+    assert "pack" not in man["settings"]["mine"]  # how the pass ran, not what it found: not recorded
+    for flag, value in (("--pack", "x"), ("--pack", "-1"), ("--fused-kernels", "yes"), ("--compile", "2")):
+        res = run_cli("mine", "--out", tmp_path / "bad", *common, flag, value)
+        one_line_error(res, 2, flag)
+        assert not (tmp_path / "bad" / "triggers.parquet").exists()
+
+    from ffkv.mine.runner import switched
+    from ffkv.steps.mine import MineSettings
+
+    monkeypatch.delenv("FFKV_TRITON", raising=False)
+    with switched(MineSettings(pack="256", fused_kernels="auto")):
+        assert os.environ["FFKV_PACK"] == "256" and os.environ["FFKV_TRITON"] == "auto"
+    assert os.environ["FFKV_PACK"] == "0" and "FFKV_TRITON" not in os.environ

@@ -27,9 +27,15 @@ _SINK: list = []  # the taps' inputs, one per block call, drained by the block's
 
 def enabled() -> bool:
     raw = os.environ.get(ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise FfkvError(f"{ENV}={raw!r}: 1 compiles mining's forward, 0 (or unset) does not")
-    return raw == "1"
+    return raw != "" and parse(raw, f"{ENV}={raw!r}") == "1"
+
+
+def parse(raw: str, name: str = ENV) -> str:
+    """A compile setting (FFKV_COMPILE's, or `ffkv mine --compile`'s, named `name`)."""
+    raw = str(raw).strip()
+    if raw not in ("0", "1"):
+        raise FfkvError(f"{name}: 1 compiles mining's forward, 0 (or unset) does not")
+    return raw
 
 
 class _Tap(torch.nn.Module):

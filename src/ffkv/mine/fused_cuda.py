@@ -60,12 +60,18 @@ KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, wha
 def setting(device=None) -> str:
     """FFKV_TRITON as "0", "1" or "auto"; unset: "auto" on CUDA (timed against the portable path),
     "0" elsewhere. A bad value is the user's to fix (FfkvError)."""
-    raw = os.environ.get(ENV, "").strip().lower()
+    raw = os.environ.get(ENV, "").strip()
     if raw == "":
         return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
+    return parse(raw, f"{ENV}={raw!r}")
+
+
+def parse(raw: str, name: str = ENV) -> str:
+    """A fused-kernels setting (FFKV_TRITON's, or `ffkv mine --fused-kernels`'s, named `name`)."""
+    raw = str(raw).strip().lower()
     if raw not in ("0", "1", "auto"):
-        raise FfkvError(f"{ENV}={raw!r}: 1 uses the fused Triton kernels, 0 the portable path, auto times both "
-                        f"on the run's first batches (the default on CUDA)")
+        raise FfkvError(f"{name}: 1 uses the fused Triton kernels, 0 the portable path, auto times both on the "
+                        f"run's first batches (the default on CUDA)")
     return raw
 
 

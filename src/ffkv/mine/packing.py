@@ -31,20 +31,24 @@ SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
 def setting(device=None) -> int | str | None:
     """FFKV_PACK as C (tokens per packed row), "auto" or None (padded rows); unset: "auto" on CUDA
     (timed against padded rows on the run's first batches), None elsewhere."""
-    raw = os.environ.get(ENV, "").strip().lower()
+    raw = os.environ.get(ENV, "").strip()
     if raw == "":
         return "auto" if device is not None and torch.device(device).type == "cuda" else None
-    if raw == "auto":
-        return raw
-    if raw == "0":
-        return None
+    return parse(raw, f"{ENV}={raw!r}")
+
+
+def parse(raw: str, name: str = ENV) -> int | str | None:
+    """A packing setting (FFKV_PACK's, or `ffkv mine --pack`'s, named `name` in the message)."""
+    raw = str(raw).strip().lower()
+    if raw in ("auto", "0"):
+        return None if raw == "0" else raw
     try:
         c = int(raw)
     except ValueError:
         c = -1
     if c < 1:
-        raise FfkvError(f"{ENV}={raw!r}: give the tokens per packed row as a whole number (e.g. 256), 0 for "
-                        f"padded rows, or auto to time both on the run's first batches (the default on CUDA)")
+        raise FfkvError(f"{name}: give the tokens per packed row as a whole number (e.g. 256), 0 for padded "
+                        f"rows, or auto to time both on the run's first batches (the default on CUDA)")
     return c
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -233,6 +234,30 @@ def _trim_malloc() -> None:
 def compute(ctx) -> dict:
     """The pass (the step's `compute`): prepare the corpus, mine every batch not yet in the
     checkpoint (or on Ray shards), write the tables; returns the step's info."""
+    with switched(ctx.settings):
+        return _compute(ctx)
+
+
+@contextmanager
+def switched(s: MineSettings):
+    """--pack, --fused-kernels and --compile over their environment variables while the pass runs:
+    every reader (`ffkv.mine.packing`, `fused_cuda`, `compiled`) and Ray's actors (`switches`)
+    read the variables."""
+    given = {k: v for k, v in (("FFKV_PACK", s.pack), ("FFKV_TRITON", s.fused_kernels),
+                               ("FFKV_COMPILE", s.compile_blocks)) if v is not None}
+    old = {k: os.environ.get(k) for k in given}
+    os.environ.update(given)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _compute(ctx) -> dict:
     from ffkv.mine import fused_cuda, packing
     from ffkv.mine.compiled import enabled as compile_enabled
     from ffkv.mine.tune import how, how_of_shards

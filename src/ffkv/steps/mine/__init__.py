@@ -35,11 +35,22 @@ def _dims(text: str) -> list[int] | None:
     return parse_int_list(text, None, "dims")
 
 
+def _switch(module: str, name: str):
+    """A --pack / --fused-kernels / --compile parser: the text its environment variable takes,
+    checked by that variable's own parser (`ffkv.mine.packing.parse`, ...), kept as text."""
+    def parse(text: str) -> str:
+        import importlib
+
+        v = importlib.import_module(module).parse(text, name)
+        return "0" if v is None else str(v)
+    return parse
+
+
 @dataclass(frozen=True)
 class MineSettings:
     """What `ffkv mine` is asked for. `batch_tokens`, `checkpoint_every`, `ray`, `shards`,
-    `workers` and `chunk_sentences` change how the pass runs, not what it finds (tests hold mining to that): none is
-    recorded."""
+    `workers`, `chunk_sentences`, `pack`, `fused_kernels` and `compile_blocks` change how the pass runs, not
+    what it finds (tests hold mining to that): none is recorded."""
     corpus: str | None = setting(None, "Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's "
                                        "train split (compose holds out wikipedia:valid).", short="-c",
                                  shown=DEFAULT_CORPUS)
@@ -74,6 +85,18 @@ class MineSettings:
     chunk_sentences: int = setting(4096, "Sentences streamed per chunk: each chunk is split, tokenized, written and "
                                          "mined in turn, its batches packed within it (more: less padding, more "
                                          "host memory).", check=between(1, 1 << 24), recorded=False)
+    pack: str | None = setting(None, "Short sentences side by side in rows of C tokens (the same tables): C, 0 "
+                                     "(padded rows) or auto (rows of 128 and 256 tokens timed against padded rows "
+                                     "on the first batches, the fastest kept). Default: FFKV_PACK, else auto on "
+                                     "CUDA and 0 on a CPU.", parse=_switch("ffkv.mine.packing", "--pack"),
+                               recorded=False)
+    fused_kernels: str | None = setting(None, "The fused Triton trackers on CUDA (the same tables): 1, 0 or auto "
+                                              "(timed against the portable trackers on the first batches). "
+                                              "Default: FFKV_TRITON, else auto on CUDA.",
+                                        parse=_switch("ffkv.mine.fused_cuda", "--fused-kernels"), recorded=False)
+    compile_blocks: str | None = setting(None, "1: each block through torch.compile (the same tables; slower on a "
+                                               "CPU). Default: FFKV_COMPILE, else 0.", flag="--compile",
+                                         parse=_switch("ffkv.mine.compiled", "--compile"), recorded=False)
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
     # settings, `key()`) leaves a field out while it holds its default, so a run recorded before
@@ -238,11 +261,10 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and "
         "(unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder, "
         "or a run of this model.\n\n"
-        "Faster paths, the same tables: FFKV_PACK=C (short sentences side by side in rows of C "
-        "tokens), FFKV_TRITON=1 (fused Triton trackers, CUDA only), FFKV_COMPILE=1 (torch.compile of "
-        "the blocks; slower on a CPU). On CUDA, FFKV_PACK and FFKV_TRITON default to auto: the first "
-        "batches are mined by each combination in turn, timed, and the fastest mines the rest "
-        "(recorded in the manifest as `tuning`); 0 turns one off. On a CPU both are off unless set.")
+        "Faster paths, the same tables: --pack (FFKV_PACK), --fused-kernels (FFKV_TRITON) and --compile "
+        "(FFKV_COMPILE); a flag wins over its variable. On CUDA, packing and the fused kernels default "
+        "to auto: the first batches are mined by each combination in turn, timed, and the fastest "
+        "mines the rest (recorded in the manifest as `tuning`). On a CPU both are off unless set.")
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
