@@ -164,3 +164,23 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
     with switched(MineSettings(pack="256", fused_kernels="auto")):
         assert os.environ["FFKV_PACK"] == "256" and os.environ["FFKV_TRITON"] == "auto"
     assert os.environ["FFKV_PACK"] == "0" and "FFKV_TRITON" not in os.environ
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=12), st.integers(-5, 5000).map(str), st.sampled_from(["auto", "AUTO ", " 0", "1"])))
+def test_switch_parsers_take_their_values_and_refuse_the_rest(raw):
+    """Any text: a value the parser gives back unchanged when parsed again, or one FfkvError line
+    that names the flag."""
+    from ffkv.errors import FfkvError
+    from ffkv.mine import compiled, fused_cuda, packing
+
+    for mod, name, ok in ((packing, "--pack", lambda v: v is None or v == "auto" or (isinstance(v, int) and v >= 1)),
+                          (fused_cuda, "--fused-kernels", lambda v: v in ("0", "1", "auto")),
+                          (compiled, "--compile", lambda v: v in ("0", "1"))):
+        try:
+            v = mod.parse(raw, name)
+        except FfkvError as e:
+            assert str(e).startswith(name + ":") and "\n" not in str(e)
+            continue
+        assert ok(v), (name, raw, v)
+        assert mod.parse("0" if v is None else str(v), name) == v
