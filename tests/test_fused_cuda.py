@@ -360,6 +360,8 @@ def test_auto_times_the_fused_path_and_mines_the_same_tables(tmp_path, tiny_dirs
                  HF_HUB_OFFLINE="1")
         assert p.returncode == 0, p.stderr[-3000:]
         assert "ffkv:" not in p.stderr, p.stderr[-2000:]
+        said = (p.stdout + p.stderr).count("mine: checking the fused kernels against the portable path")
+        assert said == (flag == "auto"), p.stdout[-2000:]  # a pause the user is told of (Triton compiles)
     _assert_same_mine(outs["auto"], outs["0"])
     rec = json.loads((outs["auto"] / "manifest.json").read_text())["steps"]["mine"]
     t = rec["tuning"]

@@ -49,7 +49,7 @@ FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lo
 
 _broken: str | None = None
 _forced: bool | None = None  # the tuner's arm for the batch at hand (`ffkv.mine.tune`), over the setting
-_verified: set[str] = set()  # devices where `verify` passed
+_verified: set[str] = set()  # devices where `verify` has run (its verdict: `_broken`)
 _has_triton: bool | None = None
 _luts: dict = {}
 launches = 0  # kernel launches so far
@@ -105,6 +105,11 @@ def forced(on: bool | None):
         yield
     finally:
         _forced = prev
+
+
+def checked(device) -> bool:
+    """Whether `verify` has run for `device` in this process."""
+    return str(torch.device(device)) in _verified
 
 
 def verify(device) -> bool:

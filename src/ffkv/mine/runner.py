@@ -162,7 +162,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     chunks = table_chunks(run.table_path("sentences"), s.chunk_sentences) if whole else iter(stream)
     plan = Layout(batch_tokens)
     mined, last, done = 0, time.time(), 0  # done: batches of the plan so far, mined now or before
-    tuner = tuner_for(mm)  # before the compiled blocks: its packing check runs the model eagerly
+    tuner = tuner_for(mm, log)  # before the compiled blocks: its packing check runs the model eagerly
     _tune_malloc()
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
             progress(None if show_progress is None else not show_progress) as bar, \

@@ -128,7 +128,7 @@ class Tuner:
                          for a in self.arms]}
 
 
-def arms_for(mm) -> list[Arm]:
+def arms_for(mm, log=None) -> list[Arm]:
     """The combinations FFKV_PACK and FFKV_TRITON allow for this model on its device: a number
     fixes its switch, `auto` offers both sides (packed rows only where the model keeps packed
     sentences apart, the fused kernels only where they run and pass their check)."""
@@ -144,14 +144,17 @@ def arms_for(mm) -> list[Arm]:
         packs = [p if packing.accepts(mm) else None]
     f = fused_cuda.setting(dev)
     fused = [False]
+    if f != "0" and fused_cuda.runs_here(dev) and log is not None and not fused_cuda.checked(dev):
+        log("mine: checking the fused kernels against the portable path (the first time on this GPU, Triton "
+            "compiles them)")
     if f != "0" and fused_cuda.runs_here(dev) and fused_cuda.verify(dev):
         fused = [True] if f == "1" else [False, True]
     return [Arm(pk, fu) for pk, fu in itertools.product(packs, fused)]
 
 
-def tuner_for(mm) -> Tuner:
+def tuner_for(mm, log=None) -> Tuner:
     """The tuner of a mining pass over this model (one arm, untimed, where nothing is `auto`)."""
-    return Tuner(arms_for(mm), getattr(mm, "device", None))
+    return Tuner(arms_for(mm, log), getattr(mm, "device", None))
 
 
 def how(mm, tuner, layers) -> dict:
