@@ -184,3 +184,21 @@ def test_switch_parsers_take_their_values_and_refuse_the_rest(raw):
             continue
         assert ok(v), (name, raw, v)
         assert mod.parse("0" if v is None else str(v), name) == v
+
+
+def test_a_resumed_chunk_keeps_its_batches_strata():
+    """A chunk resumed at its cursor: its batches are the chunk's last ones, and their strata are
+    those of their place in the whole chunk (here its second half: strata 2 and 3 only), so the
+    arms are still timed on alike sentences; the trial goes on in the next chunk."""
+    arms = [Arm(None, False), Arm(128, False)]
+    tu = Tuner(arms)
+    slots = tu.plan(8, first=8, size=16)
+    assert slots[:2] == [(arms[0], False), (arms[1], False)]  # each arm's untimed first batch
+    timed = {j + 8: s for j, s in enumerate(slots) if s is not None and s[1]}
+    assert {p * STRATA // 16 for p in timed} == {2, 3} and len(timed) == 4
+    for s in slots:
+        tu.add(*tu.take(s)[:1], 10, 1.0 if s is not None and s[1] else None, s is not None)
+    assert tu.chosen is None and tu.take(None)[0] == arms[0]  # strata 0 and 1 still to time
+    nxt = tu.plan(16)
+    assert sum(s is not None for s in nxt) == 4 and all(s[1] for s in nxt if s is not None)
+    assert {j * STRATA // 16 for j, s in enumerate(nxt) if s is not None} == {0, 1}

@@ -75,12 +75,14 @@ class FlatTokens:
 
 
 def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None, compiled=None,
-                 tuner=None) -> MineState:
+                 tuner=None, chunk: tuple[int, int] | None = None) -> MineState:
     """Feed batches (lists of indices into token_lists) through one captured pass each.
 
     With a `tuner` (`ffkv.mine.tune`, kept across a pass's calls), each batch runs in packed rows
     or padded, with the fused kernels or the portable trackers, as the tuner says; without one, as
-    FFKV_PACK=C and FFKV_TRITON=1 say (`auto` is the tuner's: padded and portable here). Through
+    FFKV_PACK=C and FFKV_TRITON=1 say (`auto` is the tuner's: padded and portable here); `chunk`
+    (the chunk's first global batch index, its batch count) places the batches in their chunk for
+    the tuner's strata, where they are not the whole chunk (a resumed one). Through
     compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here)."""
     from ffkv.mine import fused_cuda
     from ffkv.mine.compiled import compiled_for
@@ -101,7 +103,8 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
             mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
 
     batches = list(batches)
-    slots = tuner.plan(len(batches)) if tuner is not None else None
+    first = batches[0][0] - chunk[0] if chunk and batches else 0
+    slots = tuner.plan(len(batches), first, chunk[1] if chunk else None) if tuner is not None else None
     try:
         for j, (bi, idx) in enumerate(batches):
             arm, timed, trial = tuner.take(slots[j]) if tuner is not None else (None, False, False)

@@ -187,7 +187,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
             rows.update((bi, len(b)) for bi, b in todo)
             bar.update(task, advance=len(chunk) - sum(len(b) for _, b in todo))  # mined before a resume
             mine_batches(mm, state, FlatTokens(values=chunk.values, offsets=chunk.offsets), chunk.sentence_id,
-                         todo, on_batch, compiled=compiled, tuner=tuner)
+                         todo, on_batch, compiled=compiled, tuner=tuner, chunk=(done, len(batches)))
             done += len(batches)
             plan.add(lengths, batches)
             del chunk, batches, todo

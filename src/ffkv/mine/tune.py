@@ -63,14 +63,16 @@ class Tuner:
     def tuning(self) -> bool:
         return len(self.arms) > 1
 
-    def plan(self, n: int) -> list:
+    def plan(self, n: int, first: int = 0, size: int | None = None) -> list:
         """The slots of the next n batches (one chunk's, in order): (arm, timed) for a trial
-        batch, None for any other (`take`)."""
+        batch, None for any other (`take`). The batches are places first .. first + n - 1 of a
+        chunk of `size` (default n: the whole chunk; a resumed chunk starts at its cursor)."""
         slots: list = [None] * n
+        size = n if size is None else max(int(size), first + n)
         if not self.tuning or n == 0 or self.chosen is not None:
             return slots
         if self._need is None:  # a pass whose chunks hold fewer batches: fewer strata
-            self._strata = min(STRATA, n)
+            self._strata = min(STRATA, size)
             self._need = {(a, q) for a in self.arms for q in range(self._strata)}
         j0 = 0
         while self._warm and j0 < n:
@@ -80,7 +82,7 @@ class Tuner:
         self._chunks += 1
         S = self._strata
         for q in range(S):
-            places = [j for j in range(j0, n) if j * S // n == q]
+            places = [j for j in range(j0, n) if (first + j) * S // size == q]
             for j, a in zip(places, [a for a in order if (a, q) in self._need]):
                 slots[j] = (a, True)
                 self._need.discard((a, q))
