@@ -146,11 +146,12 @@ def arms_for(mm, log=None) -> list[Arm]:
         packs = [p if packing.accepts(mm) else None]
     f = fused_cuda.setting(dev)
     fused = [False]
-    if f != "0" and fused_cuda.runs_here(dev) and log is not None and not fused_cuda.checked(dev):
-        log("mine: checking the fused kernels against the portable path (the first time on this GPU, Triton "
-            "compiles them)")
-    if f != "0" and fused_cuda.runs_here(dev) and fused_cuda.verify(dev):
-        fused = [True] if f == "1" else [False, True]
+    if f != "0" and fused_cuda.runs_here(dev):
+        if log is not None and not fused_cuda.checked(dev):
+            log("mine: checking the fused kernels against the portable path (the first time on this GPU, "
+                "Triton compiles them)")
+        if fused_cuda.verify(dev):
+            fused = [True] if f == "1" else [False, True]
     return [Arm(pk, fu) for pk, fu in itertools.product(packs, fused)]
 
 
