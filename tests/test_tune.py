@@ -26,6 +26,7 @@ def test_every_arm_is_timed_on_every_stratum_and_the_fastest_kept(n, chunks, dat
     secs = {a: data.draw(st.integers(1, 9), label=f"seconds per token of {a.name}") for a in arms}  # exact sums
     best = min(arms, key=lambda a: (secs[a], arms.index(a)))
     warm, timed_at = [], {a: [] for a in arms}
+    timed_tokens = {a: 0 for a in arms}
     S = None
     for size in chunks:
         slots = tu.plan(size)
@@ -50,12 +51,16 @@ def test_every_arm_is_timed_on_every_stratum_and_the_fastest_kept(n, chunks, dat
                 assert arm == best and not timed
             ntok = data.draw(st.integers(1, 5000))
             tu.add(arm, ntok, secs[arm] * ntok if timed else None, in_trial)
+            timed_tokens[arm] += ntok if timed else 0
     if n == 1:
         assert tu.chosen == arms[0] and tu.record() is None and not warm
         return
     assert warm == arms[:len(warm)]  # each arm's first batch, in order
     for a in arms:
         assert sorted(timed_at[a]) == sorted(set(timed_at[a])) and set(timed_at[a]) <= set(range(S or 0))
+    for r, a in zip(tu.record()["arms"], arms):  # each arm's figures, from the batches fed here
+        assert r["timed_tokens"] == timed_tokens[a]
+        assert r["tokens_per_s"] == (round(1 / secs[a], 1) if timed_tokens[a] else None)
     if S and all(sorted(timed_at[a]) == list(range(S)) for a in arms):
         assert tu.take(None)[0] == best and tu.chosen == best
         assert tu.record()["chosen"] == best.name
@@ -202,3 +207,20 @@ def test_a_resumed_chunk_keeps_its_batches_strata():
     nxt = tu.plan(16)
     assert sum(s is not None for s in nxt) == 4 and all(s[1] for s in nxt if s is not None)
     assert {j * STRATA // 16 for j, s in enumerate(nxt) if s is not None} == {0, 1}
+
+
+def test_the_shards_record_says_what_any_shard_did():
+    """A Ray run's record from its shards' own (`how_of_shards`): the largest packed rows, fused
+    kernels or compiled blocks where any shard ran them, each shard's tuning kept; no shard mined
+    now (all were saved before): nothing known."""
+    from ffkv.mine.tune import how_of_shards
+
+    t = {"chosen": "packed128", "arms": []}
+    hows = [{"packed_rows": None, "fused_trackers": False, "compiled_forward": False, "tuning": None},
+            {"packed_rows": 256, "fused_trackers": True, "compiled_forward": False, "tuning": t},
+            {"packed_rows": 128, "fused_trackers": False, "compiled_forward": True, "tuning": None}]
+    assert how_of_shards(hows) == {"packed_rows": 256, "fused_trackers": True, "compiled_forward": True,
+                                   "tuning": None, "shards_tuning": [t]}
+    assert how_of_shards(hows[:1])["packed_rows"] is None and how_of_shards(hows[:1])["shards_tuning"] is None
+    assert how_of_shards([]) == {"packed_rows": None, "fused_trackers": None, "compiled_forward": None,
+                                 "tuning": None, "shards_tuning": None}
