@@ -10,8 +10,8 @@ padded (B, T) layout that the trackers read, so nothing after the forward change
 
 On CUDA, `ffkv mine` times packed rows of 128 and 256 tokens against padded rows on its first
 batches and keeps the fastest (FFKV_PACK=auto, the default there: `ffkv.mine.tune`); on a CPU,
-where they do not win (0.89-1.04x), rows stay padded unless FFKV_PACK=C asks. A model whose forward does not keep packed sentences apart (found by
-running it: `refusal`) keeps padded rows.
+where they do not win (0.89-1.04x), rows stay padded unless FFKV_PACK=C asks. A model whose
+forward does not keep packed sentences apart (found by running it: `refusal`) keeps padded rows.
 """
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ import torch
 from ffkv.errors import FfkvError, notice
 
 ENV = "FFKV_PACK"
-
-
 SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
 
 
