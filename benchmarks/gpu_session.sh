@@ -5,14 +5,16 @@
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
 # Sized for a lent machine's 15 minutes, start-up included: about 13 minutes, in order of priority,
 # each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
-# path: equal states, kernel times, a profile), bench_gpu.py on the SmolLM2-135M shape (every arm,
-# fused included), bench_forward_gpu.py (where a faster forward could come from: packed rows,
-# Liger's kernels), `ffkv mine` end to end over 20M tokens as a user runs it (its first batches
-# time packed rows and the fused kernels, FFKV_PACK/FFKV_TRITON=auto; mine_manifest.json's
-# `tuning` holds each arm's throughput), the forward
-# probe's torch.compile arm, mining through compiled blocks (FFKV_COMPILE) beside the best of the
-# rest, then bench_gpu.py on the 1B and 8B Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
+# path: equal states, kernel times, a profile), `ffkv mine` end to end over 20M tokens as a user
+# runs it (its first batches time packed rows and the fused kernels, FFKV_PACK/FFKV_TRITON=auto;
+# mine_manifest.json's `tuning` holds each arm's throughput), bench_gpu.py on the SmolLM2-135M
+# shape (every arm, fused and packed included), bench_forward_gpu.py (where a faster forward could
+# come from: packed rows, Liger's kernels), the forward probe's torch.compile arm, mining through
+# compiled blocks (FFKV_COMPILE) beside the best of the rest, then bench_gpu.py on the 1B and 8B
+# Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
+# PARTS="stats mine smol 1b 8b" runs only the parts named (stats mine smol forward compiled compiled_mine
+# 1b 8b extra), in the order above; WORKERS=0,4 (the default) also times host preparation.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -23,25 +25,28 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=20000000 LAYERS=30 T=1; fi
+PARTS=${PARTS:-stats mine smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
+want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
   echo "=== rc=$rc in $(echo "$(date +%s.%N) - $t0" | bc 2>/dev/null || $PY -c "import time;print(round(time.time()-$t0,1))") s"; }
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
-part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
-part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers 0,4 --host-tokens 300000 --pack 256
-part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
-part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
-part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
-part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
-part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_packed_compiled
-part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
-[ "${QUICK:-0}" = 1 ] || part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000
-if [ "${EXTRA:-0}" = 1 ]; then
+want stats && part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
+want mine && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
+want mine && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
+want mine && cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null
+want smol && part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers ${WORKERS:-0,4} --host-tokens 300000 --pack 256
+want forward && part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
+want compiled && part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
+want compiled_mine && part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_packed_compiled
+want 1b && part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
+[ "${QUICK:-0}" = 1 ] || { want 8b && part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000; }
+if want extra; then
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
 part 150 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV
 fi
 } 2>&1 | grep --line-buffered -v "profiler_st" | tee "$OUT/gpu_session.log"
-cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null; cp "$W/rep/manifest.json" "$OUT/rep_manifest.json" 2>/dev/null
+cp "$W/rep/manifest.json" "$OUT/rep_manifest.json" 2>/dev/null
 true
