@@ -239,7 +239,8 @@ def main(a) -> dict:
             packed = a.pack
             arms += ["floor_packed", "stats_packed"] + (["stats_fused_packed"] if fused else [])
     if a.compile:
-        arms += ["stats_compiled"] + (["stats_fused_packed_compiled"] if fused and packed else [])
+        arms += (["stats_compiled"] + (["stats_fused_compiled"] if fused else [])
+                 + (["stats_fused_packed_compiled"] if fused and packed else []))
     if a.arms:
         arms = ["plain"] + [x for x in arms if x in a.arms and x != "plain"]
     states = {arm: new_state(mm, bare_s if arm.startswith("bare") else full_s) for arm in arms

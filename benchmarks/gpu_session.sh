@@ -13,7 +13,7 @@
 # compiled blocks (FFKV_COMPILE) beside the best of the rest, then bench_gpu.py on the 1B and 8B
 # Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
-# PARTS="stats mine smol 1b 8b" runs only the parts named (stats mine smol forward compiled compiled_mine
+# PARTS="stats mine smol 1b 8b" runs only the parts named (stats mine mine_compiled smol forward compiled compiled_mine
 # 1b 8b extra), in the order above; WORKERS=0,4 (the default) also times host preparation.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=20000000 LAYERS=30 T=1; fi
-PARTS=${PARTS:-stats mine smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
+PARTS=${PARTS:-stats mine mine_compiled smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
 want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
@@ -34,13 +34,15 @@ part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)";
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
 want stats && part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
-want mine && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
+{ want mine || want mine_compiled; } && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 want mine && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 want mine && cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null
+want mine_compiled && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_c" --device $DEV --compile 1 --json
+want mine_compiled && cp "$W/run_c/manifest.json" "$OUT/mine_compiled_manifest.json" 2>/dev/null
 want smol && part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers ${WORKERS:-0,4} --host-tokens 300000 --pack 256
 want forward && part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
 want compiled && part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
-want compiled_mine && part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_packed_compiled
+want compiled_mine && part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms ${COMPILED_ARMS:-stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_compiled,stats_fused_packed_compiled}
 want 1b && part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
 [ "${QUICK:-0}" = 1 ] || { want 8b && part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000; }
 if want extra; then

@@ -286,7 +286,9 @@ def test_kernels_compile_for_real_gpus():
         assert len(got) == 25, [r["variant"] for r in got]
     spills = [(r["arch"], r["kernel"], r["variant"], r["local"]) for r in rows if r["local"]]
     assert not spills, spills
-    assert all(0 < r["regs"] <= 255 and r["warps"] == 4 for r in rows)
+    from ffkv.mine.fused_cuda import WARPS
+
+    assert all(0 < r["regs"] <= 255 and r["warps"] == (WARPS if r["kernel"] == "capture_kernel" else 4) for r in rows)
     assert all(r["loop"] > 0 for r in rows), [(r["arch"], r["kernel"]) for r in rows if not r["loop"]]  # SASS read
     # Prefetching is safe only for loads the loop never writes: the top-k kernel's three row loads
     # (score, position, sentence id), TOPK_STAGES rows ahead; nothing in the capture or the offer,
