@@ -62,8 +62,8 @@ def sweep(fused_cuda, x, lens, lut) -> None:
         return
     ref = ref[1].cpu().numpy()
     row = []
-    for tiling in ((32, 4, 2, 16), (64, 4, 4, 8), (32, 4, 4, 32), (32, 4, 2, 32), (32, 4, 1, 16), (16, 4, 1, 16),
-                   (16, 4, 1, 32), (32, 2, 2, 16), (32, 8, 2, 16), (64, 4, 2, 16)):
+    for tiling in ((16, 4, 1, 32), (32, 4, 2, 16), (64, 4, 4, 8), (16, 4, 1, 64), (16, 4, 1, 128), (8, 4, 1, 32),
+                   (16, 8, 1, 32), (16, 2, 1, 32), (16, 4, 2, 32), (32, 4, 1, 32)):
         for n, v in zip(names, tiling):
             setattr(fused_cuda, n, v)
         label = " ".join(f"{n}={v}" for n, v in zip(names, tiling))

@@ -20,9 +20,9 @@ ops in all (`tests/test_fused_cuda.py`), against 132 and 235 for the portable pa
 `FFKV_TRITON=1` turns it on; `auto` (the default on CUDA) lets `ffkv mine` time it against the
 portable path on the run's first batches and keep the faster (`ffkv.mine.tune`). Before its first
 use on a device, `verify` feeds made-up captures through both paths and compares the states: a
-kernel that fails to compile, or that disagrees on this GPU (only Triton's CPU interpreter has
-checked them in the test suite), turns the path off for the process with one line on stderr
-(`ffkv.errors.notice`), and the portable path runs instead.
+kernel that fails to compile, or that disagrees on this GPU (the test suite runs them in Triton's
+CPU interpreter; an H100 agreed, `benchmarks/GPU.md`), turns the path off for the process with one
+line on stderr (`ffkv.errors.notice`), and the portable path runs instead.
 """
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ from ffkv.errors import FfkvError, notice
 
 ENV = "FFKV_TRITON"
 
-# The capture kernel's tiling, the fastest of nine timed on an H100 (bf16, 2026-11-26; bench_stats_gpu's
-# sweep): 4.9 ms a 10-layer update against 8.0 for the 64-key, 4-warp, 8-row tiling used before.
-BW = 32  # keys per program of the capture kernel
-ROWS = 16  # rows per program
+# The capture kernel's tiling, the fastest of the 18 an H100 timed (bf16, one sign, 2026-11-26;
+# bench_stats_gpu's sweep): 3.6 ms a 10-layer update against 8.2 for 64 keys, 8 rows and 4 warps.
+# Smaller programs won in each step of the sweep (more of them resident on an SM).
+BW = 16  # keys per program of the capture kernel
+ROWS = 32  # rows per program
 TT = 4  # positions per tile
-WARPS = 2  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
+WARPS = 1  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
 NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
 OFFER_ROWS = 8  # rows the offer kernel checks at once (`_fused_kernel.offer_kernel`)
