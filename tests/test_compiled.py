@@ -76,3 +76,34 @@ def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir):
     _assert_same_mine(tmp_path / "c", want)  # eager both times
     info = json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
     assert info["compiled_forward"] is False
+
+
+def test_the_self_check_tells_rounding_from_a_wrong_capture(tiny_models):
+    """The faster forwards' check (`ffkv.mine.selfcheck.first_difference`) in a half type passes the
+    captures rounded to it (what other kernels' arithmetic changes: on an H100 the compiled bf16
+    forward sat 3.8e-2 from eager, 3e-2 was refused), and catches a capture of the wrong layer or
+    of another batch; in float32 the same rounding is a difference."""
+    from types import SimpleNamespace
+
+    from ffkv.mine.selfcheck import first_difference, tolerance
+
+    mm = tiny_models["llama"]
+    g = torch.Generator().manual_seed(3)
+    ids, other = (torch.randint(0, mm.vocab_size, (3, 9), generator=g) for _ in range(2))
+    cap, cap2 = (mm.capture(x, None, what=("m",)) for x in (ids, other))
+    layers = list(cap.layers)
+    want = {l: cap[l]["m"] for l in layers}
+    keep = torch.ones(3, 9, dtype=torch.bool)
+    rounded = {l: want[l].to(torch.bfloat16).float() for l in layers}
+    # three roundings' worth of error, the size of a deep bf16 forward's drift
+    drift = {l: want[l] * (1 + 3 * 2.0 ** -7 * torch.randn(want[l].shape, generator=g).clamp(-1, 1)) for l in layers}
+    half, full = SimpleNamespace(dtype=torch.bfloat16), SimpleNamespace(dtype=torch.float32)
+    assert tolerance(torch.bfloat16) > 3.8e-2 and tolerance(torch.float32) == 1e-4
+    assert first_difference(half, rounded, want, keep) is None
+    assert first_difference(half, drift, want, keep) is None
+    assert first_difference(full, rounded, want, keep) is not None
+    shifted = {l: want[layers[(i + 1) % len(layers)]] for i, l in enumerate(layers)}
+    assert first_difference(half, shifted, want, keep)[0] == layers[0]
+    stale = {l: cap2[l]["m"] for l in layers}
+    l, err = first_difference(half, stale, want, keep)
+    assert l == layers[0] and err > 5 * tolerance(torch.bfloat16)
