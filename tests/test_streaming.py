@@ -77,23 +77,39 @@ def _all_texts(spec, n, seed):
     return [s.text for s in open_corpus(spec, seed=seed).sentences(max_sentences=n)]
 
 
-def test_stream_of_a_pretokenized_corpus(tiny_dirs, tmp_path):
-    """Rows of token ids stream as they are (empty rows skipped, long ones cut), text decoded."""
+@pytest.mark.parametrize("context", [20, 64])
+def test_stream_of_a_pretokenized_corpus(tiny_dirs, tmp_path, context):
+    """Rows of token ids stream as they are (empty rows skipped, long ones cut), text decoded; with
+    no row cut, the flat ids pass through untouched."""
     from ffkv.corpus.tokens import write_parquet
 
     tok = _tok(tiny_dirs)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 200, size=int(n)).tolist() for n in rng.integers(0, 30, size=90)]
     path = write_parquet(tmp_path / "ids.parquet", rows, tok)
-    chunks, got, counts = _streamed(tok, str(path), 50, 20, chunk=8)
+    chunks, got, counts = _streamed(tok, str(path), 50, context, chunk=8)
     order = np.random.default_rng(0).permutation(len(rows))
     kept = [int(d) for d in order if rows[d]][:50]
     assert got.column("doc_id").to_pylist() == kept
     assert got.column("sentence_id").to_pylist() == list(range(50))
-    assert got.column("token_ids").to_pylist() == [rows[d][:20] for d in kept]
+    assert got.column("token_ids").to_pylist() == [rows[d][:context] for d in kept]
     assert got.column("text").to_pylist() == tok.batch_decode([rows[d] for d in kept], skip_special_tokens=True)
-    assert counts["truncated"] == sum(len(rows[d]) > 20 for d in kept)
+    assert counts["truncated"] == sum(len(rows[d]) > context for d in kept)
+    assert (counts["truncated"] > 0) == (context == 20)
     assert counts["empty_rows"] == sum(not r for r in rows) > 0  # skipped, and said
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.integers(0, 599), max_size=12), max_size=8), st.booleans())
+def test_batch_decode_is_transformers(tiny_dirs, rows, clean):
+    """The stream's decode (the Rust tokenizer's batch call where that is all transformers does)
+    gives `tok.batch_decode`'s texts for any rows, special tokens included; a tokenizer that
+    cleans up spaces goes through transformers. No rows, no texts (transformers says [''])."""
+    from ffkv.corpus.stream import batch_decode
+
+    tok = _tok(tiny_dirs)
+    tok.clean_up_tokenization_spaces = clean
+    assert batch_decode(tok, rows) == (tok.batch_decode(rows, skip_special_tokens=True) if rows else [])
 
 
 @settings(max_examples=40, deadline=None)
