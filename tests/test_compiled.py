@@ -57,16 +57,18 @@ def test_the_model_is_given_back(tiny_models, monkeypatch):
             assert torch.equal(before[l][q], after[l][q]), (l, q)
 
 
-def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir):
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir, setting):
     """A post-FFN norm's coefficients are read at the norm, not the value projection's input:
-    such a model mines eagerly, with one line saying why, and the same tables."""
+    such a model mines eagerly, with one line saying why, and the same tables; under auto the
+    compiled arm leaves the tuner's trial at its first batch."""
     from test_families import FAMILIES, open_tiny
     from ffkv import errors
 
     name, mm = open_tiny("gemma2", FAMILIES["gemma2"].config, lambda: tmp_path, tok_dir, {})
     path = tmp_path / "gemma2"
     want = mine_tiny(tmp_path / "eager", path, 30, 3)
-    monkeypatch.setenv("FFKV_COMPILE", "1")
+    monkeypatch.setenv("FFKV_COMPILE", setting)
     errors._said.clear()
     res = run_cli("mine", "--out", tmp_path / "c", "--model", path, "--corpus", WT2 / "wiki.valid.tokens",
                   "--max-sentences", "30", "--top-k", "3")
@@ -76,6 +78,36 @@ def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir):
     _assert_same_mine(tmp_path / "c", want)  # eager both times
     info = json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
     assert info["compiled_forward"] is False
+    if setting == "auto":
+        assert info["tuning"]["chosen"] == "padded"
+        assert [(a["arm"], a["batches"]) for a in info["tuning"]["arms"]][1] == ("padded+compiled", 0)
+
+
+def test_auto_times_the_compiled_twin(tiny_dirs, tmp_path, monkeypatch):
+    """FFKV_COMPILE=auto: once the other paths are chosen (on a CPU, padded rows and the portable
+    trackers: nothing to time), that choice and its twin through compiled blocks are each timed
+    on every stratum after the twin's untimed first batch (the compile), and the faster mines the
+    rest; the tables equal the eager pass's, the manifest holds both arms' figures, and the model
+    is given back as it was."""
+    from ffkv.mine.tune import STRATA
+
+    want = mine_tiny(tmp_path / "eager", tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128")
+    monkeypatch.setenv("FFKV_COMPILE", "auto")
+    res = run_cli("mine", "--out", tmp_path / "auto", "--model", tiny_dirs["llama"], "--corpus",
+                  WT2 / "wiki.valid.tokens", "--max-sentences", "120", "--top-k", "5", "--negative",
+                  "--batch-tokens", "128")
+    assert res.returncode == 0, res.stderr
+    assert "FFKV_COMPILE" not in res.stderr, res.stderr
+    _assert_same_mine(tmp_path / "auto", want, other_kernels=True)
+    rec = json.loads((tmp_path / "auto" / "manifest.json").read_text())["steps"]["mine"]
+    t = rec["tuning"]
+    assert [(a["arm"], a["compiled"]) for a in t["arms"]] == [("padded", False), ("padded+compiled", True)]
+    assert all(a["timed_tokens"] > 0 and a["tokens_per_s"] > 0 for a in t["arms"])
+    assert sum(a["batches"] for a in t["arms"]) == rec["batches"]["batches"]
+    best = max(t["arms"], key=lambda a: a["tokens_per_s"])
+    assert t["chosen"] == best["arm"] and rec["compiled_forward"] is best["compiled"]
+    loser = next(a for a in t["arms"] if a is not best)
+    assert loser["batches"] == STRATA + (loser["compiled"])  # its trial's only (the twin: and its compile)
 
 
 def test_the_self_check_tells_rounding_from_a_wrong_capture(tiny_models):

@@ -181,7 +181,7 @@ def test_switch_parsers_take_their_values_and_refuse_the_rest(raw):
 
     for mod, name, ok in ((packing, "--pack", lambda v: v is None or v == "auto" or (isinstance(v, int) and v >= 1)),
                           (fused_cuda, "--fused-kernels", lambda v: v in ("0", "1", "auto")),
-                          (compiled, "--compile", lambda v: v in ("0", "1"))):
+                          (compiled, "--compile", lambda v: v in ("0", "1", "auto"))):
         try:
             v = mod.parse(raw, name)
         except FfkvError as e:
@@ -189,6 +189,43 @@ def test_switch_parsers_take_their_values_and_refuse_the_rest(raw):
             continue
         assert ok(v), (name, raw, v)
         assert mod.parse("0" if v is None else str(v), name) == v
+
+
+@pytest.mark.parametrize("n_arms", [1, 2])
+@pytest.mark.parametrize("twin_faster", [True, False])
+def test_the_compiled_twin_is_timed_once_the_rest_is_chosen(n_arms, twin_faster):
+    """FFKV_COMPILE=auto: from the chunk after the first choice (at once where there was nothing to
+    choose), the chosen arm and its compiled twin are each timed on every stratum, the twin after
+    one untimed batch (its compile); then the faster mines on. The record holds every arm."""
+    arms = [Arm(None, False), Arm(128, False)][:n_arms]
+    tu = Tuner(arms, then_compile=True)
+    secs = {arms[0]: 5, Arm(None, False, True): 2 if twin_faster else 8}
+    if n_arms == 2:
+        secs[arms[1]] = 9
+
+    def chunk(size):
+        got = []
+        for s in tu.plan(size):
+            arm, timed, trial = tu.take(s)
+            got.append((arm, timed, trial))
+            tu.add(arm, 10, secs[arm] * 10 if timed else None, trial)
+        return got
+
+    if n_arms == 2:
+        first = chunk(16)
+        assert {a for a, _, trial in first if trial} == set(arms)
+        assert tu.chosen == arms[0] and first[-1][0] == arms[0]  # the first trial's choice, within the chunk
+        assert all(not a.compiled for a, _, _ in first)
+    twin = Arm(None, False, True)
+    second = chunk(16)
+    trial = [(a, timed) for a, timed, t in second if t]
+    assert trial[0] == (twin, False)  # the compile, untimed
+    assert sorted(a.name for a, timed in trial if timed) == sorted([arms[0].name, twin.name] * STRATA)
+    assert tu.take(None)[0] == (twin if twin_faster else arms[0])
+    rec = tu.record()
+    assert [a["arm"] for a in rec["arms"]] == [a.name for a in arms] + ["padded+compiled"]
+    assert rec["chosen"] == ("padded+compiled" if twin_faster else "padded")
+    assert [a for a, _, _ in chunk(8)] == [tu.chosen] * 8  # no third trial
 
 
 def test_a_resumed_chunk_keeps_its_batches_strata():

@@ -25,16 +25,24 @@ ENV = "FFKV_COMPILE"
 _SINK: list = []  # the taps' inputs, one per block call, drained by the block's hook
 
 
-def enabled() -> bool:
+def setting() -> str:
+    """FFKV_COMPILE as "0" (also unset), "1" or "auto" (the tuner times the compiled twin of the arm
+    it chose: `ffkv.mine.tune`)."""
     raw = os.environ.get(ENV, "").strip()
-    return raw != "" and parse(raw, f"{ENV}={raw!r}") == "1"
+    return "0" if raw == "" else parse(raw, f"{ENV}={raw!r}")
+
+
+def enabled() -> bool:
+    """Every batch of a pass through compiled blocks (FFKV_COMPILE=1)."""
+    return setting() == "1"
 
 
 def parse(raw: str, name: str = ENV) -> str:
     """A compile setting (FFKV_COMPILE's, or `ffkv mine --compile`'s, named `name`)."""
-    raw = str(raw).strip()
-    if raw not in ("0", "1"):
-        raise FfkvError(f"{name}: 1 compiles mining's forward, 0 (or unset) does not")
+    raw = str(raw).strip().lower()
+    if raw not in ("0", "1", "auto"):
+        raise FfkvError(f"{name}: 1 compiles mining's forward, 0 (or unset) does not, auto times it against "
+                        f"the eager forward once the other paths are chosen")
     return raw
 
 
@@ -124,15 +132,16 @@ class CompiledBlocks:
         self.hooks, self.undo = [], []
 
 
-def compiled_for(mm, layers) -> CompiledBlocks | None:
-    """The compiled blocks for a mining pass over `layers`, or None: FFKV_COMPILE unset, or the
-    model cannot (said once). The check's sentences (`ffkv.mine.selfcheck`) run eagerly and
-    compiled must agree at every wanted layer, or the eager forward is kept."""
+def compiled_for(mm, layers, force: bool = False) -> CompiledBlocks | None:
+    """The compiled blocks for a mining pass over `layers`, or None: FFKV_COMPILE not 1 (unless
+    `force`: the tuner's compiled arm), or the model cannot (said once). The check's sentences
+    (`ffkv.mine.selfcheck`) run eagerly and compiled must agree at every wanted layer, or the eager
+    forward is kept."""
     from ffkv.mine import packing
     from ffkv.mine.selfcheck import first_difference, sentences
     from ffkv.model.memories import pad_rows
 
-    if not enabled():
+    if not (force or enabled()):
         return None
     if packing.setting(getattr(mm, "device", None)) is not None:
         packing.accepts(mm)  # the packing check runs the model eagerly: before the blocks change
@@ -174,18 +183,12 @@ def accepted(mm, layers) -> bool:
 
 @contextmanager
 def mining_forward(mm, layers):
-    """A pass's forward (every chunk's batches): compiled blocks under FFKV_COMPILE, put back at
-    the end, else the eager forward with its products through oneDNN on a CPU
-    (`ffkv.model.onednn`; dynamo cannot trace that mode, and compiled code picks its own)."""
-    from ffkv.model.onednn import products_of
-
+    """A pass's compiled blocks under FFKV_COMPILE=1 (None otherwise), put back at the end. Eager
+    batches run their products through oneDNN on a CPU (`ffkv.mine.engine`, batch by batch: dynamo
+    cannot trace that mode, and the tuner's compiled arm needs it off for its own batches)."""
     blocks = compiled_for(mm, layers)
     try:
-        if blocks is None:
-            with products_of(mm):
-                yield None
-        else:
-            yield blocks
+        yield blocks
     finally:
         if blocks is not None:
             blocks.close()

@@ -83,24 +83,30 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
     FFKV_PACK=C and FFKV_TRITON=1 say (`auto` is the tuner's: padded and portable here); `chunk`
     (the chunk's first global batch index, its batch count) places the batches in their chunk for
     the tuner's strata, where they are not the whole chunk (a resumed one). Through
-    compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here)."""
+    compiled blocks under FFKV_COMPILE=1 (`ffkv.mine.compiled`: `compiled`, else made here), or
+    the tuner's under FFKV_COMPILE=auto."""
     from ffkv.mine import fused_cuda
     from ffkv.mine.compiled import compiled_for
     from ffkv.mine.packing import cap_for
+    from ffkv.model.onednn import products_of
 
     cap0 = cap_for(mm) if tuner is None else None
     own = compiled is None
     if own:
         compiled = compiled_for(mm, state.layers)
 
+    blocks = [compiled]  # the compiled blocks this batch runs through (None: eager)
+
     def forward(ids, batch, unpack=None, **fw):
         def update(l, m):
             state.update(l, m if unpack is None else unpack(m), batch)
 
-        if compiled is not None:
-            compiled.capture(ids, update, **fw)
+        if blocks[0] is not None:
+            blocks[0].capture(ids, update, **fw)
         else:
-            mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
+            with products_of(mm):
+                mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m),
+                           **fw)
 
     batches = list(batches)
     first = batches[0][0] - chunk[0] if chunk and batches else 0
@@ -108,6 +114,9 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
     try:
         for j, (bi, idx) in enumerate(batches):
             arm, timed, trial = tuner.take(slots[j]) if tuner is not None else (None, False, False)
+            if tuner is not None and tuner.compiles:  # FFKV_COMPILE=auto: the tuner's blocks, in or out
+                ran, blocks[0] = tuner.forward_for(arm, mm, state.layers)
+                timed, arm = timed and ran == arm, ran  # a refused compiled arm: its twin's batch, untimed
             cap = cap0 if arm is None else arm.pack
             t0 = tuner.start(timed) if tuner is not None else 0.0
             with fused_cuda.forced(None if arm is None else arm.fused):

@@ -144,7 +144,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     its batches not yet in the checkpoint (a resumed run streams the chunks it had mined again,
     for the table, and skips their batches). With the table already whole, its rows are the
     chunks. Returns the state, the tokens mined now and the plan's layout."""
-    from contextlib import nullcontext
+    from contextlib import closing, nullcontext
 
     from ffkv.corpus.stream import SCHEMA, table_chunks
     from ffkv.mine.compiled import mining_forward
@@ -166,7 +166,7 @@ def _mine_local(run, mm, s: MineSettings, state, whole: bool, checkpoint_every: 
     _tune_malloc()
     with (nullcontext(None) if whole else run.table_writer("sentences", SCHEMA)) as write, \
             progress(None if show_progress is None else not show_progress) as bar, \
-            mining_forward(mm, state.layers) as compiled:
+            mining_forward(mm, state.layers) as compiled, closing(tuner):  # closing: the tuner's blocks out
         task = bar.add_task("mine", total=s.max_sentences, completed=0, tokens=0)
         rows = {}  # global batch index -> its rows, for the bar
 

@@ -18,6 +18,11 @@ that, is untimed (compiles, caches). Other batches mine with the first arm (padd
 portable trackers) until every arm has been timed everywhere; then the arm of fewest seconds per
 real token mines the rest. Chunks of a few batches (a GPU's budget over short sentences) fill a
 stratum or two each, and the trial spans several.
+
+Under FFKV_COMPILE=auto a second trial follows, from the next chunk on: the chosen arm against its
+twin through compiled blocks (`ffkv.mine.compiled`), strata alike. Compiling costs seconds per
+kind of batch (padded, packed with and without a mask), so only the winner's twin is timed, its
+first batch (the compile) untimed; a model that refuses compiled blocks leaves it out, said once.
 """
 from __future__ import annotations
 
@@ -34,23 +39,29 @@ STRATA = 4  # parts of a chunk (by place, so by length) on which every arm is ti
 class Arm:
     pack: int | None  # tokens per packed row, None: padded rows
     fused: bool  # the fused Triton kernels (else the portable trackers)
+    compiled: bool = False  # the blocks through torch.compile (FFKV_COMPILE=auto's second trial)
 
     @property
     def name(self) -> str:
         rows = f"packed{self.pack}" if self.pack else "padded"
-        return f"{rows}+fused" if self.fused else rows
+        return rows + ("+fused" if self.fused else "") + ("+compiled" if self.compiled else "")
 
 
 class Tuner:
     """The arm of each batch of a pass: the trial's while timing, then the fastest."""
 
-    def __init__(self, arms: list[Arm], device=None):
-        self.arms = list(arms)
+    def __init__(self, arms: list[Arm], device=None, then_compile: bool = False):
+        self.arms = list(arms)  # every arm timed in the pass (the record's)
+        self._trial = list(arms)  # the arms of the trial under way
         self.cuda = torch.device(device or "cpu").type == "cuda"
         self.device = device
+        self.compiles = bool(then_compile)  # the tuner puts compiled blocks in and out (`forward_for`)
+        self._twin = self.compiles  # the compiled trial is still to come
+        self.blocks = None  # the compiled blocks in place now
+        self.base: Arm | None = None  # the first trial's choice, while the compiled trial runs
         tuning = len(self.arms) > 1
         self._warm = list(self.arms) if tuning else []  # arms whose untimed first batch is still to come
-        self._need: set | None = None  # (arm, stratum) not yet timed; made at the first chunk
+        self._need: set | None = None  # (arm, stratum) not yet timed; made at the trial's first chunk
         self._strata = STRATA
         self._pending = 0  # trial batches planned, not yet mined
         self._chunks = 0
@@ -61,7 +72,52 @@ class Tuner:
 
     @property
     def tuning(self) -> bool:
-        return len(self.arms) > 1
+        return len(self.arms) > 1 or self._twin
+
+    def _start_twin(self) -> None:
+        """The second trial: the chosen arm against its compiled twin."""
+        self._twin = False
+        if self.chosen.compiled:
+            return
+        twin = Arm(self.chosen.pack, self.chosen.fused, True)
+        self.base = self.chosen
+        self.arms.append(twin)
+        self.seconds[twin], self.tokens[twin], self.batches[twin] = 0.0, 0, 0
+        self._trial, self._warm = [self.chosen, twin], [twin]
+        self._need, self._chunks, self.chosen = None, 0, None
+
+    def drop(self, arm: Arm) -> None:
+        """`arm` cannot run here (its model refuses compiled blocks): out of the trial."""
+        if arm in self._trial and len(self._trial) > 1:
+            self._trial.remove(arm)
+            self._warm = [a for a in self._warm if a != arm]
+            if len(self._trial) == 1:  # nothing left to compare
+                self._need = set()
+            elif self._need is not None:
+                self._need = {x for x in self._need if x[0] != arm}
+
+    def forward_for(self, arm: Arm, mm, layers):
+        """(the arm that runs, the compiled blocks it runs through or None) for a batch of `arm`:
+        the tuner's blocks put in place, or taken out for an eager arm. A compiled arm that the
+        model refuses (`compiled_for`'s check, said once) leaves the trial and its batch runs as
+        the arm it twins."""
+        if not arm.compiled:
+            self.close()
+            return arm, None
+        if self.blocks is None:
+            from ffkv.mine.compiled import compiled_for
+
+            self.blocks = compiled_for(mm, layers, force=True)
+            if self.blocks is None:
+                self.drop(arm)
+                return self.forward_for(Arm(arm.pack, arm.fused), mm, layers)
+        return arm, self.blocks
+
+    def close(self) -> None:
+        """Compiled blocks out: the model's own forward again."""
+        if self.blocks is not None:
+            self.blocks.close()
+            self.blocks = None
 
     def plan(self, n: int, first: int = 0, size: int | None = None) -> list:
         """The slots of the next n batches (one chunk's, in order): (arm, timed) for a trial
@@ -69,16 +125,18 @@ class Tuner:
         chunk of `size` (default n: the whole chunk; a resumed chunk starts at its cursor)."""
         slots: list = [None] * n
         size = n if size is None else max(int(size), first + n)
+        if n and self.chosen is not None and self._twin:
+            self._start_twin()
         if not self.tuning or n == 0 or self.chosen is not None:
             return slots
         if self._need is None:  # a pass whose chunks hold fewer batches: fewer strata
             self._strata = min(STRATA, size)
-            self._need = {(a, q) for a in self.arms for q in range(self._strata)}
+            self._need = {(a, q) for a in self._trial for q in range(self._strata)}
         j0 = 0
         while self._warm and j0 < n:
             slots[j0] = (self._warm.pop(0), False)
             j0 += 1
-        order = self.arms if self._chunks % 2 == 0 else self.arms[::-1]
+        order = self._trial if self._chunks % 2 == 0 else self._trial[::-1]
         self._chunks += 1
         S = self._strata
         for q in range(S):
@@ -95,8 +153,9 @@ class Tuner:
         if slot is not None:
             return slot[0], slot[1], True
         if self.chosen is None and not self._warm and self._need == set() and self._pending == 0:
-            self.chosen = min(self.arms, key=lambda a: (self.seconds[a] / max(1, self.tokens[a]), self.arms.index(a)))
-        return (self.chosen or self.arms[0]), False, False
+            self.chosen = min(self._trial,
+                              key=lambda a: (self.seconds[a] / max(1, self.tokens[a]), self._trial.index(a)))
+        return (self.chosen or self._trial[0]), False, False
 
     def start(self, timed: bool) -> float:
         if timed and self.cuda:  # the batch before must not count
@@ -121,10 +180,12 @@ class Tuner:
     def record(self) -> dict | None:
         """For the manifest: each arm's timed throughput and batches, and the choice (None when
         there was nothing to choose)."""
-        if not self.tuning:
+        if len(self.arms) < 2:
             return None
-        return {"chosen": self.chosen.name if self.chosen else None,
-                "arms": [{"arm": a.name, "packed_rows": a.pack, "fused": a.fused, "batches": self.batches[a],
+        chosen = self.chosen or self.base  # a pass that ended in the compiled trial mined on with the first choice
+        return {"chosen": chosen.name if chosen else None,
+                "arms": [{"arm": a.name, "packed_rows": a.pack, "fused": a.fused, "compiled": a.compiled,
+                          "batches": self.batches[a],
                           "timed_tokens": self.tokens[a],
                           "tokens_per_s": round(self.tokens[a] / self.seconds[a], 1) if self.seconds[a] > 0 else None}
                          for a in self.arms]}
@@ -157,7 +218,9 @@ def arms_for(mm, log=None) -> list[Arm]:
 
 def tuner_for(mm, log=None) -> Tuner:
     """The tuner of a mining pass over this model (one arm, untimed, where nothing is `auto`)."""
-    return Tuner(arms_for(mm, log), getattr(mm, "device", None))
+    from ffkv.mine import compiled
+
+    return Tuner(arms_for(mm, log), getattr(mm, "device", None), then_compile=compiled.setting() == "auto")
 
 
 def how(mm, tuner, layers) -> dict:
@@ -165,10 +228,10 @@ def how(mm, tuner, layers) -> dict:
     compiled blocks, and the tuner's figures (`ffkv.mine.tune`; None when nothing was timed)."""
     from ffkv.mine.compiled import accepted
 
-    arm = tuner.chosen if tuner is not None else None
+    arm = (tuner.chosen or tuner.base) if tuner is not None else None
     return {"packed_rows": arm.pack if arm is not None else None,
             "fused_trackers": bool(arm is not None and arm.fused),
-            "compiled_forward": accepted(mm, layers),
+            "compiled_forward": accepted(mm, layers) or bool(arm is not None and arm.compiled),
             "tuning": tuner.record() if tuner is not None else None}
 
 

@@ -94,8 +94,10 @@ class MineSettings:
                                               "(timed against the portable trackers on the first batches). "
                                               "Default: FFKV_TRITON, else auto on CUDA.",
                                         parse=_switch("ffkv.mine.fused_cuda", "--fused-kernels"), recorded=False)
-    compile_blocks: str | None = setting(None, "1: each block through torch.compile (the same tables; slower on a "
-                                               "CPU). Default: FFKV_COMPILE, else 0.", flag="--compile",
+    compile_blocks: str | None = setting(None, "Each block through torch.compile (the same tables): 1, 0 or auto "
+                                               "(once the other paths are chosen, their choice timed against its "
+                                               "compiled twin; a compile takes seconds, so for long runs). "
+                                               "Default: FFKV_COMPILE, else 0.", flag="--compile",
                                          parse=_switch("ffkv.mine.compiled", "--compile"), recorded=False)
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
@@ -264,7 +266,8 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "Faster paths, the same tables: --pack (FFKV_PACK), --fused-kernels (FFKV_TRITON) and --compile "
         "(FFKV_COMPILE); a flag wins over its variable. On CUDA, packing and the fused kernels default "
         "to auto: the first batches are mined by each combination in turn, timed, and the fastest "
-        "mines the rest (recorded in the manifest as `tuning`). On a CPU both are off unless set.")
+        "mines the rest (recorded in the manifest as `tuning`). On a CPU both are off unless set. "
+        "--compile auto then times the chosen path through torch.compile against it as it is.")
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
