@@ -98,6 +98,8 @@ class ShardMiner:
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
         rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays,
         how it ran: `how`), or (k, None, None) when the table is out of this node's reach."""
+        from contextlib import closing
+
         import pyarrow as pa
 
         from ffkv.mine.engine import FlatTokens, mine_batches, new_state
@@ -117,7 +119,7 @@ class ShardMiner:
             batches = [(i, np.arange(starts[i], starts[i + 1])) for i in range(len(got))]
             if self.tuner is None:
                 self.tuner = tuner_for(self.mm)
-            with mining_forward(self.mm, state.layers) as compiled:  # as the one-process pass
+            with mining_forward(self.mm, state.layers) as compiled, closing(self.tuner):  # as the one-process pass
                 state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled, tuner=self.tuner)
         return k, state.arrays(), how(self.mm, self.tuner, state.layers)
 
