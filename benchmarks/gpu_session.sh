@@ -3,7 +3,7 @@
 # spaCy, Ray, DuckDB or FastAPI), from the checkout with PYTHONPATH=src:
 #   here:  .venv/bin/python benchmarks/gpu_fixture.py prepare .dev     (~8 MB: ids + tokenizer)
 #   there: OUT=/some/dir bash benchmarks/gpu_session.sh              (carry .dev)
-# Sized for a lent machine's 15 minutes, start-up included: about 13 minutes, in order of priority,
+# Sized for a lent machine's 15 minutes in two calls of at most 600 s (benchmarks/GPU.md has each part's time), in order of priority,
 # each part under its own time limit: bench_stats_gpu.py (the fused kernels against the portable
 # path: equal states, kernel times, a profile), `ffkv mine` end to end over 20M tokens as a user
 # runs it (its first batches time packed rows and the fused kernels, FFKV_PACK/FFKV_TRITON=auto;
