@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 from conftest import WT2, mine_tiny, run_cli
 from test_mine import _assert_same_mine
@@ -226,6 +226,47 @@ def test_the_compiled_twin_is_timed_once_the_rest_is_chosen(n_arms, twin_faster)
     assert [a["arm"] for a in rec["arms"]] == [a.name for a in arms] + ["padded+compiled"]
     assert rec["chosen"] == ("padded+compiled" if twin_faster else "padded")
     assert [a for a, _, _ in chunk(8)] == [tu.chosen] * 8  # no third trial
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.lists(st.integers(0, 30), min_size=1, max_size=14), st.data())
+def test_the_compiled_trial_over_any_chunks(n, chunks, data):
+    """FFKV_COMPILE=auto over chunks of any sizes: the compiled twin appears only after the first
+    choice and from a chunk after it, its first batch untimed and before any timed one; then it and
+    that choice are timed once in each stratum, and every batch after the second choice is the
+    faster's; until then the first choice mines the rest, never another arm."""
+    arms = [Arm(None, False), Arm(128, False), Arm(256, False)][:n]
+    tu = Tuner(arms, then_compile=True)
+    secs = {a: data.draw(st.integers(1, 9), label=f"seconds per token of {a.name}")
+            for a in arms + [Arm(p, False, True) for p in (None, 128, 256)]}
+    first_choice, twin_seen_at, chunk_of_choice = None, None, None
+    timed_twin = []
+    for ci, size in enumerate(chunks):
+        slots = tu.plan(size)
+        for j, slot in enumerate(slots):
+            arm, timed, trial = tu.take(slot)
+            if first_choice is None and tu.chosen is not None and not arm.compiled:
+                first_choice, chunk_of_choice = tu.chosen, ci
+            if arm.compiled:
+                assert first_choice is not None and ci > chunk_of_choice or (n == 1 and first_choice is None)
+                assert arm == Arm((first_choice or arms[0]).pack, False, True)
+                if twin_seen_at is None:
+                    twin_seen_at = (ci, j)
+                    assert trial and not timed  # the compile
+                elif timed:
+                    timed_twin.append(j * tu._strata // size)
+            elif first_choice is not None and tu.base is not None and not trial:
+                assert arm in (tu.base, tu.chosen)
+            tu.add(arm, 10, secs[arm] * 10 if timed else None, trial)
+        if n == 1 and first_choice is None:
+            first_choice, chunk_of_choice = arms[0], -1
+    assert sorted(timed_twin) == sorted(set(timed_twin))  # once a stratum at most
+    event("the compiled trial ended" if tu.chosen is not None and tu.base is not None else "it did not")
+    if tu.chosen is not None and tu.base is not None:  # the second trial ended
+        twin = Arm(tu.base.pack, False, True)
+        assert sorted(timed_twin) == list(range(tu._strata))
+        want = min([tu.base, twin], key=lambda a: (secs[a], [tu.base, twin].index(a)))
+        assert tu.chosen == want and tu.record()["chosen"] == want.name
 
 
 def test_a_resumed_chunk_keeps_its_batches_strata():
