@@ -339,6 +339,46 @@ def test_shard_reads_its_rows_and_equals_one_process(tmp_path, tiny_dirs):
     assert default_shards(0) == 2 and default_shards(4) == 4  # --shards left out: one per GPU
 
 
+def test_a_shard_tunes_on_its_chunks_strata(tmp_path, tiny_dirs, monkeypatch):
+    """A shard told its batches' places in the plan mines them chunk by chunk, each batch at its
+    place in its chunk (the tuner's strata of the one-process pass), and gives the same arrays as
+    without them; `by_chunk` cuts where the chunk changes."""
+    from conftest import mine_tiny
+    from ffkv.corpus.batching import pack
+    from ffkv.mine import tune
+    from ffkv.mine.distributed import ShardMiner, by_chunk
+    from ffkv.store.run import Run
+
+    run = Run(mine_tiny(tmp_path / "r", tiny_dirs["llama"], 80, 3))
+    lens = [len(t) for t in run.read_table("sentences").column("token_ids").to_pylist()]
+    chunks, batches = [], []
+    for a in range(0, len(lens), 40):  # two chunks of 40 rows, as `_ray_plan` gives them
+        local = pack(lens[a:a + 40], 64)
+        chunks.append((len(batches), len(local)))
+        batches += [b + a for b in local]
+    c0, n0 = chunks[0]
+    a, b = n0 - 2, len(batches) - 1  # a shard across the two chunks: the first's last two batches, most of the second
+    places = [(j, *next(c for c in chunks if c[0] <= j < c[0] + c[1])) for j in range(a, b)]
+    got = list(by_chunk([(i, None) for i in range(b - a)], places))
+    assert [(c, [j for j, _ in part]) for part, c in got] == [(chunks[0], [a, a + 1]), (chunks[1], list(range(n0, b)))]
+    seen = []
+    plan = tune.Tuner.plan
+    monkeypatch.setattr(tune.Tuner, "plan", lambda self, n, first=0, size=None: seen.append((n, first, size))
+                        or plan(self, n, first, size))
+    rows = [batches[j].tolist() for j in range(a, b)]
+    path = str(run.table_path("sentences"))
+    monkeypatch.setenv("FFKV_PACK", "48")  # one fixed path: the same arithmetic either way
+    miner = ShardMiner(str(tiny_dirs["llama"]), "cpu", "float32", {"top_k": 3}, threads=1)
+    arrs = miner.mine(0, path, rows, places=places)[1]
+    assert seen == [(2, n0 - 2, n0), (b - n0, 0, chunks[1][1])]
+    _assert_arrays_equal(ShardMiner(str(tiny_dirs["llama"]), "cpu", "float32", {"top_k": 3}, threads=1)
+                         .mine(0, path, rows)[1], arrs)
+    monkeypatch.setenv("FFKV_PACK", "auto")
+    how = ShardMiner(str(tiny_dirs["llama"]), "cpu", "float32", {"top_k": 3}, threads=1).mine(0, path, rows,
+                                                                                                 places=places)[2]
+    assert [x["arm"] for x in how["tuning"]["arms"]] == ["padded", "packed128", "packed256"]
+
+
 def test_a_shard_reads_only_the_row_groups_of_its_rows(tmp_path, monkeypatch):
     """`read_rows` on a sentences table of many row groups: each batch's rows, in its order, read
     from the row groups that span the shard's rows and no other."""

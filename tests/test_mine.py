@@ -528,9 +528,11 @@ def test_ray_plan_is_the_chunked_plan_read_chunk_by_chunk(tmp_path, tiny_dirs):
     out = mine_tiny(tmp_path / "r", tiny_dirs["llama"], 300, 2, "--no-stats")
     lengths = pq.read_table(out / "sentences.parquet", columns=["n_tokens"]).column("n_tokens").to_numpy()
     for chunk, bt in ((50, 128), (64, 400), (1024, 256)):
-        batches, plan = _ray_plan(Run(out), MineSettings(chunk_sentences=chunk), bt)
+        batches, plan, chunks = _ray_plan(Run(out), MineSettings(chunk_sentences=chunk), bt)
         want = [b + a for a in range(0, len(lengths), chunk) for b in pack(lengths[a:a + chunk], bt)]
         assert [x.tolist() for x in batches] == [x.tolist() for x in want]
+        sizes = [len(pack(lengths[a:a + chunk], bt)) for a in range(0, len(lengths), chunk)]
+        assert chunks == [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]  # each chunk's first batch, count
         assert plan.tokens == int(lengths.sum()) and plan.n == len(want)
         spans = []
         for a, b in shard_bounds(len(batches), 3):

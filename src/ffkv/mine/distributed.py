@@ -94,10 +94,12 @@ class ShardMiner:
         self.s = MineSettings(**settings)
         self.tuner = None  # made at the first shard, kept for the next ones (`ffkv.mine.tune`)
 
-    def mine(self, k: int, sentences_path, batch_rows, sent=None):
+    def mine(self, k: int, sentences_path, batch_rows, sent=None, places=None):
         """Shard k: batch_rows (row indices of the sentences table, per batch); `sent` carries the
-        rows' (token lists, sentence ids) when the driver had to send them. Returns (k, arrays,
-        how it ran: `how`), or (k, None, None) when the table is out of this node's reach."""
+        rows' (token lists, sentence ids) when the driver had to send them; `places` each batch's
+        (index in the plan, its chunk's first batch, the chunk's batch count), so that the tuner
+        times its arms on the strata of the one-process pass's chunks. Returns (k, arrays, how it
+        ran: `how`), or (k, None, None) when the table is out of this node's reach."""
         from contextlib import closing
 
         import pyarrow as pa
@@ -109,7 +111,8 @@ class ShardMiner:
         got = sent if sent is not None else read_rows(sentences_path, batch_rows)
         if got is None:
             return k, None, None
-        got = [t for t in got if t is not None and t.num_rows]
+        kept = [i for i, t in enumerate(got) if t is not None and t.num_rows]
+        got = [got[i] for i in kept]
         state = new_state(self.mm, self.s)
         if got:
             rows = pa.concat_tables(got)
@@ -120,8 +123,27 @@ class ShardMiner:
             if self.tuner is None:
                 self.tuner = tuner_for(self.mm)
             with mining_forward(self.mm, state.layers) as compiled, closing(self.tuner):  # as the one-process pass
-                state = mine_batches(self.mm, state, tokens, sids, batches, compiled=compiled, tuner=self.tuner)
+                for part, chunk in by_chunk(batches, None if places is None else [places[i] for i in kept]):
+                    state = mine_batches(self.mm, state, tokens, sids, part, compiled=compiled, tuner=self.tuner,
+                                         chunk=chunk)
         return k, state.arrays(), how(self.mm, self.tuner, state.layers)
+
+
+def by_chunk(batches, places):
+    """A shard's batches ((i, rows), in plan order) cut where their chunk changes, each run with
+    its chunk's (first batch, batch count) and the batches renumbered by their place in the plan;
+    without places, one run and no chunk."""
+    if places is None:
+        yield batches, None
+        return
+    j = 0
+    while j < len(batches):
+        chunk = (int(places[j][1]), int(places[j][2]))
+        e = j
+        while e < len(batches) and (int(places[e][1]), int(places[e][2])) == chunk:
+            e += 1
+        yield [(int(places[i][0]), batches[i][1]) for i in range(j, e)], chunk
+        j = e
 
 
 SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_COMPILE", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what
@@ -134,10 +156,11 @@ def switches() -> dict:
     return {k: os.environ[k] for k in SWITCHES if k in os.environ}
 
 
-def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
+def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, chunks=None):
     """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
-    run redoes only the others. Returns the merged state, the number of shards, and how the shards
-    mined now ran (`how`, one per shard)."""
+    run redoes only the others. `chunks`: the plan's chunks as (first batch, batch count), for the
+    actors' tuners. Returns the merged state, the number of shards, and how the shards mined now
+    ran (`how`, one per shard)."""
     from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
@@ -154,13 +177,15 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     shard_dir.mkdir(exist_ok=True)
     key = s.key()
     todo, state = [], new_state(mm, s)
+    chunk_of = None if chunks is None else [(c0, n) for c0, n in chunks for _ in range(n)]
     for k, (a, b) in enumerate(shard_bounds(len(batches), shards)):
         f = shard_dir / f"{key}_{k}_of_{shards}.npz"
         if f.exists():
             with np.load(f, allow_pickle=False) as z:
                 state.merge(new_state(mm, s).load_arrays(z))
         elif a < b:
-            todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)]))
+            where = [(j, *chunk_of[j]) for j in range(a, b)] if chunk_of is not None else None
+            todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)], where))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
     hows = []
@@ -171,12 +196,12 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
         args = (run.model_arg(), device, str(mm.dtype).replace("torch.", ""), asdict(s),
                 None if gpus else per_task_cpu)
         actors = [actor.remote(*args) for _ in range(n_actors)]
-        files = {k: f for k, f, _ in todo}
+        files = {k: f for k, f, _, _ in todo}
         try:
             with progress() as bar:
                 task = bar.add_task("mine shards", total=len(todo))
-                for k, arrs, h in _drain(ray, actors, {k: rows for k, _, rows in todo},
-                                         str(run.table_path("sentences"))):
+                for k, arrs, h in _drain(ray, actors, {k: rows for k, _, rows, _ in todo},
+                                         str(run.table_path("sentences")), {k: w for k, _, _, w in todo}):
                     hows.append(h)
                     save_npz(files[k], arrs)
                     state.merge(new_state(mm, s).load_arrays(arrs))
@@ -190,17 +215,17 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print):
     return state, shards, hows
 
 
-def _drain(ray, actors, jobs: dict, sent_path: str):
-    """Hand shards (k -> their batches' row indices) to idle actors; yield (k, arrays, `how`) as
-    each finishes. A shard whose actor could not read the run's sentences (another
-    node's disk) is sent again with its rows."""
+def _drain(ray, actors, jobs: dict, sent_path: str, places: dict | None = None):
+    """Hand shards (k -> their batches' row indices; `places`: k -> their places in the plan) to
+    idle actors; yield (k, arrays, `how`) as each finishes. A shard whose actor could not read the
+    run's sentences (another node's disk) is sent again with its rows."""
     queue = [(k, None) for k in jobs]
     idle, pending = list(actors), {}
     while queue or pending:
         while queue and idle:
             k, sent = queue.pop(0)
             a = idle.pop()
-            pending[a.mine.remote(k, sent_path, jobs[k], sent)] = a
+            pending[a.mine.remote(k, sent_path, jobs[k], sent, (places or {}).get(k))] = a
         done, _ = ray.wait(list(pending), num_returns=1)
         idle.append(pending.pop(done[0]))
         try:

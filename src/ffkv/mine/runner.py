@@ -279,9 +279,9 @@ def _compute(ctx) -> dict:
 
         if not whole:
             _write_sentences(run, mm, s)
-        batches, plan = _ray_plan(run, s, bt)
+        batches, plan, chunks = _ray_plan(run, s, bt)
         _shards_of_this_plan(run, layout_key(s, bt))
-        state, shards, hows = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log)
+        state, shards, hows = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log, chunks=chunks)
         ran = how_of_shards(hows)
         mined_tokens = plan.tokens
     else:
@@ -314,17 +314,19 @@ def _compute(ctx) -> dict:
 def _ray_plan(run, s: MineSettings, bt: int):
     """The one-process pass's batch plan (packed within each chunk of `chunk_sentences` rows) as
     row indices of the whole table, read chunk by chunk: a shard's batches then span one
-    stretch of rows, which it reads alone (`ffkv.mine.distributed.read_rows`)."""
+    stretch of rows, which it reads alone (`ffkv.mine.distributed.read_rows`). With the chunks as
+    (first batch, batch count): the actors' tuners take their strata from them."""
     from ffkv.corpus.stream import file_chunks
 
-    batches, plan, start = [], Layout(bt), 0
+    batches, plan, start, chunks = [], Layout(bt), 0, []
     for part in file_chunks(run.table_path("sentences"), s.chunk_sentences, ["n_tokens"]):
         lengths = part.column("n_tokens").to_numpy()
         local = pack(lengths, bt)
+        chunks.append((len(batches), len(local)))
         batches += [b + start for b in local]
         plan.add(lengths, local)
         start += len(lengths)
-    return batches, plan
+    return batches, plan, chunks
 
 
 def _shards_of_this_plan(run, lkey: str) -> None:
