@@ -139,8 +139,9 @@ def test_a_short_corpus_ends_while_timing(tiny_dirs, tmp_path, monkeypatch, budg
 
 def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path, monkeypatch):
     """--pack, --fused-kernels and --compile give what their variables give, a flag wins over its
-    variable, the variables are as they were after the pass (a library call), and a bad value is
-    one line naming the flag, before any work."""
+    variable for the pass's own thread only (a library caller's other threads, and the environment,
+    keep theirs), Ray's actors get the flags, and a bad value is one line naming the flag, before
+    any work."""
     import os
 
     from test_cli_errors import one_line_error
@@ -162,13 +163,24 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
         one_line_error(res, 2, flag)
         assert not (tmp_path / "bad" / "triggers.parquet").exists()
 
+    import threading
+
+    from ffkv.mine import packing, switches
+    from ffkv.mine.distributed import switches as for_actors
     from ffkv.mine.runner import switched
     from ffkv.steps.mine import MineSettings
 
     monkeypatch.delenv("FFKV_TRITON", raising=False)
+    other = []
     with switched(MineSettings(pack="256", fused_kernels="auto")):
-        assert os.environ["FFKV_PACK"] == "256" and os.environ["FFKV_TRITON"] == "auto"
-    assert os.environ["FFKV_PACK"] == "0" and "FFKV_TRITON" not in os.environ
+        assert packing.setting("cpu") == 256 and switches.read("FFKV_TRITON") == "auto"
+        assert for_actors() == {"FFKV_PACK": "256", "FFKV_TRITON": "auto"}  # a Ray actor's environment
+        t = threading.Thread(target=lambda: other.append((packing.setting("cpu"), switches.read("FFKV_TRITON"))))
+        t.start()
+        t.join()
+        assert os.environ["FFKV_PACK"] == "0" and "FFKV_TRITON" not in os.environ  # the environment untouched
+    assert other == [(None, "")]  # another thread of the caller sees the environment, not the pass's flags
+    assert packing.setting("cpu") is None and switches.read("FFKV_TRITON") == ""
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,12 +14,12 @@ captures differ from the eager ones on a check run when mining starts (`refusal`
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 
 from ffkv.errors import FfkvError, notice
+from ffkv.mine import switches
 
 ENV = "FFKV_COMPILE"
 _SINK: list = []  # the taps' inputs, one per block call, drained by the block's hook
@@ -28,7 +28,7 @@ _SINK: list = []  # the taps' inputs, one per block call, drained by the block's
 def setting() -> str:
     """FFKV_COMPILE as "0" (also unset), "1" or "auto" (the tuner times the compiled twin of the arm
     it chose: `ffkv.mine.tune`)."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = switches.read(ENV).strip()
     return "0" if raw == "" else parse(raw, f"{ENV}={raw!r}")
 
 

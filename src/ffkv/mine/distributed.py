@@ -146,14 +146,12 @@ def by_chunk(batches, places):
         j = e
 
 
-SWITCHES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_COMPILE", "FFKV_NUMBA", "FFKV_ONEDNN")  # how a pass runs, not what
-# it finds
-
-
 def switches() -> dict:
-    """The driver's settings of ffkv's switches, for the actors' environment: a cluster's workers
-    do not inherit the driver's (a local instance's do)."""
-    return {k: os.environ[k] for k in SWITCHES if k in os.environ}
+    """The driver's settings of ffkv's switches (`ffkv.mine.switches`: the pass's flags over the
+    environment), for the actors' environment: a cluster's workers do not inherit the driver's."""
+    from ffkv.mine import switches as sw
+
+    return sw.current()
 
 
 def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, chunks=None):

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from ffkv.errors import FfkvError, notice
+from ffkv.mine import switches
 
 ENV = "FFKV_TRITON"
 
@@ -63,7 +64,7 @@ KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, wha
 def setting(device=None) -> str:
     """FFKV_TRITON as "0", "1" or "auto"; unset: "auto" on CUDA (timed against the portable path),
     "0" elsewhere. A bad value is the user's to fix (FfkvError)."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = switches.read(ENV).strip()
     if raw == "":
         return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
     return parse(raw, f"{ENV}={raw!r}")
@@ -95,7 +96,7 @@ def available(device) -> bool:
     is imported only then: on a CPU its import alone slowed mining."""
     if _aot is not None:  # compiling for a GPU that is not here: every launch counts
         return True
-    want = _forced if _forced is not None else os.environ.get(ENV, "0").strip() == "1"
+    want = _forced if _forced is not None else switches.read(ENV, "0").strip() == "1"
     return want and runs_here(device)
 
 

@@ -15,12 +15,12 @@ forward does not keep packed sentences apart (found by running it: `refusal`) ke
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
 from ffkv.errors import FfkvError, notice
+from ffkv.mine import switches
 
 ENV = "FFKV_PACK"
 SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
@@ -29,7 +29,7 @@ SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
 def setting(device=None) -> int | str | None:
     """FFKV_PACK as C (tokens per packed row), "auto" or None (padded rows); unset: "auto" on CUDA
     (timed against padded rows on the run's first batches), None elsewhere."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = switches.read(ENV).strip()
     if raw == "":
         return "auto" if device is not None and torch.device(device).type == "cuda" else None
     return parse(raw, f"{ENV}={raw!r}")

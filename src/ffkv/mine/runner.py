@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -238,23 +237,12 @@ def compute(ctx) -> dict:
         return _compute(ctx)
 
 
-@contextmanager
 def switched(s: MineSettings):
-    """--pack, --fused-kernels and --compile over their environment variables while the pass runs:
-    every reader (`ffkv.mine.packing`, `fused_cuda`, `compiled`) and Ray's actors (`switches`)
-    read the variables."""
-    given = {k: v for k, v in (("FFKV_PACK", s.pack), ("FFKV_TRITON", s.fused_kernels),
-                               ("FFKV_COMPILE", s.compile_blocks)) if v is not None}
-    old = {k: os.environ.get(k) for k in given}
-    os.environ.update(given)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """--pack, --fused-kernels and --compile over their environment variables while the pass runs,
+    in this thread (`ffkv.mine.switches`; Ray's actors get them in their environment)."""
+    from ffkv.mine import switches
+
+    return switches.over({"FFKV_PACK": s.pack, "FFKV_TRITON": s.fused_kernels, "FFKV_COMPILE": s.compile_blocks})
 
 
 def _compute(ctx) -> dict:

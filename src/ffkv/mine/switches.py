@@ -1,0 +1,34 @@
+"""How a mining pass runs, not what it finds: FFKV_PACK, FFKV_TRITON, FFKV_COMPILE (and
+FFKV_NUMBA, FFKV_ONEDNN). Each is read here, from `ffkv mine`'s flags for the pass under way
+(`over`), else from the environment. The flags used to be written into os.environ for the pass,
+which every other thread of a library caller saw too; a context variable keeps them to the pass's
+own thread (and to Ray's actors, whose environment `current` fills)."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+NAMES = ("FFKV_PACK", "FFKV_TRITON", "FFKV_COMPILE", "FFKV_NUMBA", "FFKV_ONEDNN")
+_OVER: ContextVar[dict] = ContextVar("ffkv_switches", default={})
+
+
+def read(name: str, default: str = "") -> str:
+    """The switch's text: the pass's flag, else the environment's, else `default`."""
+    got = _OVER.get().get(name)
+    return got if got is not None else os.environ.get(name, default)
+
+
+@contextmanager
+def over(values: dict):
+    """Within (this thread and what it calls): these switches' values over the environment's."""
+    token = _OVER.set({**_OVER.get(), **{k: str(v) for k, v in values.items() if v is not None}})
+    try:
+        yield
+    finally:
+        _OVER.reset(token)
+
+
+def current() -> dict:
+    """Every switch set here, flags over the environment: what a Ray actor's environment gets."""
+    return {k: v for k in NAMES if (v := read(k, None)) is not None}
