@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ffkv.errors import FfkvError, notice
+from ffkv.errors import notice
 from ffkv.mine import switches
 
 ENV = "FFKV_COMPILE"
@@ -39,11 +39,8 @@ def enabled() -> bool:
 
 def parse(raw: str, name: str = ENV) -> str:
     """A compile setting (FFKV_COMPILE's, or `ffkv mine --compile`'s, named `name`)."""
-    raw = str(raw).strip().lower()
-    if raw not in ("0", "1", "auto"):
-        raise FfkvError(f"{name}: 1 compiles mining's forward, 0 (or unset) does not, auto times it against "
-                        f"the eager forward once the other paths are chosen")
-    return raw
+    return switches.on_off_auto(raw, name, "1 compiles mining's forward, 0 (or unset) does not, auto times it "
+                                "against the eager forward once the other paths are chosen")
 
 
 class _Tap(torch.nn.Module):

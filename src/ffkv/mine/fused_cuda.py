@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ffkv.errors import FfkvError, notice
+from ffkv.errors import notice
 from ffkv.mine import switches
 
 ENV = "FFKV_TRITON"
@@ -72,11 +72,8 @@ def setting(device=None) -> str:
 
 def parse(raw: str, name: str = ENV) -> str:
     """A fused-kernels setting (FFKV_TRITON's, or `ffkv mine --fused-kernels`'s, named `name`)."""
-    raw = str(raw).strip().lower()
-    if raw not in ("0", "1", "auto"):
-        raise FfkvError(f"{name}: 1 uses the fused Triton kernels, 0 the portable path, auto times both on the "
-                        f"run's first batches (the default on CUDA)")
-    return raw
+    return switches.on_off_auto(raw, name, "1 uses the fused Triton kernels, 0 the portable path, auto times "
+                                "both on the run's first batches (the default on CUDA)")
 
 
 def runs_here(device) -> bool:

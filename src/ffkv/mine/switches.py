@@ -29,6 +29,17 @@ def over(values: dict):
         _OVER.reset(token)
 
 
+def on_off_auto(raw, name: str, meaning: str) -> str:
+    """A 0 / 1 / auto switch's value (FFKV_TRITON's, FFKV_COMPILE's, or their flags', named
+    `name`); anything else is one FfkvError line: `name`, then what the values mean."""
+    from ffkv.errors import FfkvError
+
+    raw = str(raw).strip().lower()
+    if raw not in ("0", "1", "auto"):
+        raise FfkvError(f"{name}: {meaning}")
+    return raw
+
+
 def current() -> dict:
     """Every switch set here, flags over the environment: what a Ray actor's environment gets."""
     return {k: v for k in NAMES if (v := read(k, None)) is not None}
