@@ -139,3 +139,70 @@ def test_the_self_check_tells_rounding_from_a_wrong_capture(tiny_models):
     stale = {l: cap2[l]["m"] for l in layers}
     l, err = first_difference(half, stale, want, keep)
     assert l == layers[0] and err > 5 * tolerance(torch.bfloat16)
+
+
+def _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, setting, *extra):
+    want = mine_tiny(tmp_path / "eager", tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128", *extra)
+    monkeypatch.setenv("FFKV_COMPILE", setting)
+    res = run_cli("mine", "--out", tmp_path / "c", "--model", tiny_dirs["llama"], "--corpus",
+                  WT2 / "wiki.valid.tokens", "--max-sentences", "120", "--top-k", "5", "--negative",
+                  "--batch-tokens", "128", *extra)
+    assert res.returncode == 0, res.stderr
+    return want, res, json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
+
+
+def test_a_recompile_that_fails_mid_pass_mines_on_eagerly(tiny_dirs, tmp_path, monkeypatch):
+    """A compiler that fails after the start-up check (here dynamo refusing to recompile for the
+    first one-row batch: sizes of 1 are specialized, so that batch needs a graph of its own) costs
+    one line, not the run: that batch and the rest mine eagerly, and the tables are the eager
+    pass's (every token counted once)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # no graph of an earlier test may serve the one-row batch
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    from ffkv import errors
+
+    errors._said.clear()
+    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, "1")
+    said = [l for l in res.stderr.splitlines() if "FFKV_COMPILE" in l]
+    assert len(said) == 1 and "failed mid-pass (RecompileError" in said[0], res.stderr
+    assert "Traceback" not in res.stderr
+    _assert_same_mine(tmp_path / "c", want, other_kernels=True)
+    assert info["compiled_forward"] is False
+
+
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_a_block_that_fails_midway_hands_each_layer_over_once(tiny_dirs, tmp_path, monkeypatch, setting):
+    """A failure after some layers' coefficients reached the trackers (injected at the last layer's
+    block, in the second mining batch through compiled blocks): the eager forward that finishes
+    the batch hands over only the layers still missing, so no token is counted twice or lost;
+    under auto the compiled arm leaves the trial and the eager arm mines on."""
+    from ffkv import errors
+    from ffkv.mine.compiled import CompiledBlocks
+
+    real, seen = CompiledBlocks._drain, []
+
+    def drain(self, l):
+        hook = real(self, l)
+
+        def failing(mod, args, out):
+            if l == self.last and self.callback is not None:
+                seen.append(l)
+                if len(seen) == 3:  # the check, the first batch, then this one
+                    raise RuntimeError("injected: no kernel for this graph\nsecond line")
+            return hook(mod, args, out)
+        return failing
+
+    monkeypatch.setattr(CompiledBlocks, "_drain", drain)
+    errors._said.clear()
+    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, setting)
+    said = [l for l in res.stderr.splitlines() if "FFKV_COMPILE" in l]
+    assert len(said) == 1 and said[0].endswith("failed mid-pass (RuntimeError: injected: no kernel for this graph)"), \
+        res.stderr
+    assert len(seen) == 3  # never compiled again
+    _assert_same_mine(tmp_path / "c", want, other_kernels=True)
+    assert info["compiled_forward"] is False
+    if setting == "auto":
+        arms = {a["arm"]: a for a in info["tuning"]["arms"]}
+        assert info["tuning"]["chosen"] == "padded" and arms["padded+compiled"]["batches"] == 1
+        assert sum(a["batches"] for a in arms.values()) == info["batches"]["batches"]

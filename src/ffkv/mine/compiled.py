@@ -74,6 +74,8 @@ class CompiledBlocks:
         self.last = max(layers)
         self.callback, self.shape = None, None
         self.undo, self.hooks = [], []
+        self.failed: str | None = None  # why the compiled forward failed mid-pass (`broke`)
+        self._in_callback = False
         # one tap and one compiled forward a block for the model's life: a new torch.compile
         # wrapper would compile again (~10 s on a CPU) at every pass or chunk
         made = mm.__dict__.setdefault("_ffkv_compiled", {})
@@ -98,7 +100,9 @@ class CompiledBlocks:
         def drain(mod, args, out):
             m = _SINK.pop()
             if l in self.want and self.callback is not None:
+                self._in_callback = True  # an error from here on is the trackers', not the compiler's
                 self.callback(l, self.mm.arch._tokens(m.detach(), self.shape))
+                self._in_callback = False
             if l == self.last:
                 from ffkv.model.memories import _Stop
 
@@ -112,6 +116,7 @@ class CompiledBlocks:
 
         _SINK.clear()
         self.callback, self.shape = callback, list(ids.shape[:2])
+        self._in_callback = False
         try:
             self.mm.hf(input_ids=ids, attention_mask=None, use_cache=False, **forward)
         except _Stop:
@@ -119,6 +124,19 @@ class CompiledBlocks:
         finally:
             self.callback = None
             _SINK.clear()
+
+    def broke(self, e: BaseException) -> bool:
+        """Whether `e`, raised by `capture`, is the compiled forward's own failure (a recompile for a
+        new kind of batch that Inductor cannot build, say), not a tracker's or the device's memory.
+        If so the blocks are out for the rest of the pass and for this model, said once, and the
+        caller runs the batch eagerly for the layers not yet handed over."""
+        if self._in_callback or not isinstance(e, Exception) or isinstance(e, torch.OutOfMemoryError):
+            return False
+        self.failed = f"torch.compile failed mid-pass ({_why(e)})"
+        self.close()
+        _verdicts(self.mm)[tuple(sorted(self.want))] = self.failed
+        notice(f"{ENV}: the eager forward from here on: {self.failed}")
+        return True
 
     def close(self) -> None:
         for h in self.hooks:
@@ -143,7 +161,7 @@ def compiled_for(mm, layers, force: bool = False) -> CompiledBlocks | None:
     if packing.setting(getattr(mm, "device", None)) is not None:
         packing.accepts(mm)  # the packing check runs the model eagerly: before the blocks change
     layers = sorted(set(layers))
-    verdicts = mm.__dict__.setdefault("_ffkv_compile_verdicts", {})  # checked once a model and layers
+    verdicts = _verdicts(mm)
     verdict = verdicts.get(tuple(layers), False)
     if verdict is None:
         return CompiledBlocks(mm, layers)
@@ -159,7 +177,7 @@ def compiled_for(mm, layers, force: bool = False) -> CompiledBlocks | None:
             blocks = CompiledBlocks(mm, layers)
             blocks.capture(ids, lambda l, m: got.__setitem__(l, m))
         except Exception as e:  # noqa: BLE001  (a compiler that cannot: say why, mine eagerly)
-            why = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+            why = f"torch.compile failed ({_why(e)})"
         else:
             diff = first_difference(mm, got, {l: eager[l]["m"] for l in layers}, mask.bool())
             why = diff and f"its compiled coefficients differ from the eager ones (layer {diff[0]}: {diff[1]:.1e})"
@@ -172,10 +190,20 @@ def compiled_for(mm, layers, force: bool = False) -> CompiledBlocks | None:
     return blocks
 
 
+def _verdicts(mm) -> dict:
+    """Layers (sorted tuple) -> None (compiled blocks check out) or why not: once a model."""
+    return mm.__dict__.setdefault("_ffkv_compile_verdicts", {})
+
+
+def _why(e: BaseException) -> str:
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
+
+
 def accepted(mm, layers) -> bool:
     """Whether mining over `layers` ran (or would run) through compiled blocks."""
     key = tuple(sorted(set(layers)))
-    return enabled() and mm.__dict__.get("_ffkv_compile_verdicts", {}).get(key, False) is None
+    return enabled() and _verdicts(mm).get(key, False) is None
 
 
 @contextmanager

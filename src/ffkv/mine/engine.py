@@ -95,18 +95,27 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
     if own:
         compiled = compiled_for(mm, state.layers)
 
-    blocks = [compiled]  # the compiled blocks this batch runs through (None: eager)
+    blocks = [None if compiled is None or compiled.failed else compiled]  # this batch's (None: eager)
+    broke = [False]  # the compiled forward failed in this batch (`CompiledBlocks.broke`)
 
     def forward(ids, batch, unpack=None, **fw):
+        handed = set()  # layers whose coefficients the trackers have
+
         def update(l, m):
-            state.update(l, m if unpack is None else unpack(m), batch)
+            if l not in handed:
+                handed.add(l)
+                state.update(l, m if unpack is None else unpack(m), batch)
 
         if blocks[0] is not None:
-            blocks[0].capture(ids, update, **fw)
-        else:
-            with products_of(mm):
-                mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m),
-                           **fw)
+            try:
+                blocks[0].capture(ids, update, **fw)
+                return
+            except Exception as e:
+                if not blocks[0].broke(e):
+                    raise
+                blocks[0], broke[0] = None, True  # the rest of the batch eagerly: no layer twice
+        with products_of(mm):
+            mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
 
     batches = list(batches)
     first = batches[0][0] - chunk[0] if chunk and batches else 0
@@ -121,6 +130,10 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
             t0 = tuner.start(timed) if tuner is not None else 0.0
             with fused_cuda.forced(None if arm is None else arm.fused):
                 lens = _one_batch(mm, token_lists, sids, idx, cap, forward)
+            if broke[0]:
+                broke[0], timed = False, False
+                if tuner is not None and arm is not None and arm.compiled:
+                    arm = tuner.broke(arm)
             ntok = int(sum(lens))
             if tuner is not None:
                 tuner.done(arm, timed, t0, ntok, trial)

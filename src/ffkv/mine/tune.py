@@ -110,8 +110,20 @@ class Tuner:
             self.blocks = compiled_for(mm, layers, force=True)
             if self.blocks is None:
                 self.drop(arm)
+                if self.chosen == arm:  # refused after it was chosen (it failed mid-pass)
+                    self.chosen = Arm(arm.pack, arm.fused)
                 return self.forward_for(Arm(arm.pack, arm.fused), mm, layers)
         return arm, self.blocks
+
+    def broke(self, arm: Arm) -> Arm:
+        """The compiled blocks failed in a batch of `arm` (`CompiledBlocks.broke`, now out): the
+        compiled arm leaves the trial and the choice, and the batch counts for its eager twin."""
+        self.blocks = None
+        self.drop(arm)
+        twin = Arm(arm.pack, arm.fused)
+        if self.chosen == arm:
+            self.chosen = twin
+        return twin
 
     def close(self) -> None:
         """Compiled blocks out: the model's own forward again."""
