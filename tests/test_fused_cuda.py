@@ -134,7 +134,7 @@ def test_a_failing_kernel_falls_back_with_one_line(how):
         import warnings, numpy as np, torch
         from ffkv.mine import fused_cuda, stats
         from ffkv.mine.trackers import feed
-        warnings.filterwarnings("ignore")  # as the CLI has it (`quiet_hf`): the line must still show
+        warnings.filterwarnings("ignore")  # as the CLI has it (`ffkv.cli.main`): the line must still show
         m = torch.randn(4, 5, 32)
         mask = torch.ones(4, 5, dtype=torch.bool)
         a = stats.KeyStats([0], None, 32, samples=2)

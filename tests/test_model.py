@@ -184,3 +184,20 @@ def test_values_follow_the_weights(tiny_models):
         with torch.no_grad():
             w.div_(2.0)
     assert torch.allclose(mm.values(1), v0)
+
+
+def test_quiet_hf_leaves_a_library_callers_warnings_alone():
+    """Loading a model for a library caller (a step's context, the web app) silences the model
+    libraries' warnings only: the caller's own still show (the CLI silences the rest itself)."""
+    import warnings
+
+    from ffkv.model.load import quiet_hf
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        quiet_hf()
+        warnings.warn("the caller's own", UserWarning)
+        for mod in ("transformers.modeling_utils", "torch.nn.modules.module", "huggingface_hub", "gguf.gguf_reader",
+                    "transformers_extra.x", "mytorch"):
+            warnings.warn_explicit(f"from {mod}", UserWarning, "x.py", 1, module=mod)
+    assert [str(w.message) for w in got] == ["the caller's own", "from transformers_extra.x", "from mytorch"]

