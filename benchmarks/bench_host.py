@@ -10,6 +10,15 @@ Several runs over the same corpus (the first one's imports and caches included i
 prints each run's rate and the median. --corpus is any corpus spec `ffkv mine` takes; the
 tokenizer is --tokenizer's folder or the embedded SmolLM2's. The rows' hash is printed too, so
 two trees can be checked to stream the same chunks.
+
+    python benchmarks/bench_host.py --corpus ids.parquet --overlap 368000
+
+--overlap RATE stands a GPU in for mining: each batch of --batch-tokens launches --launches tiny
+torch ops (each takes the GIL, as a kernel launch does) and then waits, GIL released, until the
+batch has lasted tokens/RATE. It prints the pass's tok/s with the stream inline (`--prefetch 0`)
+and made ahead by a thread (`ffkv.corpus.stream.prefetched`), side by side, run after run, against
+RATE itself: whether the host's share hides behind the device, and what the launches lose to the
+thread's GIL.
 """
 from __future__ import annotations
 
@@ -30,7 +39,14 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=8192, help="the model's context: rows are cut to it")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--overlap", type=float, default=None, metavar="RATE",
+                    help="a stand-in device mining RATE tok/s: the pass inline against prefetched")
+    ap.add_argument("--batch-tokens", type=int, default=32768)
+    ap.add_argument("--launches", type=int, default=500, help="tiny ops a batch (kernel launches)")
+    ap.add_argument("--depth", type=int, default=2, help="chunks prefetched")
     a = ap.parse_args(argv)
+    if a.overlap is not None:
+        return overlap(a)
 
     import ffkv
     from ffkv.corpus.sources import open_corpus
@@ -52,6 +68,50 @@ def main(argv=None) -> None:
     out(f"bench_host: {a.corpus}, {n:,} tokens, workers {a.workers}, ffkv at {ffkv.__file__}")
     out("  runs: " + ", ".join(f"{r:,.0f}" for r in rates) + f" tok/s; median {statistics.median(rates):,.0f} "
         f"tok/s; rows {digest}")
+
+
+def overlap(a) -> None:
+    import torch
+
+    import ffkv
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream, prefetched
+
+    torch.set_num_threads(1)
+    tok = default_tokenizer(a.tokenizer)
+    x = torch.zeros(16)
+
+    def device(tokens: int) -> None:
+        t_end = time.perf_counter() + tokens / a.overlap
+        for _ in range(a.launches):
+            torch.add(x, 1.0, out=x)
+        left = t_end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def one(depth: int) -> float:
+        st = SentenceStream(open_corpus(a.corpus), tok, a.context, workers=a.workers)
+        n = 0
+        t0 = time.perf_counter()
+        for c in prefetched(st, depth):
+            toks = int(c.offsets[-1])
+            n += toks
+            for i in range(0, toks, a.batch_tokens):
+                device(min(a.batch_tokens, toks - i))
+        return n / (time.perf_counter() - t0)
+
+    one(0)  # imports, caches
+    got = {0: [], a.depth: []}
+    for _ in range(a.runs):
+        for d in got:
+            got[d].append(one(d))
+    inline, ahead = (statistics.median(got[d]) for d in got)
+    out(f"bench_host --overlap: {a.corpus}, device {a.overlap:,.0f} tok/s, {a.launches} launches a "
+        f"{a.batch_tokens:,}-token batch, ffkv at {ffkv.__file__}")
+    out(f"  inline:     {inline:,.0f} tok/s ({inline / a.overlap:.2f}x the device)  runs "
+        + ", ".join(f"{r:,.0f}" for r in got[0]))
+    out(f"  prefetched: {ahead:,.0f} tok/s ({ahead / a.overlap:.2f}x the device)  runs "
+        + ", ".join(f"{r:,.0f}" for r in got[a.depth]) + f"  ({ahead / inline:.2f}x inline)")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@
 # shape (every arm, fused and packed included), bench_forward_gpu.py (where a faster forward could
 # come from: packed rows, Liger's kernels), the forward probe's torch.compile arm, mining through
 # compiled blocks (FFKV_COMPILE) beside the best of the rest, then bench_gpu.py on the 1B and 8B
-# Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA.
+# Llama shapes. EXTRA=1 adds `ffkv explain` and `ffkv reproduce` on CUDA. mine_inline is the
+# end-to-end run again with the corpus stream inline (--prefetch 0), against the default prefetch
+# thread; host is bench_host.py --overlap (the stream beside a stand-in device, on this box's CPU).
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
-# PARTS="stats mine smol 1b 8b" runs only the parts named (stats mine mine_compiled smol forward compiled compiled_mine
-# 1b 8b extra), in the order above; WORKERS=0,4 (the default) also times host preparation;
+# PARTS="stats mine smol 1b 8b" runs only the parts named (stats host mine mine_inline mine_compiled smol forward
+# compiled compiled_mine 1b 8b extra), in the order above; WORKERS=0,4 (the default) also times host preparation;
 # MINE_TOKENS sets the end-to-end runs' size (mine_compiled: --compile auto, the tuner's compiled twin).
 set -u
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=${MINE_TOKENS:-20000000} LAYERS=30 T=1; fi
-PARTS=${PARTS:-stats mine mine_compiled smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
+PARTS=${PARTS:-stats host mine mine_inline mine_compiled smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
 want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
@@ -35,9 +37,12 @@ part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)";
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 | head -3
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
 want stats && part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
-{ want mine || want mine_compiled; } && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
+want host && part 60 $PY benchmarks/bench_host.py --corpus $IDS --tokenizer .dev/tok --overlap 368000 --runs 2
+{ want mine || want mine_inline || want mine_compiled; } && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 want mine && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 want mine && cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null
+want mine_inline && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_i" --device $DEV --prefetch 0 --json
+want mine_inline && cp "$W/run_i/manifest.json" "$OUT/mine_inline_manifest.json" 2>/dev/null
 want mine_compiled && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_c" --device $DEV --compile auto --json
 want mine_compiled && cp "$W/run_c/manifest.json" "$OUT/mine_compiled_manifest.json" 2>/dev/null
 want smol && part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers ${WORKERS:-0,4} --host-tokens 300000 --pack 256

@@ -208,11 +208,15 @@ def _malformed(tmp_path: Path, vocab: int) -> dict[str, tuple[str, tuple, str]]:
     }
 
 
-def test_malformed_files_are_one_line(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("prefetch", ["0", "2"])
+def test_malformed_files_are_one_line(tiny_dirs, tmp_path, prefetch):
+    """Also when the stream runs in the prefetch thread, where the ids past the vocabulary are
+    found (`ffkv.corpus.stream.prefetched` raises its errors in the miner's thread)."""
     vocab = len(_tok(tiny_dirs))
     for name, (src, extra, needle) in _malformed(tmp_path, vocab).items():
         out = tmp_path / "r"
-        res = run_cli("mine", "--out", out, "--model", tiny_dirs["gpt2"], "--corpus", tmp_path / src, *extra)
+        res = run_cli("mine", "--out", out, "--model", tiny_dirs["gpt2"], "--corpus", tmp_path / src,
+                      "--prefetch", prefetch, *extra)
         line = one_line_error(res, needle=needle)
         assert not (out / "triggers.parquet").exists(), name
         assert line, name

@@ -146,19 +146,21 @@ def _sentences(run):
 
 
 def test_mine_tables_equal_in_one_chunk_or_many_and_any_workers(tmp_path, tiny_dirs):
-    """One chunk, chunks of 37 sentences, and chunks made by two worker processes: the same
+    """One chunk, chunks of 37 sentences, chunks made by two worker processes, and chunks made
+    ahead by the prefetch thread: the same
     sentences table, row for row, and the same mined tables (up to a float rounding)."""
     model = tiny_dirs["gpt2"]
     runs = {}
     for tag, extra in (("one", ["--chunk-sentences", "4096"]), ("many", ["--chunk-sentences", "37"]),
-                       ("workers", ["--chunk-sentences", "37", "--workers", "2"])):
+                       ("workers", ["--chunk-sentences", "37", "--workers", "2"]),
+                       ("prefetch", ["--chunk-sentences", "37", "--prefetch", "3"])):
         out = tmp_path / tag
         res = run_cli("mine", "--out", out, "--model", model, *ARGS, "--max-sentences", "300", *extra)
         assert res.returncode == 0, res.stderr
         runs[tag] = out
     want = _sentences(runs["one"])
     assert want.num_rows == 300 and want.column("sentence_id").to_pylist() == list(range(300))
-    for tag in ("many", "workers"):
+    for tag in ("many", "workers", "prefetch"):
         got = _sentences(runs[tag])
         assert got.equals(want), tag
         assert pq.ParquetFile(runs[tag] / "sentences.parquet").metadata.num_row_groups == 9  # 8 × 37 + 4
@@ -169,7 +171,7 @@ def test_mine_tables_equal_in_one_chunk_or_many_and_any_workers(tmp_path, tiny_d
 
 def test_sigkill_mid_stream_resumes_without_lost_or_repeated_sentences(tmp_path, tiny_dirs):
     args = ["--model", tiny_dirs["gpt2"], *ARGS, "--max-sentences", "800", "--chunk-sentences", "60",
-            "--checkpoint-every", "0"]
+            "--checkpoint-every", "0", "--prefetch", "2"]  # chunks made ahead, not yet mined, are not lost
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0
     out = tmp_path / "killed"
@@ -305,3 +307,47 @@ def test_file_chunks_cut_any_file_into_exact_chunks(tmp_path, n, chunk, group):
     assert all(p.column_names == ["sentence_id"] for p in only)
     with pytest.raises(ValueError):
         next(file_chunks(f, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(), max_size=30), st.integers(0, 5), st.one_of(st.none(), st.integers(0, 30)),
+       st.one_of(st.none(), st.integers(0, 30)))
+def test_prefetched_is_the_source_in_order(items, depth, fail_at, leave_at):
+    """Any depth gives the source's items in order; an error of the source is raised where its
+    item would have come, after every item before it; a consumer that leaves early (or fails)
+    stops the thread, which closes the source."""
+    import threading
+
+    from ffkv.corpus.stream import prefetched
+
+    closed = []
+
+    def source():
+        try:
+            for i, x in enumerate(items):
+                if i == fail_at:
+                    raise ValueError(f"bad item {i}")
+                yield x
+        finally:
+            closed.append(threading.current_thread().name)
+
+    got, err = [], None
+    gen = prefetched(source(), depth)
+    try:
+        for x in gen:
+            if leave_at is not None and len(got) == leave_at:
+                break
+            got.append(x)
+    except ValueError as e:
+        err = str(e)
+    finally:
+        gen.close()
+    fails = fail_at is not None and fail_at < len(items)
+    stop = min(len(items), fail_at if fails else len(items), leave_at if leave_at is not None else len(items))
+    assert got == items[:stop]
+    left = leave_at is not None and leave_at < (fail_at if fails else len(items))
+    assert err == (None if left or not fails else f"bad item {fail_at}")
+    if depth > 0:
+        assert closed == ["ffkv-prefetch"] and not any(t.name == "ffkv-prefetch" for t in threading.enumerate())
+    else:
+        assert closed == [threading.current_thread().name]

@@ -13,11 +13,12 @@ checkpoint's layout key.
 from __future__ import annotations
 
 import itertools
-
 import os
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -288,6 +289,58 @@ class SentenceStream:
         self.tokens += int(offs[-1])
         return Chunk(index, np.concatenate([p[0] for p in buf]), np.concatenate([p[1] for p in buf]),
                      [t for p in buf for t in p[2]], vals, offs)
+
+
+def prefetched(chunks: Iterable, depth: int) -> Iterator:
+    """`chunks`, made up to `depth` ahead by a thread, so that the host's share of a chunk
+    (decoding token ids, reading a table, waiting on worker processes: native code that lets go
+    of the GIL) runs while the device mines the one before; depth 0: made as they are asked for.
+    The producer's errors are raised here, where its chunk would have come; leaving early (an
+    error, Ctrl-C) stops it and closes `chunks`."""
+    if depth <= 0:
+        yield from chunks
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        it = iter(chunks)
+        last = (end, None)
+        try:
+            for c in it:
+                if not put((c, None)):
+                    return
+        except BaseException as e:  # noqa: BLE001  (raised again in the consumer)
+            last = (end, e)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # a stream's worker pool, here, in the thread that ran it
+        put(last)
+
+    t = threading.Thread(target=produce, name="ffkv-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            c, err = q.get()
+            if c is end:
+                if err is not None:
+                    raise err
+                return
+            yield c
+    finally:
+        stop.set()
+        t.join(timeout=30)
 
 
 def file_chunks(path, chunk: int = CHUNK, columns=None) -> Iterator[pa.Table]:

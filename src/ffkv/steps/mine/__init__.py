@@ -49,7 +49,7 @@ def _switch(module: str, name: str):
 @dataclass(frozen=True)
 class MineSettings:
     """What `ffkv mine` is asked for. `batch_tokens`, `checkpoint_every`, `ray`, `shards`,
-    `workers`, `chunk_sentences`, `pack`, `fused_kernels` and `compile_blocks` change how the pass runs, not
+    `workers`, `prefetch`, `chunk_sentences`, `pack`, `fused_kernels` and `compile_blocks` change how the pass runs, not
     what it finds (tests hold mining to that): none is recorded."""
     corpus: str | None = setting(None, "Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's "
                                        "train split (compose holds out wikipedia:valid).", short="-c",
@@ -82,6 +82,10 @@ class MineSettings:
                                         "this process; at most one per core; default: min(4, cores - 1) for text, 0 on "
                                         "two cores or fewer and for token ids, which only need decoding).",
                                   check=between(0, 256), recorded=False)
+    prefetch: int | None = setting(None, "Chunks of the corpus a thread prepares ahead while the model mines (0: "
+                                         "each when it is needed). Default: 2 on CUDA, where the host's work would "
+                                         "otherwise leave the GPU idle, and 0 on a CPU, whose cores run the forward.",
+                                   check=between(0, 64), recorded=False)
     chunk_sentences: int = setting(4096, "Sentences streamed per chunk: each chunk is split, tokenized, written and "
                                          "mined in turn, its batches packed within it (more: less padding, more "
                                          "host memory).", check=between(1, 1 << 24), recorded=False)
