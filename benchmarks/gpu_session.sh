@@ -16,7 +16,8 @@
 # thread; host is bench_host.py --overlap (the stream beside a stand-in device, on this box's CPU).
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
 # PARTS="stats mine smol 1b 8b" runs only the parts named (stats host mine mine_inline mine_compiled smol forward
-# compiled compiled_mine 1b 8b extra), in the order above; WORKERS=0,4 (the default) also times host preparation;
+# compiled compiled_mine 1b stats1b 8b extra), in the order above; stats1b is the stats part on the
+# 1B shape (where its 16,384 keys an update spend the time that keeps it under 120k tok/s); WORKERS=0,4 (the default) also times host preparation;
 # MINE_TOKENS sets the end-to-end runs' size (mine_compiled: --compile auto, the tuner's compiled twin).
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=${MINE_TOKENS:-20000000} LAYERS=30 T=1; fi
-PARTS=${PARTS:-stats host mine mine_inline mine_compiled smol forward compiled compiled_mine 1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
+PARTS=${PARTS:-stats host mine mine_inline mine_compiled smol forward compiled compiled_mine 1b stats1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
 want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
@@ -50,6 +51,7 @@ want forward && part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --toke
 want compiled && part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
 want compiled_mine && part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms ${COMPILED_ARMS:-stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_compiled,stats_fused_packed_compiled}
 want 1b && part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
+want stats1b && part 100 $PY benchmarks/bench_stats_gpu.py --shape llama-1b --corpus $IDS --tokens $S8
 [ "${QUICK:-0}" = 1 ] || { want 8b && part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000; }
 if want extra; then
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
