@@ -4,7 +4,8 @@ Run through Triton's interpreter on the CPU (in a subprocess: TRITON_INTERPRET i
 kernels are defined): the histogram against a brute force of `stats.bin_of`, the row bests against
 `topk.row_best`, and whole mining states (top-k and statistics, both signs, k = 0, 1, 3) against
 the portable path's, fed the same captures. Counts, maxima, positions and samples are equal bit
-for bit; the sums agree to float32 rounding (the kernel sums in float64).
+for bit; the sums agree to float32 rounding (the kernel sums a tile's rows in float32 and carries
+the tiles in float64; the portable path's products are float32).
 """
 import os
 import subprocess
@@ -54,8 +55,13 @@ SCRIPT = PATCH + textwrap.dedent('''
         assert np.array_equal(fused_cuda.capture(m, torch.tensor(lengths, dtype=torch.int32), lut, (1,), True)[1], ref)
         fused_cuda.FLUSH = fused_cuda.FIELD
         valid = m.double() * mask[..., None]
-        assert torch.allclose(s1, valid.sum((0, 1)), rtol=1e-12, atol=0)
-        assert torch.allclose(s2, (valid ** 2).sum((0, 1)), rtol=1e-12, atol=0)
+        u = 2.0 ** -24  # float32 within a tile of TT rows, float64 across: 3 roundings a tile's sum, 1 a square
+        fin = torch.isfinite(valid.abs().sum((0, 1)))
+        for got, want, scale in ((s1, valid.sum((0, 1)), 4 * u * valid.abs().sum((0, 1))),
+                                 (s2, (valid ** 2).sum((0, 1)), 5 * u * (valid ** 2).sum((0, 1)))):
+            err = (got - want).abs()[fin]
+            assert (err <= scale[fin]).all(), (seed, (err / scale[fin]).max())
+            assert torch.equal(torch.isfinite(got), torch.isfinite(want))
         for s in (1, -1):
             sc, ps = row_best(m, mask, s)
             assert torch.equal(best[s][0], sc) and torch.equal(best[s][1], ps), (seed, s)

@@ -23,7 +23,8 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
                    ROWS: tl.constexpr, TT: tl.constexpr, BW: tl.constexpr, NBH: tl.constexpr, NB: tl.constexpr,
                    STATS: tl.constexpr, POS: tl.constexpr, NEG: tl.constexpr, FLUSH: tl.constexpr):
     """One read of a block of keys over ROWS rows: each row's max and min with their first
-    positions, and (STATS) the bins and float64 sums of m and m².
+    positions, and (STATS) the bins and the sums of m and m² (float32 within a tile of TT rows,
+    float64 across them: the portable path's products are float32 throughout).
 
     Bins are counted in 16-bit fields, two bins to a 32-bit counter (half the compares of one
     counter per bin), flushed into wide counters before a field could overflow."""
@@ -71,10 +72,11 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
                 dn = tn < lo
                 lo = tl.where(dn, tn, lo)
                 lop = tl.where(dn, tq, lop)
-            if STATS:
-                xd = tl.where(ok, x, 0.0).to(tl.float64)
-                s1 += tl.sum(xd, axis=0)
-                s2 += tl.sum(xd * xd, axis=0)
+            if STATS:  # a tile's TT rows summed in float32, carried in float64: most GPUs but the
+                # data-centre ones run float64 at 1/32 to 1/64 of float32, and its shuffles cost two
+                xz = tl.where(ok, x, 0.0)
+                s1 += tl.sum(xz, axis=0).to(tl.float64)
+                s2 += tl.sum(xz * xz, axis=0).to(tl.float64)
                 r = (x.to(tl.int32, bitcast=True) >> 23) + 256  # sign and exponent: 0..511
                 k = tl.where(ok, tl.load(lut_ptr + r, mask=ok, other=0), 2 * NBH)  # padding: no counter
                 one = tl.full((TT, BW), 1, tl.uint32) << ((k & 1) * 16).to(tl.uint32)
