@@ -351,3 +351,28 @@ def test_prefetched_is_the_source_in_order(items, depth, fail_at, leave_at):
         assert closed == ["ffkv-prefetch"] and not any(t.name == "ffkv-prefetch" for t in threading.enumerate())
     else:
         assert closed == [threading.current_thread().name]
+
+
+def test_prefetched_raises_a_failing_close_instead_of_hanging():
+    """A source whose close fails (a worker pool that cannot shut down) reaches the consumer as
+    that error after the last item, not as a consumer waiting forever."""
+    from ffkv.corpus.stream import prefetched
+
+    class Source:
+        def __init__(self):
+            self.items = iter([1, 2, 3])
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+        def close(self):
+            raise OSError("the pool would not shut down")
+
+    got = []
+    with pytest.raises(OSError, match="would not shut down"):
+        for x in prefetched(Source(), 2):
+            got.append(x)
+    assert got == [1, 2, 3]

@@ -323,16 +323,25 @@ def prefetched(chunks: Iterable, depth: int) -> Iterator:
         except BaseException as e:  # noqa: BLE001  (raised again in the consumer)
             last = (end, e)
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()  # a stream's worker pool, here, in the thread that ran it
+            try:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # a stream's worker pool, here, in the thread that ran it
+            except BaseException as e:  # noqa: BLE001
+                if last[1] is None:
+                    last = (end, e)
         put(last)
 
     t = threading.Thread(target=produce, name="ffkv-prefetch", daemon=True)
     t.start()
     try:
         while True:
-            c, err = q.get()
+            try:
+                c, err = q.get(timeout=1.0)
+            except queue.Empty:
+                if t.is_alive() or not q.empty():
+                    continue
+                raise RuntimeError("the corpus prefetch thread ended without its last item") from None
             if c is end:
                 if err is not None:
                     raise err
