@@ -268,3 +268,40 @@ def test_ctrl_c_during_mine_then_resume(tiny_dirs, tmp_path):
 def test_every_step_takes_force(cmd):
     res = run_cli(cmd, "--help")
     assert res.returncode == 0 and "--force" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("error", ["gpu", "host"])
+def test_out_of_memory_mid_mine_is_one_line_and_resumes(tmp_path, tiny_dirs, monkeypatch, error):
+    """Memory running out in the middle of a pass (the device's, as torch raises it on CUDA, or the
+    host allocator's) is one line that says what to do, exit code 2; the same command then
+    resumes from the last checkpoint and writes the tables of a pass never stopped."""
+    import torch
+
+    from ffkv.mine import engine
+    from test_mine import _assert_same_mine
+
+    args = ["--model", tiny_dirs["gpt2"], "--corpus", VALID, "--max-sentences", "120", "--top-k", "4",
+            "--batch-tokens", "128", "--checkpoint-every", "0"]
+    ref = tmp_path / "ref"
+    assert run_cli("mine", "--out", ref, *args).returncode == 0
+    real, calls = engine._one_batch, []
+
+    def one_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if error == "gpu"
+                   else RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "_one_batch", one_batch)
+    out = tmp_path / "run"
+    res = run_cli("mine", "--out", out, *args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    said = [l for l in res.stderr.splitlines() if l.startswith("ffkv: error")]
+    assert len(said) == 1 and f"out of {error} memory" in said[0].lower() and "--batch-tokens" in said[0], res.stderr
+    assert not (out / "triggers.parquet").exists()
+    monkeypatch.setattr(engine, "_one_batch", real)
+    res = run_cli("mine", "--out", out, *args)
+    assert res.returncode == 0, res.stderr
+    assert "resuming from checkpoint at batch 4" in res.stdout
+    _assert_same_mine(out, ref)

@@ -55,6 +55,21 @@ def _user_os_error(e: OSError) -> str | None:
     return f"{os.strerror(e.errno).lower()}" + (f": {name}" if name else "")
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+    """Running out of device or host memory (a budget too large for this machine, or another
+    process holding the GPU) as one line with what to do; None for any other error."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        where = "GPU"
+    elif isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+        where = "host"
+    else:
+        return None
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return (f"out of {where} memory ({first}); free some, or pass a smaller --batch-tokens "
+            "(mine resumes its checkpoint only under the budget it began with)")
+
+
 def _click_errors() -> tuple[type, ...]:
     """click's usage-error base classes: typer ≥ 0.20 vendors its own copy beside click's."""
     out = []
@@ -109,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
             ctx = getattr(e, "ctx", None)
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             print(f"ffkv: error: {_one_line(e.format_message())}{where}", file=sys.stderr)
+            sys.exit(2)
+        why = _out_of_memory(e)
+        if why is not None:
+            print(f"ffkv: error: {_one_line(why)}", file=sys.stderr)
             sys.exit(2)
         raise
     # In non-standalone mode typer returns an exit code instead of raising: a Ctrl-C comes
