@@ -20,34 +20,30 @@ pack_key = triton.jit(stats.rebound(topk.pack_key, tl=tl))
 @triton.jit
 def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hip_ptr, lo_ptr, lop_ptr,
                    B, W, stride_b, stride_t,
-                   ROWS: tl.constexpr, TT: tl.constexpr, BW: tl.constexpr, NBH: tl.constexpr, NB: tl.constexpr,
+                   ROWS: tl.constexpr, TT: tl.constexpr, BW: tl.constexpr, NBC: tl.constexpr, NB: tl.constexpr,
                    STATS: tl.constexpr, POS: tl.constexpr, NEG: tl.constexpr, FLUSH: tl.constexpr):
     """One read of a block of keys over ROWS rows: each row's max and min with their first
     positions, and (STATS) the bins and the sums of m and m² (float32 within a tile of TT rows,
     float64 across them: the portable path's products are float32 throughout).
 
-    Bins are counted in 16-bit fields, two bins to a 32-bit counter (half the compares of one
-    counter per bin), flushed into wide counters before a field could overflow."""
+    Bins are counted in 10-bit fields, three bins to a 32-bit counter: every value is compared
+    with each counter of its key, so 16 counters for the 45 bins take half the compares and
+    selects of two bins to a counter (32, a power of two). The fields are flushed into wide
+    counters before one could overflow, tile by tile (a row may be longer than a field holds)."""
     pr = tl.program_id(1)
     cols = tl.program_id(0) * BW + tl.arange(0, BW)
     cm = cols < W
-    q = tl.arange(0, NBH)  # packed counter r: bin 2r in the low half, bin 2r + 1 in the high
-    acc = tl.zeros((NBH, BW), dtype=tl.uint32)
-    wide_lo = tl.zeros((NBH, BW), dtype=tl.int32)
-    wide_hi = tl.zeros((NBH, BW), dtype=tl.int32)
+    q = tl.arange(0, NBC)  # packed counter r: bins 3r, 3r + 1, 3r + 2 in bits 0-9, 10-19, 20-29
+    acc = tl.zeros((NBC, BW), dtype=tl.uint32)
+    wide0 = tl.zeros((NBC, BW), dtype=tl.int32)
+    wide1 = tl.zeros((NBC, BW), dtype=tl.int32)
+    wide2 = tl.zeros((NBC, BW), dtype=tl.int32)
     s1 = tl.zeros((BW,), dtype=tl.float64)
     s2 = tl.zeros((BW,), dtype=tl.float64)
-    held = pr * 0  # tokens counted since the last flush (an int32 tensor, as the loop carries it)
+    held = pr * 0  # positions counted since the last flush (an int32 tensor, as the loops carry it)
     for i in range(ROWS):
         b = pr * ROWS + i
         L = tl.load(len_ptr + b, mask=b < B, other=0)
-        if STATS:
-            if held + L > FLUSH:  # a 16-bit field could overflow in this row: flush first
-                wide_lo += (acc & 0xFFFF).to(tl.int32)
-                wide_hi += (acc >> 16).to(tl.int32)
-                acc = tl.zeros((NBH, BW), dtype=tl.uint32)
-                held = 0
-            held += L
         hi = tl.full((BW,), float("-inf"), tl.float32)
         lo = tl.full((BW,), float("inf"), tl.float32)
         hip = tl.zeros((BW,), tl.int32)
@@ -77,10 +73,17 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
                 xz = tl.where(ok, x, 0.0)
                 s1 += tl.sum(xz, axis=0).to(tl.float64)
                 s2 += tl.sum(xz * xz, axis=0).to(tl.float64)
+                if held + TT > FLUSH:  # a 10-bit field could overflow in this tile: flush first
+                    wide0 += (acc & 0x3FF).to(tl.int32)
+                    wide1 += ((acc >> 10) & 0x3FF).to(tl.int32)
+                    wide2 += (acc >> 20).to(tl.int32)
+                    acc = tl.zeros((NBC, BW), dtype=tl.uint32)
+                    held = 0
+                held += TT
                 r = (x.to(tl.int32, bitcast=True) >> 23) + 256  # sign and exponent: 0..511
-                k = tl.where(ok, tl.load(lut_ptr + r, mask=ok, other=0), 2 * NBH)  # padding: no counter
-                one = tl.full((TT, BW), 1, tl.uint32) << ((k & 1) * 16).to(tl.uint32)
-                hit = (k >> 1)[:, None, :] == q[None, :, None]  # (TT, NBH, BW)
+                e = tl.where(ok, tl.load(lut_ptr + r, mask=ok, other=0), NBC)  # padding: no counter
+                one = tl.full((TT, BW), 1, tl.uint32) << (e >> 8).to(tl.uint32)  # `fused_cuda.field_lut`
+                hit = (e & 0xFF)[:, None, :] == q[None, :, None]  # (TT, NBC, BW)
                 acc += tl.sum(tl.where(hit, one[:, None, :], 0), axis=0).to(tl.uint32)
         rm = cm & (b < B)
         if POS:
@@ -90,13 +93,15 @@ def capture_kernel(m_ptr, len_ptr, lut_ptr, hist_ptr, s1_ptr, s2_ptr, hi_ptr, hi
             tl.store(lo_ptr + b.to(tl.int64) * W + cols, -lo, mask=rm)
             tl.store(lop_ptr + b.to(tl.int64) * W + cols, lop, mask=rm)
     if STATS:
-        wide_lo += (acc & 0xFFFF).to(tl.int32)
-        wide_hi += (acc >> 16).to(tl.int32)
-        cell = q[:, None] * 2 * W + cols[None, :]
+        wide0 += (acc & 0x3FF).to(tl.int32)
+        wide1 += ((acc >> 10) & 0x3FF).to(tl.int32)
+        wide2 += (acc >> 20).to(tl.int32)
+        cell = q[:, None] * 3 * W + cols[None, :]
         # only bins that counted something: most of a key's bins are empty over ROWS rows, and
         # every atomic is a round trip to L2
-        tl.atomic_add(hist_ptr + cell, wide_lo, mask=((2 * q)[:, None] < NB) & cm[None, :] & (wide_lo != 0))
-        tl.atomic_add(hist_ptr + cell + W, wide_hi, mask=((2 * q + 1)[:, None] < NB) & cm[None, :] & (wide_hi != 0))
+        tl.atomic_add(hist_ptr + cell, wide0, mask=((3 * q)[:, None] < NB) & cm[None, :] & (wide0 != 0))
+        tl.atomic_add(hist_ptr + cell + W, wide1, mask=((3 * q + 1)[:, None] < NB) & cm[None, :] & (wide1 != 0))
+        tl.atomic_add(hist_ptr + cell + 2 * W, wide2, mask=((3 * q + 2)[:, None] < NB) & cm[None, :] & (wide2 != 0))
         tl.store(s1_ptr + pr * W + cols, s1, mask=cm)
         tl.store(s2_ptr + pr * W + cols, s2, mask=cm)
 

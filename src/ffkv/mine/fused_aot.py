@@ -40,6 +40,8 @@ class Compiled:
     arch: int
     loop: int = 0  # SASS instructions of the innermost loop (0: none)
     prefetch: int = 0  # asynchronous global-to-shared copies (LDGSTS): loads software-pipelined ahead
+    common: int = 0  # of `loop`, those outside the blocks its forward branches skip (a flush, a list
+    # insertion: taken rarely), what an iteration issues on its usual path
 
     @property
     def occupancy(self) -> float:
@@ -68,8 +70,29 @@ def _resources(cubin: bytes) -> dict:
              for at, to in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?`?\(?0x([0-9a-f]+)", sass)
              if int(to, 16) < int(at, 16)]
     r["LOOP"] = min(loops) if loops else 0
+    r["COMMON"] = r["LOOP"] - _skipped(sass, r["LOOP"], loops)
     r["LDGSTS"] = len(re.findall(r"\bLDGSTS\b", sass))  # asynchronous copies: loads prefetched ahead
     return r
+
+
+def _skipped(sass: str, loop: int, loops: list) -> int:
+    """Instructions of the innermost loop that its forward branches jump over."""
+    if not loop:
+        return 0
+    addr = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for i, (a, t) in enumerate(addr):  # the innermost loop's backward branch and its target
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and (a - int(m.group(1), 16)) // 16 + 1 == loop:
+            lo, hi = int(m.group(1), 16), a
+            break
+    else:
+        return 0
+    skipped = set()
+    for a, t in addr:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and lo <= a < hi and a < int(m.group(1), 16) <= hi:
+            skipped.update(x for x, _ in addr if a < x < int(m.group(1), 16))
+    return len(skipped)
 
 
 @contextlib.contextmanager
@@ -95,7 +118,8 @@ def compiled_for(arch: int, out: list):
         k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         r = _resources(k.asm["cubin"])
         out.append(Compiled(fn.__name__, variant["name"], time.perf_counter() - t0, r.get("REG", 0),
-                            r.get("LOCAL", 0), r.get("SHARED", 0), options.num_warps, arch, r["LOOP"], r["LDGSTS"]))
+                            r.get("LOCAL", 0), r.get("SHARED", 0), options.num_warps, arch, r["LOOP"], r["LDGSTS"],
+                            r["COMMON"]))
 
     prev, fused_cuda._aot = fused_cuda._aot, compile_one
     try:
@@ -176,10 +200,10 @@ def main(argv=None) -> int:
             print(json.dumps({**dataclasses.asdict(r), "occupancy": round(r.occupancy, 4)}))
         return 0
     print(f"{'arch':>4}  {'kernel':<14} {'variant':<36} {'regs':>4} {'spill B':>7} {'smem B':>6} "
-          f"{'warps':>5} {'occupancy':>9} {'loop':>5} {'async':>5} {'compile s':>9}")
+          f"{'warps':>5} {'occupancy':>9} {'loop':>5} {'usual':>5} {'async':>5} {'compile s':>9}")
     for r in rows:
         print(f"sm{r.arch:<2}  {r.kernel:<14} {r.variant:<36} {r.regs:>4} {r.local:>7} {r.shared:>6} "
-              f"{r.warps:>5} {r.occupancy:>9.0%} {r.loop:>5} {r.prefetch:>5} {r.seconds:>9.2f}")
+              f"{r.warps:>5} {r.occupancy:>9.0%} {r.loop:>5} {r.common:>5} {r.prefetch:>5} {r.seconds:>9.2f}")
     spills = [r for r in rows if r.local]
     print(f"{len(rows)} kernels compiled; {len(spills)} spill registers to local memory")
     return 0

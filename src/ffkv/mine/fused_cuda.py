@@ -44,12 +44,12 @@ BW = 16  # keys per program of the capture kernel
 ROWS = 32  # rows per program
 TT = 4  # positions per tile
 WARPS = 1  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
-NBH = 32  # packed counters per key: two bins each (>= stats.NB / 2, a power of two)
+NBC = 16  # packed counters per key: three bins each (>= stats.NB / 3, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
 OFFER_ROWS = 8  # rows the offer kernel checks at once (`_fused_kernel.offer_kernel`)
 TOPK_STAGES = 4  # rows the top-k kernel's loads run ahead (software pipelining; 1: none); H100: 0.86 ms, 3: 1.14
-FIELD = 65535  # a row longer than this would overflow a 16-bit field
-FLUSH = FIELD  # tokens counted before the packed counters are flushed (tests lower it)
+FIELD = 1023  # counts a 10-bit field holds
+FLUSH = FIELD  # positions counted before the packed counters are flushed (tests lower it)
 
 _broken: str | None = None
 _forced: bool | None = None  # the tuner's arm for the batch at hand (`ffkv.mine.tune`), over the setting
@@ -209,6 +209,18 @@ def bin_lut(device) -> torch.Tensor:
     return _luts[key]
 
 
+_fields: dict = {}  # id of a bin table -> (the table, its `field_lut`)
+
+
+def field_lut(lut: torch.Tensor) -> torch.Tensor:
+    """A bin table as the capture kernel reads it: the packed counter (bin // 3) in the low byte,
+    the shift of the bin's field in it ((bin % 3) · 10) above; made once per table."""
+    got = _fields.get(id(lut))
+    if got is None or got[0] is not lut:
+        got = _fields[id(lut)] = (lut, (lut // 3) | (((lut % 3) * 10) << 8))
+    return got[1]
+
+
 def _launch(kernel, grid, *args, **kw) -> bool:
     """Launch `kernel` (its name in `_fused_kernel`); on a compile or launch error turn this path
     off (one line on stderr) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
@@ -242,7 +254,7 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     if nb is None:
         from ffkv.mine.stats import NB as nb
     B, T, W = m.shape
-    if nb > 2 * NBH or T > FIELD:
+    if nb > 3 * NBC:
         return None
     if m.stride(-1) != 1:
         m = m.contiguous()
@@ -258,10 +270,10 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
         grid = (-(-W // BW), nrb)
         dummy = lengths
         if not _launch("capture_kernel", grid,
-                m, lengths, lut, hist if stats else dummy, sums if stats else dummy, sums[1] if stats else dummy,
+                m, lengths, field_lut(lut), hist if stats else dummy, sums if stats else dummy, sums[1] if stats else dummy,
                 hi if hi is not None else dummy, hip if hip is not None else dummy,
                 lo if lo is not None else dummy, lop if lop is not None else dummy,
-                B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBH=NBH, NB=nb,
+                B, W, m.stride(0), m.stride(1), ROWS=ROWS, TT=TT, BW=BW, NBC=NBC, NB=nb,
                 STATS=bool(stats), POS=hi is not None, NEG=lo is not None, FLUSH=FLUSH, num_warps=WARPS):
             return None
     best = {}
