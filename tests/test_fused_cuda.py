@@ -381,3 +381,19 @@ def test_auto_times_the_fused_path_and_mines_the_same_tables(tmp_path, tiny_dirs
     t = rec["tuning"]
     assert [a["arm"] for a in t["arms"]] == ["padded", "padded+fused"] and t["chosen"] is not None
     assert rec["fused_trackers"] == (t["chosen"] == "padded+fused")
+
+
+def test_usual_path_leaves_out_what_forward_branches_skip():
+    """`fused_aot`'s `usual` count on a hand-made SASS listing: a 10-instruction loop (0x100 to
+    0x190) whose forward branch at 0x120 jumps over 0x130..0x150 (3 instructions) to 0x160; a
+    forward branch outside the loop does not count."""
+    from ffkv.mine.fused_aot import _skipped
+
+    ops = {0x100: "IMAD R1, R2, R3, RZ", 0x110: "ISETP.GT.AND P1, PT, R1, 0x3, PT",
+           0x120: "@!P1 BRA 0x160", 0x130: "IADD3 R4, R4, R5, RZ", 0x140: "LOP3.LUT R4, R4, 0x3ff, RZ, 0xc0, !PT",
+           0x150: "SHF.R.U32.HI R5, RZ, 0xa, R5", 0x160: "FADD R6, R6, R7", 0x170: "SEL R8, R9, RZ, P1",
+           0x180: "ISETP.NE.AND P0, PT, R1, R10, PT", 0x190: "@P0 BRA 0x100", 0x1a0: "BRA 0x1c0",
+           0x1b0: "NOP", 0x1c0: "EXIT"}
+    sass = "\n".join(f"        /*{a:04x}*/                   {t} ;" for a, t in ops.items())
+    assert _skipped(sass, 10, [10]) == 3
+    assert _skipped(sass, 0, []) == 0

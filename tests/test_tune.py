@@ -166,7 +166,7 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
     import threading
 
     from ffkv.mine import packing, switches
-    from ffkv.mine.distributed import switches as for_actors
+    for_actors = switches.current  # what `mine_ray` puts in its actors' environment
     from ffkv.mine.runner import switched
     from ffkv.steps.mine import MineSettings
 

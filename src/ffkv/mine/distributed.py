@@ -146,14 +146,6 @@ def by_chunk(batches, places):
         j = e
 
 
-def switches() -> dict:
-    """The driver's settings of ffkv's switches (`ffkv.mine.switches`: the pass's flags over the
-    environment), for the actors' environment: a cluster's workers do not inherit the driver's."""
-    from ffkv.mine import switches as sw
-
-    return sw.current()
-
-
 def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, chunks=None):
     """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
     run redoes only the others. `chunks`: the plan's chunks as (first batch, batch count), for the
@@ -188,7 +180,10 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
     hows = []
     if todo:
-        env = switches()
+        from ffkv.mine import switches
+
+        env = switches.current()  # the pass's flags over the driver's environment: a cluster's workers
+        # do not inherit the driver's
         actor = ray.remote(num_cpus=per_task_cpu, num_gpus=1 if gpus else 0,
                            **({"runtime_env": {"env_vars": env}} if env else {}))(ShardMiner)
         args = (run.model_arg(), device, str(mm.dtype).replace("torch.", ""), asdict(s),

@@ -15,7 +15,6 @@ forward does not keep packed sentences apart (found by running it: `refusal`) ke
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 

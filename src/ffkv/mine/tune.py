@@ -108,16 +108,14 @@ class Tuner:
             from ffkv.mine.compiled import compiled_for
 
             self.blocks = compiled_for(mm, layers, force=True)
-            if self.blocks is None:
-                self.drop(arm)
-                if self.chosen == arm:  # refused after it was chosen (it failed mid-pass)
-                    self.chosen = Arm(arm.pack, arm.fused)
-                return self.forward_for(Arm(arm.pack, arm.fused), mm, layers)
+            if self.blocks is None:  # refused: now, or after it was chosen (it failed mid-pass)
+                return self.forward_for(self.broke(arm), mm, layers)
         return arm, self.blocks
 
     def broke(self, arm: Arm) -> Arm:
-        """The compiled blocks failed in a batch of `arm` (`CompiledBlocks.broke`, now out): the
-        compiled arm leaves the trial and the choice, and the batch counts for its eager twin."""
+        """The compiled blocks cannot run `arm` (refused by their check, or failed in a batch:
+        `CompiledBlocks.broke`, now out): the compiled arm leaves the trial and the choice, and
+        its batch runs or counts as its eager twin, which is returned."""
         self.blocks = None
         self.drop(arm)
         twin = Arm(arm.pack, arm.fused)
