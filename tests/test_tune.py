@@ -88,6 +88,51 @@ def test_settings_default_by_device(monkeypatch):
     assert not fused_cuda.available("cuda")  # likewise: the portable path without a tuner
 
 
+def test_compile_defaults_to_auto_on_cuda_after_it_can_pay(monkeypatch):
+    """FFKV_COMPILE unset: auto on CUDA with its trial after PAYS_AFTER_S of mining, off on a CPU;
+    set to auto, the trial comes at once; 1 and 0 have no trial (1 compiles every batch)."""
+    from ffkv.mine import compiled
+
+    monkeypatch.delenv("FFKV_COMPILE", raising=False)
+    assert compiled.setting("cuda:0") == "auto" and compiled.setting("cpu") == "0" and compiled.setting() == "0"
+    assert compiled.trial_after("cuda") == compiled.PAYS_AFTER_S > 0
+    assert compiled.trial_after("cpu") is None and not compiled.enabled()
+    for raw, want in (("auto", 0.0), (" AUTO", 0.0), ("1", None), ("0", None)):
+        monkeypatch.setenv("FFKV_COMPILE", raw)
+        assert compiled.trial_after("cuda") == want and compiled.trial_after("cpu") == want
+    assert compiled.enabled() is False  # "0"
+
+
+@pytest.mark.parametrize("after", [0.0, 20.0])
+def test_the_compiled_trial_waits_until_the_pass_has_run_long_enough(after):
+    """With compile_after set, the chosen arm mines on alone until that many seconds (a clock the
+    test turns) have passed since the pass's first batch; the twin's trial starts at the next
+    chunk after that, never inside one."""
+    now = [100.0]
+    arms = [Arm(None, False), Arm(128, False)]
+    tu = Tuner(arms, then_compile=True, compile_after=after, clock=lambda: now[0])
+    twin = Arm(None, False, True)
+
+    def chunk(size, secs=1.0):
+        got = []
+        for s in tu.plan(size):
+            arm, timed, trial = tu.take(s)
+            got.append(arm)
+            tu.add(arm, 10, (1 if arm == arms[0] else 9) if timed else None, trial)
+            now[0] += secs
+        return got
+
+    chunk(16)  # the first trial; its 16 s are under 20
+    assert tu.chosen == arms[0]
+    second = chunk(8)
+    if after:
+        assert second == [arms[0]] * 8 and twin not in tu.arms  # 16 s at its start
+        third = chunk(8)
+        assert twin in third and third[0] == twin  # 24 s at its start: the trial, compile first
+    else:
+        assert second[0] == twin
+
+
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_auto_mines_the_same_tables(tiny_dirs, tmp_path, monkeypatch, arch):
     """FFKV_PACK=auto on a CPU: padded rows and rows of 128 and 256 tokens each mine some of the

@@ -25,11 +25,28 @@ ENV = "FFKV_COMPILE"
 _SINK: list = []  # the taps' inputs, one per block call, drained by the block's hook
 
 
-def setting() -> str:
-    """FFKV_COMPILE as "0" (also unset), "1" or "auto" (the tuner times the compiled twin of the arm
-    it chose: `ffkv.mine.tune`)."""
+# A pass with FFKV_COMPILE unset on CUDA starts its compiled trial after this many seconds of
+# mining: a compile costs about 12 s (SmolLM2's shape, H100) and pays back only over long passes,
+# so a short one never pays it, and a long one pays at most twice what it would with foresight
+# (rent-or-buy: rent for as long as buying costs, then buy).
+PAYS_AFTER_S = 20.0
+
+
+def setting(device=None) -> str:
+    """FFKV_COMPILE as "0", "1" or "auto" (the tuner times the compiled twin of the arm it chose:
+    `ffkv.mine.tune`); unset: "auto" on CUDA (the trial after PAYS_AFTER_S), "0" elsewhere."""
     raw = switches.read(ENV).strip()
-    return "0" if raw == "" else parse(raw, f"{ENV}={raw!r}")
+    if raw == "":
+        return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
+    return parse(raw, f"{ENV}={raw!r}")
+
+
+def trial_after(device=None) -> float | None:
+    """Seconds of mining before the tuner's compiled trial: None for none, 0 under FFKV_COMPILE=auto
+    (at once), PAYS_AFTER_S where auto is CUDA's default."""
+    if setting(device) != "auto":
+        return None
+    return 0.0 if switches.read(ENV).strip() else PAYS_AFTER_S
 
 
 def enabled() -> bool:

@@ -19,7 +19,8 @@ portable trackers) until every arm has been timed everywhere; then the arm of fe
 real token mines the rest. Chunks of a few batches (a GPU's budget over short sentences) fill a
 stratum or two each, and the trial spans several.
 
-Under FFKV_COMPILE=auto a second trial follows, from the next chunk on: the chosen arm against its
+Under FFKV_COMPILE=auto a second trial follows, from the next chunk on (where auto is CUDA's
+default, from the first chunk after `compiled.PAYS_AFTER_S` of mining): the chosen arm against its
 twin through compiled blocks (`ffkv.mine.compiled`), strata alike. Compiling costs seconds per
 kind of batch (padded, packed with and without a mask), so only the winner's twin is timed, its
 first batch (the compile) untimed; a model that refuses compiled blocks leaves it out, said once.
@@ -50,8 +51,11 @@ class Arm:
 class Tuner:
     """The arm of each batch of a pass: the trial's while timing, then the fastest."""
 
-    def __init__(self, arms: list[Arm], device=None, then_compile: bool = False):
+    def __init__(self, arms: list[Arm], device=None, then_compile: bool = False, compile_after: float = 0.0,
+                 clock=time.perf_counter):
         self.arms = list(arms)  # every arm timed in the pass (the record's)
+        self.compile_after = float(compile_after)  # seconds of the pass before the compiled trial
+        self._clock, self._t0 = clock, None  # the pass's first planned batch
         self._trial = list(arms)  # the arms of the trial under way
         self.cuda = torch.device(device or "cpu").type == "cuda"
         self.device = device
@@ -135,7 +139,9 @@ class Tuner:
         chunk of `size` (default n: the whole chunk; a resumed chunk starts at its cursor)."""
         slots: list = [None] * n
         size = n if size is None else max(int(size), first + n)
-        if n and self.chosen is not None and self._twin:
+        if n and self._t0 is None:
+            self._t0 = self._clock()
+        if n and self.chosen is not None and self._twin and self._clock() - self._t0 >= self.compile_after:
             self._start_twin()
         if not self.tuning or n == 0 or self.chosen is not None:
             return slots
@@ -230,7 +236,9 @@ def tuner_for(mm, log=None) -> Tuner:
     """The tuner of a mining pass over this model (one arm, untimed, where nothing is `auto`)."""
     from ffkv.mine import compiled
 
-    return Tuner(arms_for(mm, log), getattr(mm, "device", None), then_compile=compiled.setting() == "auto")
+    dev = getattr(mm, "device", None)
+    after = compiled.trial_after(dev)
+    return Tuner(arms_for(mm, log), dev, then_compile=after is not None, compile_after=after or 0.0)
 
 
 def how(mm, tuner, layers) -> dict:

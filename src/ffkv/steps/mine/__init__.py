@@ -101,7 +101,9 @@ class MineSettings:
     compile_blocks: str | None = setting(None, "Each block through torch.compile (the same tables): 1, 0 or auto "
                                                "(once the other paths are chosen, their choice timed against its "
                                                "compiled twin; a compile takes seconds, so for long runs). "
-                                               "Default: FFKV_COMPILE, else 0.", flag="--compile",
+                                               "Default: FFKV_COMPILE, else auto on CUDA (its trial after 20 s of "
+                                               "mining, so short runs never compile) and 0 on a CPU.",
+                                         flag="--compile",
                                          parse=_switch("ffkv.mine.compiled", "--compile"), recorded=False)
 
     # Fields added after runs were first recorded, with their defaults. The record (manifest
@@ -271,7 +273,9 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "(FFKV_COMPILE); a flag wins over its variable. On CUDA, packing and the fused kernels default "
         "to auto: the first batches are mined by each combination in turn, timed, and the fastest "
         "mines the rest (recorded in the manifest as `tuning`). On a CPU both are off unless set. "
-        "--compile auto then times the chosen path through torch.compile against it as it is.")
+        "--compile auto then times the chosen path through torch.compile against it as it is; on CUDA "
+        "it is the default, and its trial starts after 20 s of mining (a compile costs seconds and pays "
+        "back only over long runs).")
 
 STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
