@@ -56,9 +56,9 @@ want smol && part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus 
 want forward && part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
 want compiled && part 120 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms compiled
 want compiled_mine && part 120 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokens $SF --workers 0 --host-tokens 1000 --pack 256 --compile --arms ${COMPILED_ARMS:-stats,stats_fused,stats_fused_packed,stats_compiled,stats_fused_compiled,stats_fused_packed_compiled}
-want 1b && part 70 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000
+want 1b && part 100 $PY benchmarks/bench_gpu.py --shape llama-1b --corpus $IDS --tokens $S1B --workers 0 --host-tokens 100000 --compile
 want stats1b && part 100 $PY benchmarks/bench_stats_gpu.py --shape llama-1b --corpus $IDS --tokens $S8
-[ "${QUICK:-0}" = 1 ] || { want 8b && part 90 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000; }
+[ "${QUICK:-0}" = 1 ] || { want 8b && part 130 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000 --compile; }
 if want extra; then
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
 part 150 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV
