@@ -1,6 +1,10 @@
 """Benchmark of the prediction explorer (issue 17) on SmolLM2, once the model is loaded.
 
     .venv/bin/python benchmarks/bench_explore.py [--repeats 5]
+    PYTHONPATH=src python3 benchmarks/bench_explore.py --model MODEL_DIR --device cuda --corpus .dev/wt2_train_ids.parquet
+
+(the second on a bare GPU box: a model folder, the text decoded from a Parquet of token ids, and
+the HTTP rows skipped where FastAPI is not installed; a CUDA figure syncs the device in each call)
 
 Goals: a 64-token text with per-layer attribution (`ffkv.experiments.explain.explain`, what
 `/api/explore` computes) in ≤ 1.0 s on this CPU; an intervention (a second, edited forward pass
@@ -23,11 +27,19 @@ from _common import WT2, load_default, out
 GOAL_ATTR, GOAL_EDIT = 1.0, 1.0
 
 
-def text_of(mm, n_tokens: int) -> str:
-    """A WikiText-2 passage cut to exactly `n_tokens` tokens."""
+def text_of(mm, n_tokens: int, corpus: str | None = None) -> str:
+    """A WikiText-2 passage cut to exactly `n_tokens` tokens (from `corpus`, a Parquet of token id
+    lists, decoded, where given)."""
     from ffkv.corpus.sources import open_corpus
 
-    words = " ".join(s.text for s in open_corpus(str(WT2 / "wiki.valid.tokens")).sentences(40))
+    if corpus:
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(corpus)
+        rows = t.column(t.column_names[-1]).slice(0, 40).to_pylist()
+        words = " ".join(mm.tok.decode(r, skip_special_tokens=True) for r in rows)
+    else:
+        words = " ".join(s.text for s in open_corpus(str(WT2 / "wiki.valid.tokens")).sentences(40))
     for cut in range(n_tokens * 2, n_tokens - 1, -1):
         t = mm.tok.decode(mm.tok(words)["input_ids"][:cut])
         if len(mm.tok(t)["input_ids"]) == n_tokens:
@@ -35,10 +47,15 @@ def text_of(mm, n_tokens: int) -> str:
     raise RuntimeError("no cut gives exactly that many tokens")
 
 
+SYNC = None  # torch.cuda.synchronize where the model is on CUDA: a call's time includes its device work
+
+
 def timed(fn) -> tuple[float, float]:
     """Wall seconds and CPU seconds of this process (all its threads)."""
     t, c = time.perf_counter(), time.process_time()
     fn()
+    if SYNC is not None:
+        SYNC()
     return time.perf_counter() - t, time.process_time() - c
 
 
@@ -69,20 +86,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="HF id, folder or GGUF file (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, ...")
+    ap.add_argument("--corpus", default=None, help="a Parquet of token id lists to take the text from "
+                    "(default: WikiText-2 valid)")
     a = ap.parse_args()
 
     import torch
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
 
     from ffkv.experiments.explain import explain
-    from ffkv.web import explore
 
+    global SYNC
     t0 = time.perf_counter()
-    mm = load_default()
-    out(f"model loaded in {time.perf_counter() - t0:.1f} s; {torch.get_num_threads()} threads; "
-        f"load average {os.getloadavg()[0]:.1f}")
-    text = text_of(mm, a.tokens)
+    if a.model is None and a.device == "cpu":
+        mm = load_default()
+    else:
+        from ffkv.model.memories import open_model
+
+        mm = open_model(a.model, device=a.device)
+    if torch.device(mm.device).type == "cuda":
+        SYNC = torch.cuda.synchronize
+    out(f"model loaded in {time.perf_counter() - t0:.1f} s on {mm.device} ({mm.dtype}); "
+        f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
+    text = text_of(mm, a.tokens, a.corpus)
     ids, mask = mm.batch([mm.tok(text)["input_ids"]])
     res = explain(mm, text, 3)
     top = res["top_memories"]["up"][0]
@@ -92,20 +118,28 @@ def main() -> None:
         with torch.no_grad():
             mm.hf(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    app = FastAPI()
-    app.include_router(explore.router)
-    app.state.explore_model = mm
-    c = TestClient(app, base_url="http://127.0.0.1")
-    k = iter(range(1, 1_000_000))
+    fns = {"forward": plain, "explain": lambda: explain(mm, text, 3), "edit": lambda: explain(mm, text, 3, edit)}
+    try:
+        from fastapi import FastAPI
+        from fastapi.testclient import TestClient
 
-    def http(**extra):  # `top` varies so that the cache never answers
-        r = c.get("/api/explore", params={"text": text, "top": 3 + next(k) % 15, **extra})
-        assert r.status_code == 200, r.text
+        from ffkv.web import explore
+    except ImportError:
+        out("  the HTTP rows: skipped (no FastAPI here)")
+    else:
+        app = FastAPI()
+        app.include_router(explore.router)
+        app.state.explore_model = mm
+        c = TestClient(app, base_url="http://127.0.0.1")
+        k = iter(range(1, 1_000_000))
 
-    sup = f"{top['layer']}:{top['dim']}"
-    res = interleaved({"forward": plain, "explain": lambda: explain(mm, text, 3),
-                       "edit": lambda: explain(mm, text, 3, edit),
-                       "http": http, "http_edit": lambda: http(suppress=sup)}, a.repeats)
+        def http(**extra):  # `top` varies so that the cache never answers
+            r = c.get("/api/explore", params={"text": text, "top": 3 + next(k) % 15, **extra})
+            assert r.status_code == 200, r.text
+
+        sup = f"{top['layer']}:{top['dim']}"
+        fns.update(http=http, http_edit=lambda: http(suppress=sup))
+    res = interleaved(fns, a.repeats)
     wall = {n: [w for w, _ in v] for n, v in res.items()}
     cpu = {n: [c for _, c in v] for n, v in res.items()}
     med = {n: statistics.median(v) for n, v in wall.items()}
@@ -114,13 +148,13 @@ def main() -> None:
     extra = statistics.median([e - x for e, x in zip(wall["edit"], wall["explain"])])
     extra_best = min(e - x for e, x in zip(wall["edit"], wall["explain"]))
 
-    out(f"{a.tokens}-token text, SmolLM2 ({mm.n_layers} layers × {mm.d_m} memories), {a.repeats} interleaved "
+    out(f"{a.tokens}-token text, {mm.n_layers} layers × {mm.d_m} memories, {a.repeats} interleaved "
         f"rounds; load average now {os.getloadavg()[0]:.1f} (on 2 cores: anything above 2 slows every figure)")
     out(f"  {'':36s} {'best s':>7s} {'median s':>9s} {'CPU s':>7s} {'× forward':>10s}")
     names = {"forward": "plain forward with logits", "explain": "explain (attribution, both lenses)",
              "edit": "explain + one intervention (at last)", "http": "/api/explore",
              "http_edit": "/api/explore&suppress=L:D"}
-    for n, label in names.items():
+    for n, label in [(n, lab) for n, lab in names.items() if n in wall]:
         out(f"  {label:36s} {best[n]:7.3f} {med[n]:9.3f} {statistics.median(cpu[n]):7.3f} {ratio[n]:10.2f}")
     out(f"  attribution: best {best['explain']:.3f} s, median {med['explain']:.3f} s; goal ≤ {GOAL_ATTR:.1f} s: "
         f"{'met' if med['explain'] <= GOAL_ATTR else ('met at best' if best['explain'] <= GOAL_ATTR else 'NOT met')}")
