@@ -230,9 +230,9 @@ def analyze(mm, prefixes: list[list[int]], eps: float = DEFAULT_EPS, vtops=None,
     "tokens": int}. `rows` bounds the rows of one vocabulary projection (rows × V floats).
     """
     from ffkv.corpus.batching import pack
-    from ffkv.model.onednn import products_of
+    from ffkv.model.onednn import fast_products
 
-    with products_of(mm):
+    with fast_products(getattr(mm, "device", None)):
         return _analyze(mm, prefixes, eps, vtops, batch_tokens, max_batch, rows, bar, pack)
 
 

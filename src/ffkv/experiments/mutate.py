@@ -66,7 +66,7 @@ import torch
 
 from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.errors import FfkvError
-from ffkv.model.onednn import products_of
+from ffkv.model.onednn import fast_products
 from ffkv.store.query import mined_keys, read_triggers, sample_keys, sentence_lookup
 
 MUTATIONS = ("first", "last", "random")
@@ -307,7 +307,7 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
     sharing = anchors is not None and (not _check or sharing_ok(mm))
     planned = plan(seqs, layers, positions, anchors if sharing else None, min_share)
     passes = _Passes(mm, planned, layers, positions, dims, out, st, bar, batch_tokens, max_rows)
-    with products_of(mm):
+    with fast_products(getattr(mm, "device", None)):
         passes.run()
     st.seconds += time.perf_counter() - t0
     return out

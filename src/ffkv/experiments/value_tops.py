@@ -30,9 +30,9 @@ def value_tops(run, mm, lenses=LENSES, chunk: int = 384, bar=None) -> dict[str, 
     cached = _cached_value_tops(run, mm, lenses, digest) if run is not None else None
     if cached is not None:
         return cached
-    from ffkv.model.onednn import products_of
+    from ffkv.model.onednn import fast_products
 
-    with products_of(mm):
+    with fast_products(getattr(mm, "device", None)):
         out = _compute(mm, lenses, chunk, bar)
     if run is not None:
         _write_value_tops(run, out, mm.n_layers, mm.d_m, digest)

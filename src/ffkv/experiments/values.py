@@ -315,9 +315,9 @@ def compute(ctx) -> dict:
 
 
 def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
-    from ffkv.model.onednn import products_of
+    from ffkv.model.onednn import fast_products
 
-    with products_of(mm):
+    with fast_products(getattr(mm, "device", None)):
         return _compute_all(run, mm, rec, chunk, show_progress)
 
 

@@ -89,13 +89,13 @@ def normalize(mm, s: NormalizeSettings, warn=print, show_progress: bool | None =
     from ffkv.experiments.normalize.variance import ModelVariance, synthetic
     from ffkv.progress import progress
 
-    from ffkv.model.onednn import products_of
+    from ffkv.model.onednn import fast_products
 
     plan = plan_of(mm, s)
     bt, rows = resolve_step_batch(mm, s.batch_tokens, 1024, MAX_ROWS)
     t0 = time.perf_counter()
     ev, fi, n_sweep, sent = split(mm, s, warn)
-    with progress(None if show_progress is None else not show_progress) as bar, products_of(mm):
+    with progress(None if show_progress is None else not show_progress) as bar, fast_products(getattr(mm, "device", None)):
         t1 = time.perf_counter()
         fitted = fit(mm, fi, plan, bt, bar, rows)
         t2 = time.perf_counter()
