@@ -33,10 +33,12 @@ def text_of(mm, n_tokens: int, corpus: str | None = None) -> str:
     from ffkv.corpus.sources import open_corpus
 
     if corpus:
-        import pyarrow.parquet as pq
+        from pathlib import Path
 
-        t = pq.read_table(corpus)
-        rows = t.column(t.column_names[-1]).slice(0, 40).to_pylist()
+        from ffkv.corpus.tokens import read_tokens
+
+        ids = read_tokens(Path(corpus), "parquet")  # its list-of-integers column, as `ffkv mine` reads it
+        rows = [ids.row(i) for i in range(min(40, ids.n_rows))]
         words = " ".join(mm.tok.decode(r, skip_special_tokens=True) for r in rows)
     else:
         words = " ".join(s.text for s in open_corpus(str(WT2 / "wiki.valid.tokens")).sentences(40))

@@ -35,18 +35,16 @@ PAYS_AFTER_S = 20.0
 def setting(device=None) -> str:
     """FFKV_COMPILE as "0", "1" or "auto" (the tuner times the compiled twin of the arm it chose:
     `ffkv.mine.tune`); unset: "auto" on CUDA (the trial after PAYS_AFTER_S), "0" elsewhere."""
-    raw = switches.read(ENV).strip()
-    if raw == "":
-        return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
-    return parse(raw, f"{ENV}={raw!r}")
+    return switches.by_device(ENV, device, parse, "0")[0]
 
 
 def trial_after(device=None) -> float | None:
     """Seconds of mining before the tuner's compiled trial: None for none, 0 under FFKV_COMPILE=auto
     (at once), PAYS_AFTER_S where auto is CUDA's default."""
-    if setting(device) != "auto":
+    value, given = switches.by_device(ENV, device, parse, "0")
+    if value != "auto":
         return None
-    return 0.0 if switches.read(ENV).strip() else PAYS_AFTER_S
+    return 0.0 if given else PAYS_AFTER_S
 
 
 def enabled() -> bool:

@@ -64,10 +64,7 @@ KERNEL = "ffkv::triton_kernel"  # a launch, as the profiler sees it: one op, wha
 def setting(device=None) -> str:
     """FFKV_TRITON as "0", "1" or "auto"; unset: "auto" on CUDA (timed against the portable path),
     "0" elsewhere. A bad value is the user's to fix (FfkvError)."""
-    raw = switches.read(ENV).strip()
-    if raw == "":
-        return "auto" if device is not None and torch.device(device).type == "cuda" else "0"
-    return parse(raw, f"{ENV}={raw!r}")
+    return switches.by_device(ENV, device, parse, "0")[0]
 
 
 def parse(raw: str, name: str = ENV) -> str:

@@ -28,10 +28,7 @@ SIZES = (128, 256)  # the row lengths `auto` times (`ffkv.mine.tune`)
 def setting(device=None) -> int | str | None:
     """FFKV_PACK as C (tokens per packed row), "auto" or None (padded rows); unset: "auto" on CUDA
     (timed against padded rows on the run's first batches), None elsewhere."""
-    raw = switches.read(ENV).strip()
-    if raw == "":
-        return "auto" if device is not None and torch.device(device).type == "cuda" else None
-    return parse(raw, f"{ENV}={raw!r}")
+    return switches.by_device(ENV, device, parse, None)[0]
 
 
 def parse(raw: str, name: str = ENV) -> int | str | None:

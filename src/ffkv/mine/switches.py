@@ -40,6 +40,18 @@ def on_off_auto(raw, name: str, meaning: str) -> str:
     return raw
 
 
+def by_device(name: str, device, parse, off):
+    """A switch whose unset value is the device's: "auto" on CUDA (timed there on the run's own
+    batches), `off` elsewhere; a set value goes through `parse`, whose message names the variable.
+    Returns (value, whether it was set), read once."""
+    raw = read(name).strip()
+    if raw == "":
+        import torch
+
+        return ("auto" if device is not None and torch.device(device).type == "cuda" else off), False
+    return parse(raw, f"{name}={raw!r}"), True
+
+
 def current() -> dict:
     """Every switch set here, flags over the environment: what a Ray actor's environment gets."""
     return {k: v for k in NAMES if (v := read(k, None)) is not None}
