@@ -453,6 +453,35 @@ def test_ray_two_shards_identical(tmp_path, tiny_dirs, pack):
 
 
 @pytest.mark.slow
+def test_ray_actors_prepare_their_own_rows_of_token_ids(tmp_path, tiny_dirs):
+    """A pre-tokenized corpus on Ray (issue 24 item 4): the driver plans from the file's row
+    offsets alone, each actor decodes and writes its own chunks, and the joined `sentences`, the
+    corpus record and the mined tables equal one process's (rows cut to the context included)."""
+    from transformers import AutoTokenizer
+
+    from ffkv.corpus.tokens import write_parquet
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    lines = [l for l in (WT2 / "wiki.valid.tokens").read_text().split("\n") if len(l) > 40][:260]
+    rows = [tok(l)["input_ids"] for l in lines] + [[]] * 3  # a few longer than the context; empty rows
+    assert any(len(r) > 128 for r in rows)
+    corpus = write_parquet(tmp_path / "ids.parquet", rows, tok)
+    args = ["--model", tiny_dirs["llama"], "--corpus", corpus, "--max-sentences", 250, "--top-k", 5,
+            "--negative", "--chunk-sentences", 40, "--batch-tokens", 512]
+    assert run_cli("mine", "--out", tmp_path / "single", *args).returncode == 0
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    res = run_cli("mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 3, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "3 shard(s) on Ray" in res.stdout and "each preparing its own rows" in res.stdout
+    assert _table(tmp_path / "ray", "sentences").equals(_table(tmp_path / "single", "sentences"))
+    man = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("ray", "single")]
+    assert man[0]["corpora"]["sentences"] == man[1]["corpora"]["sentences"]
+    assert man[0]["corpora"]["sentences"]["counts"]["truncated"] > 0
+    _assert_same_mine(tmp_path / "ray", tmp_path / "single")
+    assert not (tmp_path / "ray" / ".mine_shards").exists()
+
+
+@pytest.mark.slow
 def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2):
     mm = smollm2
     run = Run(tmp_path / "r", create=True)

@@ -99,6 +99,39 @@ def test_stream_of_a_pretokenized_corpus(tiny_dirs, tmp_path, context):
     assert counts["empty_rows"] == sum(not r for r in rows) > 0  # skipped, and said
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 25), min_size=1, max_size=60), st.integers(1, 9), st.integers(4, 30),
+       st.one_of(st.none(), st.integers(1, 70)), st.data())
+def test_chunk_ranges_are_the_whole_streams_chunks(tiny_dirs, tmp_path_factory, lengths, chunk, context, cap,
+                                                   data):
+    """What Ray's actors prepare for themselves (issue 24 item 4): any run of chunks of a
+    pre-tokenized corpus, decoded alone, equals those chunks of the whole stream, and the plan's
+    lengths and counts, known without decoding a row, equal the stream's."""
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream
+    from ffkv.corpus.tokens import write_parquet
+
+    tok = _tok(tiny_dirs)
+    rng = np.random.default_rng(len(lengths))
+    rows = [rng.integers(0, 200, size=n).tolist() for n in lengths]
+    path = write_parquet(tmp_path_factory.mktemp("ids") / "ids.parquet", rows, tok)
+    stream = lambda: SentenceStream(open_corpus(str(path), seed=3), tok, context, None, cap, chunk=chunk)  # noqa: E731
+    if not any(lengths):
+        return  # every row empty: no sentence, refused (test_pretokenized)
+    whole = stream()
+    chunks = list(whole)
+    planned = stream()
+    lens = planned.rows_plan()
+    assert lens.tolist() == np.concatenate([c.lengths for c in chunks]).tolist()
+    assert planned.counts == whole.counts
+    c0 = data.draw(st.integers(0, len(chunks)))
+    c1 = data.draw(st.integers(c0, len(chunks) + 2))
+    got = list(stream().chunk_range(c0, c1))
+    assert [c.index for c in got] == list(range(c0, min(c1, len(chunks))))
+    for g in got:
+        assert g.table().equals(chunks[g.index].table())
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(st.integers(0, 599), max_size=12), max_size=8), st.booleans())
 def test_batch_decode_is_transformers(tiny_dirs, rows, clean):

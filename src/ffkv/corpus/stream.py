@@ -189,8 +189,9 @@ class SentenceStream:
              "dropped_short": self.sentences - self.kept, "tokens": self.tokens, "truncated": self.truncated}
         return c if self.empty_rows is None else {**c, "empty_rows": self.empty_rows}
 
-    def _tasks(self):
-        """(function, args) per task, in document order."""
+    def _order(self):
+        """(documents, pre-tokenized rows or None, document order; for rows: only the non-empty
+        ones, up to max_sentences, so that sentence id i is the row order[i])."""
         docs = self.src._documents()
         rows = self.src._tokens
         n_docs = rows.n_rows if rows is not None else len(docs)
@@ -203,12 +204,54 @@ class SentenceStream:
             order = order[lens > 0]  # empty rows are no sentences
             if self.max_sentences:
                 order = order[:self.max_sentences]
+        return docs, rows, order
+
+    @staticmethod
+    def _rows_task(rows, d) -> tuple:
+        """decode_task's arguments for the source rows d, in that order."""
+        lo, hi = rows.offsets[d], rows.offsets[d + 1]
+        offs = np.concatenate([[0], np.cumsum(hi - lo)])
+        vals = rows.values[np.repeat(lo - offs[:-1], hi - lo) + np.arange(offs[-1])]  # the rows, in order
+        return d, vals, offs
+
+    def rows_plan(self) -> np.ndarray | None:
+        """A pre-tokenized source's sentence lengths as mined (cut to the context), known from its
+        row offsets without decoding a row: what Ray's driver plans the batches from while the
+        actors decode their own chunks (`chunk_range`). Sets `counts` as exhausting the stream
+        would. None for a text source, or where rows may be dropped as short (min_tokens > 1)."""
+        if self.min_tokens > 1:
+            return None
+        _, rows, order = self._order()
+        if rows is None:
+            return None
+        if len(order) == 0:
+            raise FfkvError(f"corpus {self.src.spec!r} is empty: no sentences found")
+        full = np.diff(rows.offsets)[order]
+        lens = np.minimum(full, self.max_length)
+        self.sentences = self.kept = self.src.stats.sentences = len(order)
+        self.tokens, self.truncated = int(lens.sum()), int((full > self.max_length).sum())
+        return lens
+
+    def chunk_range(self, c0: int, c1: int) -> Iterator[Chunk]:
+        """Chunks c0..c1-1 of a pre-tokenized source (`rows_plan`'s conditions), equal to those the
+        whole stream yields, decoding only their rows: a Ray actor's share (`ffkv.mine.distributed`)."""
+        _, rows, order = self._order()
+        _init(self.tok, self.max_length)
+        for c in range(c0, c1):
+            a, b = c * self.chunk, min((c + 1) * self.chunk, len(order))
+            if a >= b:
+                return
+            d_of, texts, vals, offs, _ = decode_task(*self._rows_task(rows, order[a:b]))
+            yield Chunk(c, np.arange(a, b, dtype=np.int64), d_of, texts, np.asarray(vals, np.int32),
+                        np.asarray(offs, np.int64))
+
+    def _tasks(self):
+        """(function, args) per task, in document order."""
+        docs, rows, order = self._order()
+        n_docs = len(order) if rows is not None else len(docs)
+        if rows is not None:
             for i in range(0, len(order), ROWS_PER_TASK):
-                d = order[i:i + ROWS_PER_TASK]
-                lo, hi = rows.offsets[d], rows.offsets[d + 1]
-                offs = np.concatenate([[0], np.cumsum(hi - lo)])
-                vals = rows.values[np.repeat(lo - offs[:-1], hi - lo) + np.arange(offs[-1])]  # the rows, in order
-                yield decode_task, (d, vals, offs)
+                yield decode_task, self._rows_task(rows, order[i:i + ROWS_PER_TASK])
             return
         for i in range(0, n_docs, self.docs_per_task):
             d = order[i:i + self.docs_per_task]

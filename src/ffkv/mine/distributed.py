@@ -100,6 +100,30 @@ class ShardMiner:
         (index in the plan, its chunk's first batch, the chunk's batch count), so that the tuner
         times its arms on the strata of the one-process pass's chunks. Returns (k, arrays, how it
         ran: `how`), or (k, None, None) when the table is out of this node's reach."""
+        got = sent if sent is not None else read_rows(sentences_path, batch_rows)
+        if got is None:
+            return k, None, None
+        return self._mine_rows(k, got, places)
+
+    def prepare_and_mine(self, k: int, corpus: dict, chunks: tuple[int, int], batch_rows, part: str,
+                         places=None):
+        """Shard k from the corpus itself (a pre-tokenized file): its chunks (c0, c1) decoded here,
+        written to `part` (their rows of the run's `sentences` table, a row group a chunk), then
+        mined; `batch_rows` index the shard's own rows. (k, None, None) where the corpus or the
+        run's folder is out of this node's reach: the driver prepares the shard then."""
+        import pyarrow as pa
+
+        from ffkv.corpus.stream import SCHEMA
+
+        if not Path(corpus["spec"]).is_file() or not Path(part).parent.is_dir():
+            return k, None, None
+        stream = corpus_stream(corpus, self.mm)
+        tables = [c.table() for c in stream.chunk_range(*chunks)]
+        write_part(part, tables)
+        rows = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+        return self._mine_rows(k, [rows.take(np.asarray(r, np.int64)) for r in batch_rows], places)
+
+    def _mine_rows(self, k: int, got: list, places):
         from contextlib import closing
 
         import pyarrow as pa
@@ -108,9 +132,6 @@ class ShardMiner:
         from ffkv.mine.compiled import mining_forward
         from ffkv.mine.tune import how, tuner_for
 
-        got = sent if sent is not None else read_rows(sentences_path, batch_rows)
-        if got is None:
-            return k, None, None
         kept = [i for i, t in enumerate(got) if t is not None and t.num_rows]
         got = [got[i] for i in kept]
         state = new_state(self.mm, self.s)
@@ -127,6 +148,70 @@ class ShardMiner:
                     state = mine_batches(self.mm, state, tokens, sids, part, compiled=compiled, tuner=self.tuner,
                                          chunk=chunk)
         return k, state.arrays(), how(self.mm, self.tuner, state.layers)
+
+
+def corpus_stream(corpus: dict, mm):
+    """The mining pass's `SentenceStream` over the corpus `corpus` names (`Prepared.corpus`)."""
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream
+
+    src = open_corpus(corpus["spec"], field=corpus["field"], seed=corpus["seed"], context=corpus["context"])
+    return SentenceStream(src, mm.tok, mm.max_length, getattr(mm, "vocab_size", None), corpus["max_sentences"],
+                          chunk=corpus["chunk"], workers=0)
+
+
+def write_part(path, tables: list) -> None:
+    """A shard's rows of `sentences` (a row group a chunk), whole or not at all."""
+    import pyarrow.parquet as pq
+
+    from ffkv.corpus.stream import SCHEMA
+    from ffkv.store.run import staged
+
+    with staged(Path(path)) as tmp:
+        with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as w:
+            for t in tables:
+                w.write_table(t, row_group_size=max(t.num_rows, 1))
+
+
+class Prepared:
+    """A Ray pass whose actors prepare their own rows (issue 24 item 4): a pre-tokenized corpus
+    file whose rows are known from its offsets (`SentenceStream.rows_plan`), so that the driver
+    plans every batch without decoding a row. Shards are whole chunks; each actor decodes its
+    chunks and writes them as a part of `sentences`, which the driver joins, in order, at the end."""
+
+    def __init__(self, corpus: dict, stream, chunks: list, joined=None):
+        self.corpus, self.stream, self.chunks = corpus, stream, chunks  # chunks: (first batch, count)
+        self.joined = joined  # called once `sentences` is whole (the manifest's corpus record)
+
+    def shards(self, n: int) -> list[tuple[int, int, int, int]]:
+        """(first chunk, end chunk, first batch, end batch) per shard: whole chunks, as even as may be."""
+        out = []
+        for c0, c1 in shard_bounds(len(self.chunks), n):
+            b0 = self.chunks[c0][0] if c0 < len(self.chunks) else sum(c[1] for c in self.chunks)
+            b1 = self.chunks[c1 - 1][0] + self.chunks[c1 - 1][1] if c1 > c0 else b0
+            out.append((c0, c1, b0, b1))
+        return out
+
+    def first_row(self, c: int) -> int:
+        return c * self.corpus["chunk"]
+
+    def prepare_here(self, mm, c0: int, c1: int, part) -> None:
+        """A shard's part made by the driver (its actor could not reach the corpus or the run)."""
+        write_part(part, [c.table() for c in corpus_stream(self.corpus, mm).chunk_range(c0, c1)])
+
+    def join(self, run, parts: list) -> None:
+        """The parts, in order, as the run's `sentences` table (a row group a chunk, as one process writes it)."""
+        import pyarrow.parquet as pq
+
+        from ffkv.corpus.stream import SCHEMA
+
+        with run.table_writer("sentences", SCHEMA) as write:
+            for p in parts:
+                with pq.ParquetFile(p) as f:
+                    for g in range(f.num_row_groups):
+                        write(f.read_row_group(g))
+        if self.joined is not None:
+            self.joined()  # before the parts go: a kill after this finds `sentences` whole
 
 
 def by_chunk(batches, places):
@@ -146,11 +231,13 @@ def by_chunk(batches, places):
         j = e
 
 
-def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, chunks=None):
+def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, chunks=None,
+             prep: Prepared | None = None):
     """Shards of the batch plan on Ray actors; finished shards are saved in the run, so a killed
     run redoes only the others. `chunks`: the plan's chunks as (first batch, batch count), for the
-    actors' tuners. Returns the merged state, the number of shards, and how the shards mined now
-    ran (`how`, one per shard)."""
+    actors' tuners. `prep`: the actors prepare their own rows (`Prepared`), and the run's
+    `sentences` table is joined from their parts before the shards' files go. Returns the merged
+    state, the number of shards, and how the shards mined now ran (`how`, one per shard)."""
     from ffkv.mine.engine import new_state, save_npz
     from ffkv.progress import progress
 
@@ -168,16 +255,24 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
     key = s.key()
     todo, state = [], new_state(mm, s)
     chunk_of = None if chunks is None else [(c0, n) for c0, n in chunks for _ in range(n)]
-    for k, (a, b) in enumerate(shard_bounds(len(batches), shards)):
+    bounds = ([(b0, b1) for _, _, b0, b1 in prep.shards(shards)] if prep is not None
+              else shard_bounds(len(batches), shards))
+    parts = [shard_dir / f"{key}_{k}_of_{shards}.sentences.parquet" for k in range(shards)]
+    for k, (a, b) in enumerate(bounds):
         f = shard_dir / f"{key}_{k}_of_{shards}.npz"
-        if f.exists():
+        if f.exists() and (prep is None or parts[k].exists()):
             with np.load(f, allow_pickle=False) as z:
                 state.merge(new_state(mm, s).load_arrays(z))
-        elif a < b:
+        elif a < b or prep is not None:
             where = [(j, *chunk_of[j]) for j in range(a, b)] if chunk_of is not None else None
-            todo.append((k, f, [np.asarray(batches[j]).tolist() for j in range(a, b)], where))
+            rows = [np.asarray(batches[j]) for j in range(a, b)]
+            if prep is not None:  # the shard's own rows, from its first chunk's
+                first = prep.first_row(prep.shards(shards)[k][0])
+                rows = [r - first for r in rows]
+            todo.append((k, f, [r.tolist() for r in rows], where))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
-    log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)")
+    log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)"
+        + (", each preparing its own rows" if prep is not None else ""))
     hows = []
     if todo:
         from ffkv.mine import switches
@@ -190,11 +285,24 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
                 None if gpus else per_task_cpu)
         actors = [actor.remote(*args) for _ in range(n_actors)]
         files = {k: f for k, f, _, _ in todo}
+        sent_path = str(run.table_path("sentences"))
+        jobs = {k: rows for k, _, rows, _ in todo}
+        places = {k: w for k, _, _, w in todo}
+        if prep is None:
+            first = again = None
+        else:
+            cut = prep.shards(shards)
+
+            def first(a, k):
+                return a.prepare_and_mine.remote(k, prep.corpus, cut[k][:2], jobs[k], str(parts[k]), places[k])
+
+            def again(k):  # out of the actor's reach: the driver prepares the part and sends its rows
+                prep.prepare_here(mm, cut[k][0], cut[k][1], parts[k])
+                return read_rows(parts[k], jobs[k])
         try:
             with progress() as bar:
                 task = bar.add_task("mine shards", total=len(todo))
-                for k, arrs, h in _drain(ray, actors, {k: rows for k, _, rows, _ in todo},
-                                         str(run.table_path("sentences")), {k: w for k, _, _, w in todo}):
+                for k, arrs, h in _drain(ray, actors, jobs, sent_path, places, first, again):
                     hows.append(h)
                     save_npz(files[k], arrs)
                     state.merge(new_state(mm, s).load_arrays(arrs))
@@ -202,23 +310,32 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
         finally:
             for a in actors:
                 ray.kill(a)
+    if prep is not None:
+        prep.join(run, parts)
     for f in shard_dir.glob("*.npz"):
+        f.unlink()
+    for f in shard_dir.glob("*.parquet"):
         f.unlink()
     shard_dir.rmdir()
     return state, shards, hows
 
 
-def _drain(ray, actors, jobs: dict, sent_path: str, places: dict | None = None):
+def _drain(ray, actors, jobs: dict, sent_path: str, places: dict | None = None, first=None, again=None):
     """Hand shards (k -> their batches' row indices; `places`: k -> their places in the plan) to
-    idle actors; yield (k, arrays, `how`) as each finishes. A shard whose actor could not read the
-    run's sentences (another node's disk) is sent again with its rows."""
+    idle actors; yield (k, arrays, `how`) as each finishes. A shard's first try is `first(actor,
+    k)` where given (else the actor reads its rows of `sent_path`); one whose actor could not
+    reach its input (another node's disk) is sent again with its rows (`again(k)`, else read from
+    `sent_path`)."""
     queue = [(k, None) for k in jobs]
     idle, pending = list(actors), {}
     while queue or pending:
         while queue and idle:
             k, sent = queue.pop(0)
             a = idle.pop()
-            pending[a.mine.remote(k, sent_path, jobs[k], sent, (places or {}).get(k))] = a
+            if sent is None and first is not None:
+                pending[first(a, k)] = a
+            else:
+                pending[a.mine.remote(k, sent_path, jobs[k], sent, (places or {}).get(k))] = a
         done, _ = ray.wait(list(pending), num_returns=1)
         idle.append(pending.pop(done[0]))
         try:
@@ -226,6 +343,6 @@ def _drain(ray, actors, jobs: dict, sent_path: str, places: dict | None = None):
         except Exception as e:  # noqa: BLE001
             raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
         if arrs is None:
-            queue.append((k, read_rows(sent_path, jobs[k])))
+            queue.append((k, again(k) if again is not None else read_rows(sent_path, jobs[k])))
         else:
             yield k, arrs, h

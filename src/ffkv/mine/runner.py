@@ -277,11 +277,17 @@ def _compute(ctx) -> dict:
     if ray_address:  # the shards read their own rows of the whole table
         from ffkv.mine.distributed import mine_ray
 
-        if not whole:
-            _write_sentences(run, mm, s)
-        batches, plan, chunks = _ray_plan(run, s, bt)
-        _shards_of_this_plan(run, layout_key(s, bt))
-        state, shards, hows = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log, chunks=chunks)
+        prep = None if whole else _actors_prepare(run, mm, s, bt)
+        if prep is None:
+            if not whole:
+                _write_sentences(run, mm, s)
+            batches, plan, chunks = _ray_plan(run, s, bt)
+        else:
+            prep, batches, plan = prep
+            chunks = prep.chunks
+        _shards_of_this_plan(run, layout_key(s, bt) + ("/prepared" if prep is not None else ""))
+        state, shards, hows = mine_ray(run, mm, s, batches, ray_address, shards, log=ctx.log, chunks=chunks,
+                                       prep=prep)
         ran = how_of_shards(hows)
         mined_tokens = plan.tokens
     else:
@@ -311,6 +317,25 @@ def _compute(ctx) -> dict:
     return info
 
 
+def _actors_prepare(run, mm, s: MineSettings, bt: int):
+    """Where Ray's actors can prepare their own rows (a pre-tokenized corpus file: its sentences
+    and their lengths are known from its row offsets), (`Prepared`, the batch plan, its layout);
+    else None, and the driver streams the corpus into `sentences` first."""
+    from pathlib import Path
+
+    from ffkv.mine.distributed import Prepared
+
+    stream = _stream(mm, s)
+    lens = stream.rows_plan() if s.corpus and Path(s.corpus).is_file() else None
+    if lens is None:
+        return None
+    c = s.chunk_sentences
+    batches, plan, chunks = _plan_of((lens[a:a + c] for a in range(0, len(lens), c)), bt)
+    corpus = {"spec": s.corpus, "field": s.field, "seed": s.seed, "context": s.context,
+              "max_sentences": s.max_sentences, "chunk": c}
+    return Prepared(corpus, stream, chunks, joined=lambda: _record_corpus(run, s, stream)), batches, plan
+
+
 def _ray_plan(run, s: MineSettings, bt: int):
     """The one-process pass's batch plan (packed within each chunk of `chunk_sentences` rows) as
     row indices of the whole table, read chunk by chunk: a shard's batches then span one
@@ -318,9 +343,15 @@ def _ray_plan(run, s: MineSettings, bt: int):
     (first batch, batch count): the actors' tuners take their strata from them."""
     from ffkv.corpus.stream import file_chunks
 
+    return _plan_of((part.column("n_tokens").to_numpy() for part in
+                     file_chunks(run.table_path("sentences"), s.chunk_sentences, ["n_tokens"])), bt)
+
+
+def _plan_of(chunk_lengths, bt: int):
+    """(batches as row indices of the whole table, the plan's `Layout`, (first batch, count) per
+    chunk) from each chunk's sentence lengths."""
     batches, plan, start, chunks = [], Layout(bt), 0, []
-    for part in file_chunks(run.table_path("sentences"), s.chunk_sentences, ["n_tokens"]):
-        lengths = part.column("n_tokens").to_numpy()
+    for lengths in chunk_lengths:
         local = pack(lengths, bt)
         chunks.append((len(batches), len(local)))
         batches += [b + start for b in local]
