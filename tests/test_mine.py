@@ -470,9 +470,22 @@ def test_ray_actors_prepare_their_own_rows_of_token_ids(tmp_path, tiny_dirs):
             "--negative", "--chunk-sentences", 40, "--batch-tokens", 512]
     assert run_cli("mine", "--out", tmp_path / "single", *args).returncode == 0
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    res = run_cli("mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 3, env=env)
+    ray_args = ["mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 3]
+    # a pass that dies once every shard is mined, before the driver joins the parts
+    crash = ("import sys, ffkv.mine.distributed as d\n"
+             "def join(*a): raise SystemExit('died before the join')\n"
+             "d.Prepared.join = join\nfrom ffkv.cli import main\nmain(sys.argv[1:])")
+    p = subprocess.run([sys.executable, "-c", crash, *map(str, ray_args)], capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, timeout=600)
+    assert "died before the join" in p.stderr, p.stderr[-2000:]
+    left = tmp_path / "ray" / ".mine_shards"
+    assert len(list(left.glob("*.npz"))) == 4 and len(list(left.glob("*.sentences.parquet"))) == 3  # + plan.npz
+    next(left.glob("*_0_of_3.npz")).unlink()               # killed before its state was saved
+    next(left.glob("*_2_of_3.sentences.parquet")).unlink()  # a part lost: its shard is redone too
+    assert not (tmp_path / "ray" / "sentences.parquet").exists()
+    res = run_cli(*ray_args, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "3 shard(s) on Ray" in res.stdout and "each preparing its own rows" in res.stdout
+    assert "2 shard(s) on Ray" in res.stdout and "each preparing its own rows" in res.stdout
     assert _table(tmp_path / "ray", "sentences").equals(_table(tmp_path / "single", "sentences"))
     man = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("ray", "single")]
     assert man[0]["corpora"]["sentences"] == man[1]["corpora"]["sentences"]
