@@ -89,6 +89,19 @@ def build_tiny(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0, **kw) 
     return path
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Each test leaves torch's thread count as it found it. An in-process Ray actor
+    (`ShardMiner(threads=1)`) once set it to 1 for the rest of the session, and every later file
+    ran on one core: test_values' SmolLM2 case took 184 s there against 96 s alone."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("tok")
