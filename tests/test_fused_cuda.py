@@ -105,13 +105,51 @@ SCRIPT = PATCH + textwrap.dedent('''
 ''')
 
 
-def _run(script, **env):
+def _start(script, **env) -> subprocess.Popen:
     env = {**os.environ, "TRITON_INTERPRET": "1", "FFKV_TRITON": "1", "FFKV_NUMBA": "0", **env}
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _run(script, **env):
+    return _finish(_start(script, **env))
+
+
+_AHEAD: dict = {}  # test name -> what `_head_start` started for it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _head_start(request, tmp_path_factory):
+    """The two longest interpreter runs (about two minutes each, on one core: the interpreter is
+    Python) start with the module, beside the tests before them, which leave the second core idle."""
+    names = {i.name for i in request.session.items if getattr(i, "module", None) is request.module}
+    if "test_kernels_equal_the_portable_path" in names:
+        _AHEAD["test_kernels_equal_the_portable_path"] = _start(SCRIPT)
+    if "test_mine_end_to_end_equals_the_portable_path" in names:
+        out = tmp_path_factory.mktemp("fused_e2e")
+        _AHEAD["test_mine_end_to_end_equals_the_portable_path"] = (out, _start_fused_mines(
+            out, request.getfixturevalue("tiny_dirs")))
+    yield
+    for got in _AHEAD.values():
+        p = got[1] if isinstance(got, tuple) else got
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    _AHEAD.clear()
 
 
 def test_kernels_equal_the_portable_path():
-    p = _run(SCRIPT)
+    got = _AHEAD.pop("test_kernels_equal_the_portable_path", None)
+    p = _finish(got) if got is not None else _run(SCRIPT)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
 
 
@@ -213,30 +251,43 @@ def test_triton_is_not_imported_by_mining():
     assert p.stdout.strip() == "False", p.stdout + p.stderr[-2000:]
 
 
+E2E_ARCHS = ("llama", "gpt2")
+
+
+def _e2e_args(out, tiny_dirs, arch, flag):
+    from conftest import WT2
+
+    return ["mine", "--out", str(out / f"{arch}{flag}"), "--model", str(tiny_dirs[arch]), "--corpus",
+            str(WT2 / "wiki.valid.tokens"), "--max-sentences", "40", "--top-k", "4", "--negative"]
+
+
+def _start_fused_mines(out, tiny_dirs) -> subprocess.Popen:
+    """The fused runs of the end-to-end test, in one process (the kernels' check runs once, 26 s in
+    the interpreter)."""
+    fused = [_e2e_args(out, tiny_dirs, a, "1") for a in E2E_ARCHS]
+    return _start(PATCH + "import sys\nfrom ffkv.cli import main\n" + "".join(
+        f"try:\n    main({x!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n" for x in fused)
+        + "print('ok')", FFKV_TRITON="1", HF_HUB_OFFLINE="1")
+
+
 def test_mine_end_to_end_equals_the_portable_path(tmp_path, tiny_dirs):
     """`ffkv mine` with the fused kernels (in Triton's interpreter) writes the tables the portable
     path writes, within the resume check's tolerances (the sums round differently): a gated FFN
-    and an ungated one. The fused runs share one process (the kernels' check runs once, 26 s in
-    the interpreter); the portable ones run here."""
-    from conftest import WT2, run_cli
+    and an ungated one. The fused runs share one process, started with the module (`_head_start`);
+    the portable ones run here."""
+    from conftest import run_cli
     from test_mine import _assert_same_mine
 
-    archs = ("llama", "gpt2")
-
-    def args(arch, flag):
-        return ["mine", "--out", str(tmp_path / f"{arch}{flag}"), "--model", str(tiny_dirs[arch]), "--corpus",
-                str(WT2 / "wiki.valid.tokens"), "--max-sentences", "40", "--top-k", "4", "--negative"]
-
-    fused = [args(a, "1") for a in archs]
-    p = _run(PATCH + "import sys\nfrom ffkv.cli import main\n" + "".join(
-        f"try:\n    main({x!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n" for x in fused)
-        + "print('ok')", FFKV_TRITON="1", HF_HUB_OFFLINE="1")
+    out, p = _AHEAD.pop("test_mine_end_to_end_equals_the_portable_path", None) or \
+        (tmp_path, _start_fused_mines(tmp_path, tiny_dirs))
+    for a in E2E_ARCHS:
+        res = run_cli(*_e2e_args(out, tiny_dirs, a, "0"))
+        assert res.returncode == 0, res.stderr
+    p = _finish(p)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
     assert "fused CUDA kernels" not in p.stderr, p.stderr[-3000:]
-    for a in archs:
-        res = run_cli(*args(a, "0"))
-        assert res.returncode == 0, res.stderr
-        _assert_same_mine(tmp_path / f"{a}1", tmp_path / f"{a}0")
+    for a in E2E_ARCHS:
+        _assert_same_mine(out / f"{a}1", out / f"{a}0")
 
 
 def test_fused_ops_per_update():
