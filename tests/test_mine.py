@@ -595,10 +595,15 @@ from ffkv.mine.engine import save_npz
 import ffkv.store.run
 p = Path({str(tmp_path / 'ck.npz')!r})
 a = np.arange(40_000_000)  # 320 MB: the write takes a good part of a second
-threading.Thread(target=lambda: (time.sleep(0.1), os.kill(os.getpid(), signal.SIGINT))).start()
+def kill_once_writing():  # the temp file appears inside the held block: no timing to lose under load
+    while not os.listdir(p.parent):
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=kill_once_writing, daemon=True).start()
 try:
     save_npz(p, {{"a": a}})
-    time.sleep(2)
+    for _ in range(600):  # a signal that came after the write is acted on here, in the same way
+        time.sleep(0.05)
     print("not interrupted")
 except KeyboardInterrupt:
     print("interrupted", np.array_equal(np.load(p)["a"], a))
