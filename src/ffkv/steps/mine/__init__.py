@@ -74,7 +74,9 @@ class MineSettings:
     samples_per_bin: int = setting(5, "Quantile samples kept per key, sign and histogram bin.",
                                    check=between(0, 1000))
     checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
-    ray: str | None = setting(None, "Mine shards on Ray: auto, local, or a cluster ADDRESS.", recorded=False)
+    ray: str | None = setting(None, "Mine shards on Ray: auto, local, or a cluster ADDRESS. With a pre-tokenized "
+                                    "corpus file, each actor decodes its own chunks; otherwise the driver prepares "
+                                    "the corpus first.", recorded=False)
     shards: int | None = setting(None, "Number of shards with --ray (default: one per GPU of the cluster, each "
                                        "on its own actor; 2 on a cluster without GPUs).", check=at_least(1),
                                  recorded=False)
