@@ -72,8 +72,10 @@ def test_pack_equals_both_old_functions_on_random_lengths():
 @given(lens=st.lists(st.integers(0, 600), max_size=200), bt=st.integers(1, 5000),
        mb=st.integers(1, 300), ratio=st.sampled_from([1.0, 1.25, 1.5, 3.0]))
 def test_pack_property(lens, bt, mb, ratio):
-    """Identical to the old functions; every index once; each batch within its limits."""
+    """Identical to the old functions (mining's budget-only plan, searched a batch at a time, too:
+    zero lengths and rows over the budget included); every index once; each batch within its limits."""
     assert same(pack(lens, bt, max_batch=mb), old_pack(lens, bt, mb))
+    assert same(pack(lens, bt), old_pack(lens, bt, len(lens) + 1))
     got = pack(lens, bt, max_batch=mb, ratio=ratio)
     assert same(got, old_pack_tight(lens, bt, ratio, mb))
     lens = np.asarray(lens, dtype=np.int64)

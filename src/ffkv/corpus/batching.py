@@ -23,6 +23,8 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
     batches, whose fixed cost per pass outweighs a few padded tokens."""
     lengths = np.asarray(lengths)
     order = np.argsort(lengths, kind="stable")
+    if max_batch is None and ratio is None:
+        return _by_budget(lengths[order].astype(np.int64), order, int(batch_tokens))
     batches, cur, lo, hi = [], [], 0, 0  # lo, hi: the current batch's shortest and longest
     for i in order:
         L = int(lengths[i])
@@ -37,6 +39,20 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
         hi = max(hi, L)
     if cur:
         batches.append(np.array(cur))
+    return batches
+
+
+def _by_budget(srt: np.ndarray, order: np.ndarray, bt: int) -> list[np.ndarray]:
+    """`pack` under the budget alone, a batch at a time instead of a row at a time (a billion
+    tokens' plan: seconds, not a minute). Sorted, a batch of rows j..e-1 costs srt[e-1]·(e−j),
+    which grows with e, so its end is a search over the rows that could fit."""
+    batches, j, n = [], 0, len(srt)
+    while j < n:
+        w = n - j if srt[j] <= 0 else min(n - j, max(1, bt // int(srt[j])))
+        cost = srt[j:j + w] * np.arange(1, w + 1)
+        e = j + max(1, int(np.searchsorted(cost, bt, side="right")))
+        batches.append(order[j:e].astype(np.int64))
+        j = e
     return batches
 
 
