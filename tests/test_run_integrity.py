@@ -112,9 +112,12 @@ def test_mine_force_mines_again_from_scratch(mined, tiny_dirs, tmp_path):
     before = mine_manifest(run)["steps"]["mine"]["finished"]
     res = run_cli(*mine_args(run, tiny_dirs["gpt2"]))
     assert "nothing to do" in res.stdout
+    (run / ".mine_shards").mkdir()  # a killed Ray pass's shards: --force does not resume them either
+    (run / ".mine_shards" / "x_0_of_2.npz").write_bytes(b"")
     res = run_cli(*mine_args(run, tiny_dirs["gpt2"], "--force"))
     assert res.returncode == 0, res.stderr
     assert "nothing to do" not in res.stdout and mine_manifest(run)["steps"]["mine"]["finished"] > before
+    assert not (run / ".mine_shards").exists()
     # other settings stay refused, --force or not
     one_line_error(run_cli("mine", "--out", run, "--model", tiny_dirs["gpt2"], "--corpus", VALID,
                            "--max-sentences", "20", "--top-k", "4", "--force"), needle="other settings")

@@ -268,8 +268,11 @@ def _compute(ctx) -> dict:
     compile_enabled()
     fit(s, mm)
     checkpoint_every, ray_address, shards = s.checkpoint_every, s.ray, s.shards
-    if ctx.force:
-        (run.path / CKPT).unlink(missing_ok=True)  # from scratch: no resume
+    if ctx.force:  # from scratch: no resume, neither a checkpoint's nor a killed Ray pass's shards
+        import shutil
+
+        (run.path / CKPT).unlink(missing_ok=True)
+        shutil.rmtree(run.path / ".mine_shards", ignore_errors=True)
     whole = _prepare(run, mm, s, force=ctx.force)
     bt = resolve_batch_tokens(mm, s, run.path / CKPT)
     t0 = time.time()
