@@ -269,7 +269,7 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
             if prep is not None:  # the shard's own rows, from its first chunk's
                 first = prep.first_row(prep.shards(shards)[k][0])
                 rows = [r - first for r in rows]
-            todo.append((k, f, [r.tolist() for r in rows], where))
+            todo.append((k, f, [np.asarray(r, np.int64) for r in rows], where))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)"
         + (", each preparing its own rows" if prep is not None else ""))
