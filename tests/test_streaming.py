@@ -130,6 +130,38 @@ def test_chunk_ranges_are_the_whole_streams_chunks(tiny_dirs, tmp_path_factory, 
     assert [c.index for c in got] == list(range(c0, min(c1, len(chunks))))
     for g in got:
         assert g.table().equals(chunks[g.index].table())
+    # an actor's way: the plan's rows of those chunks read alone from the file, then decoded
+    from ffkv.corpus.stream import chunks_of
+    from ffkv.corpus.tokens import read_some
+
+    rows = planned.order[c0 * chunk:c1 * chunk]
+    alone = list(chunks_of(tok, context, rows, *read_some(path, "parquet", rows), c0, chunk)) if len(rows) else []
+    assert [c.table() for c in alone] == [c.table() for c in got]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["parquet", "npy", "u16"]), st.integers(1, 9), st.integers(1, 40), st.data())
+def test_read_some_is_those_rows_of_the_whole_file(tmp_path_factory, kind, width, n, data):
+    """The rows a Ray actor reads of a pre-tokenized file (any rows, any order, repeats) equal
+    those rows of the file read whole, for each kind; a Parquet file of several row groups."""
+    from ffkv.corpus.tokens import read_some, read_tokens
+
+    rng = np.random.default_rng(n * 10 + width)
+    d = tmp_path_factory.mktemp("some")
+    if kind == "parquet":
+        rows = [rng.integers(0, 500, size=int(k)).tolist() for k in rng.integers(0, 12, size=n)]
+        path = d / "ids.parquet"
+        pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path, row_group_size=7)
+    elif kind == "npy":
+        path = d / "ids.npy"
+        np.save(path, rng.integers(0, 500, size=(n, width)).astype(np.int32))
+    else:
+        path = d / "ids.u16"
+        rng.integers(0, 500, size=n * width + n % 3).astype("<u2").tofile(path)
+    whole = read_tokens(path, kind, None, width)
+    want = np.asarray(data.draw(st.lists(st.integers(0, whole.n_rows - 1), max_size=30)), np.int64)
+    vals, offs = read_some(path, kind, want, None, width)
+    assert [vals[offs[i]:offs[i + 1]].tolist() for i in range(len(want))] == [whole.row(int(r)) for r in want]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -409,3 +441,31 @@ def test_prefetched_raises_a_failing_close_instead_of_hanging():
         for x in prefetched(Source(), 2):
             got.append(x)
     assert got == [1, 2, 3]
+
+
+def test_a_shard_out_of_an_actors_reach_is_prepared_by_the_driver(tmp_path, tiny_dirs):
+    """Ray's fallback for an actor that cannot see the corpus file or the run's folder: the driver
+    writes that shard's part itself (`Prepared.prepare_here`) and sends the rows of its batches,
+    read back from the part (`read_rows`): the whole stream's rows of those chunks."""
+    from ffkv.corpus.sources import open_corpus
+    from ffkv.corpus.stream import SentenceStream
+    from ffkv.corpus.tokens import write_parquet
+    from ffkv.mine.distributed import Prepared, read_rows
+    from ffkv.model.memories import open_model
+
+    mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 500, size=int(n)).tolist() for n in rng.integers(0, 40, size=70)]
+    path = write_parquet(tmp_path / "ids.parquet", rows, mm.tok)
+    stream = lambda: SentenceStream(open_corpus(str(path)), mm.tok, mm.max_length, None, None, chunk=8)  # noqa: E731
+    whole = pa.concat_tables([c.table() for c in stream()])
+    planned = stream()
+    planned.rows_plan()
+    prep = Prepared({"spec": str(path), "kind": "parquet", "column": None, "context": 8192, "chunk": 8}, planned, [])
+    prep.prepare_here(mm, 2, 5, tmp_path / "part.parquet")
+    assert pq.read_table(tmp_path / "part.parquet").equals(whole.slice(16, 24))
+    batches = [[0, 7, 3], [23], [12, 1]]  # the shard's own rows
+    got = read_rows(tmp_path / "part.parquet", batches)
+    for b, t in zip(batches, got):
+        assert t.column("sentence_id").to_pylist() == [16 + i for i in b]
+        assert t.column("token_ids").to_pylist() == whole.column("token_ids").take(pa.array([16 + i for i in b])).to_pylist()

@@ -135,6 +135,20 @@ def decode_task(doc_ids, vals, offs) -> tuple:
             np.zeros(len(rows), bool))
 
 
+def chunks_of(tok, max_length: int, rows, vals, offs, first: int, size: int) -> Iterator[Chunk]:
+    """Chunks first, first + 1, ... of a pre-tokenized source, from their sentences' source rows
+    `rows` (sentence ids first·size on) and those rows' ids (flat `vals`, `offs`), decoded here:
+    as the whole stream yields them."""
+    _init(tok, max_length)
+    for i, a in enumerate(range(0, len(rows), size)):
+        b = min(a + size, len(rows))
+        o = np.asarray(offs[a:b + 1], np.int64)
+        d_of, texts, v, oo, _ = decode_task(np.asarray(rows[a:b]), vals[o[0]:o[-1]], o - o[0])
+        start = (first + i) * size
+        yield Chunk(first + i, np.arange(start, start + b - a, dtype=np.int64), d_of, texts,
+                    np.asarray(v, np.int32), np.asarray(oo, np.int64))
+
+
 def batch_decode(tok, rows: list[list[int]]) -> list[str]:
     """`tok.batch_decode(rows, skip_special_tokens=True)`, through the Rust tokenizer's own batch
     call where transformers would only loop over it row by row (a fast tokenizer whose class keeps
@@ -226,6 +240,7 @@ class SentenceStream:
             return None
         if len(order) == 0:
             raise FfkvError(f"corpus {self.src.spec!r} is empty: no sentences found")
+        self.order = order  # the source row of each sentence id: a Ray actor's share to read
         full = np.diff(rows.offsets)[order]
         lens = np.minimum(full, self.max_length)
         self.sentences = self.kept = self.src.stats.sentences = len(order)
@@ -236,14 +251,9 @@ class SentenceStream:
         """Chunks c0..c1-1 of a pre-tokenized source (`rows_plan`'s conditions), equal to those the
         whole stream yields, decoding only their rows: a Ray actor's share (`ffkv.mine.distributed`)."""
         _, rows, order = self._order()
-        _init(self.tok, self.max_length)
-        for c in range(c0, c1):
-            a, b = c * self.chunk, min((c + 1) * self.chunk, len(order))
-            if a >= b:
-                return
-            d_of, texts, vals, offs, _ = decode_task(*self._rows_task(rows, order[a:b]))
-            yield Chunk(c, np.arange(a, b, dtype=np.int64), d_of, texts, np.asarray(vals, np.int32),
-                        np.asarray(offs, np.int64))
+        a, b = c0 * self.chunk, min(c1 * self.chunk, len(order))
+        if a < b:
+            yield from chunks_of(self.tok, self.max_length, *self._rows_task(rows, order[a:b]), c0, self.chunk)
 
     def _tasks(self):
         """(function, args) per task, in document order."""

@@ -134,6 +134,42 @@ def read_tokens(path: Path, kind: str, column: str | None = None, context: int =
     return rows
 
 
+def read_some(path: Path, kind: str, want, column: str | None = None,
+              context: int = DEFAULT_CONTEXT) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `want` (row indices, in that order) of a pre-tokenized file that `read_tokens` has
+    read and checked whole elsewhere, as flat values and offsets, reading only what they need: a
+    Parquet file's row groups that hold them, a .npy's or a stream's pages (memory-mapped). What a
+    Ray actor decodes of its share of a corpus (`ffkv.mine.distributed.Prepared`)."""
+    want = np.asarray(want, np.int64)
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(path) as f:
+            name = _int_list_column(f.schema_arrow, column, _where(path))
+            starts = np.cumsum([0] + [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)])
+            group = np.searchsorted(starts, want, side="right") - 1
+            pieces, at = [], []
+            for g in np.unique(group):
+                sel = np.flatnonzero(group == g)
+                col = f.read_row_group(int(g), columns=[name]).column(name)
+                pieces.append(col.take(pa.array(want[sel] - starts[g])).combine_chunks())
+                at.append(sel)
+        if not pieces:
+            return np.zeros(0, np.int32), np.zeros(1, np.int64)
+        got = pa.chunked_array(pieces).take(pa.array(np.argsort(np.concatenate(at), kind="stable")))
+        return flat_lists(got)
+    if kind == "npy":
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+        rows = np.asarray(a[want])
+        return rows.reshape(-1), np.arange(len(want) + 1, dtype=np.int64) * a.shape[1]
+    values = np.memmap(path, dtype=np.dtype(WIDTHS[kind]), mode="r")
+    offsets = windows(len(values), context)
+    lo, hi = offsets[want], offsets[want + 1]
+    offs = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+    return np.asarray(values[np.repeat(lo - offs[:-1], hi - lo) + np.arange(offs[-1])]), offs
+
+
 def _parquet(path: Path, column: str | None, where: str) -> TokenRows:
     import pyarrow as pa
     import pyarrow.parquet as pq

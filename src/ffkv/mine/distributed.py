@@ -105,9 +105,10 @@ class ShardMiner:
             return k, None, None
         return self._mine_rows(k, got, places)
 
-    def prepare_and_mine(self, k: int, corpus: dict, chunks: tuple[int, int], batch_rows, part: str,
+    def prepare_and_mine(self, k: int, corpus: dict, first: int, source_rows, batch_rows, part: str,
                          places=None):
-        """Shard k from the corpus itself (a pre-tokenized file): its chunks (c0, c1) decoded here,
+        """Shard k from the corpus itself (a pre-tokenized file): its chunks from chunk `first` on,
+        whose sentences are the file's rows `source_rows`, read (those rows only) and decoded here,
         written to `part` (their rows of the run's `sentences` table, a row group a chunk), then
         mined; `batch_rows` index the shard's own rows. (k, None, None) where the corpus or the
         run's folder is out of this node's reach: the driver prepares the shard then."""
@@ -117,8 +118,7 @@ class ShardMiner:
 
         if not Path(corpus["spec"]).is_file() or not Path(part).parent.is_dir():
             return k, None, None
-        stream = corpus_stream(corpus, self.mm)
-        tables = [c.table() for c in stream.chunk_range(*chunks)]
+        tables = prepared_tables(corpus, self.mm, first, source_rows)
         write_part(part, tables)
         rows = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
         return self._mine_rows(k, [rows.take(np.asarray(r, np.int64)) for r in batch_rows], places)
@@ -150,14 +150,14 @@ class ShardMiner:
         return k, state.arrays(), how(self.mm, self.tuner, state.layers)
 
 
-def corpus_stream(corpus: dict, mm):
-    """The mining pass's `SentenceStream` over the corpus `corpus` names (`Prepared.corpus`)."""
-    from ffkv.corpus.sources import open_corpus
-    from ffkv.corpus.stream import SentenceStream
+def prepared_tables(corpus: dict, mm, first: int, source_rows) -> list:
+    """A shard's chunks of `sentences` (from chunk `first` on), from the corpus file's rows
+    `source_rows` alone (`Prepared.corpus` names the file; the driver has checked it whole)."""
+    from ffkv.corpus.stream import chunks_of
+    from ffkv.corpus.tokens import read_some
 
-    src = open_corpus(corpus["spec"], field=corpus["field"], seed=corpus["seed"], context=corpus["context"])
-    return SentenceStream(src, mm.tok, mm.max_length, getattr(mm, "vocab_size", None), corpus["max_sentences"],
-                          chunk=corpus["chunk"], workers=0)
+    vals, offs = read_some(Path(corpus["spec"]), corpus["kind"], source_rows, corpus["column"], corpus["context"])
+    return [c.table() for c in chunks_of(mm.tok, mm.max_length, source_rows, vals, offs, first, corpus["chunk"])]
 
 
 def write_part(path, tables: list) -> None:
@@ -195,9 +195,13 @@ class Prepared:
     def first_row(self, c: int) -> int:
         return c * self.corpus["chunk"]
 
+    def source_rows(self, c0: int, c1: int) -> np.ndarray:
+        """The corpus file's rows of chunks c0..c1-1's sentences, in sentence order."""
+        return self.stream.order[self.first_row(c0):self.first_row(c1)]
+
     def prepare_here(self, mm, c0: int, c1: int, part) -> None:
         """A shard's part made by the driver (its actor could not reach the corpus or the run)."""
-        write_part(part, [c.table() for c in corpus_stream(self.corpus, mm).chunk_range(c0, c1)])
+        write_part(part, prepared_tables(self.corpus, mm, c0, self.source_rows(c0, c1)))
 
     def join(self, run, parts: list) -> None:
         """The parts, in order, as the run's `sentences` table (a row group a chunk, as one process writes it)."""
@@ -294,7 +298,9 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
             cut = prep.shards(shards)
 
             def first(a, k):
-                return a.prepare_and_mine.remote(k, prep.corpus, cut[k][:2], jobs[k], str(parts[k]), places[k])
+                c0, c1 = cut[k][:2]
+                return a.prepare_and_mine.remote(k, prep.corpus, c0, prep.source_rows(c0, c1), jobs[k],
+                                                 str(parts[k]), places[k])
 
             def again(k):  # out of the actor's reach: the driver prepares the part and sends its rows
                 prep.prepare_here(mm, cut[k][0], cut[k][1], parts[k])

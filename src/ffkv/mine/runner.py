@@ -334,8 +334,8 @@ def _actors_prepare(run, mm, s: MineSettings, bt: int):
         return None
     c = s.chunk_sentences
     batches, plan, chunks = _plan_of((lens[a:a + c] for a in range(0, len(lens), c)), bt)
-    corpus = {"spec": s.corpus, "field": s.field, "seed": s.seed, "context": s.context,
-              "max_sentences": s.max_sentences, "chunk": c}
+    corpus = {"spec": s.corpus, "kind": stream.src.kind, "column": stream.src.details.get("column"),
+              "context": s.context, "chunk": c}
     return Prepared(corpus, stream, chunks, joined=lambda: _record_corpus(run, s, stream)), batches, plan
 
 
