@@ -232,7 +232,8 @@ class SentenceStream:
         """A pre-tokenized source's sentence lengths as mined (cut to the context), known from its
         row offsets without decoding a row: what Ray's driver plans the batches from while the
         actors decode their own chunks (`chunk_range`). Sets `counts` as exhausting the stream
-        would. None for a text source, or where rows may be dropped as short (min_tokens > 1)."""
+        would, and lets the ids go (a billion of them: 4 GB the driver need not hold). None for a
+        text source, or where rows may be dropped as short (min_tokens > 1)."""
         if self.min_tokens > 1:
             return None
         _, rows, order = self._order()
@@ -245,6 +246,7 @@ class SentenceStream:
         lens = np.minimum(full, self.max_length)
         self.sentences = self.kept = self.src.stats.sentences = len(order)
         self.tokens, self.truncated = int(lens.sum()), int((full > self.max_length).sum())
+        rows.values = np.empty(0, rows.values.dtype)  # the ids are read again where they are decoded: the driver keeps none
         return lens
 
     def chunk_range(self, c0: int, c1: int) -> Iterator[Chunk]:
