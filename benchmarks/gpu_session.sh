@@ -16,9 +16,11 @@
 # `ffkv mutate` on mine's run (the re-scoring engine on CUDA: its manifest holds the passes' figures);
 # explore is bench_explore.py (serve's explorer: explain, with an intervention) on the fixture's model; mine_inline is the
 # end-to-end run again with the corpus stream inline (--prefetch 0), against the default prefetch
-# thread; host is bench_host.py --overlap (the stream beside a stand-in device, on this box's CPU).
+# thread; host is bench_host.py --overlap (the stream beside a stand-in device, on this box's CPU);
+# ray_driver is bench_host.py --ray-driver (a --ray pass's driver before its actors start: the plan
+# from the ids' offsets against streaming the whole table; no Ray needed, so it runs on the bare box).
 # QUICK=1 DEV=cpu shrinks every size and leaves the 8B shape out (a CPU dry run: 32 GB in float32).
-# PARTS="stats mine smol 1b 8b" runs only the parts named (stats host mine mutate explore mine_eager mine_inline mine_compiled smol forward
+# PARTS="stats mine smol 1b 8b" runs only the parts named (stats host ray_driver mine mutate explore mine_eager mine_inline mine_compiled smol forward
 # compiled compiled_mine 1b stats1b 8b extra), in the order above; stats1b is the stats part on the
 # 1B shape (where its 16,384 keys an update spend the time that keeps it under 120k tok/s); WORKERS=0,4 (the default) also times host preparation;
 # MINE_TOKENS sets the end-to-end runs' size (mine_compiled: --compile auto, the tuner's compiled twin).
@@ -32,7 +34,7 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=${MINE_TOKENS:-20000000} LAYERS=30 T=1; fi
-PARTS=${PARTS:-stats host mine mutate explore mine_eager mine_inline mine_compiled smol forward compiled compiled_mine 1b stats1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
+PARTS=${PARTS:-stats host ray_driver mine mutate explore mine_eager mine_inline mine_compiled smol forward compiled compiled_mine 1b stats1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
 want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
   timeout -k 5 "$((secs * T))" "$@"; local rc=$?
@@ -42,6 +44,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --
 $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'cuda', torch.cuda.is_available(), 'cores', __import__('os').cpu_count())"
 want stats && part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens $S8
 want host && part 60 $PY benchmarks/bench_host.py --corpus $IDS --tokenizer .dev/tok --overlap 368000 --runs 2
+want ray_driver && part 60 $PY benchmarks/bench_host.py --corpus $IDS --tokenizer .dev/tok --ray-driver --runs 3
 { want mine || want mine_eager || want mine_inline || want mine_compiled || want explore; } && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
 want mine && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 want mine && cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null
