@@ -326,10 +326,13 @@ def _actors_prepare(run, mm, s: MineSettings, bt: int):
     else None, and the driver streams the corpus into `sentences` first."""
     from pathlib import Path
 
+    from ffkv.corpus.tokens import kind_of
     from ffkv.mine.distributed import Prepared
 
+    if not (s.corpus and Path(s.corpus).is_file() and kind_of(Path(s.corpus), "")):
+        return None  # text (read once, by the driver's stream), a dataset, or a file:COLUMN spec
     stream = _stream(mm, s)
-    lens = stream.rows_plan() if s.corpus and Path(s.corpus).is_file() else None
+    lens = stream.rows_plan()
     if lens is None:
         return None
     c = s.chunk_sentences
