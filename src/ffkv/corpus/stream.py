@@ -223,15 +223,14 @@ class SentenceStream:
     @staticmethod
     def _rows_task(rows, d) -> tuple:
         """decode_task's arguments for the source rows d, in that order."""
-        lo, hi = rows.offsets[d], rows.offsets[d + 1]
-        offs = np.concatenate([[0], np.cumsum(hi - lo)])
-        vals = rows.values[np.repeat(lo - offs[:-1], hi - lo) + np.arange(offs[-1])]  # the rows, in order
-        return d, vals, offs
+        from ffkv.corpus.tokens import gather
+
+        return (d, *gather(rows.values, rows.offsets, d))
 
     def rows_plan(self) -> np.ndarray | None:
         """A pre-tokenized source's sentence lengths as mined (cut to the context), known from its
         row offsets without decoding a row: what Ray's driver plans the batches from while the
-        actors decode their own chunks (`chunk_range`). Sets `counts` as exhausting the stream
+        actors decode their own chunks (`chunks_of`). Sets `counts` as exhausting the stream
         would, and lets the ids go (a billion of them: 4 GB the driver need not hold). None for a
         text source, or where rows may be dropped as short (min_tokens > 1)."""
         if self.min_tokens > 1:
@@ -248,14 +247,6 @@ class SentenceStream:
         self.tokens, self.truncated = int(lens.sum()), int((full > self.max_length).sum())
         rows.values = np.empty(0, rows.values.dtype)  # the ids are read again where they are decoded: the driver keeps none
         return lens
-
-    def chunk_range(self, c0: int, c1: int) -> Iterator[Chunk]:
-        """Chunks c0..c1-1 of a pre-tokenized source (`rows_plan`'s conditions), equal to those the
-        whole stream yields, decoding only their rows: a Ray actor's share (`ffkv.mine.distributed`)."""
-        _, rows, order = self._order()
-        a, b = c0 * self.chunk, min(c1 * self.chunk, len(order))
-        if a < b:
-            yield from chunks_of(self.tok, self.max_length, *self._rows_task(rows, order[a:b]), c0, self.chunk)
 
     def _tasks(self):
         """(function, args) per task, in document order."""

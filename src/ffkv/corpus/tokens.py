@@ -164,7 +164,12 @@ def read_some(path: Path, kind: str, want, column: str | None = None,
         rows = np.asarray(a[want])
         return rows.reshape(-1), np.arange(len(want) + 1, dtype=np.int64) * a.shape[1]
     values = np.memmap(path, dtype=np.dtype(WIDTHS[kind]), mode="r")
-    offsets = windows(len(values), context)
+    return gather(values, windows(len(values), context), want)
+
+
+def gather(values: np.ndarray, offsets: np.ndarray, want) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `want` of flat rows (row i: values[offsets[i]:offsets[i+1]]), in that order, as flat
+    values and offsets: one fancy index, no list per row."""
     lo, hi = offsets[want], offsets[want + 1]
     offs = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
     return np.asarray(values[np.repeat(lo - offs[:-1], hi - lo) + np.arange(offs[-1])]), offs

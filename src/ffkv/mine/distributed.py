@@ -259,8 +259,8 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
     key = s.key()
     todo, state = [], new_state(mm, s)
     chunk_of = None if chunks is None else [(c0, n) for c0, n in chunks for _ in range(n)]
-    bounds = ([(b0, b1) for _, _, b0, b1 in prep.shards(shards)] if prep is not None
-              else shard_bounds(len(batches), shards))
+    cut = prep.shards(shards) if prep is not None else None  # (first chunk, end chunk, first batch, end batch)
+    bounds = [(b0, b1) for _, _, b0, b1 in cut] if cut is not None else shard_bounds(len(batches), shards)
     parts = [shard_dir / f"{key}_{k}_of_{shards}.sentences.parquet" for k in range(shards)]
     for k, (a, b) in enumerate(bounds):
         f = shard_dir / f"{key}_{k}_of_{shards}.npz"
@@ -271,7 +271,7 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
             where = [(j, *chunk_of[j]) for j in range(a, b)] if chunk_of is not None else None
             rows = [np.asarray(batches[j]) for j in range(a, b)]
             if prep is not None:  # the shard's own rows, from its first chunk's
-                first = prep.first_row(prep.shards(shards)[k][0])
+                first = prep.first_row(cut[k][0])
                 rows = [r - first for r in rows]
             todo.append((k, f, [np.asarray(r, np.int64) for r in rows], where))
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
@@ -295,8 +295,6 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
         if prep is None:
             first = again = None
         else:
-            cut = prep.shards(shards)
-
             def first(a, k):
                 c0, c1 = cut[k][:2]
                 return a.prepare_and_mine.remote(k, prep.corpus, c0, prep.source_rows(c0, c1), jobs[k],
