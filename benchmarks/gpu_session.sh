@@ -66,7 +66,7 @@ want stats1b && part 100 $PY benchmarks/bench_stats_gpu.py --shape llama-1b --co
 [ "${QUICK:-0}" = 1 ] || { want 8b && part 130 $PY benchmarks/bench_gpu.py --shape llama-8b --corpus $IDS --tokens $S8 --workers 0 --host-tokens 100000 --compile; }
 if want extra; then
 part 30 $PY -m ffkv.cli explain "The capital of France is" --model "$W/model" --device $DEV --top 2 --json
-part 150 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV
+part 240 $PY -m ffkv.cli reproduce "$W/rep" --model "$W/model" --corpus "$W/stream.u16" --compose-corpus "$W/held.u16" --device $DEV --no-semantic
 fi
 } 2>&1 | grep --line-buffered -v "profiler_st" | tee "$OUT/gpu_session.log"
 cp "$W/rep/manifest.json" "$OUT/rep_manifest.json" 2>/dev/null

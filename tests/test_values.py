@@ -422,6 +422,37 @@ def test_chunk_and_seed_invariance(tmp_path, tiny_dirs):
                                                        equal_nan=True), (n, col)
 
 
+def test_a_bf16_model_projects_its_values_in_float32(tmp_path, tiny_dirs):
+    """On a GPU the model runs in bf16, whose logits tie (about half of a value's rows at its 20th
+    token): the values step reads them in float32, so a bf16 model gives the tables of a float32
+    model holding the same (bf16-rounded) weights."""
+    from ffkv.model.memories import lens_for
+
+    half = open_model(str(tiny_dirs["llama"]), device="cpu", dtype="bfloat16")
+    full = open_model(str(tiny_dirs["llama"]), device="cpu", dtype="float32")
+    assert half.dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in full.hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    for name in ("naive", "norm"):
+        z = lens_for(half, name).direction_logits(half.values(0))
+        want = (full.values(0) * (lens_for(full, name).gain if name == "norm" else 1)) @ full.lens.E.T
+        assert z.dtype == torch.float32 and torch.allclose(z, want, rtol=1e-5, atol=1e-6), name
+    syn = Synth(full.n_layers, full.d_m, full.vocab_size, n_rank=3, seed=4)
+    tabs = []
+    for mm, tag in ((half, "bf16"), (full, "f32")):
+        run = make_run(tmp_path / tag, mm, syn)
+        compute_values(run, mm, permutations=5, show_progress=False, table2_n=4)
+        tabs.append({n: run.read_table(n).to_pydict() for n in ("values", "value_index")})
+    for n in tabs[0]:
+        for col, a in tabs[0][n].items():
+            b = tabs[1][n][col]
+            if col in ("top_probs", "max_prob", "entropy", "prob"):
+                assert np.allclose(np.array(a, float), np.array(b, float), rtol=1e-4, atol=1e-7), (n, col)
+            else:
+                assert a == b, (n, col)
+
+
 def test_skip_when_done(tmp_path, tiny_dirs):
     mm = open_model(str(tiny_dirs["opt"]), device="cpu")
     syn = Synth(mm.n_layers, mm.d_m, mm.vocab_size, n_rank=2, signs=(1,), seed=4)

@@ -31,6 +31,7 @@ class ReproduceSettings:
     prefixes_per_sentence: int = 1  # compose --per-sentence: used only when the held-out split runs short
     keys_per_layer: int = 3  # mutate: keys per layer (the paper: 100); 3 × 50 examples × 30 layers
     semantic_keys_per_layer: int = 10  # the paper's experts read 10 keys per layer
+    semantic: bool = True  # False: shallow patterns only (no sentence encoder needed)
     normalize: str = "reproduce"  # "reproduce": the ≤ 2-minute sizing; "default": `ffkv normalize` as is
     negative: bool | None = None  # None: mine negatives when the FFN is gated
     device: str = "auto"
@@ -111,6 +112,10 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
     from ffkv.steps.lifecycle import execute
 
     run = Path(run)
+    if s.semantic:  # before any step runs: a missing encoder would otherwise stop it at step 5
+        from ffkv.experiments.patterns.semantic import require_encoder
+
+        require_encoder()
     r, mm = _open(run, s)
     times = {}
     plan = plan_steps(s, mm)

@@ -20,6 +20,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
               prefixes_per_sentence: Optional[int] = typer.Option(None, "--prefixes-per-sentence", min=1, help="Compose's --per-sentence: up to this many prefixes of one held-out sentence when sentences run short (default 1; full preset 2)."),
               keys_per_layer: Optional[int] = typer.Option(None, "--keys-per-layer", min=1, help="Keys per layer for mutate (default 3; the paper: 100)."),
               semantic_keys_per_layer: Optional[int] = typer.Option(None, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns (default 10, as the paper)."),
+              semantic: bool = typer.Option(True, "--semantic/--no-semantic", help="Semantic patterns too (needs the sentence encoder package); --no-semantic: shallow patterns only."),
               negative: Optional[bool] = typer.Option(None, "--negative/--no-negative", help="Mine most-negative triggers too (default: when the FFN is gated)."),
               seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of every sample."),
               device: str = DeviceOpt, dtype: str = DtypeOpt):
@@ -36,7 +37,7 @@ def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN
              "prefixes_per_sentence": prefixes_per_sentence, "keys_per_layer": keys_per_layer,
              "semantic_keys_per_layer": semantic_keys_per_layer}
     s = make_preset(preset, model=model_name, corpus=corpus, compose_corpus=compose_corpus, negative=negative,
-                    device=device, dtype=dtype, seed=seed, **{k: v for k, v in typed.items() if v is not None})
+                    semantic=semantic, device=device, dtype=dtype, seed=seed, **{k: v for k, v in typed.items() if v is not None})
     res = run_reproduce(run_dir, s, show=show_step)
     print()
     for line in summary_lines(run_dir, res["times"])[:10]:

@@ -193,12 +193,9 @@ class _Projector:
         rows = min(chunk, WORK_ROWS)
         self.work = (torch.empty(rows, mm.vocab_size, device=mm.device),
                      torch.empty(rows, mm.vocab_size, device=mm.device))
-        self.zbuf = (torch.empty(chunk, mm.vocab_size, device=mm.device)
-                     if lens.E.dtype == torch.float32 else None)
+        self.zbuf = torch.empty(chunk, mm.vocab_size, device=mm.device)
 
     def logits(self, W):
-        if self.zbuf is None:
-            return self.lens.direction_logits(W).float()
         return self.lens.direction_logits(W, out=self.zbuf[: len(W)])
 
 

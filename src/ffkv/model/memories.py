@@ -110,11 +110,14 @@ class Lens:
     @torch.no_grad()
     def direction_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., d) weight directions (values, keys) -> (..., V) logits, or (..., len(tokens)).
+        """(..., d) weight directions (values, keys) -> (..., V) float32 logits, or (..., len(tokens)).
 
-        `out`: an optional preallocated result (reused across chunks to avoid page faults)."""
-        v = self._direction(v.to(self.E.dtype))
-        return torch.matmul(v, (self.E if tokens is None else self.E[tokens]).T, out=out)
+        Float32 whatever the model's dtype: in bf16 half of a value's rows tie at their 20th token
+        (random SmolLM2 shape), and top-k, ranks and the index all read ties. The weights are
+        upcast exactly, so a bf16 model on a GPU gets the logits its weights give on a CPU.
+        `out`: an optional preallocated float32 result (reused across chunks to avoid page faults)."""
+        v = self._direction(v.float())
+        return torch.matmul(v, (self.E if tokens is None else self.E[tokens]).float().T, out=out)
 
     def top(self, h: torch.Tensor) -> torch.Tensor:
         return self.logits(h).argmax(-1)
@@ -149,7 +152,7 @@ class NormLens(Lens):
         return self.model_logits(h)
 
     def _direction(self, v: torch.Tensor) -> torch.Tensor:
-        return v * self.gain
+        return v * self.gain.to(v.dtype)
 
 
 LENS_TYPES: dict[str, type[Lens]] = {c.name: c for c in (NaiveLens, NormLens)}

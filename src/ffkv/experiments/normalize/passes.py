@@ -167,6 +167,10 @@ class Accum:
         arr = self.sums.setdefault(key, np.zeros(self.J))
         arr[sent] += per_row
 
+    def count(self, key, sent: np.ndarray, rows: torch.Tensor) -> None:
+        """One per row of `rows`, on their device (a CPU tensor beside CUDA rows stops bincount)."""
+        self.add(key, torch.ones(len(rows), device=rows.device), sent, rows)
+
 
 class _Eval:
     """The held-out pass at one layer: concentration, output error, variance, and each job's y' − y."""
@@ -233,8 +237,8 @@ def evaluate(mm, seqs: list[list[int]], n_sweep: int, plan: Plan, fitted: dict, 
         cache = intact(mm, ids, mask, callback=_per_layer(plan.fit_layers, ev), what=("x", "m", "y"))
         tg = Targets.of(ids, mask)
         acc.add(("nll", "intact"), token_nll(mm, cache.final, tg), idx, tg.rows)
-        acc.add(("pred",), torch.ones(len(tg.rows)), idx, tg.rows)
-        acc.add(("tok",), torch.ones(len(ev.rows)), idx, ev.rows)
+        acc.count(("pred",), idx, tg.rows)
+        acc.count(("tok",), idx, ev.rows)
         done_tokens += int(mask.sum())
         if bar is not None:
             bar.update(task, advance=1, tokens=done_tokens)

