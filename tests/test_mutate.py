@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from conftest import WT2, build_tiny, run_cli
@@ -177,8 +178,9 @@ def test_mutations_match_direct_forward(runs, tiny_models, arch):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "llama"])
-def test_prefix_sharing_equals_direct_forward(tiny_models, arch):
-    """Variants computed from their original's cached keys/values equal lone passes."""
+def test_prefix_sharing_equals_direct_forward(tiny_models, arch, monkeypatch):
+    """Variants computed from their original's cached keys/values equal lone passes; so do they
+    with CUDA's pass cost, whose batches mix leaves of many layers."""
     mm = tiny_models[arch]
     assert M.sharing_ok(mm)
     rng = random.Random(2)
@@ -208,6 +210,12 @@ def test_prefix_sharing_equals_direct_forward(tiny_models, arch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ref, want, rtol=1e-4, atol=1e-5)
     assert shared.tokens_run < plain.tokens_run and shared.layer_tokens < plain.layer_tokens
+    wide, merged = M.RescoreStats(), M.RescoreStats()
+    M.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=wide)
+    monkeypatch.setattr(M, "pass_tokens", lambda device: M.CUDA_PASS_TOKENS)
+    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=merged)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert merged.batches < wide.batches and merged.layer_tokens >= wide.layer_tokens
 
 
 def test_mutate_shares_prefixes(runs, tiny_models):
@@ -311,6 +319,33 @@ def test_batch_size_and_determinism(runs, tiny_models):
     c = M.mutate(run, mm, keys_per_layer=2, examples=5, seed=6, write=False, show_progress=False).mutations
     assert c.column("dim").to_pylist() != a.column("dim").to_pylist() or \
         c.column("removed_position").to_pylist() != a.column("removed_position").to_pylist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 7)), min_size=1, max_size=60),
+       st.sampled_from([64, 256, 2048]), st.integers(1, 300), st.sampled_from([1.5, None]),
+       st.sampled_from([0, 48, 8192]))
+def test_batches_merge_only_what_pays(rows, bt, max_rows, ratio, fixed):
+    """Every member once; each batch in its budget (a row over it alone); the modelled cost (each
+    batch run to its deepest member) never above the batches of one layer each."""
+    lengths = np.array([r[0] for r in rows])
+    deepest = np.array([r[1] for r in rows])
+    members = np.arange(len(rows))[::-1].copy()
+    got = M._batches(lengths, deepest, members, bt, max_rows, ratio, fixed)
+    assert sorted(np.concatenate(got).tolist()) == sorted(members.tolist())
+
+    def cost(bs):
+        return sum(M._pass_cost(len(b), int(lengths[b].max()), int(deepest[b].max()), fixed) for b in bs)
+
+    apart = []
+    for L in np.unique(deepest):
+        m = members[deepest[members] == L]
+        apart += [m[b] for b in pack(lengths[m], bt, max_batch=max_rows, ratio=ratio, slack=M.SLACK)]
+    for b in got:
+        assert len(b) == 1 or (len(b) <= max_rows and len(b) * lengths[b].max() <= bt)
+    assert cost(got) <= cost(apart)
+    if fixed == 0:  # nothing to save: no batch spans two layers
+        assert all(len(set(deepest[b].tolist())) == 1 for b in got)
 
 
 def test_pack_tight():

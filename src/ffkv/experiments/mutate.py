@@ -126,17 +126,42 @@ SLACK = 48
 
 
 MAX_ROWS = 256  # rows of a re-scoring batch on a CPU (`ffkv.corpus.batching.step_batch` on CUDA)
+# A pass's fixed cost per layer, in tokens of that layer: SLACK on a CPU; on CUDA a layer's
+# launches and Python (about 0.5 ms on an H100) against some 0.1 µs a token of SmolLM2's shape.
+CUDA_PASS_TOKENS = 8192
+
+
+def pass_tokens(device) -> int:
+    return CUDA_PASS_TOKENS if str(device).startswith("cuda") else SLACK
+
+
+def _pass_cost(rows: int, length: int, deep: int, fixed: int) -> int:
+    """A pass of `rows` rows of `length` tokens to layer `deep`, in layer-tokens."""
+    return (deep + 1) * (fixed + rows * length)
 
 
 def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batch_tokens: int,
-             max_rows: int = MAX_ROWS, ratio: float | None = 1.5):
+             max_rows: int = MAX_ROWS, ratio: float | None = 1.5, fixed: int = SLACK):
     """Index batches of `members`: groups of equal deepest layer, packed by length (tightly on a
-    CPU: `ffkv.corpus.batching.tight_ratio`)."""
-    out = []
-    for L in np.unique(deepest[members]):
+    CPU: `ffkv.corpus.batching.tight_ratio`), deepest first. A group's first batch joins the batch
+    before it (of a deeper group) when running it that deep costs less than a pass of its own
+    (`fixed`: a pass's cost per layer in tokens, `pass_tokens`). Why: a root's leaves read many
+    layers, and one small leaf batch per layer made a pass for every 2 to 3 sequences."""
+    out, shape = [], None  # shape: (rows, length, deep) of out[-1]
+    for L in np.unique(deepest[members])[::-1]:
         m = members[deepest[members] == L]
         for b in pack(lengths[m], batch_tokens, max_batch=max_rows, ratio=ratio, slack=SLACK):
-            out.append(m[b])
+            b = m[b]
+            rows, length = len(b), int(lengths[b].max())
+            if shape is not None:
+                r0, l0, d0 = shape
+                r1, l1 = r0 + rows, max(l0, length)
+                if (r1 * l1 <= batch_tokens and r1 <= max_rows and _pass_cost(r1, l1, d0, fixed)
+                        <= _pass_cost(r0, l0, d0, fixed) + _pass_cost(rows, length, int(L), fixed)):
+                    out[-1], shape = np.concatenate([out[-1], b]), (r1, l1, d0)
+                    continue
+            out.append(b)
+            shape = (rows, length, int(L))
     return out
 
 
@@ -323,6 +348,7 @@ class _Passes:
         self.out, self.st, self.bar, self.batch_tokens = out, st, bar, batch_tokens
         self.max_rows = max_rows
         self.ratio = tight_ratio(getattr(mm, "device", "cpu"))
+        self.fixed = pass_tokens(getattr(mm, "device", "cpu"))
         self.max_pos = _context(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
@@ -343,7 +369,8 @@ class _Passes:
     def run(self) -> None:
         zero = np.zeros(len(self.run_seqs), dtype=np.int64)
         roots = np.nonzero(self.parent < 0)[0]
-        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows, self.ratio):
+        for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows, self.ratio,
+                            self.fixed):
             self.root_batch(b, zero)
 
     def root_batch(self, b: np.ndarray, zero: np.ndarray) -> None:
@@ -360,7 +387,8 @@ class _Passes:
         cache = DynamicCache(config=mm.hf.config)
         self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows, self.ratio):
+        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows, self.ratio,
+                             self.fixed):
             self.leaf_batch(lb, cache, row_of_root, ids.device)
 
     def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
