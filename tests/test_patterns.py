@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from conftest import wikitext_sentences
 from ffkv.experiments import patterns as P
@@ -83,6 +84,27 @@ def test_norm_word():
     assert [P.norm_word(w) for w in ("bases", "Base", "cities", "churches", "boxes", "class", "bus",
                                      "analysis", "as")] == \
         ["base", "base", "city", "church", "box", "class", "bus", "analysis", "as"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(["the", "of", "a", "cat", "cats", "sat", "mat", "on", "x"]), max_size=12),
+                max_size=10), st.integers(1, 4))
+def test_has_cover_is_every_frequent_ngram(nws, min_cover):
+    """The apriori cover equals brute force: every contiguous 1–3 word n-gram not made only of
+    stop words, with the prefixes holding it, wherever it covers at least min_cover of them."""
+    from ffkv.experiments.patterns.shallow import _has_cover
+    from ffkv.experiments.patterns.words import STOP
+
+    brute: dict = {}
+    for i, nw in enumerate(nws):
+        for n in (1, 2, 3):
+            for j in range(len(nw) - n + 1):
+                g = tuple(nw[j:j + n])
+                if not STOP.issuperset(g):
+                    brute.setdefault(("has", g), set()).add(i)
+    want = {f: c for f, c in brute.items() if len(c) >= min_cover}
+    got = {f: c for f, c in _has_cover(nws, min_cover).items() if len(c) >= min_cover}
+    assert got == want
 
 
 def test_planted_shallow_patterns(background):
@@ -408,6 +430,21 @@ def test_patterns_run_tables(prun, tiny_models):
         assert f["keys"] == len(ks)
         assert f["not_covered"] == pytest.approx(sum(k["not_covered"] for k in ks) / (25 * len(ks)))
     assert {f["scope"] for f in res.fig2.to_pylist()} == {"all", "semantic_sample"}
+
+
+def test_workers_give_the_serial_tables(prun, tiny_models, monkeypatch):
+    """Shallow patterns found in forked workers, a few keys a task, equal the serial pass's tables
+    (semantic patterns too, which stay in this process)."""
+    from ffkv.experiments.patterns import step as S
+
+    tok = tiny_models["gpt2"].tok
+    monkeypatch.setattr(S, "KEYS_PER_TASK", 3)
+    runs = [P.patterns(prun, tok, semantic_keys_per_layer=3, background=300, write=False, embedder=HashEmbedder(),
+                       show_progress=False, workers=w) for w in (0, 2, 3)]
+    assert runs[0].keys.num_rows >= 4 * S.KEYS_PER_TASK and runs[0].patterns.num_rows > 0
+    for r in runs[1:]:
+        assert r.patterns.equals(runs[0].patterns) and r.keys.equals(runs[0].keys) and r.fig2.equals(runs[0].fig2)
+    assert S.resolve_workers(0) == 0 and S.resolve_workers(5) == 5 and 0 <= S.resolve_workers(None) <= 8
 
 
 def test_patterns_sample_and_strict_alpha(prun, tiny_models):

@@ -50,38 +50,28 @@ def _end_cover(prefixes: list[Prefix]) -> tuple[dict, dict]:
     return cover, surf
 
 
-def _runs(nw: list[str], frequent: set) -> set:
-    """1–3 word n-grams inside runs of consecutive frequent words."""
-    feats: set = set()
-    run: list[str] = []
-    for w in nw:
-        if w in frequent:
-            run.append(w)
-        elif run:
-            _grams(run, feats)
-            run = []
-    if run:
-        _grams(run, feats)
-    return feats
-
-
-def _grams(run: list[str], feats: set) -> None:
-    """Add run's 1-, 2- and 3-word n-grams (as tuples) to feats."""
-    feats.update(zip(run))
-    feats.update(zip(run, run[1:]))
-    feats.update(zip(run, run[1:], run[2:]))
-
-
 def _has_cover(nws: list[list[str]], min_cover: int) -> dict:
-    """("has", n-gram) -> prefixes containing it, for n-grams not made only of STOP words.
+    """("has", n-gram) -> prefixes containing it, for 1–3 word n-grams not made only of STOP words.
 
-    Apriori: an n-gram covering ≥ min_cover prefixes is made of frequent words, so only runs of
-    consecutive frequent words are expanded."""
+    Apriori: an n-gram covering ≥ min_cover prefixes is made of frequent words, so only n-grams of
+    consecutive frequent words are formed (the n-grams of rarer words are never built)."""
     uni = Counter(w for nw in nws for w in set(nw))
     frequent = {w for w, c in uni.items() if c >= min_cover}
     has_cover: dict = {}
     for i, nw in enumerate(nws):
-        for g in _runs(nw, frequent):
+        feats: set = set()
+        a = b = None  # the two words before w, when frequent and consecutive
+        for w in nw:
+            if w not in frequent:
+                a = b = None
+                continue
+            feats.add((w,))
+            if b is not None:
+                feats.add((b, w))
+                if a is not None:
+                    feats.add((a, b, w))
+            a, b = b, w
+        for g in feats:
             if not STOP.issuperset(g):
                 has_cover.setdefault(("has", g), set()).add(i)
     return has_cover

@@ -44,6 +44,9 @@ class PatternsSettings:
                              flag="--semantic/--no-semantic")
     device: str = setting("auto", "Of the sentence encoder (the command's --device); results do not depend on it.",
                           recorded=False)
+    workers: int | None = setting(None, "Processes that find the shallow patterns, runs of keys each (0: in this "
+                                        "process; default: one per core up to 8). Results do not depend on it.",
+                                  check=between(0, 256), recorded=False)
 
 
 def record(run, s: PatternsSettings) -> dict:
