@@ -440,7 +440,7 @@ def test_workers_give_the_serial_tables(prun, tiny_models, monkeypatch):
     tok = tiny_models["gpt2"].tok
     monkeypatch.setattr(S, "KEYS_PER_TASK", 3)
     runs = [P.patterns(prun, tok, semantic_keys_per_layer=3, background=300, write=False, embedder=HashEmbedder(),
-                       show_progress=False, workers=w) for w in (0, 2, 3)]
+                       show_progress=False, workers=w) for w in (0, 3)]
     assert runs[0].keys.num_rows >= 4 * S.KEYS_PER_TASK and runs[0].patterns.num_rows > 0
     for r in runs[1:]:
         assert r.patterns.equals(runs[0].patterns) and r.keys.equals(runs[0].keys) and r.fig2.equals(runs[0].fig2)
