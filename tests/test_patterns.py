@@ -447,6 +447,24 @@ def test_workers_give_the_serial_tables(prun, tiny_models, monkeypatch):
     assert S.resolve_workers(0) == 0 and S.resolve_workers(5) == 5 and 0 <= S.resolve_workers(None) <= 8
 
 
+def _worker_dies(lo, hi):
+    import os
+
+    os._exit(3)
+
+
+def test_a_dead_worker_is_one_line(prun, tiny_models, monkeypatch):
+    from ffkv.errors import FfkvError
+    from ffkv.experiments.patterns import step as S
+
+    monkeypatch.setattr(S, "KEYS_PER_TASK", 3)
+    monkeypatch.setattr(S, "_shallow_keys", _worker_dies)
+    with pytest.raises(FfkvError, match="worker process died.*--workers 0"):
+        P.patterns(prun, tiny_models["gpt2"].tok, semantic=False, background=300, write=False,
+                   show_progress=False, workers=2)
+    assert not S._SHARED
+
+
 def test_patterns_sample_and_strict_alpha(prun, tiny_models):
     tok = tiny_models["gpt2"].tok
     res = P.patterns(prun, tok, keys_per_layer=7, semantic=False, background=300, write=False,

@@ -186,6 +186,7 @@ def _shallow_all(prefixes, ranks, bounds, bg, min_cover: int, alpha: float, work
             return out
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
         tasks = [(a, min(n_keys, a + KEYS_PER_TASK)) for a in range(0, n_keys, KEYS_PER_TASK)]
         before = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -198,6 +199,9 @@ def _shallow_all(prefixes, ranks, bounds, bg, min_cover: int, alpha: float, work
                     out += f.result()
                     advance(b - a)
                 return out
+        except BrokenProcessPool:
+            raise FfkvError(f"a patterns worker process died (out of memory?); run again with fewer "
+                            f"--workers than {workers}, or --workers 0") from None
         finally:
             if before is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
