@@ -210,6 +210,12 @@ def test_prefix_sharing_equals_direct_forward(tiny_models, arch, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ref, want, rtol=1e-4, atol=1e-5)
     assert shared.tokens_run < plain.tokens_run and shared.layer_tokens < plain.layer_tokens
+    monkeypatch.setattr(M, "PAST_FACTOR", 0.25)  # leaf batches split by their copied prefixes
+    split = M.RescoreStats()
+    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=split)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert split.batches > shared.batches and split.tokens_run == shared.tokens_run
+    monkeypatch.setattr(M, "PAST_FACTOR", 4)
     wide, merged = M.RescoreStats(), M.RescoreStats()
     M.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=wide)
     monkeypatch.setattr(M, "pass_tokens", lambda device: M.CUDA_PASS_TOKENS)
@@ -346,6 +352,21 @@ def test_batches_merge_only_what_pays(rows, bt, max_rows, ratio, fixed):
     assert cost(got) <= cost(apart)
     if fixed == 0:  # nothing to save: no batch spans two layers
         assert all(len(set(deepest[b].tolist())) == 1 for b in got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=80), st.integers(1, 2048))
+def test_leaf_batches_bound_their_copied_prefixes(shares, bt):
+    """Pieces of a leaf batch: every row once, and rows × longest shared prefix within
+    PAST_FACTOR × the budget, or a row alone."""
+    share = np.array(shares)
+    lb = np.arange(len(share))[::-1].copy()
+    parts = M._past_bounded(lb, share, bt)
+    assert sorted(np.concatenate(parts).tolist()) == sorted(lb.tolist())
+    for p in parts:
+        assert len(p) == 1 or len(p) * share[p].max() <= M.PAST_FACTOR * bt
+    if len(lb) * share.max() <= M.PAST_FACTOR * bt:
+        assert len(parts) == 1 and (parts[0] == lb).all()
 
 
 def test_pack_tight():

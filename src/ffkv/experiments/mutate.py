@@ -165,6 +165,27 @@ def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batc
     return out
 
 
+PAST_FACTOR = 4  # a leaf batch's gathered cache: at most this many root batches' worth of tokens
+
+
+def _past_bounded(lb: np.ndarray, share: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Leaf batch `lb` in pieces whose gathered past (rows × their longest shared prefix) stays
+    under PAST_FACTOR × batch_tokens. Why: the budget counts a leaf's new tokens only, so leaves
+    with a few new tokens after a long prefix (a token removed near the end) packed up to the
+    row cap, and their copied keys and values grew with the context (an 8B model at 1,024 tokens:
+    hundreds of GB)."""
+    cap = PAST_FACTOR * batch_tokens
+    if len(lb) * int(share[lb].max(initial=0)) <= cap:
+        return [lb]
+    lb = lb[np.argsort(share[lb], kind="stable")]
+    out, start = [], 0
+    for i in range(1, len(lb) + 1):
+        if i == len(lb) or (i + 1 - start) * int(share[lb[i]]) > cap:
+            out.append(lb[start:i])
+            start = i
+    return out
+
+
 def sharing_ok(mm) -> bool:
     """Does continuing a cached prefix (past keys/values, explicit position ids) reproduce a full
     pass on this model? Checked once per model on a random 9-token sequence; when it does not
@@ -389,7 +410,8 @@ class _Passes:
         row_of_root = {int(s): k for k, s in enumerate(b)}
         for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows, self.ratio,
                              self.fixed):
-            self.leaf_batch(lb, cache, row_of_root, ids.device)
+            for part in _past_bounded(lb, self.share, self.batch_tokens):
+                self.leaf_batch(part, cache, row_of_root, ids.device)
 
     def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
         """Run the tokens of leaves `lb` after their shared prefix, on their roots' cached keys and
