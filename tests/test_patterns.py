@@ -444,7 +444,7 @@ def test_workers_give_the_serial_tables(prun, tiny_models, monkeypatch):
     assert runs[0].keys.num_rows >= 4 * S.KEYS_PER_TASK and runs[0].patterns.num_rows > 0
     for r in runs[1:]:
         assert r.patterns.equals(runs[0].patterns) and r.keys.equals(runs[0].keys) and r.fig2.equals(runs[0].fig2)
-    assert S.resolve_workers(0) == 0 and S.resolve_workers(5) == 5 and 0 <= S.resolve_workers(None) <= 8
+    assert S.shallow_workers(0) == 0 and S.shallow_workers(5) == 5 and 0 <= S.shallow_workers(None) <= 8
 
 
 def _worker_dies(lo, hi):

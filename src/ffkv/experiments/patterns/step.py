@@ -146,9 +146,9 @@ def _embed_semantic_prefixes(embedder, prefixes, cols, bounds, sem_keys, pb) -> 
 _SHARED: dict = {}  # what forked workers read: set before the pool starts, never pickled
 
 
-def resolve_workers(workers: int | None) -> int:
-    """--workers as given; by default one per core up to 8, and 0 (this process) on one core.
-    Each worker is a fork that reads the prefixes in place."""
+def shallow_workers(workers: int | None) -> int:
+    """--workers as given; by default one per core up to 8, and 0 (this process) on one core or
+    where processes cannot fork (each worker reads the prefixes in place, never pickled)."""
     import multiprocessing as mp
 
     from ffkv.corpus.stream import cores
@@ -173,40 +173,32 @@ def _shallow_all(prefixes, ranks, bounds, bg, min_cover: int, alpha: float, work
     """`shallow_patterns` of every key, in order: in this process, or in `workers` forks, each
     given runs of consecutive keys (why: pure Python, 46,080 keys took 85 s on one core of a
     16-core GPU host). `advance(n)` as keys finish."""
-    import os
-
     n_keys = len(bounds) - 1
+    tasks = [(a, min(n_keys, a + KEYS_PER_TASK)) for a in range(0, n_keys, KEYS_PER_TASK)]
     _SHARED.update(prefixes=prefixes, ranks=ranks, bounds=bounds, bg=bg, min_cover=min_cover, alpha=alpha)
+    out: list = []
     try:
-        if workers <= 0 or n_keys < 2 * KEYS_PER_TASK:
-            out = []
-            for a in range(0, n_keys, KEYS_PER_TASK):
-                out += _shallow_keys(a, min(n_keys, a + KEYS_PER_TASK))
-                advance(min(n_keys, a + KEYS_PER_TASK) - a)
+        if workers <= 0 or len(tasks) < 2:
+            for a, b in tasks:
+                out += _shallow_keys(a, b)
+                advance(b - a)
             return out
         import multiprocessing as mp
+        import os
         from concurrent.futures import ProcessPoolExecutor
         from concurrent.futures.process import BrokenProcessPool
 
-        tasks = [(a, min(n_keys, a + KEYS_PER_TASK)) for a in range(0, n_keys, KEYS_PER_TASK)]
-        before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the forks use no tokenizer; this silences its warning
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the CLI sets it: the forks tokenize nothing
         try:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=mp.get_context("fork")) as pool:
                 futures = [pool.submit(_shallow_keys, a, b) for a, b in tasks]
-                out = []
                 for (a, b), f in zip(tasks, futures):  # in order: the tables are the serial pass's
                     out += f.result()
                     advance(b - a)
-                return out
+            return out
         except BrokenProcessPool:
             raise FfkvError(f"a patterns worker process died (out of memory?); run again with fewer "
                             f"--workers than {workers}, or --workers 0") from None
-        finally:
-            if before is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = before
     finally:
         _SHARED.clear()
 
@@ -222,7 +214,7 @@ def patterns(run, tok, keys_per_layer: int | None = None,
              workers: int | None = None) -> PatternsResult:
     """Shallow patterns for `keys_per_layer` keys per layer (None/0: all mined keys) and semantic
     patterns for the nested sample of `semantic_keys_per_layer` (0: all analysed keys).
-    `workers`: processes for the shallow patterns (`resolve_workers`); the tables do not depend on it.
+    `workers`: processes for the shallow patterns (`shallow_workers`); the tables do not depend on it.
 
     Without `embedder`, the sentence encoder is loaded on `device` when semantic keys exist."""
     from ffkv.progress import progress
@@ -249,7 +241,7 @@ def patterns(run, tok, keys_per_layer: int | None = None,
         if n_sem:
             emb_sec += _embed_semantic_prefixes(embedder, prefixes, cols, bounds, sem_keys, pb)
         task = pb.add_task("patterns: keys", total=len(bounds) - 1)
-        shallow = _shallow_all(prefixes, ranks, bounds, bg, min_cover, alpha, resolve_workers(workers),
+        shallow = _shallow_all(prefixes, ranks, bounds, bg, min_cover, alpha, shallow_workers(workers),
                                lambda n: pb.update(task, advance=n))
         for j, (b0, b1) in enumerate(zip(bounds[:-1], bounds[1:])):
             layer, dim = int(cols["layer"][b0]), int(cols["dim"][b0])
