@@ -74,6 +74,9 @@ def test_reproduce_help_and_bad_run(tmp_path):
     f.write_text("x")
     res = run_cli("reproduce", f, "--model", "x")
     assert res.returncode == 2 and "Traceback" not in res.stderr
+    res = run_cli("reproduce", tmp_path / "new", "--model", tmp_path / "no-such-model", "--no-semantic")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert not (tmp_path / "new").exists()  # nothing half-made
 
 
 def test_presets_and_step_settings():

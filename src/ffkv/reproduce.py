@@ -95,6 +95,9 @@ def _open(run: Path, s: ReproduceSettings):
 
     if run.exists() and not run.is_dir():
         raise FfkvError(f"{run} is a file, not a run directory")
+    if not run.exists():  # the model first: one that does not load leaves no empty run behind
+        mm = model(s.model, s.device, s.dtype)
+        return Run(run, create=True), mm
     r = Run(run, create=True)
     if r.manifest.get("model") and not s.model:
         from ffkv.model.load import quiet_hf
