@@ -34,6 +34,7 @@ DEV=${DEV:-cuda}
 IDS=.dev/wt2_train_ids.parquet
 if [ "${QUICK:-0}" = 1 ]; then S1=20000 S8=2000 S1B=4000 SF=6000 MINE=100000 LAYERS=2 T=200; else
   S1=1500000 S8=100000 S1B=500000 SF=1000000 MINE=${MINE_TOKENS:-20000000} LAYERS=30 T=1; fi
+ML=$((150 + MINE / 500000))  # the end-to-end runs' limit: 190 s at 20M tokens, 350 s at 100M
 PARTS=${PARTS:-stats host ray_driver mine mutate explore mine_eager mine_inline mine_compiled smol forward compiled compiled_mine 1b stats1b 8b}; [ "${EXTRA:-0}" = 1 ] && PARTS="$PARTS extra"
 want() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 part() { local secs=$1; shift; echo; echo "=== $* (limit ${secs}s) $(date +%T)"; local t0=$(date +%s.%N)
@@ -46,16 +47,16 @@ want stats && part 120 $PY benchmarks/bench_stats_gpu.py --corpus $IDS --tokens 
 want host && part 60 $PY benchmarks/bench_host.py --corpus $IDS --tokenizer .dev/tok --overlap 368000 --runs 2
 want ray_driver && part 60 $PY benchmarks/bench_host.py --corpus $IDS --tokenizer .dev/tok --ray-driver --runs 3
 { want mine || want mine_eager || want mine_inline || want mine_compiled || want explore; } && part 40 $PY benchmarks/gpu_fixture.py build .dev "$W" --tokens $MINE --layers $LAYERS
-want mine && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
+want mine && part $ML $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run" --device $DEV --json
 want mine && cp "$W/run/manifest.json" "$OUT/mine_manifest.json" 2>/dev/null
 want mutate && part 120 $PY -m ffkv.cli mutate "$W/run" --device $DEV --json
 want mutate && cp "$W/run/manifest.json" "$OUT/mutate_manifest.json" 2>/dev/null
 want explore && part 90 $PY benchmarks/bench_explore.py --model "$W/model" --device $DEV --corpus $IDS --repeats 5
-want mine_eager && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_e" --device $DEV --compile 0 --json
+want mine_eager && part $ML $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_e" --device $DEV --compile 0 --json
 want mine_eager && cp "$W/run_e/manifest.json" "$OUT/mine_eager_manifest.json" 2>/dev/null
-want mine_inline && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_i" --device $DEV --prefetch 0 --json
+want mine_inline && part $ML $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_i" --device $DEV --prefetch 0 --json
 want mine_inline && cp "$W/run_i/manifest.json" "$OUT/mine_inline_manifest.json" 2>/dev/null
-want mine_compiled && part 150 $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_c" --device $DEV --compile auto --json
+want mine_compiled && part $ML $PY -m ffkv.cli mine --model "$W/model" --corpus "$W/stream.u16" --out "$W/run_c" --device $DEV --compile auto --json
 want mine_compiled && cp "$W/run_c/manifest.json" "$OUT/mine_compiled_manifest.json" 2>/dev/null
 want smol && part 130 $PY benchmarks/bench_gpu.py --shape smollm2-135m --corpus $IDS --tokenizer .dev/tok --tokens $S1 --workers ${WORKERS:-0,4} --host-tokens 300000 --pack 256
 want forward && part 60 $PY benchmarks/bench_forward_gpu.py --corpus $IDS --tokens $SF --arms packed,liger --liger .dev/liger
