@@ -495,6 +495,50 @@ def test_ray_actors_prepare_their_own_rows_of_token_ids(tmp_path, tiny_dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the actors would mine on this machine's GPUs")
+def test_ray_gives_each_gpu_an_actor_and_says_why_one_failed(tmp_path, tiny_dirs, monkeypatch):
+    """A Ray cluster that lists 2 GPUs (declared, on this CPU): --shards defaults to the GPU
+    count, one actor a GPU, each on cuda. Their torch sees no CUDA here, so the run fails in one
+    line with the actor's own reason rather than Ray's wrapper (actor id, pid, the traceback)."""
+    ray = pytest.importorskip("ray")
+    for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                 "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        monkeypatch.setenv(k, v)
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        res = run_cli("mine", "--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens",
+                      "--max-sentences", 40, "--top-k", 3, "--out", tmp_path / "r", "--ray", "local")
+    finally:
+        ray.shutdown()
+    assert res.returncode == 2
+    assert "2 shard(s) on Ray (2 CPU, 2 GPU), 2 actor(s)" in res.stdout
+    assert res.stderr.strip().splitlines() == [
+        "ffkv: error: a shard failed on Ray: --device cuda asked for, but no CUDA device is available"]
+
+
+def test_ray_reason_is_the_remote_error_in_one_line():
+    from ffkv.mine.distributed import ray_reason
+
+    wrapped = ("The actor died because of an error raised in its creation task, \x1b[36mray::A.__init__()"
+               "\x1b[39m (pid=1, ip=127.0.0.1)\n  File \"x.py\", line 3, in f\n    raise E\n"
+               "ffkv.errors.FfkvError: --model nowhere: no such folder\n")
+    assert ray_reason(RuntimeError(wrapped)) == "--model nowhere: no such folder"
+    assert ray_reason(RuntimeError(wrapped.replace("ffkv.errors.FfkvError", "torch.OutOfMemoryError"))) \
+        == "OutOfMemoryError: --model nowhere: no such folder"
+    assert ray_reason(RuntimeError("a node died")) == "a node died"
+    assert ray_reason(RuntimeError("")) == "RuntimeError"
+
+
+@given(st.text())
+def test_ray_reason_of_any_text_is_one_line(text):
+    from ffkv.mine.distributed import ray_reason
+
+    out = ray_reason(ValueError(text))
+    assert out and "\n" not in out and "\x1b[" not in out and len(out) <= 300
+
+
+@pytest.mark.slow
 def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2):
     mm = smollm2
     run = Run(tmp_path / "r", create=True)

@@ -12,6 +12,7 @@ distributed run redoes only unfinished shards.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,6 +43,23 @@ def _init_ray(address: str):
     except Exception as e:  # noqa: BLE001
         raise FfkvError(f"could not start or reach Ray at {address!r}: {str(e).splitlines()[0][:160]}") from None
     return ray
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def ray_reason(e: BaseException) -> str:
+    """What went wrong inside a Ray error, in one line: Ray's own first line names the actor and
+    pid, while the user's reason (an FfkvError of the actor's model load, say) is the remote
+    traceback's last line."""
+    lines = [l.strip() for l in _ANSI.sub("", str(e)).splitlines() if l.strip()]
+    if not lines:
+        return type(e).__name__
+    last = lines[-1]
+    if len(lines) > 1 and ": " in last:  # a remote traceback's "module.Error: message"
+        name, msg = last.split(": ", 1)
+        last = msg if name.rsplit(".", 1)[-1] == "FfkvError" else f"{name.rsplit('.', 1)[-1]}: {msg}"
+    return last[:300]
 
 
 def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
@@ -345,7 +363,7 @@ def _drain(ray, actors, jobs: dict, sent_path: str, places: dict | None = None, 
         try:
             k, arrs, h = ray.get(done[0])
         except Exception as e:  # noqa: BLE001
-            raise FfkvError(f"a shard failed on Ray: {str(e).splitlines()[0][:200]}") from None
+            raise FfkvError(f"a shard failed on Ray: {ray_reason(e)}") from None
         if arrs is None:
             queue.append((k, again(k) if again is not None else read_rows(sent_path, jobs[k])))
         else:
