@@ -99,6 +99,11 @@ def main() -> None:
     from ffkv.experiments.explain import explain
 
     global SYNC
+    cuda_s = None
+    if a.device.startswith("cuda") and torch.cuda.is_available():  # the driver's start apart from the load
+        t0 = time.perf_counter()
+        torch.zeros(1, device=a.device).sum().item()
+        cuda_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if a.model is None and a.device == "cpu":
         mm = load_default()
@@ -108,7 +113,8 @@ def main() -> None:
         mm = open_model(a.model, device=a.device)
     if torch.device(mm.device).type == "cuda":
         SYNC = torch.cuda.synchronize
-    out(f"model loaded in {time.perf_counter() - t0:.1f} s on {mm.device} ({mm.dtype}); "
+    out(f"model loaded in {time.perf_counter() - t0:.1f} s on {mm.device} ({mm.dtype})"
+        + (f", after CUDA started in {cuda_s:.1f} s" if cuda_s is not None else "") + "; "
         f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
     text = text_of(mm, a.tokens, a.corpus)
     ids, mask = mm.batch([mm.tok(text)["input_ids"]])
