@@ -513,6 +513,7 @@ def test_ray_gives_each_gpu_an_actor_and_says_why_one_failed(tmp_path, tiny_dirs
         ray.shutdown()
     assert res.returncode == 2
     assert "2 shard(s) on Ray (2 CPU, 2 GPU), 2 actor(s)" in res.stdout
+    assert "this driver runs on the cpu, and the GPU actors mine in its dtype (float32)" in res.stdout
     assert res.stderr.strip().splitlines() == [
         "ffkv: error: a shard failed on Ray: --device cuda asked for, but no CUDA device is available"]
 

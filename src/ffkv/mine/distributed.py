@@ -295,6 +295,11 @@ def mine_ray(run, mm, s, batches, address: str, shards: int | None, log=print, c
     n_actors = min(len(todo), gpus if gpus else max(1, cpus // per_task_cpu))
     log(f"mine: {len(todo)} shard(s) on Ray ({cpus} CPU, {gpus} GPU), {n_actors} actor(s)"
         + (", each preparing its own rows" if prep is not None else ""))
+    if gpus and mm.device.type != "cuda":  # the plan and the actors' dtype are the driver's
+        log(f"mine: note: this driver runs on the {mm.device.type}, and the GPU actors mine in its dtype "
+            f"({str(mm.dtype).replace('torch.', '')}) and with its batch plan (a CPU's budget, unless "
+            "--batch-tokens was given); on a cluster whose head has no GPU, pass --dtype bfloat16 and "
+            "--batch-tokens (32768, say), or run ffkv on a GPU node")
     hows = []
     if todo:
         from ffkv.mine import switches
