@@ -33,7 +33,7 @@ SCRIPT = PATCH + textwrap.dedent('''
     from ffkv.mine.trackers import Batch, LayerCapture, MineState
     assert fused_cuda.available("cpu")
     lut = fused_cuda.bin_lut("cpu")
-    for seed, (B, T, n) in enumerate([(11, 9, 300), (3, 1, 129), (17, 6, 64), (9, 13, 66)]):
+    for seed, (B, T, n) in enumerate([(11, 9, 200), (3, 1, 129), (17, 6, 64), (9, 13, 66)]):
         g = torch.Generator().manual_seed(seed)
         m = torch.randn(B, T, n, generator=g) * torch.exp(torch.randn(B, T, n, generator=g) * 4)
         m[0, 0, :5] = 0.0
@@ -70,6 +70,8 @@ SCRIPT = PATCH + textwrap.dedent('''
         bh = fused_cuda.capture(half, torch.tensor(lengths, dtype=torch.int32), lut, (1,), False)[0]
         assert torch.equal(bh[1][0], row_best(half.float(), mask, 1)[0])
         for k, dtype in ((0, torch.float32), (1, torch.float32), (3, torch.float32), (3, torch.bfloat16)):
+            if seed == 0 and k == 1:  # k = 1 on the smaller shapes: the widest is the interpreter's longest run
+                continue
             layers = (0, 1) if n % 2 == 0 else (0,)                # two layers side by side, or one
             got = {}
             src = m if dtype == torch.float32 else half            # bf16 captures: read as they come
@@ -210,7 +212,7 @@ def test_offer_chunks_equal_row_by_row():
         n, T = 200, 5
         g = torch.Generator().manual_seed(7)
         batches = []
-        for rep, B in enumerate((64, 61, 64, 9)):
+        for rep, B in enumerate((40, 37, 40, 9)):
             sign = torch.where(torch.rand(B, T, n, generator=g) < 0.5, -1.0, 1.0)
             m = sign * (1.5 + 0.1 * torch.rand(B, T, n, generator=g))   # one bin per side
             batches.append((m, torch.ones(B, T, dtype=torch.bool), [rep * 100 + i for i in range(B)]))
