@@ -58,6 +58,42 @@ class CorpusStats:
 
 
 NUL_WINDOW = 1 << 16  # a NUL byte in a file's first 64 KiB: not a text file
+MAX_LINE = 16 << 20  # bytes in one line of a text corpus; one longer is refused, not read into memory
+_PIECE = 1 << 20
+
+
+def _binary(path) -> FfkvError:
+    return FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, .tokens or .jsonl "
+                     f"file (a token stream: name it .u16 or .u32, or PATH.bin:u16)")
+
+
+def bounded_lines(f, path, limit: int = MAX_LINE, piece: int = _PIECE):
+    """A binary file's lines, each read in pieces of at most 1 MiB: a NUL byte anywhere, or a line
+    past `limit` bytes, is refused as soon as it is seen, so /dev/zero or a file that never ends a
+    line costs constant memory and well under a second."""
+    while True:
+        pieces, n = [], 0
+        while True:
+            more = f.readline(piece)
+            if not more:
+                break
+            if b"\x00" in more:
+                raise _binary(path)
+            pieces.append(more)
+            n += len(more)
+            if n > limit:
+                raise FfkvError(f"corpus {path} has a line longer than {_size(limit)}; a text corpus is read a line "
+                                f"at a time: split it into lines or paragraphs, or pass token ids "
+                                f"(.parquet, .npy, .u16/.u32)")
+            if more.endswith(b"\n") or len(more) < piece:
+                break
+        if not pieces:
+            return
+        yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n:,} bytes"
 
 
 def _check_readable(path: Path) -> None:
@@ -74,8 +110,7 @@ def _read_text(path: Path, stats: CorpusStats) -> str:
     except OSError as e:
         raise FfkvError(f"cannot read corpus {path}: {e.strerror or e}") from None
     if b"\x00" in data[:NUL_WINDOW]:
-        raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
-                        f".tokens or .jsonl file (a token stream: name it .u16 or .u32, or PATH.bin:u16)")
+        raise _binary(path)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -314,11 +349,7 @@ class FileDocs(Sequence):
         try:
             with open(path, "rb") as f:
                 sig = _signature(os.fstat(f.fileno()))
-                for line in f:
-                    if pos < NUL_WINDOW and b"\x00" in line[:NUL_WINDOW - pos]:
-                        raise FfkvError(f"corpus {path} looks binary (it contains NUL bytes); pass a text, "
-                                        f".tokens or .jsonl file (a token stream: name it .u16 or .u32, or "
-                                        f"PATH.bin:u16)")
+                for line in bounded_lines(f, path):
                     text = line.decode("utf-8", errors="replace")  # "\\n" ends every invalid sequence
                     h.update(text.encode())
                     chars += len(text)

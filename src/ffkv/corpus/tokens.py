@@ -3,7 +3,7 @@
 One row is one sequence (a sentence, or a window of a document); the trigger prefix of a
 position is that row up to it, as with sentences. The kinds (`kind_of`):
   PATH.parquet[:COLUMN]   a list-of-integers column: COLUMN, else --field when given, else the
-                          first such column
+                          only such column, else input_ids or tokens (several others: refused)
   PATH.npy                a 2-D integer array (N, T): N rows of T tokens
   PATH.u16 | PATH.u32     a flat little-endian uint16 / uint32 token stream, cut into windows of
   PATH.bin:u16|u32        --context tokens (the last window keeps the remainder); `.bin` names no
@@ -202,7 +202,8 @@ def _is_int_list(t) -> bool:
 
 
 def _int_list_column(schema, column: str | None, where: str) -> str:
-    """The named column (a list of integers), or the first list-of-integers column."""
+    """The named column, else the only list-of-integers column, else `input_ids` or `tokens`:
+    an HF file also holds attention masks, labels and position ids as integer lists."""
     if column is not None:
         if column not in schema.names:
             raise FfkvError(f"{where} has no column {column!r} (its columns: "
@@ -211,9 +212,16 @@ def _int_list_column(schema, column: str | None, where: str) -> str:
             raise FfkvError(f"{where}: column {column!r} holds {schema.field(column).type}, "
                             f"not lists of integer token ids")
         return column
-    for f in schema:
-        if _is_int_list(f.type):
-            return f.name
+    found = [f.name for f in schema if _is_int_list(f.type)]
+    if len(found) == 1:
+        return found[0]
+    named = [c for c in HF_COLUMNS if c in found]
+    if named:
+        return named[0]
+    if found:  # masks, labels and position ids are integer lists too: never guess which are the ids
+        raise FfkvError(f"{where} has several list-of-integers columns "
+                        f"({printable(', '.join(found)[:160], newlines=False)}) and none named "
+                        f"{' or '.join(HF_COLUMNS)}; name the ids with --field COLUMN (or PATH.parquet:COLUMN)")
     raise FfkvError(f"{where} has no list-of-integers column (pre-tokenized ids); its columns: "
                     f"{printable(', '.join(f'{f.name} {f.type}' for f in schema)[:160] or 'none', newlines=False)}")
 
