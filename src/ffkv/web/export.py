@@ -2,8 +2,9 @@
 
 `download(rows, columns, name, fmt)` is the one place that builds them: CSV with a header row
 (Python's csv module: quoting of commas, quotes and newlines in corpus text), lists and dicts as
-JSON inside a cell, missing and non-finite numbers as empty cells; JSON as {"columns", "rows"}
-with non-finite numbers as null. The file name says what it holds (`ffkv-layer-3.csv`).
+JSON inside a cell, missing and non-finite numbers as empty cells, and text that a spreadsheet
+would run as a formula (a leading =, +, -, @, tab or carriage return) behind a `'`; JSON as
+{"columns", "rows"}, text raw, with non-finite numbers as null. The file name says what it holds (`ffkv-layer-3.csv`).
 """
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ from fastapi.responses import Response
 FORMATS = ("csv", "json")
 
 
+FORMULA = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet runs a cell starting so as a formula (OWASP)
+
+
 def _cell(v):
     if v is None:
         return ""
+    if isinstance(v, str):  # text only: a number's minus sign is no formula
+        return "'" + v if v.startswith(FORMULA) else v
     if isinstance(v, float):
         return "" if math.isnan(v) or math.isinf(v) else repr(v)
     if isinstance(v, (list, tuple, dict, set)):
