@@ -8,6 +8,33 @@ from typing import NamedTuple
 from ffkv.errors import FfkvError
 
 MAX_RANGE = 1_000_000  # a range is expanded in memory; bigger ones are typos, not requests
+MAX_DIGITS = 19  # past any index, count or seed of ffkv's; Python's int() raises past 4,300 digits
+SHOWN = 40  # characters of a bad value echoed back in a message
+
+
+def shown(text) -> str:
+    """A user's value as a message quotes it: repr'd, and cut, so that a 5,000-digit probe is one
+    short line."""
+    t = str(text)
+    return repr(t) if len(t) <= SHOWN else repr(t[:SHOWN]) + f"… ({len(t):,} characters)"
+
+
+def parse_int(text, what: str, lo: int | None = None, hi: int | None = None) -> int:
+    """The one reader of a whole number a user typed (CLI values, URL query parameters): ASCII
+    digits with an optional sign, at most MAX_DIGITS of them, within lo..hi. Anything else is an
+    FfkvError naming `what`; never Python's ValueError."""
+    t = str(text).strip()
+    body = t[1:] if t[:1] in ("+", "-") else t
+    if not body or not (body.isascii() and body.isdigit()):
+        raise FfkvError(f"{what} must be a whole number (got {shown(text)})")
+    if len(body.lstrip("0")) > MAX_DIGITS:
+        raise FfkvError(f"{what} is too large (got a number of {len(body.lstrip('0')):,} digits)")
+    v = int(body.lstrip("0") or "0") * (-1 if t[0] == "-" else 1)  # int() of 4,300+ chars raises, zeros too
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        where = (f"between {lo} and {hi}" if lo is not None and hi is not None
+                 else f"at least {lo}" if lo is not None else f"at most {hi}")
+        raise FfkvError(f"{what} must be {where} (got {v})")
+    return v
 
 
 def parse_ranges(text: str, what: str, upper: int | None = None) -> list[int]:
@@ -24,15 +51,16 @@ def parse_ranges(text: str, what: str, upper: int | None = None) -> list[int]:
         try:
             if "-" in part[1:]:
                 a_s, b_s = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
-                a, b = int(a_s), int(b_s)
+                a, b = parse_int(a_s, what), parse_int(b_s, what)
             else:
-                a = b = int(part)
-        except ValueError:
-            raise FfkvError(f"{what} {text!r}: {part!r} is not an integer or a range like 5-7") from None
+                a = b = parse_int(part, what)
+        except FfkvError as e:
+            why = "is too large" if "too large" in str(e) else "is not an integer or a range like 5-7"
+            raise FfkvError(f"{what} {shown(text)}: {shown(part)} {why}") from None
         if b < a:
-            raise FfkvError(f"{what} {text!r}: the range {part!r} is reversed; write {b}-{a}")
+            raise FfkvError(f"{what} {shown(text)}: the range {shown(part)} is reversed; write {b}-{a}")
         if b - a + 1 > MAX_RANGE:
-            raise FfkvError(f"{what} {text!r}: the range {part!r} is longer than {MAX_RANGE:,}")
+            raise FfkvError(f"{what} {shown(text)}: the range {shown(part)} is longer than {MAX_RANGE:,}")
         if upper is not None and (a < 0 or b >= upper):
             bad = a if a < 0 or a >= upper else b
             raise FfkvError(f"{what} {bad} out of range 0..{upper - 1}")
@@ -46,7 +74,7 @@ def parse_int_list(text: str | None, upper: int, what: str) -> list[int] | None:
         return None
     out = parse_ranges(text, f"--{what}", upper)
     if not out:
-        raise FfkvError(f"--{what} {text!r} selects nothing")
+        raise FfkvError(f"--{what} {shown(text)} selects nothing")
     return out
 
 
@@ -72,9 +100,9 @@ def _finite(s: str, item: str, what: str) -> float:
     try:
         v = float(s)
     except ValueError:
-        raise FfkvError(f"{what}: {item!r}: {s!r} is not a number") from None
+        raise FfkvError(f"{what}: {shown(item)}: {shown(s)} is not a number") from None
     if not math.isfinite(v):
-        raise FfkvError(f"{what}: {item!r}: {s!r} is not a finite number")
+        raise FfkvError(f"{what}: {shown(item)}: {shown(s)} is not a finite number")
     return v
 
 
@@ -104,12 +132,12 @@ def parse_interventions(text: str | None, n_layers: int | None = None, d_m: int 
                 break
         parts = head.split(":")
         if len(parts) != 2 or not all(p.strip().isdigit() and p.strip().isascii() for p in parts):
-            raise FfkvError(f"{what}: {item!r} is not LAYER:DIM (e.g. 12:345, 12:345*0.5 or 12:345=2.0)")
-        layer, dim = (int(p) for p in parts)
+            raise FfkvError(f"{what}: {shown(item)} is not LAYER:DIM (e.g. 12:345, 12:345*0.5 or 12:345=2.0)")
+        layer, dim = (parse_int(p, f"{what}: {shown(item)}: the {n}", lo=0) for p, n in zip(parts, ("layer", "dim")))
         if n_layers is not None and layer >= n_layers:
-            raise FfkvError(f"{what}: {item!r}: layer {layer} out of range 0..{n_layers - 1}")
+            raise FfkvError(f"{what}: {shown(item)}: layer {layer} out of range 0..{n_layers - 1}")
         if d_m is not None and dim >= d_m:
-            raise FfkvError(f"{what}: {item!r}: dim {dim} out of range 0..{d_m - 1}")
+            raise FfkvError(f"{what}: {shown(item)}: dim {dim} out of range 0..{d_m - 1}")
         iv = Intervention(layer, dim, op, float(val))
         prev = out.get((layer, dim))
         if prev is not None and prev != iv:
