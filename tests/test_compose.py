@@ -345,7 +345,7 @@ def test_value_tops_cache_matches_raw_weights(runs):
 
 
 def test_value_tops_are_reused_from_the_run(runs, monkeypatch):
-    import ffkv.experiments.value_tops as C
+    import ffkv.memories.value_tops as C
 
     run, mm, _ = runs["llama"]
     fresh = C.value_tops(None, mm)

@@ -190,7 +190,7 @@ def test_summarize_logits_vs_full_softmax():
 
 def test_index_logsumexp_in_row_blocks_equals_one_block():
     """The value index's log-sum-exp runs over blocks of rows (small temporaries); same numbers."""
-    from ffkv.experiments.value_index import _logsumexp_rows
+    from ffkv.memories.value_index import _logsumexp_rows
 
     torch.manual_seed(1)
     z = torch.randn(300, 500) * 7
@@ -474,7 +474,7 @@ def test_skip_when_done(tmp_path, tiny_dirs):
 def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
     """The other lens's block of values_lenses equals a run whose own lens is that one; the run's
     lens block equals values_layers; value_index equals `build_index` (both lenses, k = 20)."""
-    from ffkv.experiments.value_index import build_index
+    from ffkv.memories.value_index import build_index
     from ffkv.experiments.values import ValuesSettings
     from ffkv.steps.lifecycle import execute
 
@@ -513,7 +513,7 @@ def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
     assert a[key].equals(b[key])
     np.testing.assert_allclose(a["prob"], b["prob"], rtol=1e-5)
     # the value_tops cache compose reads: the values step's argmax/argmin equal a fresh projection
-    from ffkv.experiments.value_tops import value_tops
+    from ffkv.memories.value_tops import value_tops
 
     stored, fresh = value_tops(both, mm), value_tops(None, mm)
     assert both.manifest["tables"]["value_tops"]["lenses"] == ["norm", "naive"]

@@ -180,7 +180,7 @@ def test_value_index_is_exact_including_ties(llama):
     """build_index == every (value, sign, lens, token) with rank_of < k, also when logits tie."""
     import torch
 
-    from ffkv.experiments.value_index import build_index, index_k
+    from ffkv.memories.value_index import build_index, index_k
     from ffkv.model.memories import lens_for, open_model
 
     mm = open_model(str(llama), device="cpu")
@@ -795,7 +795,7 @@ def test_top_rows_brute_force_with_ties(C, k, sign, seed):
     """_top_rows on sign·z, for small integer logits (ties everywhere), equals counting."""
     import torch
 
-    from ffkv.experiments.value_index import _top_rows
+    from ffkv.memories.value_index import _top_rows
 
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(-3, 4, (C, 13), generator=g).float()
@@ -813,7 +813,7 @@ def test_top_rows_brute_force_with_ties(C, k, sign, seed):
 
 def test_token_index_same_from_a_shuffled_table(llama):
     """The stored order lets TokenIndex skip a sort; any other row order gives the same lookups."""
-    from ffkv.experiments.value_index import build_index
+    from ffkv.memories.value_index import build_index
     from ffkv.model.memories import open_model
     from ffkv.web.data import TokenIndex
 

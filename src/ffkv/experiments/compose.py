@@ -61,7 +61,7 @@ Tables written to the run (public contract):
   (decoded prefix), token_ids list<int32> (the prefix = sentence token_ids[:position + 1]),
   position int32, prefix_tokens int32, target int32 (token after the prefix), target_token string,
   target_is_stop bool.
-- `value_tops`: the cache of `ffkv.experiments.value_tops` (columns there); written here when the
+- `value_tops`: the cache of `ffkv.memories.value_tops` (columns there); written here when the
   values step has not filled it already.
 - `compose_examples`: one row per lens × layer × example, sorted so: lens string, layer int16,
   example_id int32, n_active int32 (m > 0), n_active_eps int32 (|m| > eps), mass_top1, mass_top10,
@@ -106,7 +106,7 @@ from ffkv.errors import FfkvError
 from ffkv.model.memories import is_active, lens_for, rank_of
 from ffkv.steps.compose import DEFAULT_CORPUS, DEFAULT_EPS, STEP, ComposeSettings, record  # noqa: F401
 from ffkv.steps.lifecycle import execute
-from ffkv.experiments.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
+from ffkv.memories.value_tops import value_tops  # noqa: F401  (the run's cache, shared with values)
 from ffkv.model import identity
 
 CATEGORIES = ("residual", "ffn", "agreement", "composition")

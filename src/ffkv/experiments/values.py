@@ -65,7 +65,7 @@ Tables written (public contract; layers 0-based)
   (the run's lens first, equal to `values_layers`); `values_fig6_lenses` and `values_table2_lenses`
   likewise for `values_fig6` and `values_table2` (`example_text` null for the other lens).
   The other lens's key columns (key_max_prob_mean, key_entropy_mean) are null.
-- `value_index`: the token → memories inverse index of `ffkv.experiments.value_index` (k = 20),
+- `value_index`: the token → memories inverse index of `ffkv.memories.value_index` (k = 20),
   fed from the same projections (no extra pass), for every lens projected.
 - `frac_rank_lt100` (in `values_layers`): the share of evaluated memories with rank < 100.
 The step is `STEP` (settings `ValuesSettings`), run through `ffkv.steps.lifecycle.execute`; its
@@ -324,7 +324,7 @@ def _compute_all(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     kinds2 = tuple(rec["table2_kinds"].split("+"))
     trig = top1_triggers(run, L, d_m)
     perms = [_perms(d_m, rec["permutations"], rec["seed"], l) for l in range(L)]
-    from ffkv.experiments.value_index import IndexBuilder, write_index
+    from ffkv.memories.value_index import IndexBuilder, write_index
 
     index = IndexBuilder(rec.get("value_index_k", INDEX_K))
     proj = _project(mm, rec["lens"], rec["top_k"], trig, perms, chunk, show_progress, index=index)
@@ -352,7 +352,7 @@ def _compute_all(run, mm, rec: dict, chunk: int, show_progress) -> dict:
         other[ln] = _other_summary(rows2, f6)
     _write_lens_tables(run, per_lens)
     write_index(run, index.table())
-    from ffkv.experiments import value_tops
+    from ffkv.memories import value_tops
 
     value_tops.store(run, mm, {ln: (p.vtop[..., 0], p.vtop[..., 1]) for ln, p in projections.items()})
     summary = _summary(rec, mm, trig, ag, layer_rows, fig6_rows, table2, kinds2)

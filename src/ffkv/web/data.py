@@ -11,7 +11,7 @@ of parts, each its own module:
 - `ffkv.web.tokenindex`: the token index in memory.
 
 Every table comes through the read API (`ffkv.store.query`). The token index (`value_index`, see
-`ffkv.experiments.value_index`) is read from the run when present, else built in memory in a
+`ffkv.memories.value_index`) is read from the run when present, else built in memory in a
 background thread on first use; so is the model (`model()`), loaded lazily the first time
 something needs it (re-verify, the index, the explorer). This module re-exports, for callers
 outside the browser, names its parts define (`NotFound`, `BadQuery`, `parse_token`, the sort
@@ -187,7 +187,7 @@ class Browser(RunTables):
         threading.Thread(target=self._build_index, name="ffkv-value-index", daemon=True).start()
 
     def _build_index(self) -> None:
-        from ffkv.experiments.value_index import DEFAULT_K, build_index
+        from ffkv.memories.value_index import DEFAULT_K, build_index
 
         st = self.index_state
         try:

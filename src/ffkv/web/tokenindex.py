@@ -1,4 +1,4 @@
-"""The token index (`value_index`, see `ffkv.experiments.value_index`) in memory: per lens and
+"""The token index (`value_index`, see `ffkv.memories.value_index`) in memory: per lens and
 sign, each memory's best tokens and each token's memories, by binary search."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class TokenIndex:
     """The `value_index` table in memory: per (lens, sign), rows sorted by memory and by token."""
 
     def __init__(self, table: pa.Table, d_m: int, source: str):
-        from ffkv.experiments.value_index import index_k
+        from ffkv.memories.value_index import index_k
 
         rk = table.column("rank").to_numpy().astype(np.int16)
         self.k = index_k(table) or (int(rk.max()) + 1 if len(rk) else 0)
