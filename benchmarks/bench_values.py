@@ -103,7 +103,8 @@ def main():
     import torch
 
     from ffkv.model.load import quiet_hf
-    from ffkv.experiments.values import compute_values, format_summary
+    from ffkv.steps.values.compute import compute_values
+    from ffkv.steps.values.summary import format_summary
     from ffkv.store.run import Run
 
     quiet_hf()

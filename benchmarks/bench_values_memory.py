@@ -49,7 +49,7 @@ def main() -> int:
         print(f"skipped: {src} has no mined triggers (ffkv mine --out {src} --model gemma3 ...)")
         return 0
 
-    from ffkv.experiments.values import compute_values
+    from ffkv.steps.values.compute import compute_values
     from ffkv.model import identity
     from ffkv.model.load import quiet_hf
     from ffkv.store.run import Run

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import run_cli
-from ffkv.experiments.values import (KINDS, compute_values, format_summary, precision_at_k,
-                                     summarize_logits, wilson)
+from ffkv.defs import wilson
+from ffkv.steps.values.compute import KINDS, compute_values, precision_at_k, summarize_logits
+from ffkv.steps.values.summary import format_summary
 from ffkv.model.memories import open_model
 from ffkv.store.run import Run
 from ffkv.model import identity
@@ -475,7 +476,7 @@ def test_both_lenses_and_the_value_index(tmp_path, tiny_dirs):
     """The other lens's block of values_lenses equals a run whose own lens is that one; the run's
     lens block equals values_layers; value_index equals `build_index` (both lenses, k = 20)."""
     from ffkv.memories.value_index import build_index
-    from ffkv.experiments.values import ValuesSettings
+    from ffkv.steps.values import ValuesSettings
     from ffkv.steps.lifecycle import execute
 
     mm = open_model(str(tiny_dirs["llama"]), device="cpu")

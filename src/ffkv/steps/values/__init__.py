@@ -1,9 +1,9 @@
-"""The `values` step as one unit: its settings (from which `ffkv values` is generated), its place
-in `reproduce` and its summary. The projection, the agreement measures, what the manifest
-records and the tables' columns are in `ffkv.experiments.values`, imported when the step runs."""
+"""The `values` step as one unit: its settings (from which `ffkv values` is generated) and its place
+in `reproduce`. The projection, the agreement measures, what the manifest records and the
+tables' columns are in `ffkv.steps.values.compute`, the printed summary in `.summary`; both are
+imported when the step runs."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
@@ -44,23 +44,10 @@ class ValuesSettings:
                                       "the run's is norm).", flag="--both-lenses/--one-lens")
 
 
-def record(run, s: ValuesSettings) -> dict:
-    from ffkv.experiments.values import record as values_record
-
-    return values_record(run, s)
-
-
-def compute(ctx) -> dict:
-    from ffkv.experiments.values import compute as project
-
-    return project(ctx)
-
-
-def summary(run, out, s=None, as_json: bool = False) -> None:
-    from ffkv.experiments.values import format_summary
-
-    summ = {**out.info["summary"], **({"skipped": True} if out.skipped else {})}
-    print(json.dumps(summ, indent=2) if as_json else format_summary(summ))
+# by name: the work (and its record's checks) and the printed summary load when the step runs
+record = lazy("ffkv.steps.values.compute:record")
+compute = lazy("ffkv.steps.values.compute:compute")
+summary = lazy("ffkv.steps.values.summary:summary")
 
 
 def _has_summary(run, info: dict) -> bool:

@@ -68,9 +68,9 @@ Tables written (public contract; layers 0-based)
 - `value_index`: the token → memories inverse index of `ffkv.memories.value_index` (k = 20),
   fed from the same projections (no extra pass), for every lens projected.
 - `frac_rank_lt100` (in `values_layers`): the share of evaluated memories with rank < 100.
-The step is `STEP` (settings `ValuesSettings`), run through `ffkv.steps.lifecycle.execute`; its
-summary (the dict `compute_values` returns) is stored in the manifest under steps.values.summary;
-`format_summary` prints it.
+The step is `ffkv.steps.values.STEP` (settings `ValuesSettings`), run through
+`ffkv.steps.lifecycle.execute`; its summary (the dict `compute_values` returns) is stored in the
+manifest under steps.values.summary; `ffkv.steps.values.summary.format_summary` prints it.
 """
 from __future__ import annotations
 
@@ -81,11 +81,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from ffkv.defs import canonical_dtype, check_lens, lens_name, other_lens, pct, wilson
+from ffkv.defs import canonical_dtype, check_lens, other_lens, wilson
 from ffkv.errors import FfkvError
 from ffkv.store import query
 from ffkv.store.query import TRIGGER_COLUMNS, check_triggers, has_negative_lists
-from ffkv.steps.values import STEP, TABLES, ValuesSettings  # noqa: F401
+from ffkv.steps.values import ValuesSettings
 from ffkv.steps.lifecycle import execute
 
 KINDS = ("value", "neg_value", "key")
@@ -778,48 +778,3 @@ def compute_values(run, mm, settings: ValuesSettings | None = None, *, show_prog
                                                                 **fields})
     out = execute(run, "values", s, mm=mm, force=force, show_progress=show_progress)
     return {**out.info["summary"], "skipped": True} if out.skipped else out.result
-
-
-# ---- text summary ----------------------------------------------------------------------------
-def _pct(x, digits: int = 2) -> str:
-    """`defs.pct`, with the summary's "n/a" for a missing value."""
-    return "n/a" if x is None or x != x else pct(x, digits)
-
-
-def format_summary(s: dict) -> str:
-    L = s["layers"]
-    la = [a for a in s["layer_agreement"]]
-    thirds = [(0, L // 3), (L // 3, 2 * L // 3), (2 * L // 3, L)]
-
-    def mean_of(xs):
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else None
-
-    lines = [
-        f"values: {s['memories']:,} memories ({L} layers × {s['d_m']:,}), |V| = {s['vocab_size']:,}, "
-        f"lens = {s['lens']}" + ("  [already done; pass --force to recompute]" if s.get("skipped") else ""),
-        f"  evaluated {s['evaluated']:,} top-1 triggers ({s['evaluated_neg']:,} compared with −v); "
-        f"excluded {s['no_trigger']:,} keys without triggers, {s['sentence_end']:,} at a sentence end",
-        f"  agreement (Fig 4): {_pct(s['agreement'])} [{_pct(s['ci_low'])}, {_pct(s['ci_high'])}] "
-        f"vs shuffled pairing {_pct(s['shuffled'], 3)} and random {_pct(s['random_baseline'], 4)}",
-        "  by layer thirds: " + ", ".join(
-            f"layers {a}–{b - 1}: {_pct(mean_of(la[a:b]))}" for a, b in thirds if b > a)
-        + f"; best layer {s['best_layer']}: {_pct(la[s['best_layer']])}",
-        "  median rank of the next token (Fig 5), by thirds: " + ", ".join(
-            f"{mean_of(s['layer_rank_median'][a:b]):,.0f}" if mean_of(s['layer_rank_median'][a:b]) is not None
-            else "n/a" for a, b in thirds if b > a),
-        f"  agreement vs max probability (Fig 6): lowest bin {_pct(s['fig6_low'])}, "
-        f"highest bin {_pct(s['fig6_high'])}",
-        f"  Table 2: of the {s['table2_n']} highest-max-prob {'/'.join(s['table2_kinds'])}s, "
-        f"{s['table2_with_agreeing']} have ≥1 agreeing trigger among their top {s['precision_k']} "
-        f"(paper: 46/100); {s['table2_upper_half']} lie in the upper half of the layers",
-        f"  tables: {', '.join(TABLES)}  ({s['seconds']:.1f} s)",
-    ]
-    for ln, o in (s.get("other_lenses") or {}).items():
-        lines.insert(-1, f"  {lens_name(ln)}: agreement by thirds "
-                     + ", ".join(_pct(mean_of(o["layer_agreement"][a:b])) for a, b in thirds if b > a)
-                     + "; median rank by thirds " + ", ".join(
-                         f"{mean_of(o['layer_rank_median'][a:b]):,.0f}" if mean_of(o['layer_rank_median'][a:b]) is not None
-                         else "n/a" for a, b in thirds if b > a)
-                     + f"; Fig 6 lowest bin {_pct(o['fig6_low'])}, highest {_pct(o['fig6_high'])}")
-    return "\n".join(lines)
