@@ -54,7 +54,8 @@ def main() -> None:
     import torch
 
     warnings.filterwarnings("ignore")
-    from ffkv.experiments.compose import compose, print_summary
+    from ffkv.steps.compose.compute import compose
+    from ffkv.steps.compose.summary import print_summary
     from ffkv.model.memories import open_model
     from ffkv.store.run import Run
 
@@ -70,7 +71,7 @@ def main() -> None:
           f"machine load average {load0:.2f} on {os.cpu_count()} cores", flush=True)
 
     # Prefixes first (this is compose's own sampling), so the baseline sees the same batches.
-    from ffkv.experiments.compose import sample_prefixes
+    from ffkv.steps.compose.compute import sample_prefixes
 
     prefixes = sample_prefixes(run, mm, args.corpus, args.prefixes, seed=0).column("token_ids").to_pylist()
     n_tok = sum(map(len, prefixes))

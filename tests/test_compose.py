@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import ARCHS, WT2, run_cli
 
-from ffkv.experiments.compose import CATEGORIES, compose, stopwords, token_is_stop
+from ffkv.corpus.stopwords import stopwords
+from ffkv.steps.compose.compute import CATEGORIES, compose, token_is_stop
 from ffkv.store.run import Run
 from ffkv.model import identity
 
@@ -264,7 +265,8 @@ def test_fig11_partitions_and_fig9_ends_at_one(runs, arch):
 
 
 def test_results_do_not_depend_on_batching(runs):
-    from ffkv.experiments.compose import analyze, value_tops
+    from ffkv.memories.value_tops import value_tops
+    from ffkv.steps.compose.compute import analyze
 
     run, mm, _ = runs["llama"]
     ids = run.read_table("compose_prefixes").column("token_ids").to_pylist()
@@ -282,7 +284,8 @@ def test_results_do_not_depend_on_batching(runs):
 def test_fig8_variants_and_n90_match_brute_force(runs):
     """Fig 8's three variants (signed, the paper's code vs top(o), relative ε) and Fig 7's n90
     against hooks and a memory-by-memory loop (top(m_i·v_i) projected one memory at a time)."""
-    from ffkv.experiments.compose import analyze, value_tops
+    from ffkv.memories.value_tops import value_tops
+    from ffkv.steps.compose.compute import analyze
 
     for arch in ("llama", "gpt2"):
         run, mm, bf = runs[arch]
@@ -297,7 +300,7 @@ def test_fig8_variants_and_n90_match_brute_force(runs):
 def test_fig8_shuffled_baseline_pairs_within_the_batch():
     """The shuffled baseline: each example's memories against the previous example's target in
     its batch (a roll); a batch of one has no partner (−1). A loop gives the same."""
-    from ffkv.experiments.compose import fig8_variants
+    from ffkv.steps.compose.compute import fig8_variants
 
     g = torch.Generator().manual_seed(0)
     L, B, dm, V = 3, 5, 40, 7
@@ -322,7 +325,7 @@ def test_fig8_shuffled_baseline_pairs_within_the_batch():
 
 def test_hub_tokens_rule(tiny_models):
     """Hubs: the top 0.1% (at least one) of the vocabulary by e_t·ē/‖ē‖."""
-    from ffkv.experiments.compose import hub_tokens
+    from ffkv.steps.compose.compute import hub_tokens
 
     mm = tiny_models["llama"]
     E = mm.hf.get_output_embeddings().weight.double()
@@ -385,7 +388,7 @@ def test_sampling_is_seeded_and_one_per_sentence(runs, tiny_models, tmp_path):
     a = run.read_table("compose_prefixes").to_pydict()
     assert len(set(a["sentence_id"])) == N
     run2 = Run(tmp_path / "again", create=True)
-    from ffkv.experiments.compose import sample_prefixes
+    from ffkv.steps.compose.compute import sample_prefixes
 
     b = sample_prefixes(run2, mm, VALID, N, seed=0, max_sentences=300).to_pydict()
     assert a["token_ids"] == b["token_ids"] and a["position"] == b["position"]
@@ -429,7 +432,7 @@ def test_cli_fewer_sentences_than_asked(tiny_dirs, tmp_path):
 def test_spread_positions(rooms, n, k, seed):
     """Distinct in-range pairs, as many as asked or as there is room for, spread evenly: no
     sentence gives a j-th prefix while one with room has given fewer than j - 1."""
-    from ffkv.experiments.compose import spread_positions
+    from ffkv.steps.compose.compute import spread_positions
 
     rng = np.random.default_rng(seed)
     lo = rng.integers(0, 4, size=len(rooms))

@@ -1,11 +1,9 @@
 """The `compose` step as one unit: its settings (from which `ffkv compose` is generated), what
-the manifest records, its place in `reproduce`, and its summary. The computation and the
-tables' columns are in `ffkv.experiments.compose`, imported only when the step runs, so that
-`ffkv --help` does not load torch."""
+the manifest records and its place in `reproduce`. The computation and the tables' columns are
+in `ffkv.steps.compose.compute`, the printed summary in `.summary`, both imported only when the
+step runs, so that `ffkv --help` does not load torch."""
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
@@ -60,24 +58,9 @@ def record(run, s: ComposeSettings) -> dict:
     return rec
 
 
-def compute(ctx) -> dict:
-    from ffkv.experiments.compose import compute as run_compose
-
-    return run_compose(ctx)
-
-
-def summary(run, out, s: ComposeSettings | None = None, as_json: bool = False) -> None:
-    """What the command prints: the per-layer summary, read back from the tables."""
-    from ffkv.experiments.compose import print_summary
-
-    s = s or ComposeSettings()
-    if as_json:
-        print(json.dumps({"status": out.status, "info": out.info}, indent=2, default=str))
-        return
-    if out.skipped:
-        print(f"compose: already done in {run.path} with these settings; summary below (--force to redo)",
-              file=sys.stderr)
-    print_summary(run, lens=s.lens, cases=s.cases)
+# by name: the work and the printed summary load when the step runs
+compute = lazy("ffkv.steps.compose.compute:compute")
+summary = lazy("ffkv.steps.compose.summary:summary")
 
 
 def reproduce(r, mm) -> ComposeSettings:
