@@ -7,7 +7,7 @@ import typer
 
 
 def print_values(out, as_json: bool = False) -> None:
-    from ffkv.steps.values import summary
+    from ffkv.steps.values.summary import summary
 
     summary(None, out, None, as_json)
 

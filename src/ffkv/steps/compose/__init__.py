@@ -58,18 +58,15 @@ def record(run, s: ComposeSettings) -> dict:
     return rec
 
 
-# by name: the work and the printed summary load when the step runs
-compute = lazy("ffkv.steps.compose.compute:compute")
-summary = lazy("ffkv.steps.compose.summary:summary")
-
-
 def reproduce(r, mm) -> ComposeSettings:
     """`ffkv reproduce`'s compose: its held-out corpus, prefix count and seed."""
     return ComposeSettings(corpus=r.compose_corpus or DEFAULT_CORPUS, n_prefixes=r.prefixes, seed=r.seed,
                            per_sentence=r.prefixes_per_sentence)
 
 
-STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES, compute=compute, record=record,
+STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES,
+            compute=lazy("ffkv.steps.compose.compute:compute"), record=record,
             help="Figs 7-11: active memories, compositional layers, the residual's share of the decision, "
                  "confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases.",
-            cli=True, summary=summary, reproduce=reproduce, sections=lazy("ffkv.steps.compose.report:sections"))
+            cli=True, summary=lazy("ffkv.steps.compose.summary:summary"), reproduce=reproduce,
+            sections=lazy("ffkv.steps.compose.report:sections"))

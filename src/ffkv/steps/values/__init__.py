@@ -44,17 +44,16 @@ class ValuesSettings:
                                       "the run's is norm).", flag="--both-lenses/--one-lens")
 
 
-# by name: the work (and its record's checks) and the printed summary load when the step runs
+# by name (as the step's compute and summary): loaded when the step runs
 record = lazy("ffkv.steps.values.compute:record")
-compute = lazy("ffkv.steps.values.compute:compute")
-summary = lazy("ffkv.steps.values.summary:summary")
 
 
 def _has_summary(run, info: dict) -> bool:
     return bool(info.get("summary"))
 
 
-STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES, compute=compute, record=record,
-            done_info=_has_summary, cli=True, summary=summary, sections=lazy("ffkv.steps.values.report:sections"),
+STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES,
+            compute=lazy("ffkv.steps.values.compute:compute"), record=record, done_info=_has_summary, cli=True,
+            summary=lazy("ffkv.steps.values.summary:summary"), sections=lazy("ffkv.steps.values.report:sections"),
             reproduce=lambda r, mm: ValuesSettings(dtype=r.dtype),
             help="Project every value to the vocabulary; agreement with its key's triggers (Fig 4–6, Table 2).")
