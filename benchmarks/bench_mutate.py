@@ -157,7 +157,7 @@ def main():
     ap.add_argument("--no-share", action="store_true", help="no prefix sharing of random variants")
     a = ap.parse_args()
 
-    from ffkv.experiments.mutate import mutate
+    from ffkv.steps.mutate.compute import mutate
     from ffkv.model.memories import open_model
     from ffkv.store.run import Run
 

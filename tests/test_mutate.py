@@ -13,7 +13,10 @@ import torch
 
 from conftest import WT2, build_tiny, run_cli
 from ffkv.corpus.batching import pack
-from ffkv.experiments import mutate as M
+from ffkv.corpus.sources import leading_specials
+from ffkv.memories import rescore as R
+from ffkv.steps.mutate import STEP, MutateSettings
+from ffkv.steps.mutate import compute as M
 from ffkv.store.query import read_triggers, sample_keys, sentence_lookup
 from ffkv.store.run import Run
 from ffkv.model import identity
@@ -109,7 +112,7 @@ def _direct(mm, ids, layer, dim, pos=None):
 def test_absorb_prefixes_brute_force():
     rng = random.Random(0)
     seqs = [tuple(rng.randrange(3) for _ in range(rng.randrange(1, 6))) for _ in range(300)]
-    rep = M.absorb_prefixes(seqs)
+    rep = R.absorb_prefixes(seqs)
     for i, s in enumerate(seqs):
         r = seqs[rep[i]]
         assert r[: len(s)] == s
@@ -131,8 +134,8 @@ def test_rescore_equals_direct_forward(tiny_models, arch):
         lays.append(rng.randrange(mm.n_layers))
         poss.append(rng.randrange(len(s)))
         dims.append(rng.randrange(mm.d_m))
-    st = M.RescoreStats()
-    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=64, stats=st)
+    st = R.RescoreStats()
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=64, stats=st)
     want = np.array([_direct(mm, s, l, d, p) for s, l, p, d in zip(seqs, lays, poss, dims)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # prefixes were absorbed: at most one pass per base sentence
@@ -182,7 +185,7 @@ def test_prefix_sharing_equals_direct_forward(tiny_models, arch, monkeypatch):
     """Variants computed from their original's cached keys/values equal lone passes; so do they
     with CUDA's pass cost, whose batches mix leaves of many layers."""
     mm = tiny_models[arch]
-    assert M.sharing_ok(mm)
+    assert R.sharing_ok(mm)
     rng = random.Random(2)
     seqs, lays, poss, dims, anchors = [], [], [], [], []
     for _ in range(12):
@@ -203,23 +206,23 @@ def test_prefix_sharing_equals_direct_forward(tiny_models, arch, monkeypatch):
             poss.append(rng.randrange(len(v)))  # not only the last position
             dims.append(rng.randrange(mm.d_m))
             anchors.append(a)
-    shared, plain = M.RescoreStats(), M.RescoreStats()
-    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=shared)
-    ref = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, stats=plain)
+    shared, plain = R.RescoreStats(), R.RescoreStats()
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=shared)
+    ref = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, stats=plain)
     want = np.array([_direct(mm, s, l, d, p) for s, l, p, d in zip(seqs, lays, poss, dims)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ref, want, rtol=1e-4, atol=1e-5)
     assert shared.tokens_run < plain.tokens_run and shared.layer_tokens < plain.layer_tokens
-    monkeypatch.setattr(M, "PAST_FACTOR", 0.25)  # leaf batches split by their copied prefixes
-    split = M.RescoreStats()
-    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=split)
+    monkeypatch.setattr(R, "PAST_FACTOR", 0.25)  # leaf batches split by their copied prefixes
+    split = R.RescoreStats()
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=split)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert split.batches > shared.batches and split.tokens_run == shared.tokens_run
-    monkeypatch.setattr(M, "PAST_FACTOR", 4)
-    wide, merged = M.RescoreStats(), M.RescoreStats()
-    M.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=wide)
-    monkeypatch.setattr(M, "pass_tokens", lambda device: M.CUDA_PASS_TOKENS)
-    got = M.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=merged)
+    monkeypatch.setattr(R, "PAST_FACTOR", 4)
+    wide, merged = R.RescoreStats(), R.RescoreStats()
+    R.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=wide)
+    monkeypatch.setattr(R, "pass_tokens", lambda device: R.CUDA_PASS_TOKENS)
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=merged)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert merged.batches < wide.batches and merged.layer_tokens >= wide.layer_tokens
 
@@ -242,11 +245,11 @@ def test_rescore_stops_at_the_layer(tiny_models):
              for l in range(mm.n_layers)]
     try:
         seqs = [tuple(range(10, 10 + n)) for n in (3, 5, 8)] + [tuple(range(40, 46))]
-        st = M.RescoreStats()
-        M.rescore(mm, seqs, [0, 0, 0, 0], [2, 4, 7, 5], [1, 2, 3, 4], stats=st)
+        st = R.RescoreStats()
+        R.rescore(mm, seqs, [0, 0, 0, 0], [2, 4, 7, 5], [1, 2, 3, 4], stats=st)
         assert calls[0] >= 1 and all(calls[l] == 0 for l in range(1, mm.n_layers))
         assert st.sequences_run == 2 and st.layer_tokens == 8 + 6
-        M.rescore(mm, seqs[:1], [1], [2], [0])
+        R.rescore(mm, seqs[:1], [1], [2], [0])
         assert calls[1] == 1 and calls[2] == 0
     finally:
         for h in hooks:
@@ -267,8 +270,8 @@ def test_last_token_costs_no_pass(runs, tiny_models):
             seqs.append(s)
             lays.append(r["layer"])
             dims.append(r["dim"])
-    st = M.RescoreStats()
-    got = M.rescore(mm, seqs, lays, [len(s) - 1 for s in seqs], dims, stats=st)
+    st = R.RescoreStats()
+    got = R.rescore(mm, seqs, lays, [len(s) - 1 for s in seqs], dims, stats=st)
     n_sent = len({r["sentence_id"] for r in trig if r["position"] >= 1})
     assert st.sequences_run <= n_sent  # no sequence of its own for any last-token variant
     for i in range(0, len(seqs), 37):
@@ -285,10 +288,10 @@ def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
 
     shutil.copytree(runs["gpt2"].path, tmp_path / "r")
     run, mm = Run(tmp_path / "r"), tiny_models["gpt2"]
-    s = M.MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=[1, 0], batch_tokens=256)
+    s = MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=[1, 0], batch_tokens=256)
     rec = {"keys_per_layer": 2, "examples": 5, "sign": 1, "seed": 1, "layers": [0, 1], "dtype": "auto"}
-    assert M.STEP.recorded(run, s) == M.settings_for(2, 5, 1, 1, [1, 0]) == rec
-    assert M.STEP.requires == ("mine",) and M.STEP.tables == ("mutations", "mutations_layers")
+    assert STEP.recorded(run, s) == M.settings_for(2, 5, 1, 1, [1, 0]) == rec
+    assert STEP.requires == ("mine",) and STEP.tables == ("mutations", "mutations_layers")
     out = execute(run, "mutate", s, mm=mm, show_progress=False)
     res = out.result
     assert out.status == "done" and run.settings("mutate") == rec
@@ -302,13 +305,13 @@ def test_mutate_step(runs, tiny_models, tmp_path, monkeypatch):
         raise AssertionError("the model was opened")
 
     monkeypatch.setattr(identity, "open_model", no_model)
-    again = execute(run, "mutate", M.MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=(0, 1),
+    again = execute(run, "mutate", MutateSettings(keys_per_layer=2, examples=5, seed=1, layers=(0, 1),
                                                     batch_tokens=4096))
     assert again.skipped and again.result is None
     for bad, msg in ((dict(examples=0), "--examples"), (dict(keys_per_layer=-1), "--keys-per-layer"),
                      (dict(sign=2), "--sign"), (dict(layers=[7]), "no mined keys")):
         with pytest.raises(FfkvError, match=msg):
-            execute(run, "mutate", M.MutateSettings(**bad), force=True)
+            execute(run, "mutate", MutateSettings(**bad), force=True)
         assert run.step("mutate")["status"] == "done" and run.settings("mutate") == rec
 
 
@@ -337,16 +340,16 @@ def test_batches_merge_only_what_pays(rows, bt, max_rows, ratio, fixed):
     lengths = np.array([r[0] for r in rows])
     deepest = np.array([r[1] for r in rows])
     members = np.arange(len(rows))[::-1].copy()
-    got = M._batches(lengths, deepest, members, bt, max_rows, ratio, fixed)
+    got = R._batches(lengths, deepest, members, bt, max_rows, ratio, fixed)
     assert sorted(np.concatenate(got).tolist()) == sorted(members.tolist())
 
     def cost(bs):
-        return sum(M._pass_cost(len(b), int(lengths[b].max()), int(deepest[b].max()), fixed) for b in bs)
+        return sum(R._pass_cost(len(b), int(lengths[b].max()), int(deepest[b].max()), fixed) for b in bs)
 
     apart = []
     for L in np.unique(deepest):
         m = members[deepest[members] == L]
-        apart += [m[b] for b in pack(lengths[m], bt, max_batch=max_rows, ratio=ratio, slack=M.SLACK)]
+        apart += [m[b] for b in pack(lengths[m], bt, max_batch=max_rows, ratio=ratio, slack=R.SLACK)]
     for b in got:
         assert len(b) == 1 or (len(b) <= max_rows and len(b) * lengths[b].max() <= bt)
     assert cost(got) <= cost(apart)
@@ -361,11 +364,11 @@ def test_leaf_batches_bound_their_copied_prefixes(shares, bt):
     PAST_FACTOR × the budget, or a row alone."""
     share = np.array(shares)
     lb = np.arange(len(share))[::-1].copy()
-    parts = M._past_bounded(lb, share, bt)
+    parts = R._past_bounded(lb, share, bt)
     assert sorted(np.concatenate(parts).tolist()) == sorted(lb.tolist())
     for p in parts:
-        assert len(p) == 1 or len(p) * share[p].max() <= M.PAST_FACTOR * bt
-    if len(lb) * share.max() <= M.PAST_FACTOR * bt:
+        assert len(p) == 1 or len(p) * share[p].max() <= R.PAST_FACTOR * bt
+    if len(lb) * share.max() <= R.PAST_FACTOR * bt:
         assert len(parts) == 1 and (parts[0] == lb).all()
 
 
@@ -388,7 +391,7 @@ def test_plan_prefers_the_whole_original():
     s = tuple(range(10, 22))
     seqs = [s[:5], s[:9], s[:4] + s[5:9], s[:7] + s[8:12], s[:11]]
     anchors = [-1, -1, 0, 1, -1]
-    run_seqs, rid, deepest, parent, share, _ = M.plan(seqs, [0, 3, 1, 2, 0], [4, 8, 7, 10, 10], anchors)
+    run_seqs, rid, deepest, parent, share, _ = R.plan(seqs, [0, 3, 1, 2, 0], [4, 8, 7, 10, 10], anchors)
     assert run_seqs[rid[0]] == s[:11] and rid[0] == rid[1] == rid[4]
     assert parent[rid[2]] == rid[0] and share[rid[2]] == 4
     assert parent[rid[3]] == rid[0] and share[rid[3]] == 7
@@ -422,7 +425,7 @@ def test_bos_first_token_and_short_prefixes():
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": ([1] if add_special_tokens else []) + [5, 6]}
 
-    assert M.leading_specials(Tok()) == [1]
+    assert leading_specials(Tok()) == [1]
 
 
 # ---- the planted key -------------------------------------------------------------------------------

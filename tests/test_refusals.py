@@ -243,7 +243,7 @@ def test_values_bins_checked_against_the_column(long_run):
 def test_rescore_pads_within_the_context(tiny_models):
     """Leaves of one original that share its first 100 and 90 tokens, in one batch: the shorter
     one's padding ran past GPT-2's 128 positions (IndexError). Equal to full passes now."""
-    from ffkv.experiments.mutate import rescore, sharing_ok
+    from ffkv.memories.rescore import rescore, sharing_ok
 
     mm = tiny_models["gpt2"]
     assert mm.max_length == 128 and sharing_ok(mm)

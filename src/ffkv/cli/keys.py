@@ -7,7 +7,7 @@ import typer
 
 
 def print_mutate(run, out, as_json: bool = False) -> None:
-    from ffkv.steps.mutate import summary
+    from ffkv.steps.mutate.summary import summary
 
     summary(run, out, None, as_json)
 

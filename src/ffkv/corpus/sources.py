@@ -469,3 +469,25 @@ def tokenize(tokenizer, sentences: list[Sentence], max_length: int,
             enc += tokenizer([s.text for s in part], add_special_tokens=True)["input_ids"]
     ids, cut = fit_sentences(enc, max_length)
     return ids, cut["sentences"]
+
+
+def leading_specials(tok) -> list[int]:
+    """Token ids the tokenizer prepends to every text (e.g. [BOS]; what `tokenize` adds to a
+    sentence); [] for SmolLM2 and GPT-2."""
+    if tok is None:
+        return []
+    try:
+        with_sp = tok("hello world", add_special_tokens=True)["input_ids"]
+        without = tok("hello world", add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001
+        return []
+    n = len(with_sp) - len(without)
+    if n > 0 and with_sp[n:n + len(without)] == without:
+        return list(with_sp[:n])
+    return []
+
+
+def n_special(token_ids, specials: list[int]) -> int:
+    """How many leading tokens of `token_ids` are those `specials` (all of them, or 0)."""
+    k = len(specials)
+    return k if k and list(token_ids[:k]) == specials else 0

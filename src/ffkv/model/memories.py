@@ -287,7 +287,7 @@ class MemoryModel:
         """One forward pass capturing `what` (subset of r, x, m, y, o) at `layers`.
 
         `forward` is passed on to the model's forward (e.g. position_ids, past_key_values with
-        use_cache=True, to continue cached prefixes; `ffkv.experiments.mutate` does).
+        use_cache=True, to continue cached prefixes; `ffkv.memories.rescore` does).
 
         Stops after the last requested layer unless logits are asked for. With `callback`,
         each captured tensor is handed to callback(layer, name, tensor) instead of kept,

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from ffkv.corpus.stopwords import stopwords
 from ffkv.errors import FfkvError
-from ffkv.experiments.mutate import leading_specials, n_special
+from ffkv.corpus.sources import leading_specials, n_special
 from ffkv.store import query
 from ffkv.steps.patterns import ALPHA, BACKGROUND, MIN_COVER  # noqa: F401  (the settings' defaults)
 from ffkv.store.labels import TOP  # noqa: F401  (re-exported)

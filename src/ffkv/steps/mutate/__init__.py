@@ -1,9 +1,8 @@
-"""The `mutate` step as one unit: its settings (from which `ffkv mutate` is generated), its place
-in `reproduce` and its summary. The experiment (paper §3.2, Fig 3) and its tables' columns are in
-`ffkv.experiments.mutate`, imported when the step runs."""
+"""The `mutate` step as one unit: its settings (from which `ffkv mutate` is generated) and its place
+in `reproduce`. The experiment (paper §3.2, Fig 3) and its tables' columns are in
+`ffkv.steps.mutate.compute`, the printed summary in `.summary`; both are imported when the step runs."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
@@ -35,52 +34,13 @@ class MutateSettings:
     dtype: str = setting("auto", "The model's dtype (the command's --dtype).")
 
 
-def record(run, s: MutateSettings) -> dict:
-    from ffkv.experiments.mutate import record as mutate_record
-
-    return mutate_record(run, s)
-
-
-def compute(ctx) -> dict:
-    from ffkv.experiments.mutate import compute as run_mutate
-
-    return run_mutate(ctx)
-
-
-def summary(run, out, s=None, as_json: bool = False) -> None:
-    """Per layer, the relative change of the coefficient for each mutation (median [q25, q75])."""
-    from ffkv.cli.options import print_table
-    from ffkv.experiments.mutate import MUTATIONS
-
-    if out.skipped:
-        info = {"status": "already done", **{k: v for k, v in out.info.items() if k != "status"}}
-    else:
-        info = {"status": "done", **out.result.stats}
-    layers = (run.read_table("mutations_layers") if out.skipped else out.result.layers).to_pylist()
-    if as_json:
-        print(json.dumps({**info, "layers": layers}, indent=2, default=str))
-        return
-    if out.skipped:
-        print(f"mutate: already done with these settings in {run.path} (use --force to re-run)")
-    else:
-        r = info["rescore"]
-        print(f"mutate: {info['keys']} keys, {info['variants']:,} variants "
-              f"({info['examples_skipped']} one-token examples skipped) in {info['seconds']:.1f} s; "
-              f"{r['sequences_run']:,} sequences run for {r['requests']:,} requests")
-    by = {(x["layer"], x["mutation"]): x for x in layers}
-    rows = []
-    for l in sorted({x["layer"] for x in layers}):
-        row = {"layer": l}
-        for m in MUTATIONS:
-            x = by.get((l, m))
-            row[m] = (f"{x['median']:+.2f} [{x['q25']:+.2f}, {x['q75']:+.2f}] mean {x['mean']:+.2f}"
-                      if x and x["n"] else "-")
-        rows.append(row)
-    print_table("relative change of the coefficient: median [q25, q75]", rows, ["layer", *MUTATIONS])
+# by name (as the step's compute and summary): loaded when the step runs
+record = lazy("ffkv.steps.mutate.compute:record")
 
 
 STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",), tables=("mutations", "mutations_layers"),
-            compute=compute, record=record, cli=True, summary=summary,
+            compute=lazy("ffkv.steps.mutate.compute:compute"), record=record, cli=True,
+            summary=lazy("ffkv.steps.mutate.summary:summary"),
             sections=lazy("ffkv.steps.mutate.report:sections"),
             reproduce=lambda r, mm: MutateSettings(keys_per_layer=r.keys_per_layer, seed=r.seed, dtype=r.dtype),
             help="Fig 3: remove the first, last or a random token of each key's top trigger examples and report "
