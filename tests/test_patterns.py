@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import wikitext_sentences
-from ffkv.experiments import patterns as P
+from ffkv.steps.patterns import ALPHA, PatternsSettings
+from ffkv.steps.patterns import compute as P
+from ffkv.steps.patterns import semantic, shallow, words
+from ffkv.store.labels import label_of
 from test_mutate import make_run
 
 
@@ -24,7 +27,7 @@ def _cut(s: str, frac: float = 0.5) -> str:
 def background():
     sents = wikitext_sentences(400, split="valid", seed=3)
     rng = np.random.default_rng(0)
-    return P.Background.from_prefixes([P.Prefix(_cut(s, rng.uniform(0.2, 1)), "")
+    return words.Background.from_prefixes([words.Prefix(_cut(s, rng.uniform(0.2, 1)), "")
                                        for s in sents[:300]])
 
 
@@ -77,11 +80,11 @@ def _planted_set():
     texts = [texts[i] for i in order]
     groups = {g: sorted(int(inv[i]) for i in ix) for g, ix in groups.items()}
     last_tok = ["stitutes" if t.endswith("substitutes") else t.split()[-1] for t in texts]
-    return [P.Prefix(t, lt) for t, lt in zip(texts, last_tok)], groups
+    return [words.Prefix(t, lt) for t, lt in zip(texts, last_tok)], groups
 
 
 def test_norm_word():
-    assert [P.norm_word(w) for w in ("bases", "Base", "cities", "churches", "boxes", "class", "bus",
+    assert [words.norm_word(w) for w in ("bases", "Base", "cities", "churches", "boxes", "class", "bus",
                                      "analysis", "as")] == \
         ["base", "base", "city", "church", "box", "class", "bus", "analysis", "as"]
 
@@ -92,8 +95,8 @@ def test_norm_word():
 def test_has_cover_is_every_frequent_ngram(nws, min_cover):
     """The apriori cover equals brute force: every contiguous 1–3 word n-gram not made only of
     stop words, with the prefixes holding it, wherever it covers at least min_cover of them."""
-    from ffkv.experiments.patterns.shallow import _has_cover
-    from ffkv.experiments.patterns.words import STOP
+    from ffkv.steps.patterns.shallow import _has_cover
+    from ffkv.steps.patterns.words import STOP
 
     brute: dict = {}
     for i, nw in enumerate(nws):
@@ -109,7 +112,7 @@ def test_has_cover_is_every_frequent_ngram(nws, min_cover):
 
 def test_planted_shallow_patterns(background):
     prefixes, groups = _planted_set()
-    pats = P.shallow_patterns(prefixes, background)
+    pats = shallow.shallow_patterns(prefixes, background)
     by_desc = {p.description: p for p in pats}
     want = {
         'ends with "substitutes"/"substitute"': ("last_word", groups["subst"]),
@@ -119,7 +122,7 @@ def test_planted_shallow_patterns(background):
     for desc, (sub, cov) in want.items():
         assert desc in by_desc, (desc, [p.description for p in pats])
         assert by_desc[desc].subtype == sub and list(by_desc[desc].covered) == cov
-        assert by_desc[desc].p_value < P.ALPHA
+        assert by_desc[desc].p_value < ALPHA
     year = [p for p in pats if p.subtype == "shape"]
     assert len(year) == 1 and year[0].description.startswith("ends with a year")
     assert list(year[0].covered) == groups["year"]
@@ -135,17 +138,17 @@ def test_planted_shallow_patterns(background):
 def test_min_cover_and_background(background):
     prefixes, groups = _planted_set()
     # with min_cover 5 only the 6 'substitutes' and the 5 years survive
-    pats = P.shallow_patterns(prefixes, background, min_cover=5)
+    pats = shallow.shallow_patterns(prefixes, background, min_cover=5)
     assert sorted(len(p.covered) for p in pats) == [5, 6]
     # a pattern as common as the background is not a pattern: 'ends with "of"' in a corpus
     # where most prefixes end with "of"
-    bg = P.Background.from_prefixes([P.Prefix(f"word{i} of", "of") for i in range(50)]
-                                    + [P.Prefix(f"thing{i} and", "and") for i in range(50)])
-    common = [P.Prefix(f"alpha{i} of", "of") for i in range(10)] + \
-             [P.Prefix(f"beta{i} zeta", "zeta") for i in range(4)]
-    descs = {p.description for p in P.shallow_patterns(common, bg)}
+    bg = words.Background.from_prefixes([words.Prefix(f"word{i} of", "of") for i in range(50)]
+                                    + [words.Prefix(f"thing{i} and", "and") for i in range(50)])
+    common = [words.Prefix(f"alpha{i} of", "of") for i in range(10)] + \
+             [words.Prefix(f"beta{i} zeta", "zeta") for i in range(4)]
+    descs = {p.description for p in shallow.shallow_patterns(common, bg)}
     assert 'ends with "zeta"' in descs and 'ends with "of"' not in descs
-    assert 'ends with "of"' in {p.description for p in P.shallow_patterns(common, bg, alpha=1)}
+    assert 'ends with "of"' in {p.description for p in shallow.shallow_patterns(common, bg, alpha=1)}
 
 
 def test_binomial_tail_exact():
@@ -154,7 +157,7 @@ def test_binomial_tail_exact():
     n, c, df, B = 25, 4, 30, 999
     p = (df + 0.5) / (B + 1)
     want = sum(comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(c, n + 1))
-    assert P.binom_tail(n, c, df, B) == pytest.approx(want, rel=1e-9)
+    assert words.binom_tail(n, c, df, B) == pytest.approx(want, rel=1e-9)
 
 
 def test_agglomerate_brute_force():
@@ -162,15 +165,15 @@ def test_agglomerate_brute_force():
     E = rng.normal(size=(12, 5))
     E /= np.linalg.norm(E, axis=1, keepdims=True)
     S = E @ E.T
-    cl = P.agglomerate(S, 0.3)
+    cl = semantic.agglomerate(S, 0.3)
     assert sorted(i for c in cl for i in c) == list(range(12))
     # no two final clusters could still be merged, and every merge respected tau at its time:
     # the average similarity between final clusters is below tau
     for a in range(len(cl)):
         for b in range(a + 1, len(cl)):
             assert S[np.ix_(cl[a], cl[b])].mean() < 0.3
-    assert P.agglomerate(S, 2.0) == [[i] for i in range(12)]
-    assert P.agglomerate(S, -2.0) == [list(range(12))]
+    assert semantic.agglomerate(S, 2.0) == [[i] for i in range(12)]
+    assert semantic.agglomerate(S, -2.0) == [list(range(12))]
 
 
 # ---- scipy replaces the hand-written statistics: the old routines, kept as the reference -------
@@ -225,7 +228,7 @@ def test_binom_tail_equals_hand_written():
         B = int(rng.integers(1, 5000))
         cases.append((n, int(rng.integers(0, n + 1)), int(rng.integers(0, B + 1)), B))
     for n, c, df, B in cases:
-        assert P.binom_tail(n, c, df, B) == pytest.approx(_old_binom_tail(n, c, df, B), rel=1e-9, abs=1e-300)
+        assert words.binom_tail(n, c, df, B) == pytest.approx(_old_binom_tail(n, c, df, B), rel=1e-9, abs=1e-300)
 
 
 def test_binom_tail_is_scipys_binom_sf_exactly():
@@ -237,7 +240,7 @@ def test_binom_tail_is_scipys_binom_sf_exactly():
         n, B = int(rng.integers(1, 60)), int(rng.integers(1, 5000))
         c, df = int(rng.integers(0, n + 2)), int(rng.integers(0, B + 1))
         want = 1.0 if c <= 0 else float(binom.sf(c - 1, n, (df + 0.5) / (B + 1)))
-        assert P.binom_tail(n, c, df, B) == want, (n, c, df, B)
+        assert words.binom_tail(n, c, df, B) == want, (n, c, df, B)
 
 
 def test_equal_prefixes_are_read_and_split_once(tiny_models, tiny_dirs, tmp_path):
@@ -250,12 +253,12 @@ def test_equal_prefixes_are_read_and_split_once(tiny_models, tiny_dirs, tmp_path
     n_tok = run.read_table("sentences", columns=["n_tokens"]).column("n_tokens").to_numpy()
     sids = np.array([0, 1, 0, 2, 1, 0])
     pos = np.minimum(np.array([1, 0, 1, 2, 0, 0]), n_tok[sids] - 1)
-    px = P.prefix_texts(run, mm.tok, sids, pos)
+    px = words.prefix_texts(run, mm.tok, sids, pos)
     assert [(p.text, p.last_token) for p in px] == query.prefix_texts(run, mm.tok, sids, pos)
     assert px[0] is px[2] and px[1] is px[4] and px[0] is not px[5]
-    assert px[0].words is px[2].words and px[0].ends == P.end_features(px[0].words, px[0].last_token)
-    assert px[0].norm_words == [P.norm_word(w) for w in P.words_of(px[0].text)]
-    assert P.prefix_texts(run, mm.tok, [], []) == []
+    assert px[0].words is px[2].words and px[0].ends == words.end_features(px[0].words, px[0].last_token)
+    assert px[0].norm_words == [words.norm_word(w) for w in words.words_of(px[0].text)]
+    assert words.prefix_texts(run, mm.tok, [], []) == []
 
 
 def _unit(rng, n, d, dtype=np.float64):
@@ -278,7 +281,7 @@ def test_agglomerate_equals_hand_written(dtype):
         off = S[~np.eye(n, dtype=bool)]
         tau = float(np.quantile(off, rng.uniform(0.5, 1.0)))
         want, heights, stop = _old_agglomerate(S, tau)
-        got = P.agglomerate(S, tau)
+        got = semantic.agglomerate(S, tau)
         gaps = np.diff(sorted(heights + ([stop] if stop is not None else [])))
         tie = (len(gaps) and gaps.min() < 1e-6) or (stop is not None and abs(stop - tau) < 1e-6) \
             or any(abs(h - tau) < 1e-6 for h in heights)
@@ -290,12 +293,11 @@ def test_agglomerate_equals_hand_written(dtype):
 
 def test_semantic_null_equals_hand_written(monkeypatch):
     """The calibration (thresholds from 200 random sets) is the same with either clustering."""
-    from ffkv.experiments.patterns import semantic
 
     E = _unit(np.random.default_rng(5), 300, 16, np.float32)
-    new = P.SemanticNull.calibrate(E, sets=200)
+    new = semantic.SemanticNull.calibrate(E, sets=200)
     monkeypatch.setattr(semantic, "agglomerate", lambda S, tau: _old_agglomerate(S, tau)[0])
-    old = P.SemanticNull.calibrate(E, sets=200)
+    old = semantic.SemanticNull.calibrate(E, sets=200)
     assert (new.mu, new.tau, new.null_rate) == (old.mu, old.tau, old.null_rate)
     assert new.thresholds == pytest.approx(old.thresholds, abs=1e-9)
 
@@ -310,9 +312,9 @@ class HashEmbedder:
         for t in texts:
             if t not in self.cache:
                 v = np.zeros(self.dim, np.float32)
-                for w in P.words_of(t):
+                for w in words.words_of(t):
                     if w.isalpha() and len(w) > 3:
-                        v[zlib.crc32(P.norm_word(w).encode()) % self.dim] += 1
+                        v[zlib.crc32(words.norm_word(w).encode()) % self.dim] += 1
                 v[zlib.crc32(t.encode()) % self.dim] += 0.1
                 self.cache[t] = v / np.linalg.norm(v)
         if bar:
@@ -339,14 +341,14 @@ TOPICS = {
 @pytest.mark.slow
 def test_semantic_topics_real_encoder():
     """The real all-MiniLM-L6-v2 finds two planted topics among random Wikipedia prefixes."""
-    emb = P.Embedder()
+    emb = semantic.Embedder()
     rng = np.random.default_rng(0)
     sents = [s for s in wikitext_sentences(900, split="valid", seed=7) if "<unk>" not in s]
-    bg = P.Background.from_prefixes([P.Prefix(_cut(s, rng.uniform(0.3, 1)), "") for s in sents[:400]])
-    null = P.SemanticNull.calibrate(emb.embed(bg.texts), sets=300)
+    bg = words.Background.from_prefixes([words.Prefix(_cut(s, rng.uniform(0.3, 1)), "") for s in sents[:400]])
+    null = semantic.SemanticNull.calibrate(emb.embed(bg.texts), sets=300)
     fill = [_cut(s, 0.6) for s in sents[400:413]]
     texts = TOPICS["football"] + TOPICS["chemistry"] + fill
-    pats = P.semantic_patterns(emb.embed(texts), texts, bg, null)
+    pats = semantic.semantic_patterns(emb.embed(texts), texts, bg, null)
     covers = [set(p.covered) for p in pats]
     foot, chem = set(range(6)), set(range(6, 12))
     assert any(len(c & foot) >= 5 and len(c - foot) <= 1 for c in covers), [p.description for p in pats]
@@ -358,7 +360,7 @@ def test_semantic_topics_real_encoder():
     for r in range(40):
         m = rng.choice(len(bg.texts), 25, replace=False)
         tx = [bg.texts[i] for i in m]
-        hits += bool(P.semantic_patterns(emb.embed(tx), tx, bg, null))
+        hits += bool(semantic.semantic_patterns(emb.embed(tx), tx, bg, null))
     assert hits <= 4
 
 
@@ -421,7 +423,7 @@ def test_patterns_run_tables(prun, tiny_models):
         assert k["n_patterns"] == len(ps) and k["n_prefixes"] == 25
         assert k["coverage"] == pytest.approx(len(sh | se) / 25)
         assert (k["only_shallow"], k["only_semantic"], k["both"]) == (len(sh - se), len(se - sh), len(sh & se))
-        assert k["label"] == P.label_of(bool(sh), bool(se))
+        assert k["label"] == label_of(bool(sh), bool(se))
         assert k["semantic_done"] or not se
     # Fig 2 rows: shares sum to 1 and match the key table
     for f in res.fig2.to_pylist():
@@ -435,7 +437,7 @@ def test_patterns_run_tables(prun, tiny_models):
 def test_workers_give_the_serial_tables(prun, tiny_models, monkeypatch):
     """Shallow patterns found in forked workers, a few keys a task, equal the serial pass's tables
     (semantic patterns too, which stay in this process)."""
-    from ffkv.experiments.patterns import step as S
+    from ffkv.steps.patterns import compute as S
 
     tok = tiny_models["gpt2"].tok
     monkeypatch.setattr(S, "KEYS_PER_TASK", 3)
@@ -455,7 +457,7 @@ def _worker_dies(lo, hi):
 
 def test_a_dead_worker_is_one_line(prun, tiny_models, monkeypatch):
     from ffkv.errors import FfkvError
-    from ffkv.experiments.patterns import step as S
+    from ffkv.steps.patterns import compute as S
 
     monkeypatch.setattr(S, "KEYS_PER_TASK", 3)
     monkeypatch.setattr(S, "_shallow_keys", _worker_dies)
@@ -471,7 +473,7 @@ def test_patterns_sample_and_strict_alpha(prun, tiny_models):
                      show_progress=False)
     kt = res.keys.to_pylist()
     assert len(kt) == 14 and not any(k["semantic_done"] for k in kt)
-    assert all(p["p_value"] < P.ALPHA for p in res.patterns.to_pylist())
+    assert all(p["p_value"] < ALPHA for p in res.patterns.to_pylist())
     assert {f["scope"] for f in res.fig2.to_pylist()} == {"all"}
     # the semantic sample is drawn from all mined keys (nested samples), not from the 7
     from ffkv.store.query import mined_keys, read_triggers, sample_keys
@@ -490,7 +492,7 @@ def test_patterns_step(tmp_path, tiny_dirs, tiny_models):
     from ffkv.steps.lifecycle import execute
 
     run = make_run(tmp_path / "r", tiny_dirs["gpt2"], n_sentences=60, k=25, mm=tiny_models["gpt2"])
-    s = P.PatternsSettings(semantic_keys_per_layer=3, background=300, device="cpu")
+    s = PatternsSettings(semantic_keys_per_layer=3, background=300, device="cpu")
     out = execute(run, "patterns", s, device="cpu", embedder=HashEmbedder(), show_progress=False)
     assert out.status == "done" and out.result.keys.num_rows == 2 * 96
     assert run.settings("patterns") == P.settings_for(0, 3, 25, 1, 0, 3, 1e-3, 300, True)
@@ -503,7 +505,7 @@ def test_patterns_step(tmp_path, tiny_dirs, tiny_models):
     assert second["status"] == "already done"
     assert (second["labels"], second["fig2"]) == (first["labels"], first["fig2"])
     with pytest.raises(FfkvError, match="--alpha"):
-        execute(run, "patterns", P.PatternsSettings(alpha=0), device="cpu")
+        execute(run, "patterns", PatternsSettings(alpha=0), device="cpu")
     assert run.step_done("patterns")
 
 

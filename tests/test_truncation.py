@@ -137,7 +137,7 @@ def test_pre_tokenized_rows_past_the_context_are_cut_and_said(tiny_dirs, tmp_pat
 # ---- the sentence encoder of semantic patterns: its own, shorter context -----------------------------
 @pytest.fixture(scope="module")
 def embedder():
-    from ffkv.experiments.patterns.semantic import Embedder
+    from ffkv.steps.patterns.semantic import Embedder
 
     return Embedder()
 
@@ -177,8 +177,8 @@ def test_a_long_prefix_is_embedded_by_its_end(embedder):
 def test_patterns_says_prefixes_cut_for_the_encoder(tiny_dirs, tmp_path):
     """With an encoder context of 8 tokens every prefix is cut: the step says so and counts them."""
     from conftest import mine_tiny
-    from ffkv.experiments.patterns import PatternsSettings
-    from ffkv.experiments.patterns.semantic import Embedder
+    from ffkv.steps.patterns import PatternsSettings
+    from ffkv.steps.patterns.semantic import Embedder
     from ffkv.steps.lifecycle import execute
     from ffkv.store.run import Run
 

@@ -116,7 +116,7 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
 
     run = Path(run)
     if s.semantic:  # before any step runs: a missing encoder would otherwise stop it at step 5
-        from ffkv.experiments.patterns.semantic import require_encoder
+        from ffkv.steps.patterns.semantic import require_encoder
 
         require_encoder()
     r, mm = _open(run, s)

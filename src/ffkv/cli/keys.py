@@ -13,7 +13,8 @@ def print_mutate(run, out, as_json: bool = False) -> None:
 
 
 def print_patterns(run, out, top: int = 25, as_json: bool = False) -> None:
-    from ffkv.steps.patterns import PatternsSettings, summary
+    from ffkv.steps.patterns import PatternsSettings
+    from ffkv.steps.patterns.summary import summary
 
     summary(run, out, PatternsSettings(top=top), as_json)
 

@@ -7,7 +7,7 @@ shallow or semantic (`KINDS`) and covering some prefixes. From them:
   the patterns that cover it (the paper's Fig 2);
 - per layer, the share of prefixes in each category, patterns per key and keys with a pattern.
 
-`ffkv.experiments.patterns` (tables `pattern_keys`, `patterns_fig2`) and
+`ffkv.steps.patterns.compute` (tables `pattern_keys`, `patterns_fig2`) and
 `ffkv.store.annotations` (`AnnotationStore.stats`) both count with these functions.
 """
 from __future__ import annotations

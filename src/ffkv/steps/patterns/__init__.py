@@ -1,9 +1,9 @@
-"""The `patterns` step as one unit: its settings (from which `ffkv patterns` is generated), its
-place in `reproduce` and its summary. Shallow and semantic patterns, key labels, Fig 2 and the
-tables' columns are in `ffkv.experiments.patterns`, imported when the step runs."""
+"""The `patterns` step as one unit: its settings (from which `ffkv patterns` is generated) and its
+place in `reproduce`. Shallow and semantic patterns, key labels, Fig 2 and the tables' columns are
+in `ffkv.steps.patterns.compute` (with `words`, `shallow`, `semantic`, `fig2`), the printed summary
+in `.summary`; all are imported when the step runs."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
@@ -49,50 +49,13 @@ class PatternsSettings:
                                   check=between(0, 256), recorded=False)
 
 
-def record(run, s: PatternsSettings) -> dict:
-    from ffkv.experiments.patterns.step import check_settings, settings_for
-
-    check_settings(s.top, s.min_cover, s.alpha)  # before any model loads
-    return settings_for(s.keys_per_layer, s.semantic_keys_per_layer, s.top, s.sign, s.seed, s.min_cover,
-                        s.alpha, s.background, s.semantic)
+# by name (as the step's compute and summary): loaded when the step runs
+record = lazy("ffkv.steps.patterns.compute:record")
 
 
-def compute(ctx) -> dict:
-    from ffkv.experiments.patterns.step import compute as find
-
-    return find(ctx)
-
-
-def summary(run, out, s=None, as_json: bool = False) -> None:
-    """Counts, key labels and Fig 2 per layer."""
-    from ffkv.cli.options import print_table
-    from ffkv.defs import pct
-    from ffkv.experiments.patterns import LABELS, summary as gather
-
-    top = s.top if s is not None else TOP
-    info = gather(run, out)
-    if as_json:
-        print(json.dumps(info, indent=2, default=str))
-        return
-    if out.skipped:
-        print(f"patterns: already done with these settings in {run.path} (use --force to re-run)")
-    else:
-        print(f"patterns: {info['keys']:,} keys ({info['semantic_keys']:,} with semantic patterns), "
-              f"{info['patterns']:,} patterns in {info['seconds']:.1f} s "
-              f"(embedding {info['embedding_seconds']:.1f} s)")
-    print("key labels: " + ", ".join(f"{k} {info['labels'].get(k, 0):,}" for k in LABELS))
-    fig2 = info["fig2"]
-    scope = "semantic_sample" if any(f["scope"] == "semantic_sample" for f in fig2) else "all"
-    pct0 = lambda x: pct(x, 0)  # noqa: E731
-    print_table(f"Fig 2 (scope {scope}): share of top-{top} prefixes by pattern kind",
-                [f for f in fig2 if f["scope"] == scope],
-                ["layer", "keys", "shallow", "semantic", "both", "not_covered", "patterns_per_key"],
-                {"shallow": pct0, "semantic": pct0, "both": pct0, "not_covered": pct0,
-                 "patterns_per_key": lambda x: f"{x:.1f}"})
-
-
-STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES, compute=compute,
-            record=record, cli=True, summary=summary, sections=lazy("ffkv.steps.patterns.report:sections"),
+STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES,
+            compute=lazy("ffkv.steps.patterns.compute:compute"), record=record, cli=True,
+            summary=lazy("ffkv.steps.patterns.summary:summary"), sections=lazy("ffkv.steps.patterns.report:sections"),
             reproduce=lambda r, mm: PatternsSettings(semantic_keys_per_layer=r.semantic_keys_per_layer, seed=r.seed,
                                                      semantic=r.semantic, device=r.device),
             help="Automatic patterns in each key's top-25 prefixes: shallow (shared last words, suffixes, n-grams) "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ffkv.errors import FfkvError
-from ffkv.experiments.patterns.words import MIN_COVER, STOP, TOP, Background, Pattern, norm_word, words_of
+from ffkv.steps.patterns.words import MIN_COVER, STOP, TOP, Background, Pattern, norm_word, words_of
 
 SEMANTIC_BACKGROUND = 600
 SEMANTIC_NULL_SETS = 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ffkv.experiments.patterns.words import ALPHA, MIN_COVER, STOP, Background, Pattern, Prefix, binom_tail
+from ffkv.steps.patterns.words import ALPHA, MIN_COVER, STOP, Background, Pattern, Prefix, binom_tail
 
 # on equal coverage and length, the more specific family wins
 SPECIFICITY = {"end": 3, "tok": 2, "shape": 1, "has": 0}
