@@ -28,7 +28,7 @@ def plain_forward(mm, seqs, batch_tokens: int) -> float:
     """Seconds for hf(...).logits over the batches the step packs."""
     import torch
 
-    from ffkv.experiments.normalize.passes import batches_of
+    from ffkv.steps.normalize.passes import batches_of
 
     t = time.perf_counter()
     with torch.no_grad():
@@ -39,7 +39,7 @@ def plain_forward(mm, seqs, batch_tokens: int) -> float:
 
 
 def measure(mm, name: str, s, goal_min: float | None, baseline: bool) -> None:
-    from ffkv.experiments.normalize import normalize, split
+    from ffkv.steps.normalize.compute import normalize, split
 
     ev = split(mm, s, warn=lambda m: out(f"note: {m}"))[0]
     n_tok = sum(map(len, ev))
@@ -93,8 +93,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from dataclasses import replace
 
-    from ffkv.experiments.normalize import NormalizeSettings
-    from ffkv.experiments.normalize import reproduce_settings
+    from ffkv.steps.normalize import NormalizeSettings, reproduce_settings
 
     t0 = time.perf_counter()
     mm = load_default()

@@ -528,7 +528,7 @@ def test_normalize_substitution_is_the_models_own(family_model):
     identity substitution (m rebuilt as it is) gives the model's own final state, and the loss
     per token equals −log softmax of the model's own logits (Gemma 2's soft-cap, Granite's
     divisor). Before they did, the identity substitution on Gemma 2 was off by 1.5."""
-    from ffkv.experiments.normalize.tail import Targets, intact, tail, token_nll
+    from ffkv.steps.normalize.tail import Targets, intact, tail, token_nll
 
     name, mm = family_model
     ids, mask = _texts_batch(mm)

@@ -326,7 +326,7 @@ def test_normalize_substitution_and_another_activation(moe_model):
     """`ffkv normalize`'s seams on a mixture of experts: the identity substitution gives the
     model's own final state, removing the block changes it, and m under ReLU (routing kept) is the
     brute force with ReLU in place of SiLU."""
-    from ffkv.experiments.normalize.tail import intact, tail
+    from ffkv.steps.normalize.tail import intact, tail
 
     name, mm = moe_model
     ids, mask = _batch(mm)

@@ -11,11 +11,11 @@ import torch
 
 from conftest import ARCHS, run_cli, wikitext_sentences
 
-from ffkv.experiments.normalize.tail import Targets, intact, tail, tail_delta, token_nll
-from ffkv.experiments.normalize.variants import (TAU_GRID, Sums, Variant, coefficients, concentration,
+from ffkv.steps.normalize.tail import Targets, intact, tail, tail_delta, token_nll
+from ffkv.steps.normalize.variants import (TAU_GRID, Sums, Variant, coefficients, concentration,
                                                  grid_sums, random_slots, replacement, softmax_weights,
                                                  top_slots)
-from ffkv.experiments.normalize.variance import synthetic
+from ffkv.steps.normalize.variance import synthetic
 from ffkv.report import normalize as N
 from ffkv.model import identity
 
@@ -163,8 +163,7 @@ def test_concentration():
 
 
 def test_reproduce_settings():
-    from ffkv.experiments.normalize import reproduce_settings
-    from ffkv.experiments.normalize.step import default_capacity_layers
+    from ffkv.steps.normalize import default_capacity_layers, reproduce_settings
 
     s = reproduce_settings(30)
     assert s.layers == tuple(range(0, 30, 4)) and set(s.capacity_layers) <= set(s.layers)
@@ -200,7 +199,7 @@ def test_synthetic_variance_se_is_honest():
 # ---- the step on a tiny model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_run(tiny_dirs, tiny_models, tmp_path_factory):
-    from ffkv.experiments.normalize import NormalizeSettings
+    from ffkv.steps.normalize import NormalizeSettings
     from ffkv.store.run import Run
     from ffkv.steps.lifecycle import execute
 
@@ -257,7 +256,7 @@ def test_step_intact_loss_equals_transformers(tiny_run):
 def test_step_skips_when_done_and_redoes_on_other_settings(tiny_run):
     from dataclasses import replace
 
-    from ffkv.experiments.normalize.step import record
+    from ffkv.steps.normalize import record
     from ffkv.steps.lifecycle import is_done, get
 
     run, mm, s, _ = tiny_run
@@ -267,7 +266,8 @@ def test_step_skips_when_done_and_redoes_on_other_settings(tiny_run):
 
 
 def test_step_results_do_not_depend_on_batch_size(tiny_models):
-    from ffkv.experiments.normalize import NormalizeSettings, normalize
+    from ffkv.steps.normalize import NormalizeSettings
+    from ffkv.steps.normalize.compute import normalize
 
     mm = tiny_models["gpt2"]
     kw = {**SMALL, "capacity_layers": (), "layers": (1,)}
@@ -282,7 +282,7 @@ def test_settings_errors(tiny_run):
     from dataclasses import replace
 
     from ffkv.errors import FfkvError
-    from ffkv.experiments.normalize.step import STEP
+    from ffkv.steps.normalize import STEP
 
     run, _, s, _ = tiny_run
     for bad in (dict(tokens=0), dict(variance_repeats=1), dict(gamma=0.0), dict(layers=(0, 99)),

@@ -83,7 +83,7 @@ def test_presets_and_step_settings():
     """--preset full: every sentence, the paper's 4,000 prefixes and 100 keys per layer, 10
     semantic keys (also the default's), normalize at its own defaults; typed flags win."""
     from ffkv.errors import FfkvError
-    from ffkv.experiments.normalize.step import NormalizeSettings, reproduce_settings
+    from ffkv.steps.normalize import NormalizeSettings, reproduce_settings
     from ffkv.reproduce import STEPS, preset, step_settings
 
     assert STEPS[-1] == "normalize"

@@ -89,7 +89,7 @@ def test_compose_says_a_cut_sentence(tiny_dirs, corpus, tmp_path):
 
 def test_normalize_says_a_cut_held_out_sentence(tiny_dirs, tiny_models, corpus, tmp_path):
     """normalize's held-out text: the same cut, the same note (through the step's warn)."""
-    from ffkv.experiments.normalize import NormalizeSettings
+    from ffkv.steps.normalize import NormalizeSettings
     from ffkv.model import identity
     from ffkv.steps.lifecycle import execute
     from ffkv.store.run import Run

@@ -1,6 +1,6 @@
 """The report section of `ffkv normalize`: one verdict per claim (C1–C5 of seed 004) and one figure
 per measure, from the step's tables (`normalize_layers`, `normalize_capacity`, `normalize_variance`;
-columns in `ffkv.experiments.normalize`).
+columns in `ffkv.steps.normalize.compute`).
 
 Verdict functions are pure: tables in (pyarrow Table, DataFrame, list of dicts, or None when the
 step was not run), a `Verdict` out whose verdict is HOLDS, NOT_HOLDS or NA, with the criterion in
@@ -28,7 +28,7 @@ from ffkv.report.verdicts import DIFFERS, NA, SAME, Verdict, as_frame, spearman
 HOLDS, NOT_HOLDS = "holds", "does not hold"
 AS_REPORT = {HOLDS: SAME, NOT_HOLDS: DIFFERS, NA: NA}
 PPL_TOLERANCE = 0.05  # C5: "equivalent" = perplexity up by less than 5% with the layer substituted
-TAU_EDGES = (2.0 ** -4, 2.0 ** 8)  # the ends of `ffkv.experiments.normalize.variants.TAU_GRID` (a test)
+TAU_EDGES = (2.0 ** -4, 2.0 ** 8)  # the ends of `ffkv.steps.normalize.variants.TAU_GRID` (a test)
 SLOPE_BAND = 0.2  # C3/C4: "grows like n" = log-log slope within 1 ± 0.2; "constant" = within 0 ± 0.2
 GATED_NOTE = ("Gated FFN: the coefficients are signed (m = f(x·g)·(x·u)), so the softmax memory is "
               "sign(m)·softmax(|m|/τ), and the scaled ReLU replaces the activation f by a ReLU, "

@@ -1,6 +1,7 @@
 """The `normalize` step as one unit: its settings (from which `ffkv normalize` is generated),
 what the manifest records, its sizing inside `reproduce`, and its summary. The measures and the
-tables' columns are in `ffkv.experiments.normalize`, imported only when the step runs."""
+tables' columns are in `ffkv.steps.normalize.compute` (the printed summary in `.summary`), imported
+only when the step runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -126,20 +127,9 @@ def record(run, s: NormalizeSettings) -> dict:
             "gamma": float(s.gamma), "seed": s.seed, "dtype": s.dtype}
 
 
-def compute(ctx) -> dict:
-    from ffkv.experiments.normalize.step import compute as measure
-
-    return measure(ctx)
-
-
-def summary(run, out, s=None, as_json: bool = False) -> None:
-    from ffkv.steps.normalize.summary import print_normalize
-
-    print_normalize(run, out, as_json)
-
-
-STEP = Step(name="normalize", settings=NormalizeSettings, requires=(), tables=TABLES, compute=compute,
-            record=record, cli=True, summary=summary, reproduce=reproduce,
+STEP = Step(name="normalize", settings=NormalizeSettings, requires=(), tables=TABLES,
+            compute=lazy("ffkv.steps.normalize.compute:compute"), record=record, cli=True,
+            summary=lazy("ffkv.steps.normalize.summary:summary"), reproduce=reproduce,
             sections=lazy("ffkv.steps.normalize.report:sections"),
             help="Softmax vs ReLU memories on the model's own FFNs: how concentrated the weights are (C1), the "
                  "held-out loss with one layer's FFN replaced by a softmax memory or a scaled ReLU (C2, C5), a "

@@ -15,6 +15,11 @@ def verdicts(run) -> dict:
     return {cid: fn(get[table]) for cid, (_, table, fn, _) in N.CLAIMS.items()}
 
 
+def summary(run, out, s=None, as_json: bool = False) -> None:
+    """The step's summary (`Step.summary`)."""
+    print_normalize(run, out, as_json)
+
+
 def print_normalize(run, out, as_json: bool = False) -> None:
     if out.skipped:
         print(f"normalize: already done in {run.path} with these settings; summary below (--force to redo)",

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from ffkv.experiments.normalize.variants import TOPS
+from ffkv.steps.normalize.variants import TOPS
 
 STATS = ("entropy",) + tuple(f"top{k}" for k in TOPS)
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from ffkv.corpus.batching import pack, tight_ratio
-from ffkv.experiments.normalize.tail import Targets, intact, tail_delta, token_nll
-from ffkv.experiments.normalize.variants import (TAU_GRID, Sums, Variant, best_tau, coefficients,
+from ffkv.steps.normalize.tail import Targets, intact, tail_delta, token_nll
+from ffkv.steps.normalize.variants import (TAU_GRID, Sums, Variant, best_tau, coefficients,
                                                  concentration, grid_sums, random_slots, relu_coefficients,
                                                  top_slots)
 
