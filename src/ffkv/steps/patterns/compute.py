@@ -84,11 +84,10 @@ import pyarrow as pa
 
 from ffkv.errors import FfkvError
 from ffkv.steps.patterns.fig2 import fig2_table
-from ffkv.steps.patterns.semantic import (SEMANTIC_BACKGROUND, Embedder, SemanticNull,
-                                                semantic_patterns)
+from ffkv.steps.patterns.semantic import SEMANTIC_BACKGROUND, Embedder, SemanticNull, semantic_patterns
 from ffkv.steps.patterns.shallow import shallow_patterns
 from ffkv.steps.patterns.words import (ALPHA, BACKGROUND, MIN_COVER, TOP, Background, Pattern,
-                                             background_prefixes, prefix_texts)
+                                       background_prefixes, prefix_texts)
 from ffkv.store.labels import categories, category_counts, kind_sets, label_of
 from ffkv.store.query import mined_keys, read_triggers, sample_keys
 
