@@ -1,4 +1,4 @@
-"""The read API over a run: every reader (experiments, report, annotations, web) asks here.
+"""The read API over a run: every reader (the steps, report, annotations, web) asks here.
 
 Nothing outside this module opens a Parquet path, so a table's location, its error messages and
 its schema checks have one home. Tables come back as Arrow (`table`), or through DuckDB (`sql`,
