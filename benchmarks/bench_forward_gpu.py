@@ -104,8 +104,8 @@ def profile(base, ids, cuda: bool) -> None:
 
 def main(a) -> None:
     from ffkv.corpus.batching import pack
-    from ffkv.mine.engine import MineSettings
-    from ffkv.mine.runner import resolve_batch_tokens
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import resolve_batch_tokens
     from ffkv.model.load import resolve_dtype
 
     cuda = torch.cuda.is_available()

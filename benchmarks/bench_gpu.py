@@ -180,8 +180,9 @@ def tracker_ops(mm, toks, batch_idx, settings, fused: bool = False) -> float:
 
 def main(a) -> dict:
     from ffkv.corpus.batching import layout, pack
-    from ffkv.mine.engine import MineSettings, group_for, mine_batches, new_state
-    from ffkv.mine.runner import resolve_batch_tokens
+    from ffkv.mine.engine import group_for, mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import resolve_batch_tokens
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -31,7 +31,8 @@ PAPER_SECONDS_PER_1000 = 45 * 60  # the paper's code, RTX 3090 (its README)
 def throughput(n: int, batch_tokens: int) -> dict:
     """Plain forward vs mining without and with key statistics, the same batches, interleaved."""
     from ffkv.corpus.batching import pack
-    from ffkv.mine.engine import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
 
     mm = load_default()
     toks = wikitext_token_lists(mm, n)
@@ -104,7 +105,7 @@ def memory(n: int, layers: str | None = None) -> dict:
     """Peak RSS of `ffkv mine` at n and 10·n sentences. With `layers` (e.g. 0-1) the pass is short
     and the trackers' state small, so the host side's growth (corpus, sentences, token ids, batch
     plan) is the easiest to see: a stricter check than every layer. The mine step streams its
-    corpus a chunk at a time and pins glibc's mmap threshold (`ffkv.mine.runner`): 1.05x from
+    corpus a chunk at a time and pins glibc's mmap threshold (`ffkv.steps.mine.compute`): 1.05x from
     1,000 to 10,000 sentences with --memory-layers 0-1, where splitting and tokenizing the whole
     corpus first gave 1.15x (2026-11-25, this 2-core CPU)."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -118,8 +118,9 @@ def main(a) -> None:
 
     from ffkv.corpus.batching import pack
     from ffkv.mine import stats
-    from ffkv.mine.engine import MineSettings, group_for, mine_batches, new_state
-    from ffkv.mine.runner import resolve_batch_tokens
+    from ffkv.mine.engine import group_for, mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import resolve_batch_tokens
     from ffkv.mine.trackers import Batch, LayerCapture
     from ffkv.model.load import resolve_dtype
 

@@ -40,7 +40,8 @@ def test_the_model_is_given_back(tiny_models, monkeypatch):
     and no tap is left to hold coefficients."""
     from ffkv.corpus.batching import pack
     from ffkv.mine.compiled import _SINK
-    from ffkv.mine.engine import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
 
     mm = tiny_models["llama"]
     ids = torch.randint(0, mm.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))

@@ -342,7 +342,8 @@ def assert_mined_top1(mm, fam: Family, n_sentences: int, label, near_tol: float 
     modules (`_brute_m`); a different prefix only on a float near-tie. Shared by the MoE and the
     real-Gemma tests."""
     from ffkv.corpus.batching import pack
-    from ffkv.mine.runner import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
 
     token_lists = [mm.tok(x)["input_ids"][:16] for x in wikitext_sentences(n_sentences)]
     coefs = _brute_m(mm, fam, token_lists)

@@ -248,7 +248,7 @@ def test_off_switch_and_cpu(monkeypatch):
 def test_triton_is_not_imported_by_mining():
     """On a CPU install that happens to have Triton, mining must not import it (its import alone
     slowed mining measurably here); it loads only with FFKV_TRITON=1 on CUDA."""
-    code = "import sys, ffkv.mine.runner, ffkv.mine.stats, ffkv.mine.engine; print('triton' in sys.modules)"
+    code = "import sys, ffkv.steps.mine.compute, ffkv.mine.stats, ffkv.mine.engine; print('triton' in sys.modules)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.stdout.strip() == "False", p.stdout + p.stderr[-2000:]
 
@@ -383,21 +383,21 @@ def test_verify_passes_and_catches_a_wrong_kernel():
     script = PATCH + textwrap.dedent('''
         import os, warnings
         warnings.filterwarnings("ignore")
-        from ffkv.mine import fused_cuda
+        from ffkv.mine import fused_cuda, selfcheck
         from ffkv.mine.tune import arms_for
         class Tiny:
             device = "cpu"
         os.environ["FFKV_TRITON"] = "auto"
         assert [a.name for a in arms_for(Tiny())] == ["padded", "padded+fused"]
-        assert fused_cuda.verify("cpu") and fused_cuda._broken is None
-        fused_cuda._verified.clear()
+        assert selfcheck.verify("cpu") and fused_cuda._broken is None
+        selfcheck._verified.clear()
         from ffkv.mine import _fused_kernel
         class Idle:
             def __getitem__(self, grid):
                 return lambda *a, **k: None
         _fused_kernel.topk_kernel = Idle()
-        assert not fused_cuda.verify("cpu")
-        assert not fused_cuda.verify("cpu")                          # said once
+        assert not selfcheck.verify("cpu")
+        assert not selfcheck.verify("cpu")                           # said once
         with fused_cuda.forced(True):
             assert not fused_cuda.available("cpu")
         assert [a.name for a in arms_for(Tiny())] == ["padded"]

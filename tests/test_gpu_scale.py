@@ -116,7 +116,8 @@ def test_dtype_auto_by_device(monkeypatch):
 
 
 def _mine(tmp_path, name, mm, **kw):
-    from ffkv.mine.runner import MineSettings, mine
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import mine
     from ffkv.store.run import Run
 
     run = Run(tmp_path / name, create=True)
@@ -159,7 +160,8 @@ def test_runs_recorded_with_a_budget_stay_done(tmp_path, tiny_models):
     assert "batch_tokens" not in man["settings"]["mine"]
     man["settings"]["mine"]["batch_tokens"] = 2048  # as a run mined before the change records it
     (run.path / "manifest.json").write_text(json.dumps(man))
-    from ffkv.mine.runner import MineSettings, mine
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import mine
     from ffkv.store.run import Run
 
     for bt in ("auto", 2048, 512):
@@ -211,7 +213,7 @@ def test_tracker_kernel_count_ceiling(negative, stats, monkeypatch):
     assert 0 < got <= CEILING[(negative, stats)], got
 
 
-# ---- trackers fed several layers per update (ffkv.mine.trackers.layer_groups) --------------------
+# ---- trackers fed several layers per update (ffkv.mine.groups.layer_groups) ----------------------
 def _grouped_states(group, negative, per_prefix=False, layers=(0, 1, 2, 3, 4), n=24, k=3):
     from ffkv.mine.stats import KeyStats
     from ffkv.mine.topk import TopKState
@@ -268,7 +270,7 @@ def test_grouped_states_merge_and_load_across_layouts():
 
 
 def test_group_size_splits_layers_evenly():
-    from ffkv.mine.trackers import GROUP_KEYS, group_size, layer_groups
+    from ffkv.mine.groups import GROUP_KEYS, group_size, layer_groups
 
     assert group_size(1536, 30) == 10  # SmolLM2: 3 updates of 10 layers
     assert group_size(14336, 32) == 1  # a layer wider than GROUP_KEYS: one at a time
@@ -286,7 +288,8 @@ def test_default_trackers_launch_at_most_20_ops_per_layer(monkeypatch):
     builds by default (top-k and key statistics): ≤ 20 leaf aten ops per layer and batch, on the
     portable path (a GPU's); a CPU's numba kernels bring it lower."""
     monkeypatch.setenv("FFKV_NUMBA", "0")
-    from ffkv.mine.engine import MineSettings, new_state
+    from ffkv.mine.engine import new_state
+    from ffkv.steps.mine import MineSettings
     from ffkv.mine.trackers import Batch, tracker_ops_per_layer
 
     class Shape:  # what new_state reads of a model
@@ -303,15 +306,16 @@ def test_default_trackers_launch_at_most_20_ops_per_layer(monkeypatch):
     assert 0 < got <= 20, got
 
 
-# ---- Ray shards read their own rows (ffkv.mine.distributed) ---------------------------------------
+# ---- Ray shards read their own rows (ffkv.steps.mine.distributed) ---------------------------------
 def test_shard_reads_its_rows_and_equals_one_process(tmp_path, tiny_dirs):
     """A shard given only row indices reads them from the run's sentences table; given the rows
     themselves (a node that cannot see the run's folder) it mines the same; and two shards merged
     equal the whole plan mined in one process, bit for bit (the Ray CLI test runs it end to end)."""
     from conftest import mine_tiny
     from ffkv.corpus.batching import pack
-    from ffkv.mine.distributed import ShardMiner, default_shards, read_rows, shard_bounds
-    from ffkv.mine.engine import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.distributed import ShardMiner, default_shards, read_rows, shard_bounds
     from ffkv.store.run import Run
 
     run = Run(mine_tiny(tmp_path / "r", tiny_dirs["llama"], 60, 3, "--negative"))
@@ -346,7 +350,7 @@ def test_a_shard_tunes_on_its_chunks_strata(tmp_path, tiny_dirs, monkeypatch):
     from conftest import mine_tiny
     from ffkv.corpus.batching import pack
     from ffkv.mine import tune
-    from ffkv.mine.distributed import ShardMiner, by_chunk
+    from ffkv.steps.mine.distributed import ShardMiner, by_chunk
     from ffkv.store.run import Run
 
     run = Run(mine_tiny(tmp_path / "r", tiny_dirs["llama"], 80, 3))
@@ -385,7 +389,7 @@ def test_a_shard_reads_only_the_row_groups_of_its_rows(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ffkv.mine.distributed import read_rows
+    from ffkv.steps.mine.distributed import read_rows
 
     n = 100
     t = pa.table({"sentence_id": pa.array(np.arange(n) * 3, pa.int64()),

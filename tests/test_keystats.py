@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from conftest import WT2, run_cli, wikitext_sentences
 from ffkv.corpus.batching import pack
 from ffkv.mine import stats as S
-from ffkv.mine.engine import MineSettings, mine_batches, new_state
+from ffkv.mine.engine import mine_batches, new_state
 from ffkv.mine.topk import TopKState
 from ffkv.mine.trackers import Batch, LayerCapture, MineState
+from ffkv.steps.mine import MineSettings
 
 
 # ---- brute force over every token of a tiny model --------------------------------------------------------
@@ -132,15 +133,17 @@ def test_quantile_samples_equal_brute_force_selection(mined):
 
 
 def test_sample_hash_is_a_bijection():
-    salt = np.int64(S.key_salt(3, [17])[0])
-    sids = np.concatenate([np.arange(0, 5000), np.array([S.M31 - 1, S.M31 - 2, 2 ** 30])]).astype(np.int64)
-    h = S.sample_hash(sids, salt)
-    assert (h >= 0).all() and (h < S.EMPTY).all() and len(np.unique(h)) == len(h)
-    np.testing.assert_array_equal(S.sample_sid(h, salt), sids)
+    from ffkv.mine import rules as R
+
+    salt = np.int64(R.key_salt(3, [17])[0])
+    sids = np.concatenate([np.arange(0, 5000), np.array([R.M31 - 1, R.M31 - 2, 2 ** 30])]).astype(np.int64)
+    h = R.sample_hash(sids, salt)
+    assert (h >= 0).all() and (h < R.EMPTY).all() and len(np.unique(h)) == len(h)
+    np.testing.assert_array_equal(R.sample_sid(h, salt), sids)
     # the one id that π maps onto EMPTY takes the hole, and comes back
-    star = np.int64(S._perm_inv(np.int64(S.M31)) ^ salt)
-    assert S.sample_hash(star, salt) != S.EMPTY and S.sample_sid(S.sample_hash(star, salt), salt) == star
-    th = S.sample_hash(torch.as_tensor(sids), torch.as_tensor(salt))
+    star = np.int64(R._perm_inv(np.int64(R.M31)) ^ salt)
+    assert R.sample_hash(star, salt) != R.EMPTY and R.sample_sid(R.sample_hash(star, salt), salt) == star
+    th = R.sample_hash(torch.as_tensor(sids), torch.as_tensor(salt))
     np.testing.assert_array_equal(th.numpy(), h)
 
 
@@ -281,7 +284,7 @@ def test_settings_record_keeps_old_runs():
 
     s = MineSettings(corpus="x", top_k=7)
     # batch_tokens (speed only) left the record in issue 24; a run that recorded it keeps it
-    # through the step's record (`ffkv.mine.runner.record`, tests/test_gpu_scale.py). The record
+    # through the step's record (`ffkv.steps.mine.record`, tests/test_gpu_scale.py). The record
     # as written before key statistics, spelled out: checkpoint_every, ray and shards (how the
     # pass runs) are not in it either
     old = {"corpus": "x", "max_sentences": None, "seed": 0, "field": "text", "layers": None, "dims": None,
@@ -332,9 +335,9 @@ def test_cli_stats_tables_show_and_old_runs(tmp_path, tiny_dirs):
 
 
 def test_position_buckets_one_rule():
-    """`stats.pos_bucket` (the compiled kernels' code) and the portable path's exponent-bit read
+    """`rules.pos_bucket` (the compiled kernels' code) and the portable path's exponent-bit read
     give the same bucket for every position up to and past the last bucket's start."""
-    from ffkv.mine import stats as S
+    from ffkv.mine import rules as S
 
     p = torch.arange(0, 70000, dtype=torch.int32)
     bits = (torch.bitwise_right_shift(p.float().view(torch.int32), 23) - 126).clamp(0, S.NPOS - 1)

@@ -16,7 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import WT2, kill_mine_when, mine_tiny, run_cli, wikitext_sentences
-from ffkv.mine.runner import MineSettings, mine, mine_batches, new_state, triggers_table
+from ffkv.mine.engine import mine_batches, new_state
+from ffkv.mine.topk import triggers_table
+from ffkv.steps.mine import MineSettings
+from ffkv.steps.mine.compute import mine
 from ffkv.store.run import Run
 
 
@@ -472,7 +475,7 @@ def test_ray_actors_prepare_their_own_rows_of_token_ids(tmp_path, tiny_dirs):
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     ray_args = ["mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 3]
     # a pass that dies once every shard is mined, before the driver joins the parts
-    crash = ("import sys, ffkv.mine.distributed as d\n"
+    crash = ("import sys, ffkv.steps.mine.distributed as d\n"
              "def join(*a): raise SystemExit('died before the join')\n"
              "d.Prepared.join = join\nfrom ffkv.cli import main\nmain(sys.argv[1:])")
     p = subprocess.run([sys.executable, "-c", crash, *map(str, ray_args)], capture_output=True, text=True,
@@ -519,7 +522,7 @@ def test_ray_gives_each_gpu_an_actor_and_says_why_one_failed(tmp_path, tiny_dirs
 
 
 def test_ray_reason_is_the_remote_error_in_one_line():
-    from ffkv.mine.distributed import ray_reason
+    from ffkv.steps.mine.distributed import ray_reason
 
     wrapped = ("The actor died because of an error raised in its creation task, \x1b[36mray::A.__init__()"
                "\x1b[39m (pid=1, ip=127.0.0.1)\n  File \"x.py\", line 3, in f\n    raise E\n"
@@ -533,7 +536,7 @@ def test_ray_reason_is_the_remote_error_in_one_line():
 
 @given(st.text())
 def test_ray_reason_of_any_text_is_one_line(text):
-    from ffkv.mine.distributed import ray_reason
+    from ffkv.steps.mine.distributed import ray_reason
 
     out = ray_reason(ValueError(text))
     assert out and "\n" not in out and "\x1b[" not in out and len(out) <= 300
@@ -609,8 +612,8 @@ def test_ray_plan_is_the_chunked_plan_read_chunk_by_chunk(tmp_path, tiny_dirs):
     the table's lengths chunk by chunk; a shard's batches then span one stretch of rows (the
     stretches of two shards share at most one chunk), so each reads its own part of the table."""
     from ffkv.corpus.batching import pack
-    from ffkv.mine.distributed import shard_bounds
-    from ffkv.mine.runner import _ray_plan
+    from ffkv.steps.mine.compute import _ray_plan
+    from ffkv.steps.mine.distributed import shard_bounds
 
     out = mine_tiny(tmp_path / "r", tiny_dirs["llama"], 300, 2, "--no-stats")
     lengths = pq.read_table(out / "sentences.parquet", columns=["n_tokens"]).column("n_tokens").to_numpy()

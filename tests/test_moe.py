@@ -232,7 +232,8 @@ def _brute_m(mm, name, token_lists):
 def test_mined_top1_equals_brute_force(moe_model, packed, monkeypatch):
     """Padded rows, and (FFKV_PACK=40) several sentences to a row: routing is per token."""
     from ffkv.corpus.batching import pack
-    from ffkv.mine.runner import MineSettings, mine_batches, new_state
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.steps.mine import MineSettings
 
     name, mm = moe_model
     monkeypatch.setenv("FFKV_PACK", packed)

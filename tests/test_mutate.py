@@ -89,7 +89,7 @@ def make_run(path, model_dir, n_sentences: int = 40, k: int = 12, max_tokens: in
         run.write_table("sentences", tbl)
     sids = tbl.column("sentence_id").to_pylist()
     run.write_table("triggers", brute_force_triggers(mm, ids, sids, k))
-    from ffkv.mine.runner import vocab_table
+    from ffkv.steps.mine.compute import vocab_table
 
     run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))  # every mined run has one
     run.finish_step("mine")

@@ -189,7 +189,7 @@ def test_decoder_keeps_multibyte_characters_whole(tok_dir):
     text's prefix (tokens one at a time give "��לו��"), and the pieces join to the decoding."""
     from transformers import AutoTokenizer
 
-    from ffkv.mine.runner import vocab_table
+    from ffkv.steps.mine.compute import vocab_table
     from ffkv.store.decode import Decoder
 
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -17,8 +17,9 @@ from conftest import wikitext_sentences
 from ffkv.corpus.batching import pack
 from ffkv.mine import stats as S
 from ffkv.mine import stats_cpu
-from ffkv.mine.engine import MineSettings, mine_batches, new_state
+from ffkv.mine.engine import mine_batches, new_state
 from ffkv.mine.trackers import Batch, LayerCapture
+from ffkv.steps.mine import MineSettings
 
 
 @contextlib.contextmanager

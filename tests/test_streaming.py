@@ -449,7 +449,7 @@ def test_a_shard_out_of_an_actors_reach_is_prepared_by_the_driver(tmp_path, tiny
     from ffkv.corpus.sources import open_corpus
     from ffkv.corpus.stream import SentenceStream
     from ffkv.corpus.tokens import write_parquet
-    from ffkv.mine.distributed import Prepared, read_rows
+    from ffkv.steps.mine.distributed import Prepared, read_rows
     from ffkv.model.memories import open_model
 
     mm = open_model(str(tiny_dirs["gpt2"]), device="cpu")

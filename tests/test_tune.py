@@ -212,7 +212,7 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
 
     from ffkv.mine import packing, switches
     for_actors = switches.current  # what `mine_ray` puts in its actors' environment
-    from ffkv.mine.runner import switched
+    from ffkv.steps.mine.compute import switched
     from ffkv.steps.mine import MineSettings
 
     monkeypatch.delenv("FFKV_TRITON", raising=False)

@@ -87,7 +87,7 @@ def make_run(path, mm, synth, lens="norm", mine=True) -> Run:
     if synth is not None:
         synth.write(run)
     if mine:
-        from ffkv.mine.runner import vocab_table
+        from ffkv.steps.mine.compute import vocab_table
 
         run.start_step("mine", {"synthetic": True})
         run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))  # every mined run has one
@@ -628,7 +628,8 @@ def test_on_a_real_mined_run(tmp_path, tiny_dirs):
     """The miner's own `triggers` table (both signs) feeds the step; the top-1 choice, direction,
     agreement and rank are recomputed here from the table and full argsorts."""
     from conftest import WT2
-    from ffkv.mine.runner import MineSettings, mine
+    from ffkv.steps.mine import MineSettings
+    from ffkv.steps.mine.compute import mine
 
     mm = open_model(str(tiny_dirs["llama"]), device="cpu")
     run = Run(tmp_path / "run", create=True)

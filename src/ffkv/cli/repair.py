@@ -119,7 +119,7 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
 
 def _optional_tables(name: str) -> tuple[str, ...]:
     if name == "mine":
-        from ffkv.mine.runner import STATS_TABLES
+        from ffkv.steps.mine import STATS_TABLES
 
         return tuple(STATS_TABLES)
     return ()
@@ -131,7 +131,7 @@ def _mine_info(path: Path, found: dict, settings: dict | None, man: dict) -> dic
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from ffkv.mine.runner import STATS_TABLES
+    from ffkv.steps.mine import STATS_TABLES
 
     info = {"rows": found["triggers"][1]["rows"], "stats": None}
     if all(t in found for t in STATS_TABLES):
@@ -143,7 +143,7 @@ def _mine_info(path: Path, found: dict, settings: dict | None, man: dict) -> dic
     counts = {"sentences": found["sentences"][1]["rows"], "tokens": tokens}
     corpus = {"source": (settings or {}).get("corpus"), "counts": counts, "repaired": True}
     if settings is not None:
-        from ffkv.mine.engine import MineSettings
+        from ffkv.steps.mine import MineSettings
 
         try:
             corpus.update(seed=settings.get("seed", 0), field=settings.get("field", "text"),

@@ -111,7 +111,7 @@ def token_bytes(d: int, d_m: int, elem_bytes: int, keys: int | None = None, grou
     output; gate, up and their product), the captures a tracker update waits for,
     elem_bytes × keys × (group − 1), plus the trackers' float32 temporaries of the group's keys,
     TRACKER_BYTES_PER_KEY × keys × group (keys: d_m when every key of a layer is mined; group:
-    layers per tracker update, `ffkv.mine.trackers.group_size`)."""
+    layers per tracker update, `ffkv.mine.groups.group_size`)."""
     keys = d_m if keys is None else keys
     return (elem_bytes * (6 * d + 3 * d_m) + elem_bytes * keys * (group - 1)
             + TRACKER_BYTES_PER_KEY * keys * group)

@@ -139,7 +139,7 @@ def read_some(path: Path, kind: str, want, column: str | None = None,
     """Rows `want` (row indices, in that order) of a pre-tokenized file that `read_tokens` has
     read and checked whole elsewhere, as flat values and offsets, reading only what they need: a
     Parquet file's row groups that hold them, a .npy's or a stream's pages (memory-mapped). What a
-    Ray actor decodes of its share of a corpus (`ffkv.mine.distributed.Prepared`)."""
+    Ray actor decodes of its share of a corpus (`ffkv.steps.mine.distributed.Prepared`)."""
     want = np.asarray(want, np.int64)
     if kind == "parquet":
         import pyarrow as pa

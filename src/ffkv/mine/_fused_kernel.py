@@ -2,19 +2,19 @@
 import triton
 import triton.language as tl
 
-from ffkv.mine import stats, topk
+from ffkv.mine import rules
 
 
 def _same_code(fn, **bind):
-    """`fn` jitted by Triton from its own code (`ffkv.mine.stats.rebound`), its integer constants
+    """`fn` jitted by Triton from its own code (`ffkv.mine.rules.rebound`), its integer constants
     bound as constexpr."""
-    consts = {k: tl.constexpr(getattr(stats, k)) for k in ("_A1", "_A2", "M31", "NPOS")}
-    return triton.jit(stats.rebound(fn, tl=tl, **consts, **bind))
+    consts = {k: tl.constexpr(getattr(rules, k)) for k in ("_A1", "_A2", "M31", "NPOS")}
+    return triton.jit(rules.rebound(fn, tl=tl, **consts, **bind))
 
 
-sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
-pos_bucket = _same_code(stats.pos_bucket)
-pack_key = triton.jit(stats.rebound(topk.pack_key, tl=tl))
+sample_hash = _same_code(rules.sample_hash, _perm=_same_code(rules._perm))
+pos_bucket = _same_code(rules.pos_bucket)
+pack_key = triton.jit(rules.rebound(rules.pack_key, tl=tl))
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def offer_kernel(score_ptr, pos_ptr, sid_ptr, salt_ptr, side_ptr, mx_ptr, ph_ptr
 @triton.jit
 def topk_kernel(score_ptr, pos_ptr, sid_ptr, key_ptr, kpos_ptr, B, W, T: tl.constexpr, BW: tl.constexpr,
                 STAGES: tl.constexpr):
-    """Each key's top-T list (sorted keys, `ffkv.mine.topk.pack_key`) takes the rows' bests in
+    """Each key's top-T list (sorted keys, `ffkv.mine.rules.pack_key`) takes the rows' bests in
     row order: a candidate below the list's last key is inserted, the larger ones shift up. The
     same lists as the portable merge (keys are unique: one sentence once). Rows where no key of
     the block enters cost one compare each, the common case once the lists have filled. The rows'

@@ -1,7 +1,8 @@
 """The mining pass itself: state, one captured forward per batch, checkpoints.
 
-Shared by the single-process runner and the Ray workers (`ffkv.mine.distributed`). The settings
-belong to the step (`ffkv.steps.mine`); they are re-exported here for the callers of this path.
+Shared by the mine step's one-process pass (`ffkv.steps.mine.compute`) and its Ray workers
+(`ffkv.steps.mine.distributed`). `s` is the step's `ffkv.steps.mine.MineSettings`, not imported:
+the step imports the engine, never the other way.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ffkv.mine.groups import group_size
 from ffkv.mine.topk import TopKState
-from ffkv.steps.mine import MineSettings, check_batch_tokens  # noqa: F401  (re-exported)
-from ffkv.mine.trackers import Batch, MineState, group_size
+from ffkv.mine.trackers import Batch, MineState
 
 
 PACK_VERSION = 4  # 1: batches capped at 64 rows; 2: bounded by the token budget alone (issue 24);
@@ -34,7 +35,7 @@ def layout_key(s: MineSettings, batch_tokens: int) -> str:
 
 
 def group_for(mm, s: MineSettings) -> int:
-    """Layers per tracker update (`ffkv.mine.trackers.group_size`) for this model and settings."""
+    """Layers per tracker update (`ffkv.mine.groups.group_size`) for this model and settings."""
     layers = s.layers if s.layers is not None else list(range(mm.n_layers))
     return group_size(len(s.dims) if s.dims is not None else mm.d_m, len(layers))
 

@@ -11,7 +11,7 @@ On a GPU each read is a full pass over 2 GB, and the statistics cost as much as 
 - `offer`: each row's best offered to the running max, the position buckets and the quantile
   samples, key by key: the same state as the portable path, with no host sync (that path's
   `nonzero` waits for the device once per sign and update).
-- `topk`: each row's best inserted into its key's sorted top-t list (`ffkv.mine.topk.pack_key`,
+- `topk`: each row's best inserted into its key's sorted top-t list (`ffkv.mine.rules.pack_key`,
   shared with the portable merge), again with no host sync.
 
 Per update: 3 launches with one sign (5 with two) and about a dozen small torch ops, 15 and 17
@@ -19,8 +19,8 @@ ops in all (`tests/test_fused_cuda.py`), against 132 and 235 for the portable pa
 
 `FFKV_TRITON=1` turns it on; `auto` (the default on CUDA) lets `ffkv mine` time it against the
 portable path on the run's first batches and keep the faster (`ffkv.mine.tune`). Before its first
-use on a device, `verify` feeds made-up captures through both paths and compares the states: a
-kernel that fails to compile, or that disagrees on this GPU (the test suite runs them in Triton's
+use on a device, `ffkv.mine.selfcheck.verify` feeds made-up captures through both paths and
+compares the states: a kernel that fails to compile, or that disagrees on this GPU (the test suite runs them in Triton's
 CPU interpreter; an H100 agreed, `benchmarks/GPU.md`), turns the path off for the process with one
 line on stderr (`ffkv.errors.notice`), and the portable path runs instead.
 """
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from ffkv.errors import notice
-from ffkv.mine import switches
+from ffkv.mine import rules, switches
 
 ENV = "FFKV_TRITON"
 
@@ -44,7 +44,7 @@ BW = 16  # keys per program of the capture kernel
 ROWS = 32  # rows per program
 TT = 4  # positions per tile
 WARPS = 1  # warps per program (BW, TT and WARPS set its registers: `python -m ffkv.mine.fused_aot`)
-NBC = 16  # packed counters per key: three bins each (>= stats.NB / 3, a power of two)
+NBC = 16  # packed counters per key: three bins each (>= rules.NB / 3, a power of two)
 OFFER_BW = 128  # keys per program of the offer kernel
 OFFER_ROWS = 8  # rows the offer kernel checks at once (`_fused_kernel.offer_kernel`)
 TOPK_STAGES = 4  # rows the top-k kernel's loads run ahead (software pipelining; 1: none); H100: 0.86 ms, 3: 1.14
@@ -53,7 +53,6 @@ FLUSH = FIELD  # positions counted before the packed counters are flushed (tests
 
 _broken: str | None = None
 _forced: bool | None = None  # the tuner's arm for the batch at hand (`ffkv.mine.tune`), over the setting
-_verified: set[str] = set()  # devices where `verify` has run (its verdict: `_broken`)
 _has_triton: bool | None = None
 _luts: dict = {}
 launches = 0  # kernel launches so far
@@ -105,104 +104,23 @@ def forced(on: bool | None):
         _forced = prev
 
 
-def checked(device) -> bool:
-    """Whether `verify` has run for `device` in this process."""
-    return str(torch.device(device)) in _verified
+def why_of(e: BaseException) -> str:
+    """An exception in one short line, for `turn_off`."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def verify(device) -> bool:
-    """Whether the fused path gives the portable path's states on `device`, checked once per
-    device on made-up captures (`_check_states`); a disagreement turns the path off for the process
-    (one line on stderr). False too where the path cannot run."""
+def turn_off(why: str, message: str) -> None:
+    """This path off for the process (`why` kept as the reason), said in one line on stderr."""
     global _broken
-    key = str(torch.device(device))
-    if key in _verified:
-        return _broken is None
-    if not runs_here(device):
-        return False
-    try:
-        why = _check_states(device)
-    except Exception as e:  # noqa: BLE001  (whatever breaks: the portable path is exact)
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    if why and _broken is None:
-        _broken = why
-        notice(f"the fused CUDA kernels disagree with the portable path here ({why}); using the portable path")
-    _verified.add(key)
-    return _broken is None
-
-
-@torch.no_grad()
-def _check_states(device) -> str | None:
-    """Three made-up batches (both signs, samples, two layers side by side, padding, ties, zeros)
-    through a whole mining state by each path, as float32 and as bf16 captures (what a GPU mines):
-    the counts, maxima, positions, samples and top-k lists must be equal bit for bit, the sums to
-    float32 rounding. None: they are."""
-    import numpy as np
-
-    from ffkv.mine import stats
-    from ffkv.mine.topk import TopKState
-    from ffkv.mine.trackers import Batch, MineState
-
-    g = torch.Generator().manual_seed(0)
-    B, T, w, layers = 12, 9, 160, (0, 1)
-    m = torch.randn(B, T, 2 * w, generator=g) * torch.exp(torch.randn(B, T, 2 * w, generator=g) * 2)
-    m[1, :, 9] = 1.5  # ties: the first position wins
-    m[0, 0, :5] = 0.0
-    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
-    lengths[0] = T
-    m = m.to(device)
-    mask = torch.arange(T, device=m.device)[None, :] < torch.tensor(lengths, device=m.device)[:, None]
-    m = m.masked_fill(~mask[..., None], 3.0)  # padding must not count
-    for dtype in (torch.float32, torch.bfloat16):
-        got = []
-        for on in (False, True):
-            with forced(on):
-                st = MineState({"topk": TopKState(list(layers), None, w, 4, negative=True, device=m.device, group=2),
-                                "stats": stats.KeyStats(list(layers), None, w, signs=(1, -1), samples=3,
-                                                        device=m.device, group=2)}, list(layers), None,
-                               device=m.device)
-                for rep in (0, 1, 3):  # samples move; a power of two apart: exact in any dtype
-                    batch = Batch.from_lengths(lengths, [rep * 100 + i for i in range(B)], mask)
-                    x = (m * (1 + rep)).to(dtype)
-                    for i, l in enumerate(layers):
-                        st.update(l, x[..., i * w:(i + 1) * w], batch)
-                got.append({a: np.array(v) for a, v in st.arrays().items()})
-            if _broken is not None:  # a launch failed (said already)
-                return None
-        why = _first_mismatch(*got)
-        if why:
-            return f"{why}, {str(dtype).replace('torch.', '')} captures"
-    return None
-
-
-def _first_mismatch(want: dict, have: dict) -> str | None:
-    """The first array of the fused path's state that is not the portable path's (the sums:
-    float32 rounding apart, the fused kernel sums in float64)."""
-    import numpy as np
-
-    from ffkv.mine import stats
-
-    for a in want:
-        x, y = want[a], have.get(a)
-        if y is None or x.shape != y.shape:
-            return f"{a} missing or of another shape"
-        if "limbs" in a:
-            x = np.stack([stats.from_limbs(x[0]), stats.from_limbs(x[1])])
-            y = np.stack([stats.from_limbs(y[0]), stats.from_limbs(y[1])])
-            if not np.allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(x).max() or 1.0)):
-                return f"the sums differ ({a})"
-        elif not np.array_equal(x, y, equal_nan=True):
-            return f"{a} differs at {len(np.argwhere(x != y))} entries"
-    return None
+    _broken = why
+    notice(message)
 
 
 def bin_lut(device) -> torch.Tensor:
-    """`ffkv.mine.stats._raw_luts`'s bin table as int32 on `device`, made once per device."""
+    """`ffkv.mine.rules._raw_luts`'s bin table as int32 on `device`, made once per device."""
     key = str(device)
     if key not in _luts:
-        from ffkv.mine import stats
-
-        _luts[key] = stats._raw_luts()[0].to(torch.int32).to(device)
+        _luts[key] = rules._raw_luts()[0].to(torch.int32).to(device)
     return _luts[key]
 
 
@@ -222,7 +140,7 @@ def _launch(kernel, grid, *args, **kw) -> bool:
     """Launch `kernel` (its name in `_fused_kernel`); on a compile or launch error turn this path
     off (one line on stderr) and say so. Under `ffkv.mine.fused_aot.compiled_for` it compiles for that
     GPU instead and runs nothing."""
-    global _broken, launches
+    global launches
     if _aot is not None:  # a compile error there is the tool's to show, not to fall back from
         from ffkv.mine import _fused_kernel
 
@@ -236,8 +154,8 @@ def _launch(kernel, grid, *args, **kw) -> bool:
         launches += 1
         return True
     except Exception as e:  # noqa: BLE001  (Triton raises many kinds; the portable path is exact)
-        _broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        notice(f"the fused CUDA kernels failed ({_broken}); using the portable path")
+        why = why_of(e)
+        turn_off(why, f"the fused CUDA kernels failed ({why}); using the portable path")
         return False
 
 
@@ -247,9 +165,9 @@ def capture(m: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, signs, st
     Returns ({sign: (score (B, W) float32 = best sign·m, pos (B, W) int32 its first position)},
     hist (nb, W) int32 or None, the sums of m and m² (2, W) float64 or None); None when the kernel cannot run
     (then nothing was written). lengths (B,) int32 on m's device; lut (512,) int32: raw
-    sign/exponent index -> bin, of nb bins (default `stats.NB`)."""
+    sign/exponent index -> bin, of nb bins (default `rules.NB`)."""
     if nb is None:
-        from ffkv.mine.stats import NB as nb
+        nb = rules.NB
     B, T, W = m.shape
     if nb > 3 * NBC:
         return None
@@ -288,11 +206,9 @@ def offer(score, pos, sids, salt, side, mx, ph, sh, sp, sc, sign: int, k: int) -
     B, W = score.shape
     if not (B and W):
         return True
-    from ffkv.mine import stats
-
     score, pos = score.contiguous(), pos.contiguous()
     return _launch("offer_kernel", (-(-W // OFFER_BW),), score, pos, sids, salt, side, mx, ph, sh, sp, sc, B, W,
-                   SIGN=float(sign), K=int(k), SIDE=stats.SIDE, NPOS=stats.NPOS, BW=OFFER_BW, R=OFFER_ROWS,
+                   SIGN=float(sign), K=int(k), SIDE=rules.SIDE, NPOS=rules.NPOS, BW=OFFER_BW, R=OFFER_ROWS,
                    num_warps=4)
 
 

@@ -5,7 +5,7 @@ table with torch's single-threaded `index_add_`, squares the whole capture for t
 and reads it three times more per sign for the rows' bests: on a 2-core CPU that costs more than a
 third of a plain forward. Here `capture` has each thread take a block of keys and walk the valid
 tokens once, counting bins (read from the sign and exponent bits through the same table,
-`ffkv.mine.stats._raw_luts`), summing m and m² in float64 and keeping each row's max and min with
+`ffkv.mine.rules._raw_luts`), summing m and m² in float64 and keeping each row's max and min with
 their first positions (the CPU twin of `ffkv.mine.fused_cuda.capture`). `offer` then hands each
 row's best to the running max, the position buckets and the quantile samples, key by key,
 instead of some twenty torch ops over the (rows, keys) table.
@@ -23,6 +23,8 @@ import os
 
 import numpy as np
 import torch
+
+from ffkv.mine import rules
 
 KEYS = 1024  # keys per thread's block: one 4 KB row read per token, its counts in L2
 
@@ -48,12 +50,10 @@ def available(device) -> bool:
 
 
 def _same_code(fn, **bind):
-    """`fn` compiled by numba from its own code (`ffkv.mine.stats.rebound`)."""
+    """`fn` compiled by numba from its own code (`ffkv.mine.rules.rebound`)."""
     from numba import njit
 
-    from ffkv.mine.stats import rebound
-
-    return njit(rebound(fn, **bind))
+    return njit(rules.rebound(fn, **bind))
 
 
 def _compile():
@@ -62,10 +62,8 @@ def _compile():
     if _kernels is None:
         from numba import njit, prange
 
-        from ffkv.mine import stats
-
-        sample_hash = _same_code(stats.sample_hash, _perm=_same_code(stats._perm))
-        pos_bucket = _same_code(stats.pos_bucket)
+        sample_hash = _same_code(rules.sample_hash, _perm=_same_code(rules._perm))
+        pos_bucket = _same_code(rules.pos_bucket)
 
         @njit(parallel=True, cache=True, nogil=True)
         def capture(mf, mi, valid, lut, hist, s1, s2, hi, hip, lo, lop, stats, pos, neg):  # pragma: no cover
@@ -163,14 +161,12 @@ def capture(m: torch.Tensor, valid: torch.Tensor, lut: torch.Tensor, signs, stat
     position int32)}, hist (NB, W) int64 or None, the sums of m and m² (2, W) float64 or None).
     Each row's best is `ffkv.mine.topk.row_best`'s, bit for bit; lut (512,) int32: raw
     sign/exponent index -> bin."""
-    from ffkv.mine.stats import NB
-
     kernel = _compile()[0]
     _threads()
     mf = m.detach().contiguous().numpy()
     B, _, W = mf.shape
     pos, neg = 1 in signs, -1 in signs
-    hist = np.zeros((NB if stats else 1, W if stats else 1), np.int64)
+    hist = np.zeros((rules.NB if stats else 1, W if stats else 1), np.int64)
     sums = np.empty((2, W if stats else 1))
     hi, lo = (np.empty((B, W) if x else (1, 1), np.float32) for x in (pos, neg))
     hip, lop = (np.empty((B, W) if x else (1, 1), np.int32) for x in (pos, neg))

@@ -10,17 +10,11 @@ import numpy as np
 import torch
 
 from ffkv.mine import fused_cuda
+from ffkv.mine.groups import layer_groups, unit_of
+from ffkv.mine.rules import pack_key
 
 SID_MAX = np.iinfo(np.int64).max
 POS_MAX = np.iinfo(np.int32).max
-
-
-def pack_key(bits, tie):
-    """The int64 key of a score from the float32 bits of −score + 0.0 (widened to int64), ties by
-    `tie` (0 <= tie < 2^31): smallest first = highest score. Operators only, so torch and the
-    fused CUDA kernel (`ffkv.mine._fused_kernel`) share this one definition."""
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) + (1 << 31)  # float order as integers, >= 0
-    return (ordered << 31) | tie
 
 
 def _desc_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
@@ -235,16 +229,14 @@ class LayerSlice:
 class TopKState:
     """Top-t trigger lists of all layers and signs: a tracker (`ffkv.mine.trackers`).
 
-    Lists are (G·n, t) per sign and group of layers (`layer_groups`), kept on `device`, the
-    captures' device; `lists[(sign, layer)]` reads one layer's rows.
+    Lists are (G·n, t) per sign and group of layers (`ffkv.mine.groups.layer_groups`), kept on
+    `device`, the captures' device; `lists[(sign, layer)]` reads one layer's rows.
     """
 
     name = "topk"
 
     def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, t: int,
                  negative: bool = False, per_prefix: bool = False, device=None, group: int = 1):
-        from ffkv.mine.trackers import layer_groups, unit_of
-
         self.layers, self.t, self.negative, self.per_prefix = list(layers), t, negative, per_prefix
         self.dims = None if dims is None else list(dims)
         self.d_m, self.device, self.group = d_m, device, int(group)

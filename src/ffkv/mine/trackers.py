@@ -4,8 +4,8 @@ A tracker is a mergeable state fed by the one captured forward pass of `ffkv min
 (`ffkv.mine.topk.TopKState`: top-t triggers; `ffkv.mine.stats.KeyStats`: histograms,
 summaries, quantile samples, positions). Its verbs:
 
-- ``update(batch, cap)``: fold one group of layers of one batch in (`layer_groups`: the layers
-  a tracker's state is laid out by). `cap.m` is their (B, T, G·n) coefficients side by side on
+- ``update(batch, cap)``: fold one group of layers of one batch in (`ffkv.mine.groups.layer_groups`:
+  the layers a tracker's state is laid out by). `cap.m` is their (B, T, G·n) coefficients side by side on
   the key axis, on the captures' device, and the state lives on the same device: no (B, T, n)
   tensor leaves it, and nothing reads device data on the host (a test runs `update` on the
   "meta" device). What the host knows of a batch (lengths, runs of equal length, sentence ids)
@@ -16,7 +16,7 @@ summaries, quantile samples, positions). Its verbs:
 - ``arrays()`` / ``load_arrays(arrays)``: plain numeric arrays (npz checkpoints, Ray results).
 - ``finish(ctx) -> {table name: pyarrow.Table}``: the tables it writes.
 
-`MineState` holds the trackers of one pass and feeds them; the mine step (`ffkv.mine.runner`)
+`MineState` holds the trackers of one pass and feeds them; the mine step (`ffkv.steps.mine`)
 declares which trackers exist and which tables each writes.
 """
 from __future__ import annotations
@@ -31,33 +31,6 @@ from ffkv.mine import fused_cuda, stats_cpu
 from ffkv.mine.topk import length_runs, mask_runs, row_best
 
 SID_LIMIT = (1 << 31) - 1  # sentence ids must be < 2^31 - 1 (top-k keys and sample hashes pack them)
-
-
-def layer_groups(layers, size: int = 1) -> list[tuple[int, ...]]:
-    """The mined layers in runs of `size`, each fed to the trackers as one update.
-
-    Every tracker works key by key, so G layers side by side on the key axis are one update of
-    G·n keys: the same work in 1/G of the kernel launches (issue 24; a small model is
-    launch-bound on a GPU). Results do not depend on the grouping."""
-    layers, size = list(layers), max(1, int(size))
-    return [tuple(layers[i:i + size]) for i in range(0, len(layers), size)]
-
-
-GROUP_KEYS = 16384  # keys per tracker update: SmolLM2's 30 layers of 1,536 in 3 updates of 10 layers
-
-
-def group_size(keys: int, n_layers: int) -> int:
-    """Layers per update for `keys` mined keys a layer: up to GROUP_KEYS keys side by side, the
-    layers split into groups of near-equal size. Memory per token of a batch grows with it
-    (`ffkv.corpus.batching.token_bytes`); the kernel launches per layer fall as 1/size."""
-    most = max(1, min(max(1, n_layers), GROUP_KEYS // max(1, keys)))
-    parts = -(-max(1, n_layers) // most)
-    return -(-max(1, n_layers) // parts)
-
-
-def unit_of(groups) -> dict[int, tuple[tuple[int, ...], int]]:
-    """layer -> (its group, its index in the group): where a layer's keys sit in a tracker's state."""
-    return {l: (g, i) for g in groups for i, l in enumerate(g)}
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -197,7 +170,7 @@ class MineState:
     """The trackers of one mining pass, fed from one capture per batch.
 
     `update(layer, m, batch)` takes the raw capture (B, T, d_m) of one layer and keeps the mined
-    dims. At the last layer of a group (`layer_groups`, the trackers' layout) it sets the group's
+    dims. At the last layer of a group (`ffkv.mine.groups`, the trackers' layout) it sets the group's
     captures side by side, casts to float32 on their device and hands one `LayerCapture` to every
     tracker.
     """

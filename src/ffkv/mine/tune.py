@@ -211,7 +211,7 @@ def arms_for(mm, log=None) -> list[Arm]:
     """The combinations FFKV_PACK and FFKV_TRITON allow for this model on its device: a number
     fixes its switch, `auto` offers both sides (packed rows only where the model keeps packed
     sentences apart, the fused kernels only where they run and pass their check)."""
-    from ffkv.mine import fused_cuda, packing
+    from ffkv.mine import fused_cuda, packing, selfcheck
 
     dev = getattr(mm, "device", None) or "cpu"
     p = packing.setting(dev)
@@ -224,10 +224,10 @@ def arms_for(mm, log=None) -> list[Arm]:
     f = fused_cuda.setting(dev)
     fused = [False]
     if f != "0" and fused_cuda.runs_here(dev):
-        if log is not None and not fused_cuda.checked(dev):
+        if log is not None and not selfcheck.checked(dev):
             log("mine: checking the fused kernels against the portable path (the first time on this GPU, "
                 "Triton compiles them)")
-        if fused_cuda.verify(dev):
+        if selfcheck.verify(dev):
             fused = [True] if f == "1" else [False, True]
     return [Arm(pk, fu) for pk, fu in itertools.product(packs, fused)]
 

@@ -1,8 +1,9 @@
 """The `mine` step as one unit: its settings (from which `ffkv mine` is generated), the command's
 own options (--out, --overwrite, --lens) and how it opens its run, what the manifest records, its
 place in `reproduce`, the command that rebuilds it, its summary and its report section
-(`report.py`: key activations). The pass itself (trackers, batching, checkpoints, Ray shards) is
-in `ffkv.mine`, imported only when the step runs, so that `ffkv --help` loads no torch.
+(`report.py`: key activations). Its pass (`compute.py`: batching, checkpoints, resume, tables;
+`distributed.py`: Ray shards) runs the tracker engine and kernels of `ffkv.mine`; both are named
+by "module:attr" and imported only when the step runs, so that `ffkv --help` loads no torch.
 
 Tables: `sentences`, `triggers`, `vocab` always; `key_stats`, `key_hist`, `key_samples` unless
 --no-stats (columns: DEVELOPING.md and `ffkv.mine.stats`).
@@ -204,12 +205,6 @@ def record(run, s: MineSettings) -> dict:
     return r
 
 
-def compute(ctx) -> dict:
-    from ffkv.mine.runner import compute as run_pass
-
-    return run_pass(ctx)
-
-
 def done_info(run, st: dict) -> bool:
     """Done also needs the tables of the optional trackers that the step says it wrote."""
     stats = st.get("stats")
@@ -279,10 +274,11 @@ HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).
         "it is the default, and its trial starts after 20 s of mining (a compile costs seconds and pays "
         "back only over long runs).")
 
-STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES, compute=compute, record=record,
+STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES,
+            compute=lazy("ffkv.steps.mine.compute:compute"), record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
             cli=True, summary=summary, reproduce=reproduce, options=MineCommand, open=open_mine,
             rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"))
 
 __all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "TRACKERS", "check_batch_tokens",
-           "fit", "shlex"]
+           "fit"]

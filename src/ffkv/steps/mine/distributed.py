@@ -103,8 +103,8 @@ class ShardMiner:
     def __init__(self, model_arg, device, dtype, settings: dict, threads: int | None = None):
         import torch
 
-        from ffkv.mine.engine import MineSettings
         from ffkv.model.memories import open_model
+        from ffkv.steps.mine import MineSettings
 
         if threads:
             torch.set_num_threads(threads)
@@ -146,8 +146,8 @@ class ShardMiner:
 
         import pyarrow as pa
 
-        from ffkv.mine.engine import FlatTokens, mine_batches, new_state
         from ffkv.mine.compiled import mining_forward
+        from ffkv.mine.engine import FlatTokens, mine_batches, new_state
         from ffkv.mine.tune import how, tuner_for
 
         kept = [i for i, t in enumerate(got) if t is not None and t.num_rows]

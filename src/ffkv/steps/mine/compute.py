@@ -1,8 +1,9 @@
 """The mining pass of the `mine` step: one forward pass per batch, every prefix's coefficients at
-once, into the trackers (`ffkv.mine.trackers`), checkpointed, resumable, optionally on Ray shards.
+once, into the trackers (`ffkv.mine.trackers`, fed by `ffkv.mine.engine`), checkpointed,
+resumable, optionally on Ray shards (`ffkv.steps.mine.distributed`).
 
 The step itself (settings, record, which tables each tracker writes, the command) is
-`ffkv.steps.mine`; its `compute` calls `compute` here. `mine()` is the library's way in.
+`ffkv.steps.mine`; its `compute` is `compute` here. `mine()` is the library's way in.
 """
 from __future__ import annotations
 
@@ -14,14 +15,11 @@ import numpy as np
 import pyarrow as pa
 
 from ffkv.corpus.batching import Layout, auto_batch_tokens, device_memory, pack
-from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key,  # noqa: F401
-                              load_checkpoint, mine_batches, new_state, save_checkpoint)
-from ffkv.mine.topk import TopKState, triggers_table  # noqa: F401  (re-exported)
-from ffkv.parse import parse_int_list  # noqa: F401  (re-exported for callers of the old path)
-from ffkv.steps.lifecycle import execute
-from ffkv.steps.mine import (STATS_TABLES, STEP, TABLES, TRACKERS, MineSettings,  # noqa: F401  (re-exported)
-                             TrackerSpec, check_batch_tokens, done_info, fit, record)
+from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, layout_key, load_checkpoint,
+                              mine_batches, new_state, save_checkpoint, save_npz)
 from ffkv.model import identity
+from ffkv.steps.lifecycle import execute
+from ffkv.steps.mine import STATS_TABLES, MineSettings, check_batch_tokens, fit
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -278,7 +276,7 @@ def _compute(ctx) -> dict:
     t0 = time.time()
     state = new_state(mm, s)
     if ray_address:  # the shards read their own rows of the whole table
-        from ffkv.mine.distributed import mine_ray
+        from ffkv.steps.mine.distributed import mine_ray
 
         prep = None if whole else _actors_prepare(run, mm, s, bt)
         if prep is None:
@@ -327,7 +325,7 @@ def _actors_prepare(run, mm, s: MineSettings, bt: int):
     from pathlib import Path
 
     from ffkv.corpus.tokens import kind_of
-    from ffkv.mine.distributed import Prepared
+    from ffkv.steps.mine.distributed import Prepared
 
     if not (s.corpus and Path(s.corpus).is_file() and kind_of(Path(s.corpus), "")):
         return None  # text (read once, by the driver's stream), a dataset, or a file:COLUMN spec
@@ -345,8 +343,8 @@ def _actors_prepare(run, mm, s: MineSettings, bt: int):
 def _ray_plan(run, s: MineSettings, bt: int):
     """The one-process pass's batch plan (packed within each chunk of `chunk_sentences` rows) as
     row indices of the whole table, read chunk by chunk: a shard's batches then span one
-    stretch of rows, which it reads alone (`ffkv.mine.distributed.read_rows`). With the chunks as
-    (first batch, batch count): the actors' tuners take their strata from them."""
+    stretch of rows, which it reads alone (`ffkv.steps.mine.distributed.read_rows`). With the
+    chunks as (first batch, batch count): the actors' tuners take their strata from them."""
     from ffkv.corpus.stream import file_chunks
 
     return _plan_of((part.column("n_tokens").to_numpy() for part in
@@ -370,8 +368,6 @@ def _shards_of_this_plan(run, lkey: str) -> None:
     """Ray shard files are named by the settings' key, and a shard is a slice of the batch plan:
     files left by a killed run under another plan (another budget) would be merged as if they
     were slices of this one. A marker names the plan; other plans' files are dropped."""
-    from ffkv.mine.engine import save_npz
-
     d = run.path / ".mine_shards"
     marker = d / "plan.npz"  # .npz: mine_ray deletes every .npz there when it is done
     if d.exists():
