@@ -155,3 +155,25 @@ def test_any_line_past_the_bound_or_with_a_nul_is_refused(data, piece, limit):
         assert got == lines
     elif b"\x00" in data:
         assert got is None
+
+
+def test_a_mask_before_the_ids_mines_the_ids_and_says_which_column(tiny_dirs, tmp_path):
+    """The issue's case end to end: `attention_mask` (all 1s) first, `input_ids` second. The run
+    mines the ids, records the column and prints it."""
+    from transformers import AutoTokenizer
+
+    from ffkv.corpus.tokens import write_parquet
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["gpt2"])
+    rows = [tok(t)["input_ids"] for t in ("The cat sat on the mat.", "A river runs to the sea.", "Rain fell.")]
+    ids = pq.read_table(write_parquet(tmp_path / "ids.parquet", rows, tok))
+    mask = pa.array([[1] * len(r) for r in rows], pa.list_(pa.int32()))
+    both = pa.table({"attention_mask": mask, "input_ids": ids.column("input_ids")}).replace_schema_metadata(
+        ids.schema.metadata)
+    pq.write_table(both, tmp_path / "hf.parquet")
+    res = run_cli("mine", "--out", tmp_path / "r", "--model", tiny_dirs["gpt2"], "--corpus", tmp_path / "hf.parquet",
+                  "--top-k", "3")
+    assert res.returncode == 0, res.stderr
+    assert "ids from column input_ids" in res.stdout
+    got = pq.read_table(tmp_path / "r" / "sentences.parquet").sort_by("sentence_id").column("token_ids").to_pylist()
+    assert sorted(got) == sorted(rows)

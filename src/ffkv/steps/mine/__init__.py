@@ -233,10 +233,12 @@ def summary(run, out, s=None, as_json: bool = False) -> None:
     if out.skipped:
         print(f"mine: {run.path} is already mined with these settings; nothing to do")
     info = out.info
-    c = run.manifest.get("corpus", {}).get("counts", {})
+    corpus = run.manifest.get("corpus", {})
+    c = corpus.get("counts", {})
     n = c.get("sentences")
     empty = f", {c['empty_rows']} empty row{'' if c['empty_rows'] == 1 else 's'} skipped" if c.get("empty_rows") else ""
-    print(f"mined {n} sentence{'' if n == 1 else 's'} ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated{empty}) "
+    col = f", ids from column {corpus['column']}" if corpus.get("column") else ""  # never a silent guess
+    print(f"mined {n} sentence{'' if n == 1 else 's'} ({c.get('tokens')} tokens, {c.get('truncated', 0)} truncated{empty}{col}) "
           f"into {run.path}: {info.get('rows')} trigger rows, "
           + (f"packed rows of {info['packed_rows']} tokens, " if info.get("packed_rows") else
              f"padding {info.get('padding_share', 0):.1%}, ")
