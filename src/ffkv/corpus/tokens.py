@@ -31,6 +31,7 @@ import numpy as np
 from ffkv.defs import CORPUS_CONTEXT as DEFAULT_CONTEXT
 from ffkv.display import printable
 from ffkv.errors import FfkvError
+from ffkv.files import file_sha256
 
 META_KEY = "tokenizer"
 STREAMS = {".u16": "<u2", ".u32": "<u4"}  # suffix -> dtype of a flat token stream
@@ -86,14 +87,6 @@ class TokenRows:
 
 def _where(path) -> str:
     return f"corpus {printable(str(path)[:200], newlines=False)}"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _ids_checked(values: np.ndarray, offsets: np.ndarray, where: str) -> None:

