@@ -287,13 +287,14 @@ def test_cli_mine_and_show(tmp_path, tiny_dirs):
 
 
 def test_rebuild_flags_type_back_the_record():
-    """The flags a rebuild command names (`ffkv.steps.cli.flags`), parsed by the generated `ffkv mine`,
+    """The flags a rebuild command names (`ffkv.steps.settings.flags`), parsed by the generated `ffkv mine`,
     give the very record they came from: for settings away from every default, and none for the
     defaults. Every check of the settings runs before a model loads (the CLI's usage errors)."""
     import typer
 
     from ffkv.errors import FfkvError
-    from ffkv.steps.cli import build, command, flags
+    from ffkv.steps.cli import build, command
+    from ffkv.steps.settings import flags
     from ffkv.steps.mine import STEP
 
     app = typer.Typer()

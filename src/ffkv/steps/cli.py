@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import typer
 
-from ffkv.steps.settings import flag, flag_name, spec
+from ffkv.steps.settings import _default, cli_default, flag, spec
 
 SHARED = ("device", "dtype")  # settings fields that every command already has as options
 COMMON = ("force", "as_json", "model_name", "device", "dtype")  # every command's own options
@@ -35,20 +35,6 @@ def _annotation(tp):
     if origin is tuple:
         return List[typing.get_args(tp)[0]]
     return tp
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return ...
-
-
-def cli_default(f: dataclasses.Field):
-    """The field's default on the command line (`shown` where it differs from the library's)."""
-    s = spec(f)
-    return s.shown if s.shown is not None and s.parse is None else _default(f)
 
 
 def _help(s) -> str | None:
@@ -120,30 +106,6 @@ def build(cls, values: dict):
 def build_settings(step, values: dict):
     """The step's settings from CLI values, checked before any model loads."""
     return build(step.settings, values)
-
-
-def flags(cls, record: dict) -> list[str]:
-    """The command-line flags that give the fields of `record` (a recorded settings dict of the
-    dataclass `cls`) where they differ from the command's defaults: a switch as its on or off
-    flag, a list as comma-separated values (the form --layers and --dims parse). A field recorded
-    under its flag's name (compose's n_prefixes as "prefixes") is found by it."""
-    out = []
-    for f in dataclasses.fields(cls):
-        key = f.name if f.name in record else flag_name(f).lstrip("-").replace("-", "_")
-        if not spec(f).recorded or key not in record:
-            continue
-        v, d = record[key], cli_default(f)
-        if v is None or v == d or (isinstance(v, list) and not v):
-            continue
-        fl = flag(f)
-        if isinstance(v, bool):
-            on, _, off = fl.partition("/")
-            out.append(on if v else (off or "--no-" + on[2:]))
-        elif isinstance(v, (list, tuple)):
-            out += [flag_name(f), ",".join(str(x) for x in v)]
-        else:
-            out += [flag_name(f), str(v)]
-    return out
 
 
 def run_generated(step, run_dir: Path | None, values: dict, *, force=False, as_json=False, model_name=None,

@@ -174,7 +174,7 @@ def rebuild_command(run, name: str) -> str:
     """The command that redoes step `name` from scratch with the run's own settings: the step's
     `rebuild` arguments (mine: its --out, model, corpus and every flag that differs from the
     default), else `ffkv NAME RUN` and the flags of its recorded settings that differ from the
-    command's defaults (`ffkv.steps.cli.flags`); then `--force`."""
+    command's defaults (`ffkv.steps.settings.flags`); then `--force`."""
     import dataclasses
     import shlex
 
@@ -184,7 +184,7 @@ def rebuild_command(run, name: str) -> str:
     else:
         args = [command(name, run)]
         if step is not None and step.cli and dataclasses.is_dataclass(step.settings):
-            from ffkv.steps.cli import flags
+            from ffkv.steps.settings import flags
 
             args += map(shlex.quote, flags(step.settings, run.settings(name) or {}))
     return " ".join([*args, "--force"])

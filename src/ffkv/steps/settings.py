@@ -124,3 +124,42 @@ def budget(lo: int):
             return str(e).split(" ", 1)[1]  # the field's check names the flag itself
         return None
     return parse, check
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return ...
+
+
+def cli_default(f: dataclasses.Field):
+    """The field's default on the command line (`shown` where it differs from the library's)."""
+    s = spec(f)
+    return s.shown if s.shown is not None and s.parse is None else _default(f)
+
+
+def flags(cls, record: dict) -> list[str]:
+    """The command-line flags that give the fields of `record` (a recorded settings dict of the
+    dataclass `cls`) where they differ from the command's defaults: a switch as its on or off
+    flag, a list as comma-separated values (the form --layers and --dims parse). A field recorded
+    under its flag's name (compose's n_prefixes as "prefixes") is found by it. Here, beneath the CLI and the lifecycle, since
+    both use it (a rebuild command names these flags)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f.name if f.name in record else flag_name(f).lstrip("-").replace("-", "_")
+        if not spec(f).recorded or key not in record:
+            continue
+        v, d = record[key], cli_default(f)
+        if v is None or v == d or (isinstance(v, list) and not v):
+            continue
+        fl = flag(f)
+        if isinstance(v, bool):
+            on, _, off = fl.partition("/")
+            out.append(on if v else (off or "--no-" + on[2:]))
+        elif isinstance(v, (list, tuple)):
+            out += [flag_name(f), ",".join(str(x) for x in v)]
+        else:
+            out += [flag_name(f), str(v)]
+    return out

@@ -214,7 +214,7 @@ def done_info(run, st: dict) -> bool:
 def rebuild(run) -> list[str]:
     """`ffkv mine`'s arguments that mine `run` again from scratch: its --out, its model, its lens
     and every recorded setting that differs from the command's default."""
-    from ffkv.steps.cli import flags
+    from ffkv.steps.settings import flags
 
     args = ["--out", str(run.path)]
     model = run.model_arg()
