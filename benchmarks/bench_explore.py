@@ -6,7 +6,7 @@
 (the second on a bare GPU box: a model folder, the text decoded from a Parquet of token ids, and
 the HTTP rows skipped where FastAPI is not installed; a CUDA figure syncs the device in each call)
 
-Goals: a 64-token text with per-layer attribution (`ffkv.experiments.explain.explain`, what
+Goals: a 64-token text with per-layer attribution (`ffkv.web.explain.explain`, what
 `/api/explore` computes) in ≤ 1.0 s on this CPU; an intervention (a second, edited forward pass
 and its reading) ≤ 1.0 s more. Printed beside a plain transformers forward pass with logits of
 the same 64 tokens, measured in the same run, and the same two requests through HTTP
@@ -96,7 +96,7 @@ def main() -> None:
 
     import torch
 
-    from ffkv.experiments.explain import explain
+    from ffkv.web.explain import explain
 
     global SYNC
     cuda_s = None

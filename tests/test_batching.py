@@ -32,7 +32,7 @@ def old_pack(lengths, batch_tokens: int = 2048, max_batch: int = 64) -> list[np.
 
 
 def old_pack_tight(lengths, batch_tokens: int = 2048, ratio: float = 1.5, max_batch: int = 256) -> list[np.ndarray]:
-    """`ffkv.experiments.mutate.pack_tight` before the merge."""
+    """`ffkv.memories.rescore.pack_tight` (then mutate's) before the merge."""
     lengths = np.asarray(lengths)
     order = np.argsort(lengths, kind="stable")
     out, cur, lo, hi = [], [], 0, 0

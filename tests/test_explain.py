@@ -1,4 +1,4 @@
-"""The prediction explorer's engine (`ffkv.experiments.explain`), its interventions
+"""The prediction explorer's engine (`ffkv.web.explain`), its interventions
 (`MemoryModel.intervene`), their parser (`ffkv.parse.parse_interventions`) and `ffkv explain`.
 
 The exactness tests check the engine against forward hooks written here, independently of
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from conftest import ARCHS, run_cli
 from ffkv.errors import FfkvError
-from ffkv.experiments.explain import explain
+from ffkv.web.explain import explain
 from ffkv.parse import Intervention, format_interventions, parse_interventions
 
 TEXT = "The cat sat on the mat because it was"
@@ -193,7 +193,7 @@ def test_set_and_scale_values(tiny_models):
 def test_unedited_layers_are_reused_exactly(tiny_models, at):
     """The edited pass takes the layers before the first edited one from the original pass:
     the same numbers as reading them again."""
-    from ffkv.experiments.explain import _public, _read, tokenize
+    from ffkv.web.explain import _public, _read, tokenize
 
     mm = tiny_models["llama"]
     ids = tokenize(mm, TEXT)
@@ -343,7 +343,12 @@ def test_api_is_the_engine(client, tiny_models):
     ({"text": "a", "scale": "x"}, "scale 'x' is not a number"),
     ({"text": "a", "at": "first"}, "choose last"),
     ({"text": "a", "lens": "tuned"}, "choose naive or norm"),
-    ({"text": "a", "top": "0"}, "1..20"),
+    ({"text": "a", "top": "0"}, "between 1 and 20"),
+    ({"text": "a", "top": "9" * 5000}, "too large"),
+    ({"text": "a", "continue": "9" * 5000}, "too large"),
+    ({"text": "a", "contrast_id": "9" * 5000}, "too large"),
+    ({"text": "a", "suppress": "0:" + "9" * 5000}, "too large"),
+    ({"text": "a", "suppress": "9" * 5000 + ":0"}, "too large"),
     ({"text": "a", "contrast": "the cat sat"}, "not one"),
     ({"text": "a", "contrast_id": "999999"}, "out of range"),
     ({"text": "word " * 300}, "at most 256"),

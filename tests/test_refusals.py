@@ -190,7 +190,7 @@ def long_text(mm, n_tokens: int) -> str:
 
 
 def test_explain_refuses_or_cuts_a_long_text(tiny_models):
-    from ffkv.experiments.explain import explain
+    from ffkv.web.explain import explain
 
     mm = tiny_models["gpt2"]  # 128 positions
     text = long_text(mm, 400)

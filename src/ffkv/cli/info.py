@@ -60,7 +60,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     shape = model_shape(model_name) or {}  # its shape from the config: no weight loaded yet
     parse_interventions(suppress, shape.get("layers"), shape.get("d_m"), scale=scale)
     mm = model(model_name, device=device, dtype=dtype, lens=lens)
-    from ffkv.experiments.explain import explain as run_explain  # torch: after the model's checks
+    from ffkv.web.explain import explain as run_explain  # torch: after the model's checks
 
     edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
     res = run_explain(mm, text, top, edits, at=at, contrast=contrast, truncate=truncate)

@@ -1,5 +1,5 @@
 """How a text meets a model's context: the one rule for every reader of a user's text (`ffkv
-explain`, the web explorer through `ffkv.experiments.explain`), and for a corpus's sentences
+explain`, the web explorer through `ffkv.web.explain`), and for a corpus's sentences
 (`fit_sentences`: cut at the end, said aloud, never refused).
 
 A text longer than the limit is refused (FfkvError, one line), never cut silently. Only an

@@ -9,7 +9,7 @@ Public URLs (links get shared; keep them):
   lenses are always read), `top=K` (memories per layer), `continue=N` (a greedy continuation of
   N ≤ `MAX_CONTINUE` tokens, with and without the edits, side by side; 0 or absent: none; the
   form sends `CONTINUE` = 20 unless changed, memory pages link with it).
-- `/api/explore?…`: what the page shows, as JSON: `ffkv.experiments.explain`'s result (its
+- `/api/explore?…`: what the page shows, as JSON: `ffkv.web.explain`'s result (its
   docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
 
@@ -48,10 +48,10 @@ from markupsafe import Markup
 from ffkv.defs import LENSES
 from ffkv.display import read_token
 from ffkv.errors import FfkvError
-from ffkv.parse import parse_interventions
+from ffkv.parse import parse_int, parse_interventions
 from ffkv.web import plots
 from ffkv.web.common import error_page, render, urlencode_clean
-from ffkv.web.routes import api
+from ffkv.web.params import api
 
 router = APIRouter()
 
@@ -228,22 +228,16 @@ def parse_query(request: Request) -> Query:
     contrast_text(q)  # a malformed escape: 422 now, before the model is asked
     cid = (g.get("contrast_id") or "").strip()
     if cid and not q.contrast:  # a typed contrast wins over an id carried from a link
-        if not cid.isdigit() or not cid.isascii():
-            raise FfkvError(f"contrast_id {cid!r} is not a token id")
-        q.contrast_id = int(cid)
+        q.contrast_id = parse_int(cid, "contrast_id", lo=0)
     q.lens = (g.get("lens") or "").strip()
     if q.lens and q.lens not in LENSES:
         raise FfkvError(f"lens {q.lens!r}: choose naive or norm")
     top = (g.get("top") or "").strip()
     if top:
-        if not top.isdigit() or not top.isascii() or not 1 <= int(top) <= MAX_TOP:
-            raise FfkvError(f"top {top!r}: memories per layer must be 1..{MAX_TOP}")
-        q.top = int(top)
+        q.top = parse_int(top, "top (memories per layer)", 1, MAX_TOP)
     cont = (g.get("continue") or "").strip()
     if cont:
-        if not cont.isdigit() or not cont.isascii() or int(cont) > MAX_CONTINUE:
-            raise FfkvError(f"continue {cont[:20]!r}: tokens to continue must be 0..{MAX_CONTINUE}")
-        q.cont = int(cont)
+        q.cont = parse_int(cont, "continue (tokens to continue)", 0, MAX_CONTINUE)
     if q.suppress:
         L, d_m = _shape(request)
         q.edits = parse_interventions(q.suppress, L, d_m, scale=q.scale, what="suppress")
@@ -278,7 +272,7 @@ def _finite(x) -> bool:
 
 # ---- running the engine ---------------------------------------------------------------------------
 def _compute(request: Request, q: Query, ex: Explorer) -> dict:
-    from ffkv.experiments.explain import explain
+    from ffkv.web.explain import explain
 
     b = _browser(request)
     fg = getattr(b, "foreground", None)
@@ -316,7 +310,7 @@ def continuation(mm, text: str, n: int, edits=(), at: str = "last") -> dict:
     """`n` greedy tokens after `text`, as the model writes them (`original`) and under the
     edits (`edited`, None without edits): {n, original, edited: {ids, tokens, text}, diverges_at
     (index of the first token that differs, None when none does)}."""
-    from ffkv.experiments.explain import fit_text
+    from ffkv.web.explain import fit_text
 
     ids = fit_text(mm, text, MAX_TOKENS)[0]
     if len(ids) + n > mm.max_length:

@@ -26,13 +26,11 @@ model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs chec
 from __future__ import annotations
 
 import json
-import math
 import re
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, RedirectResponse, Response
 from markupsafe import Markup, escape
 
 from ffkv.errors import FfkvError
@@ -40,6 +38,7 @@ from ffkv.store.annotations import LIMITS, MAX_JSON_DEPTH, MAX_NAME, MAX_NOTE, M
 from ffkv.web import activations, plots
 from ffkv.web.common import STATIC_DIR, no_cross_site_fetch, render, same_origin, show_trigger, state
 from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
+from ffkv.web.params import api, opt_bool, opt_int, opt_sign, opt_str, req_int
 from ffkv.web.tables import ANNOTATE_TOP, BadQuery, NotFound
 
 router = APIRouter()
@@ -51,68 +50,6 @@ STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; char
                 ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon"}
 REPORT_CSP = ("default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; base-uri 'none'; "
               "form-action 'none'; frame-ancestors 'none'")
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-def clean(x):
-    """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [clean(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None
-    return x
-
-
-def api(data, status_code: int = 200) -> JSONResponse:
-    return JSONResponse(clean(data), status_code=status_code)
-
-
-def opt_int(v: str | None, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    """An optional integer query parameter ('' = absent); malformed -> 422."""
-    if v is None or str(v).strip() == "":
-        return None
-    try:
-        x = int(str(v).strip())
-    except ValueError:
-        raise BadQuery(f"{name} must be an integer (got {v!r})") from None
-    if (lo is not None and x < lo) or (hi is not None and x > hi):
-        raise BadQuery(f"{name} must be in {lo}..{hi} (got {x})")
-    return x
-
-
-def req_int(v: str | None, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
-    x = opt_int(v, name, lo, hi)
-    return default if x is None else x
-
-
-def opt_sign(v: str | None) -> int | None:
-    if v is None or str(v).strip() in ("", "any"):
-        return None
-    s = str(v).strip()
-    if s in ("1", "+1", "+", "pos"):
-        return 1
-    if s in ("-1", "-", "neg"):
-        return -1
-    raise BadQuery(f"sign must be 1 or -1 (got {v!r})")
-
-
-def opt_bool(v: str | None, name: str) -> bool | None:
-    if v is None or str(v).strip() in ("", "any"):
-        return None
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes"):
-        return True
-    if s in ("0", "false", "no"):
-        return False
-    raise BadQuery(f"{name} must be yes or no (got {v!r})")
-
-
-def opt_str(v: str | None) -> str | None:
-    return None if v is None or str(v).strip() == "" else str(v)
 
 
 def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:

@@ -1,6 +1,6 @@
 """The `compose` step's report sections: Figs 7-11 (how the memories of a layer compose, and how the
 layers refine the prediction) and the last layer's cases, judged under the run's lens with the other
-lens's verdict beside it. Read from `compose_layers` and `compose_cases` (`ffkv.experiments.compose`)."""
+lens's verdict beside it. Read from `compose_layers` and `compose_cases` (`ffkv.steps.compose.compute`)."""
 from __future__ import annotations
 
 from ffkv.report import figures as F

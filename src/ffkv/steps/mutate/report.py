@@ -1,5 +1,5 @@
 """The `mutate` step's report section: Fig 3 (how much a key's coefficient drops when a token of its
-trigger is removed), from `mutations_layers` (`ffkv.experiments.mutate`)."""
+trigger is removed), from `mutations_layers` (`ffkv.steps.mutate.compute`)."""
 from __future__ import annotations
 
 from ffkv.report import figures as F

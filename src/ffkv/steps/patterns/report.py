@@ -1,7 +1,7 @@
 """The `patterns` step's report sections: Fig 2 (what kind of pattern a key's trigger prefixes share,
 from the automatic labels, and from the run's human annotations when it has them) and Table 1
 (example keys with their patterns and top prefixes). Read from `patterns_fig2`, `pattern_keys`,
-`patterns` (`ffkv.experiments.patterns`) and `annotations.sqlite`."""
+`patterns` (`ffkv.steps.patterns.compute`) and `annotations.sqlite`."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """The `values` step's report sections: Figs 4-6 and Table 2 (the values read through the vocabulary,
 and their agreement with their keys' triggers), each under the run's lens with the other lens's
-verdict beside it. Read from the step's tables (columns in `ffkv.experiments.values`)."""
+verdict beside it. Read from the step's tables (columns in `ffkv.steps.values.compute`)."""
 from __future__ import annotations
 
 import pandas as pd

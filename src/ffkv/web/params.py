@@ -1,0 +1,70 @@
+"""Query parameters and JSON answers, for every router: each parameter a user types is read here
+(integers through `ffkv.parse.parse_int`), so a malformed or huge value is a 422, never a 500."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from fastapi.responses import JSONResponse
+
+from ffkv.errors import FfkvError
+from ffkv.parse import parse_int, shown
+from ffkv.web.tables import BadQuery
+
+
+def clean(x):
+    """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x
+
+
+def api(data, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(clean(data), status_code=status_code)
+
+
+def opt_int(v: str | None, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """An optional integer query parameter ('' = absent); malformed -> 422."""
+    if v is None or str(v).strip() == "":
+        return None
+    try:
+        return parse_int(v, name, lo, hi)
+    except FfkvError as e:  # a 422, never int()'s ValueError (a 5,000-digit value was a 500)
+        raise BadQuery(str(e)) from None
+
+
+def req_int(v: str | None, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+    x = opt_int(v, name, lo, hi)
+    return default if x is None else x
+
+
+def opt_sign(v: str | None) -> int | None:
+    if v is None or str(v).strip() in ("", "any"):
+        return None
+    s = str(v).strip()
+    if s in ("1", "+1", "+", "pos"):
+        return 1
+    if s in ("-1", "-", "neg"):
+        return -1
+    raise BadQuery(f"sign must be 1 or -1 (got {shown(v)})")
+
+
+def opt_bool(v: str | None, name: str) -> bool | None:
+    if v is None or str(v).strip() in ("", "any"):
+        return None
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes"):
+        return True
+    if s in ("0", "false", "no"):
+        return False
+    raise BadQuery(f"{name} must be yes or no (got {shown(v)})")
+
+
+def opt_str(v: str | None) -> str | None:
+    return None if v is None or str(v).strip() == "" else str(v)
