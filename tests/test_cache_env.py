@@ -31,15 +31,17 @@ def test_absolute_home_and_unset(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["", "rel"])
-def test_info_with_a_bad_cache_is_one_line_and_writes_nothing_here(tmp_path, value):
+def test_info_with_a_bad_cache_is_one_line_and_writes_nothing_here(tmp_path, monkeypatch, value):
     here = tmp_path / "here"
     here.mkdir()
-    line = one_line_error(run_cli("info", env={"FFKV_CACHE": value}, cwd=here), needle="FFKV_CACHE")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("FFKV_CACHE", value)
+    line = one_line_error(run_cli("info"), needle="FFKV_CACHE")
     assert "absolute" in line
     assert list(here.iterdir()) == []
 
 
-def test_commands_from_a_scratch_folder_write_nothing_there(tmp_path, tiny_dirs):
+def test_commands_from_a_scratch_folder_write_nothing_there(tmp_path, tiny_dirs, monkeypatch):
     """ffkv writes only under the run, the cache and --out: commands that read write nothing in the
     folder they run from."""
     here = tmp_path / "scratch"
@@ -47,10 +49,12 @@ def test_commands_from_a_scratch_folder_write_nothing_there(tmp_path, tiny_dirs)
     corpus = tmp_path / "c.txt"
     corpus.write_text("The cat sat on the mat.\n\nA dog ran.\n")
     out = tmp_path / "run"
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("FFKV_CACHE", str(tmp_path / "cache"))
     for args in (("info", tiny_dirs["gpt2"]), ("corpus", corpus, "--model", tiny_dirs["gpt2"]),
                  ("explain", "The cat", "--model", tiny_dirs["gpt2"]),
                  ("mine", "--out", out, "--model", tiny_dirs["gpt2"], "--corpus", corpus, "--top-k", "2")):
-        res = run_cli(*args, cwd=here, env={"FFKV_CACHE": str(tmp_path / "cache")})
+        res = run_cli(*args)  # in this process, from `here`
         assert res.returncode == 0, (args, res.stderr[-800:])
         assert sorted(os.listdir(here)) == [], args
     assert (out / "manifest.json").is_file()
