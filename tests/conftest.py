@@ -261,3 +261,35 @@ def serve_cli(run):
     finally:
         p.terminate()
         p.wait(10)
+
+
+SMOLLM2_CUT_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def smollm2_cut(smollm2, tmp_path_factory):
+    """The real SmolLM2's first SMOLLM2_CUT_LAYERS layers, with its real embeddings (tied, 49,152
+    tokens), final norm and tokenizer, saved as a folder: for tests that check each layer's
+    arithmetic against brute force, where all 30 layers repeat the same check 7x over."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ffkv.model.memories import open_model
+
+    cfg = smollm2.hf.config.__class__.from_dict(smollm2.hf.config.to_dict())
+    cfg.num_hidden_layers = SMOLLM2_CUT_LAYERS
+    for k in ("quantization_config",):
+        if hasattr(cfg, k):
+            delattr(cfg, k)
+    with torch.device("meta"):
+        cut = AutoModelForCausalLM.from_config(cfg)
+    state = {k: v for k, v in smollm2.hf.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < SMOLLM2_CUT_LAYERS}
+    cut.load_state_dict(state, strict=False, assign=True)
+    cut.tie_weights()
+    path = tmp_path_factory.mktemp("smollm2_cut")
+    cut.save_pretrained(path)
+    smollm2.tok.save_pretrained(path)
+    mm = open_model(str(path), device="cpu")
+    assert mm.n_layers == SMOLLM2_CUT_LAYERS
+    return mm

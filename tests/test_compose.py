@@ -481,8 +481,9 @@ def test_cli_bad_prefixes(tiny_dirs, tmp_path):
 
 # ---- the real model ----------------------------------------------------------------------
 @pytest.mark.slow
-def test_compose_smollm2_against_brute_force(smollm2, tmp_path):
-    mm = smollm2
+def test_compose_smollm2_against_brute_force(smollm2_cut, tmp_path):
+    """The real SmolLM2's first layers (real weights, tied embeddings, final norm)."""
+    mm = smollm2_cut
     run = Run(tmp_path / "run", create=True)
     identity.record_model(run, mm)
     compose(run, mm, corpus=VALID, n_prefixes=12, max_sentences=200, show_progress=False)

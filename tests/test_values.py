@@ -571,9 +571,10 @@ def test_cli_end_to_end(tmp_path, tiny_dirs):
 
 # ---- the real model -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_sampled_vs_argsort(tmp_path, smollm2):
-    """SmolLM2 (tied embeddings, 49,152 tokens): 40 sampled memories against full argsorts."""
-    mm = smollm2
+def test_smollm2_sampled_vs_argsort(tmp_path, smollm2_cut):
+    """SmolLM2 (tied embeddings, 49,152 tokens; its first layers, real weights): 40 sampled
+    memories against full argsorts."""
+    mm = smollm2_cut
     L, d_m, V = mm.n_layers, mm.d_m, mm.vocab_size
     rng = np.random.default_rng(0)
     syn = Synth(L, d_m, V, n_rank=2, n_sent=500, sent_len=16, seed=8)
