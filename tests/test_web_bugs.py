@@ -149,7 +149,7 @@ def test_token_search_heading_keeps_its_spaces(client, index):  # noqa: F811
 def test_whitespace_tokens_are_visible_marks(token, shown):
     from ffkv.display import show_token
     from ffkv.report.build import prefix_html as report_prefix
-    from ffkv.web.routes import prefix_html as web_prefix
+    from ffkv.web.routers.forms import prefix_html as web_prefix
 
     assert show_token(token) == shown and show_token(token, inline=True) == shown
     assert f"<mark>{shown}</mark>" in str(web_prefix({"cut": False, "head": "The city", "trigger": token}))

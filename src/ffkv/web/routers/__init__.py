@@ -1,0 +1,1 @@
+"""The browser's routes by feature, one router a module; `ffkv.web.routes` includes them all."""

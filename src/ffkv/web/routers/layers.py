@@ -1,0 +1,52 @@
+"""A layer's page and its JSON twin (`ffkv.web.layers`)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ffkv.web import plots
+from ffkv.web.common import render, state
+from ffkv.web.params import api, req_int
+
+
+router = APIRouter()
+
+
+# ---- a layer page ---------------------------------------------------------------------------------
+def layer_context(request: Request, layer: int, page: str | None, per_page: str | None) -> dict:
+    from ffkv.web.layers import layer_data
+
+    return layer_data(state(request), layer, req_int(page, "page", 1, 1, 10**6),
+                      req_int(per_page, "per_page", 100, 1, 1000))
+
+
+@router.get("/layer/{layer}", include_in_schema=False)
+def layer_page(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
+               format: str | None = None):  # noqa: A002 - the URL's parameter
+    from ffkv.web import export
+    from ffkv.web.layers import MEMORY_COLUMNS, layer_memories
+
+    fmt = export.check_format(format)
+    if fmt:
+        state(request).check_key(layer, 0)
+        return export.download(layer_memories(state(request), layer), list(MEMORY_COLUMNS),
+                               f"ffkv-layer-{layer}-memories", fmt)
+    d = layer_context(request, layer, page, per_page)
+    hist = None
+    if d["density"] and d["density"]["hist"]:
+        h = d["density"]["hist"]
+        hist = plots.histogram(h["counts"], h["labels"], None, axis=("0", "density", "1"),
+                               label=f"keys of layer {layer} by the share of tokens with m > 0 ({h['total']:,} keys)",
+                               log=False)
+    fig2 = []
+    for r in (d["patterns"] or {}).get("fig2") or []:
+        fig2.append({**r, "plot": plots.stacked([(r.get("shallow"), "c-shallow", "shallow"),
+                                                 (r.get("semantic"), "c-semantic", "semantic"),
+                                                 (r.get("both"), "c-both", "both"),
+                                                 (r.get("not_covered"), "c-none", "not covered")],
+                                                label=f"layer {layer} ({r['scope']}): prefixes by kind")})
+    return render(request, "layer.html", d=d, hist=hist, fig2=fig2)
+
+
+@router.get("/api/layer/{layer}")
+def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None):
+    return api(layer_context(request, layer, page, per_page))

@@ -1,0 +1,176 @@
+"""A memory's page and its JSON twin, re-verify, a sentence's page, the per-token
+coefficients that tint examples, and similar memories."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import RedirectResponse
+
+from ffkv.web import activations, plots
+from ffkv.web.common import no_cross_site_fetch, render, state
+from ffkv.web.params import api, opt_int, opt_sign, req_int
+from ffkv.web.tables import BadQuery, NotFound
+from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
+
+
+router = APIRouter()
+
+
+def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:
+    from ffkv.web.panels import step_panels
+
+    b = state(request)
+    m = b.memory(layer, dim, top, all_samples)
+    m["panels"] = step_panels(b.run, layer, dim)
+    return m
+
+
+def stats_plot(st: dict | None):
+    """The key's signed activation histogram over the occupied bins (and the zero bin)."""
+    if not st or not st.get("hist"):
+        return None
+    h = st["hist"]
+    a, b = h["shown"]
+    cls = {-1: "neg", 0: "zero-bin", 1: "pos"}
+    classes = [cls.get(x, "bar") for x in h["sign"][a:b + 1]] if h.get("sign") else None
+    labels = h["labels"][a:b + 1]
+    return plots.histogram(h["counts"][a:b + 1], labels, classes, axis=(labels[0], "", labels[-1]),
+                           label=f"coefficients of this key over {h['total']:,} corpus tokens (log counts)")
+
+
+def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, slots: int | None,
+                  form: dict | None = None, error: str | None = None, status_code: int = 200,
+                  all_samples: bool = False):
+    b = state(request)
+    m = memory_data(request, layer, dim, top, all_samples)
+    can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
+    form = form or form_state(request, layer, dim, sign, slots)
+    prefixes = annotation_prefixes(request, m, sign) if can_annotate else []
+    hist = stats_plot(m.get("stats"))
+    return render(request, "memory.html", status_code=status_code, m=m, form=form, form_error=error,
+                  prefixes=prefixes, can_annotate=can_annotate, hist=hist, b=b, slots=len(form["slots"]),
+                  max_slots=MAX_SLOTS, all_samples=all_samples)
+
+
+@router.get("/memory/{layer}/{dim}", include_in_schema=False)
+def memory_page(request: Request, layer: int, dim: int, top: str | None = None, annotate_sign: str | None = None,
+                slots: str | None = None, samples: str | None = None):
+    if samples not in (None, "", "all", "first"):
+        raise BadQuery(f"samples must be all or first (got {samples!r})")
+    return render_memory(request, layer, dim, req_int(top, "top", 25, 1, 200),
+                         opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS),
+                         all_samples=samples == "all")
+
+
+@router.get("/api/memory/{layer}/{dim}")
+def api_memory(request: Request, layer: int, dim: int, top: str | None = None):
+    return api(memory_data(request, layer, dim, req_int(top, "top", 25, 1, 200)))
+
+
+@router.get("/random", include_in_schema=False)
+def random_memory(request: Request):
+    l, d = state(request).random_key()
+    return RedirectResponse(f"/memory/{l}/{d}", status_code=302, headers={"Cache-Control": "no-store"})
+
+
+# ---- re-verify ------------------------------------------------------------------------------------
+def reverify(request: Request, layer: int, dim: int, sign: int, rank: int) -> dict:
+    import time
+
+    b = state(request)
+    b.check_key(layer, dim)
+    rows = [r for r in b.trig.rows(layer, dim) if r["sign"] == sign and r["rank"] == rank]
+    if not rows:
+        raise NotFound(f"memory {layer}/{dim} has no trigger of sign {sign:+d} and rank {rank}")
+    r = rows[0]
+    srow = b.sentence_row(r["sentence_id"])
+    ids = [int(t) for t in b.sentence_tokens(srow)[: r["position"] + 1]]
+    t0 = time.time()
+    loaded = b.model_loaded
+    mm = b.model()
+    t1 = time.time()
+    with b.foreground.busy(), b.model_lock:
+        import torch
+
+        with torch.no_grad():
+            x, mask = mm.batch([ids])
+            cap = mm.capture(x, mask, layers=[layer], what=("m",))
+            now = float(cap[layer]["m"][0, r["position"], dim].float())
+    stored = float(r["coef"])
+    return {"layer": layer, "dim": dim, "sign": sign, "rank": rank, "sentence_id": r["sentence_id"],
+            "position": r["position"], "prefix": b.prefix(srow, r["position"]), "stored": stored, "now": now,
+            "abs_diff": abs(now - stored), "rel_diff": abs(now - stored) / abs(stored) if stored else None,
+            "model": b.model_id, "device": str(mm.device), "dtype": str(mm.dtype).replace("torch.", ""),
+            "model_load_seconds": None if loaded else round(t1 - t0, 2),
+            "compute_seconds": round(time.time() - t1, 3), "permalink": b.permalink(r["sentence_id"], r["position"])}
+
+
+@router.get("/memory/{layer}/{dim}/reverify", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
+def reverify_page(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
+    res = reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000))
+    return render(request, "reverify.html", r=res)
+
+
+@router.get("/api/memory/{layer}/{dim}/reverify", dependencies=[Depends(no_cross_site_fetch)])
+def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1", rank: str | None = "1"):
+    return api(reverify(request, layer, dim, opt_sign(sign) or 1, req_int(rank, "rank", 1, 1, 100000)))
+
+
+# ---- sentences (provenance) -----------------------------------------------------------------------
+@router.get("/sentence/{sid}", include_in_schema=False)
+def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None,
+                  memory: str | None = None):
+    b = state(request)
+    s = b.sentence(sid, opt_int(pos, "pos", 0))
+    mem = activations.parse_memory(memory)
+    if mem is not None:
+        b.check_key(*mem)
+    mismatch = bool(corpus) and not b.corpus_sha.startswith(str(corpus).lower())
+    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus, memory=mem)
+
+
+# ---- per-token coefficients (the colours of examples: ffkv.web.activations) ---------------------------
+@router.get("/api/memory/{layer}/{dim}/activations", dependencies=[Depends(no_cross_site_fetch)])
+def api_activations(request: Request, layer: int, dim: int, top: str | None = None, samples: str | None = None,
+                    sign: str | None = None, sentence: str | None = None):
+    """m of memory layer/dim at every token of the examples its page shows (`top` trigger rows
+    of each sign, or of `sign`; the quantile samples the page shows: one per level, or every one
+    with samples=all, or none), or of one `sentence`."""
+    b = state(request)
+    b.check_key(layer, dim)
+    if samples not in (None, "", "all", "first", "none"):
+        raise BadQuery(f"samples must be all, first or none (got {samples[:20]!r})")
+    sid = opt_int(sentence, "sentence", 0, 2**62)
+    if sid is not None:
+        b.sentence_row(sid)  # 404 for a sentence not in the run
+        examples = [(sid, None)]
+    else:
+        examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
+                                             samples or "first", opt_sign(sign))
+    return api(activations.activations(b, request.app.state, layer, dim, examples))
+
+
+@router.get("/api/activations", dependencies=[Depends(no_cross_site_fetch)])
+def api_activations_many(request: Request, examples: str | None = None):
+    """m of each example's memory at every token of its window (`examples`: LAYER/DIM/SENTENCE/
+    POSITION, comma-separated; a search page asks for its rows)."""
+    b = state(request)
+    items = activations.parse_examples(examples)
+    for layer, dim, sid, pos in items:
+        b.check_key(layer, dim)
+        n = len(b.sentence_tokens(b.sentence_row(sid)))  # 404 for a sentence not in the run
+        if pos >= n:
+            raise BadQuery(f"examples: sentence {sid} has {n} tokens, so no position {pos}")
+    return api(activations.activations_many(b, request.app.state, items))
+
+
+@router.get("/api/sentence/{sid}")
+def api_sentence(request: Request, sid: int, pos: str | None = None):
+    return api(state(request).sentence(sid, opt_int(pos, "pos", 0)))
+
+
+# ---- similar memories -----------------------------------------------------------------------------
+@router.get("/api/memory/{layer}/{dim}/similar")
+def api_similar(request: Request, layer: int, dim: int):
+    """Nearest memories by value direction, key direction (cosine, all layers) and co-activation;
+    the cosine lists are null while the server computes them (status: building)."""
+    return api(state(request).similar(layer, dim))

@@ -1,0 +1,148 @@
+"""Search by token, text or measure, its downloads (every page of the results), and the
+token index's status and build."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import RedirectResponse
+
+from ffkv.errors import FfkvError
+from ffkv.web.common import no_cross_site_fetch, render, same_origin, state
+from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
+from ffkv.web.params import api, opt_bool, opt_int, opt_sign, opt_str, req_int
+from ffkv.web.tables import BadQuery, NotFound
+
+
+router = APIRouter()
+
+
+# ---- search ---------------------------------------------------------------------------------------
+def do_search(request: Request, p: dict) -> dict:
+    b = state(request)
+    page = req_int(p.get("page"), "page", 1, 1, 10**6)
+    per_page = req_int(p.get("per_page"), "per_page", 50, 1, 500)
+    layer = opt_int(p.get("layer"), "layer")
+    sort, order = opt_str(p.get("sort")), opt_str(p.get("order"))
+    token, text = p.get("token"), p.get("text")
+    if token is not None and token != "":
+        res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
+                             direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
+                             order=order, page=page, per_page=per_page,
+                             match=opt_str(p.get("match")) or "merged")
+    elif text is not None and text != "":
+        res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
+                            layer=layer, sort=sort, order=order, page=page, per_page=per_page)
+    else:
+        res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
+                               agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
+    check_page(res)
+    b.add_summaries(res.get("results") or [])
+    return res
+
+
+def check_page(res: dict) -> None:
+    """A page past the last one is a 404 (page 1 of no results is a page saying so). Not
+    checked while the token index is still being built: its total is not known yet."""
+    if res.get("status") in ("building", "absent", "failed"):
+        return
+    last = max(1, -(-int(res.get("total") or 0) // res["per_page"]))
+    if res["page"] > last:
+        raise NotFound(f"page {res['page']} does not exist: these results have {last} page{'s' if last > 1 else ''} "
+                       f"of {res['per_page']}")
+
+
+SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
+                 "sign", "label", "agree", "match", "format")
+
+
+def search_params(request: Request) -> dict:
+    q = request.query_params
+    unknown = sorted(set(q) - set(SEARCH_PARAMS))
+    if unknown:
+        raise BadQuery(f"unknown search parameter(s) {unknown}; use {', '.join(SEARCH_PARAMS)}")
+    return {k: q.get(k) for k in SEARCH_PARAMS if k in q}
+
+
+@router.get("/search", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
+def search_page(request: Request):
+    from ffkv.web import export
+
+    p = search_params(request)
+    fmt = export.check_format(p.pop("format", None))
+    if fmt:
+        return search_download(request, p, fmt)
+    res = do_search(request, p)
+    return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
+                  measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
+                  refresh=res.get("status") == "building")
+
+
+@router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
+def api_search(request: Request):
+    p = search_params(request)
+    if p.get("format") not in (None, "", "json"):
+        from ffkv.web import export
+
+        return search_download(request, {k: v for k, v in p.items() if k != "format"}, export.check_format(p["format"]))
+    p.pop("format", None)
+    res = do_search(request, p)
+    status = 503 if res.get("mode") == "token" and res.get("status") in ("building", "absent") else 200
+    if res.get("status") == "failed":
+        status = 500
+    out = api(res, status_code=status)
+    if status == 503:
+        out.headers["Retry-After"] = "2"
+    return out
+
+
+@router.get("/api/index")
+def api_index_status(request: Request):
+    return api(state(request).index_status())
+
+
+@router.post("/index/build", include_in_schema=False, dependencies=[Depends(same_origin)])
+def build_index(request: Request):
+    state(request).start_index()
+    return RedirectResponse("/search", status_code=303)
+
+
+# ---- downloads (CSV and JSON of a table page: `ffkv.web.export`) -----------------------------------
+DOWNLOAD_MAX = 10_000  # rows of a search download (every page of the results, up to this)
+SEARCH_COLUMNS = {
+    "token": ("layer", "dim", "token", "token_text", "rank", "prob", "max_prob", "precision", "mined", "summary"),
+    "text": ("layer", "dim", "sign", "n", "best_rank", "best_coef", "sentence_id", "position", "prefix", "summary"),
+    "summary": ("layer", "dim", "summary"),
+    "measure": ("layer", "dim", "mined", "n_triggers", "top_coef", "max_prob", "entropy", "top_token",
+                "top_token_text", "max_prob_neg", "top_token_neg", "top_token_neg_text", "precision",
+                "precision_neg", "rank", "target_prob", "agree", "label", "n_patterns", "coverage", "summary"),
+}
+
+
+def search_download(request: Request, p: dict, fmt: str):
+    """Every row of a search's results (up to DOWNLOAD_MAX) as CSV or JSON; ranks as in the JSON
+    API (0 = the value's top token)."""
+    from ffkv.web import export
+
+    q = {**p, "page": "1", "per_page": "500"}
+    res = do_search(request, q)
+    if res.get("status") in ("building", "absent", "failed"):
+        raise FfkvError("the token index is not ready yet; download once the search page shows results")
+    rows = list(res["results"])
+    while len(rows) < min(res["total"], DOWNLOAD_MAX):
+        q["page"] = str(int(q["page"]) + 1)
+        more = do_search(request, q)["results"]
+        if not more:
+            break
+        rows += more
+    rows = rows[:DOWNLOAD_MAX]
+    kind = res.get("text_mode") if res["mode"] == "text" and res.get("text_mode") == "summary" else res["mode"]
+    columns = list(SEARCH_COLUMNS[kind])
+    for r in rows:
+        if isinstance(r.get("prefix"), dict):
+            r["prefix"] = r["prefix"].get("full")
+        if isinstance(r.get("expert"), dict):  # a mixture of experts: the expert and its own dim
+            ex = r["expert"]
+            r["expert"], r["expert_dim"], r["shared_expert"] = ex["expert"], ex["dim"], ex["shared"]
+    if state(request).moe is not None:
+        columns[2:2] = ["expert", "expert_dim", "shared_expert"]
+    what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
+    return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
