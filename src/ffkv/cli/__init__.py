@@ -22,15 +22,10 @@ from ffkv.cli.options import DeviceOpt, DtypeOpt, LensOpt, ModelOpt, model  # no
 from ffkv.model.load import quiet_hf  # noqa: E402,F401
 
 
-# One module per command group; each adds its commands to `app`.
-for _mod in ("info", "mine", "values", "compose", "keys", "annotate", "report", "reproduce", "serve",
-             "normalize", "repair"):
-    importlib.import_module(f"ffkv.cli.{_mod}").register(app)
-
-
 def _add_step_commands() -> None:
-    """A command for each registered step beyond the built-in ones (`ffkv.steps.cli`); a plugin
-    that fails to load is named on stderr and leaves the other commands working."""
+    """A command for each registered step, built-in or plugin, generated from its settings
+    (`ffkv.steps.cli`): no step has a module here. A plugin that fails to load is named on stderr
+    and leaves the other commands working. Adding twice adds nothing."""
     from ffkv.steps.cli import register_all
 
     taken = {c.name or c.callback.__name__ for c in app.registered_commands}
@@ -38,6 +33,7 @@ def _add_step_commands() -> None:
         register_all(app, taken)
     except FfkvError as e:
         print(f"ffkv: warning: {_one_line(e)}", file=sys.stderr)
+
 
 
 def _user_os_error(e: OSError) -> str | None:
@@ -136,3 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         if rv == 130:
             _interrupted()
         sys.exit(rv)
+
+
+# The commands on a model or a corpus, then every step's, then those on a run; one module a group.
+importlib.import_module("ffkv.cli.info").register(app)
+_add_step_commands()
+for _mod in ("show", "annotate", "report", "reproduce", "serve", "repair"):
+    importlib.import_module(f"ffkv.cli.{_mod}").register(app)

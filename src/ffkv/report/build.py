@@ -333,23 +333,23 @@ class Builder:
     # ---- the report's sections: every step's, in the registry's order ----------------------------------
     def sections(self) -> tuple[list, list]:
         """(the paper's sections in the paper's order, the others in the registry's order), as
-        `ffkv.steps.ReportSection`s, from each step's `sections`. Built-in steps are always asked (a
-        section whose table is missing says which command makes it); an added step once it has run.
-        A step whose sections fail is shown as its error, like any other section; a user's error
-        (FfkvError, e.g. a damaged table) in a built-in step's stops the report with its one line."""
-        from ffkv.steps.registry import BUILTIN, ordered
+        `ffkv.steps.ReportSection`s, from each registered step's `sections`: once it has run, or
+        always when it says so (`Step.report_before_done`: a section whose table is missing says
+        which command makes it, and a user's error there, e.g. a damaged table, stops the report
+        with its one line). Any other failure is shown as that step's section."""
+        from ffkv.steps.registry import ordered
 
         global _building
         got = []
         before, _building = _building, self
         try:
             for step in ordered():
-                if step.sections is None or (step.name not in BUILTIN and not self.run.step_done(step.name)):
+                if step.sections is None or not (step.report_before_done or self.run.step_done(step.name)):
                     continue
                 try:
                     got += list(step.sections(self.run, self.fig_dir))
                 except FfkvError:
-                    if step.name in BUILTIN:  # e.g. a damaged table: one line naming the command that rebuilds it
+                    if step.report_before_done:  # e.g. a damaged table: one line naming the command that rebuilds it
                         raise
                     got.append(self._failed(step.name))
                 except Exception:  # noqa: BLE001 - one step's bug must not sink the report

@@ -165,10 +165,22 @@ def command(step):
 
 
 def register_all(app: typer.Typer, taken: set[str]) -> None:
-    """Add a generated command for every registered step that asks for one (`Step.cli`)."""
-    from ffkv.steps.registry import extensions
+    """Add a generated command for every registered step that asks for one (`Step.cli`), built-in
+    or not, in the registry's order. A step that fails to load does not keep the others out: its
+    error is raised once the rest are added."""
+    from ffkv.errors import FfkvError
+    from ffkv.steps.registry import get, known
 
-    for step in extensions():
-        name = step.name.replace("_", "-")
-        if step.cli and name not in taken:
-            app.command(name=name, help=step.help or None)(command(step))
+    failed = None
+    for name in known():
+        try:
+            step = get(name)
+        except FfkvError as e:
+            failed = failed or e
+            continue
+        cmd = step.name.replace("_", "-")
+        if step.cli and cmd not in taken:
+            app.command(name=cmd, help=step.help or None)(command(step))
+            taken.add(cmd)
+    if failed is not None:
+        raise failed

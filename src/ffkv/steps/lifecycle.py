@@ -45,6 +45,10 @@ class Step:
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
+    # True: `sections` are drawn before the step has run (each naming the command that makes what is
+    # missing: the paper's steps), and a user's error in them (a damaged table) stops the report in one
+    # line; False: drawn once the step is done, and any error in them shown as that section's.
+    report_before_done: bool = False
     # A command that does not take its run as `ffkv NAME RUN` (mine: `--out`, created there):
     options: type | None = None  # a dataclass of the command's own options (fields from `setting`)
     open: Callable[..., tuple] | None = None  # (options, settings, model_name, device, dtype) -> (run, model)

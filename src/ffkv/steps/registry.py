@@ -114,12 +114,6 @@ def ordered(names=None) -> list:
     return out
 
 
-def extensions() -> list:
-    """Registered steps that are not built in (plugins and `register()`ed ones), in dependency
-    order; the built-in steps are not imported."""
-    return ordered(n for n in known() if n not in BUILTIN)
-
-
 def command(name: str, run) -> str:
     """The user-facing command that makes step `name` on `run`, for "run `...` first" messages."""
     tmpl = f"ffkv {name.replace('_', '-')} {{run}}"

@@ -1,4 +1,4 @@
-"""Browser panels of registered steps beyond the built-in ones (`Step.panels`): what such a step
+"""Browser panels of every registered step, built-in or plugin (`Step.panels`): what a step
 knows of one memory, shown on its page and in its JSON. Values are plain data, escaped when
 rendered; a panel that fails shows its error instead of sinking the page."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ def _cell(v):
 
 
 def step_panels(run, layer: int, dim: int) -> list[dict]:
-    from ffkv.steps.registry import extensions
+    from ffkv.steps.registry import ordered
 
     out = []
-    for step in extensions():
+    for step in ordered():
         if step.panels is None or not run.step_done(step.name):
             continue
         try:

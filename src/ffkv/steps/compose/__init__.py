@@ -69,4 +69,5 @@ STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES,
             help="Figs 7-11: active memories, compositional layers, the residual's share of the decision, "
                  "confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases.",
             cli=True, summary=lazy("ffkv.steps.compose.summary:summary"), reproduce=reproduce,
-            sections=lazy("ffkv.steps.compose.report:sections"))
+            sections=lazy("ffkv.steps.compose.report:sections"),
+            report_before_done=True)

@@ -280,7 +280,8 @@ STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES,
             compute=lazy("ffkv.steps.mine.compute:compute"), record=record,
             refuse_other_settings=True, done_info=done_info, help=HELP, command="ffkv mine --out {run}",
             cli=True, summary=summary, reproduce=reproduce, options=MineCommand, open=open_mine,
-            rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"))
+            rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"),
+            report_before_done=True)
 
 __all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "TRACKERS", "check_batch_tokens",
            "fit"]

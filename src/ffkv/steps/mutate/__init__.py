@@ -42,6 +42,7 @@ STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",), tables=(
             compute=lazy("ffkv.steps.mutate.compute:compute"), record=record, cli=True,
             summary=lazy("ffkv.steps.mutate.summary:summary"),
             sections=lazy("ffkv.steps.mutate.report:sections"),
+            report_before_done=True,
             reproduce=lambda r, mm: MutateSettings(keys_per_layer=r.keys_per_layer, seed=r.seed, dtype=r.dtype),
             help="Fig 3: remove the first, last or a random token of each key's top trigger examples and report "
                  "the relative change of the key's coefficient per layer (tables `mutations`, `mutations_layers`).")

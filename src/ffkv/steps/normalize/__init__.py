@@ -131,6 +131,7 @@ STEP = Step(name="normalize", settings=NormalizeSettings, requires=(), tables=TA
             compute=lazy("ffkv.steps.normalize.compute:compute"), record=record, cli=True,
             summary=lazy("ffkv.steps.normalize.summary:summary"), reproduce=reproduce,
             sections=lazy("ffkv.steps.normalize.report:sections"),
+            report_before_done=True,
             help="Softmax vs ReLU memories on the model's own FFNs: how concentrated the weights are (C1), the "
                  "held-out loss with one layer's FFN replaced by a softmax memory or a scaled ReLU (C2, C5), a "
                  "capacity sweep over n slots (C2), and the output variance against n, synthetic and on the "

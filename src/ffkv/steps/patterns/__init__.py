@@ -56,6 +56,7 @@ record = lazy("ffkv.steps.patterns.compute:record")
 STEP = Step(name="patterns", settings=PatternsSettings, requires=("mine",), tables=TABLES,
             compute=lazy("ffkv.steps.patterns.compute:compute"), record=record, cli=True,
             summary=lazy("ffkv.steps.patterns.summary:summary"), sections=lazy("ffkv.steps.patterns.report:sections"),
+            report_before_done=True,
             reproduce=lambda r, mm: PatternsSettings(semantic_keys_per_layer=r.semantic_keys_per_layer, seed=r.seed,
                                                      semantic=r.semantic, device=r.device),
             help="Automatic patterns in each key's top-25 prefixes: shallow (shared last words, suffixes, n-grams) "

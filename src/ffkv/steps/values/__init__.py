@@ -55,5 +55,6 @@ def _has_summary(run, info: dict) -> bool:
 STEP = Step("values", ValuesSettings, requires=("mine",), tables=TABLES,
             compute=lazy("ffkv.steps.values.compute:compute"), record=record, done_info=_has_summary, cli=True,
             summary=lazy("ffkv.steps.values.summary:summary"), sections=lazy("ffkv.steps.values.report:sections"),
+            report_before_done=True,
             reproduce=lambda r, mm: ValuesSettings(dtype=r.dtype),
             help="Project every value to the vocabulary; agreement with its key's triggers (Fig 4–6, Table 2).")

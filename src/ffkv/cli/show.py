@@ -1,4 +1,4 @@
-"""`ffkv mine` (generated from the step, `ffkv.steps.mine`) and `ffkv show`."""
+"""`ffkv show`: one key of a mined run, its triggers and activation statistics."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -98,8 +98,4 @@ def bin_label(hist: dict, b: int) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    from ffkv.steps.cli import command
-    from ffkv.steps.mine import STEP
-
-    app.command(name="mine", help=STEP.help)(command(STEP))
     app.command()(show)
