@@ -544,15 +544,18 @@ def test_ray_reason_of_any_text_is_one_line(text):
 
 
 @pytest.mark.slow
-def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2):
-    mm = smollm2
+def test_smollm2_top1_vs_plain_hook(tmp_path, smollm2_cut):
+    """The real SmolLM2's weights, its first layers (`conftest.smollm2_cut`): the first, a middle
+    and the last layer mined, each top-1 against a plain hook on the model's own down_proj."""
+    mm = smollm2_cut
+    layers = [0, mm.n_layers // 2, mm.n_layers - 1]
     run = Run(tmp_path / "r", create=True)
     mine(run, mm, MineSettings(corpus=str(WT2 / "wiki.valid.tokens"), max_sentences=100, top_k=3,
-                               layers=[0, 14, 29]), show_progress=False, log=lambda *a: None)
+                               layers=layers), show_progress=False, log=lambda *a: None)
     t = run.read_table("triggers").to_pandas()
     sent = run.read_table("sentences").to_pandas().set_index("sentence_id")
     rng = np.random.default_rng(0)
-    for layer in (0, 14, 29):
+    for layer in layers:
         for dim in rng.choice(mm.d_m, 5, replace=False):
             r = t[(t.layer == layer) & (t.dim == dim) & (t["rank"] == 1)].iloc[0]
             ids = list(sent.loc[int(r.sentence_id), "token_ids"])[: int(r.position) + 1]
