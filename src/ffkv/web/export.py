@@ -30,17 +30,19 @@ def _cell(v):
     if isinstance(v, float):
         return "" if math.isnan(v) or math.isinf(v) else repr(v)
     if isinstance(v, (list, tuple, dict, set)):
-        return json.dumps(_jsonable(v), ensure_ascii=False)
+        return json.dumps(jsonable(v), ensure_ascii=False)
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
 
 
-def _jsonable(v):
+def jsonable(v):
+    """JSON-safe: dict keys as text, sets sorted, numpy and torch scalars as Python, NaN/inf as None;
+    what every JSON answer and download holds (`ffkv.web.params.api` too)."""
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in (sorted(v) if isinstance(v, set) else v)]
+        return [jsonable(x) for x in (sorted(v) if isinstance(v, set) else v)]
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):
         v = v.item()
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
@@ -53,7 +55,7 @@ def to_csv(rows: list[dict], columns: list[str]) -> str:
     w = csv.writer(buf, lineterminator="\r\n")
     w.writerow(columns)
     for r in rows:
-        w.writerow([_cell(_jsonable(r.get(c))) for c in columns])
+        w.writerow([_cell(jsonable(r.get(c))) for c in columns])
     return buf.getvalue()
 
 
@@ -74,7 +76,7 @@ def download(rows: list[dict], columns: list[str], name: str, fmt: str) -> Respo
     if fmt == "csv":
         body, media = to_csv(rows, columns), "text/csv; charset=utf-8"
     else:
-        body = json.dumps({"columns": list(columns), "rows": [{c: _jsonable(r.get(c)) for c in columns} for r in rows]},
+        body = json.dumps({"columns": list(columns), "rows": [{c: jsonable(r.get(c)) for c in columns} for r in rows]},
                           ensure_ascii=False)
         media = "application/json"
     return Response(body, media_type=media,

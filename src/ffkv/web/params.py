@@ -2,31 +2,16 @@
 (integers through `ffkv.parse.parse_int`), so a malformed or huge value is a 422, never a 500."""
 from __future__ import annotations
 
-import math
-
-import numpy as np
 from fastapi.responses import JSONResponse
 
 from ffkv.errors import FfkvError
 from ffkv.parse import parse_int, shown
+from ffkv.web.export import jsonable
 from ffkv.web.tables import BadQuery
 
 
-def clean(x):
-    """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [clean(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None
-    return x
-
-
 def api(data, status_code: int = 200) -> JSONResponse:
-    return JSONResponse(clean(data), status_code=status_code)
+    return JSONResponse(jsonable(data), status_code=status_code)
 
 
 def opt_int(v: str | None, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
