@@ -131,7 +131,7 @@ def main() -> None:
         from fastapi import FastAPI
         from fastapi.testclient import TestClient
 
-        from ffkv.web import explore
+        from ffkv.web.routers import explorer as explore
     except ImportError:
         out("  the HTTP rows: skipped (no FastAPI here)")
     else:

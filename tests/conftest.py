@@ -171,6 +171,27 @@ def mine_tiny(out: Path, model: Path, sentences: int, top_k: int, *extra) -> Pat
     return out
 
 
+SWITCHES = ("FFKV_PACK", "FFKV_COMPILE", "FFKV_TRITON")
+
+
+@pytest.fixture(scope="session")
+def reference_mine(tmp_path_factory):
+    """`mine_tiny(model, sentences, top_k, *extra)` shared by the whole session: the plain pass
+    that tests of packed rows, compiled blocks and the tuner compare against is mined once per
+    setting (the switches in the environment included), not once per test. Read-only: a test that
+    changes its run copies it first."""
+    root = tmp_path_factory.mktemp("reference")
+    done: dict = {}
+
+    def get(model: Path, sentences: int, top_k: int, *extra) -> Path:
+        key = (str(model), sentences, top_k, *map(str, extra), *(os.environ.get(k) for k in SWITCHES))
+        if key not in done:
+            done[key] = mine_tiny(root / str(len(done)), model, sentences, top_k, *extra)
+        return done[key]
+
+    return get
+
+
 def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     """`main(args)` with stdout and stderr captured; an exception that escapes `main` becomes what
     the process would have shown: its traceback on stderr and exit code 1."""

@@ -20,10 +20,10 @@ def _mine(out, model, *extra):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_compiled_mining_writes_the_eager_tables(tiny_dirs, tmp_path, monkeypatch, arch):
+def test_compiled_mining_writes_the_eager_tables(tiny_dirs, tmp_path, monkeypatch, reference_mine, arch):
     """One compiled graph for every block and batch shape; the tables equal the eager pass's,
     also in packed rows; the manifest says the forward was compiled."""
-    want = mine_tiny(tmp_path / "eager", tiny_dirs[arch], 60, 5, "--negative")
+    want = reference_mine(tiny_dirs[arch], 60, 5, "--negative")
     monkeypatch.setenv("FFKV_COMPILE", "1")
     res = _mine(tmp_path / "compiled", tiny_dirs[arch])
     assert "FFKV_COMPILE" not in res.stderr, res.stderr
@@ -84,7 +84,7 @@ def test_a_family_that_cannot_is_said_once(tmp_path, monkeypatch, tok_dir, setti
         assert [(a["arm"], a["batches"]) for a in info["tuning"]["arms"]][1] == ("padded+compiled", 0)
 
 
-def test_auto_times_the_compiled_twin(tiny_dirs, tmp_path, monkeypatch):
+def test_auto_times_the_compiled_twin(tiny_dirs, tmp_path, monkeypatch, reference_mine):
     """FFKV_COMPILE=auto: once the other paths are chosen (on a CPU, padded rows and the portable
     trackers: nothing to time), that choice and its twin through compiled blocks are each timed
     on every stratum after the twin's untimed first batch (the compile), and the faster mines the
@@ -92,7 +92,7 @@ def test_auto_times_the_compiled_twin(tiny_dirs, tmp_path, monkeypatch):
     is given back as it was."""
     from ffkv.mine.tune import STRATA
 
-    want = mine_tiny(tmp_path / "eager", tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128")
+    want = reference_mine(tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128")
     monkeypatch.setenv("FFKV_COMPILE", "auto")
     res = run_cli("mine", "--out", tmp_path / "auto", "--model", tiny_dirs["llama"], "--corpus",
                   WT2 / "wiki.valid.tokens", "--max-sentences", "120", "--top-k", "5", "--negative",
@@ -142,8 +142,8 @@ def test_the_self_check_tells_rounding_from_a_wrong_capture(tiny_models):
     assert l == layers[0] and err > 5 * tolerance(torch.bfloat16)
 
 
-def _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, setting, *extra):
-    want = mine_tiny(tmp_path / "eager", tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128", *extra)
+def _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, reference_mine, setting, *extra):
+    want = reference_mine(tiny_dirs["llama"], 120, 5, "--negative", "--batch-tokens", "128", *extra)
     monkeypatch.setenv("FFKV_COMPILE", setting)
     res = run_cli("mine", "--out", tmp_path / "c", "--model", tiny_dirs["llama"], "--corpus",
                   WT2 / "wiki.valid.tokens", "--max-sentences", "120", "--top-k", "5", "--negative",
@@ -152,7 +152,7 @@ def _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, setting, *extra):
     return want, res, json.loads((tmp_path / "c" / "manifest.json").read_text())["steps"]["mine"]
 
 
-def test_a_recompile_that_fails_mid_pass_mines_on_eagerly(tiny_dirs, tmp_path, monkeypatch):
+def test_a_recompile_that_fails_mid_pass_mines_on_eagerly(tiny_dirs, tmp_path, monkeypatch, reference_mine):
     """A compiler that fails after the start-up check (here dynamo refusing to recompile for the
     first one-row batch: sizes of 1 are specialized, so that batch needs a graph of its own) costs
     one line, not the run: that batch and the rest mine eagerly, and the tables are the eager
@@ -164,7 +164,7 @@ def test_a_recompile_that_fails_mid_pass_mines_on_eagerly(tiny_dirs, tmp_path, m
     from ffkv import errors
 
     errors._said.clear()
-    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, "1")
+    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, reference_mine, "1")
     said = [l for l in res.stderr.splitlines() if "FFKV_COMPILE" in l]
     assert len(said) == 1 and "failed mid-pass (RecompileError" in said[0], res.stderr
     assert "Traceback" not in res.stderr
@@ -173,7 +173,8 @@ def test_a_recompile_that_fails_mid_pass_mines_on_eagerly(tiny_dirs, tmp_path, m
 
 
 @pytest.mark.parametrize("setting", ["1", "auto"])
-def test_a_block_that_fails_midway_hands_each_layer_over_once(tiny_dirs, tmp_path, monkeypatch, setting):
+def test_a_block_that_fails_midway_hands_each_layer_over_once(tiny_dirs, tmp_path, monkeypatch, reference_mine,
+                                                              setting):
     """A failure after some layers' coefficients reached the trackers (injected at the last layer's
     block, in the second mining batch through compiled blocks): the eager forward that finishes
     the batch hands over only the layers still missing, so no token is counted twice or lost;
@@ -196,7 +197,7 @@ def test_a_block_that_fails_midway_hands_each_layer_over_once(tiny_dirs, tmp_pat
 
     monkeypatch.setattr(CompiledBlocks, "_drain", drain)
     errors._said.clear()
-    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, setting)
+    want, res, info = _eager_and_compiled(tiny_dirs, tmp_path, monkeypatch, reference_mine, setting)
     said = [l for l in res.stderr.splitlines() if "FFKV_COMPILE" in l]
     assert len(said) == 1 and said[0].endswith("failed mid-pass (RuntimeError: injected: no kernel for this graph)"), \
         res.stderr

@@ -435,19 +435,19 @@ def test_step_record_resumes_a_killed_step_and_renews_a_redone_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pack", ["0", "48", "auto"])
-def test_ray_two_shards_identical(tmp_path, tiny_dirs, pack):
+def test_ray_two_shards_identical(tmp_path, tiny_dirs, reference_mine, pack):
     """Two shards give one process's tables; the driver's FFKV_PACK reaches the actors (a
     cluster's workers do not inherit the driver's environment) and their packing is recorded.
     With auto, each actor times packed and padded rows on its own first batches."""
     args = ["--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 300,
             "--top-k", 5, "--negative"]
-    assert run_cli("mine", "--out", tmp_path / "single", *args).returncode == 0
+    single = reference_mine(tiny_dirs["llama"], 300, 5, "--negative")  # the same args: one process
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "FFKV_PACK": pack}
     res = run_cli("mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 2, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 shard(s) on Ray" in res.stdout
-    _assert_same_mine(tmp_path / "ray", tmp_path / "single")  # the same tables from two shards
+    _assert_same_mine(tmp_path / "ray", single)  # the same tables from two shards
     info = json.loads((tmp_path / "ray" / "manifest.json").read_text())["steps"]["mine"]
     assert info["packed_rows"] in ((None, 128, 256) if pack == "auto" else (48 if pack == "48" else None,))
     assert info["fused_trackers"] is False and info["compiled_forward"] is False and info["tuning"] is None

@@ -12,14 +12,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import WT2, mine_tiny, run_cli
+from conftest import WT2, run_cli
 from test_cli_errors import one_line_error
 from test_mine import _assert_same_mine
 from ffkv.mine.packing import Packed
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "gpt_neox"])
-def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path, monkeypatch, arch):
+def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path, monkeypatch, reference_mine, arch):
     """Rotary (llama, gpt_neox) and learned absolute positions (gpt2) alike: the tables of
     `ffkv mine` with rows of 48 tokens equal those of padded rows, statistics included. OPT
     derives positions from the mask and builds its mask without position ids, so its sentences
@@ -29,7 +29,7 @@ def test_packed_mining_writes_the_padded_tables(tiny_dirs, tiny_models, tmp_path
 
     why = refusal(tiny_models[arch])
     assert (why is not None) == (arch == "opt"), why
-    want = mine_tiny(tmp_path / "padded", tiny_dirs[arch], 60, 5, "--negative")
+    want = reference_mine(tiny_dirs[arch], 60, 5, "--negative")
     monkeypatch.setenv("FFKV_PACK", "48")
     errors._said.clear()
     res = run_cli("mine", "--out", tmp_path / "packed", "--model", tiny_dirs[arch], "--corpus",

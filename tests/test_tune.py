@@ -134,13 +134,13 @@ def test_the_compiled_trial_waits_until_the_pass_has_run_long_enough(after):
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_auto_mines_the_same_tables(tiny_dirs, tmp_path, monkeypatch, arch):
+def test_auto_mines_the_same_tables(tiny_dirs, tmp_path, monkeypatch, reference_mine, arch):
     """FFKV_PACK=auto on a CPU: padded rows and rows of 128 and 256 tokens each mine some of the
     first batches, the fastest the rest; the tables equal a padded run's, and the manifest holds
     each arm's timed throughput and the choice. OPT cannot take packed rows (its check refuses
     them): nothing to time, padded rows."""
     args = ["--max-sentences", "120", "--top-k", "5", "--negative", "--batch-tokens", "128"]
-    want = mine_tiny(tmp_path / "padded", tiny_dirs[arch], 120, 5, "--negative", "--batch-tokens", "128")
+    want = reference_mine(tiny_dirs[arch], 120, 5, "--negative", "--batch-tokens", "128")
     monkeypatch.setenv("FFKV_PACK", "auto")
     res = run_cli("mine", "--out", tmp_path / "auto", "--model", tiny_dirs[arch], "--corpus",
                   WT2 / "wiki.valid.tokens", *args)
@@ -182,7 +182,7 @@ def test_a_short_corpus_ends_while_timing(tiny_dirs, tmp_path, monkeypatch, budg
     assert "chosen" not in res.stdout
 
 
-def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path, monkeypatch):
+def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path, monkeypatch, reference_mine):
     """--pack, --fused-kernels and --compile give what their variables give, a flag wins over its
     variable for the pass's own thread only (a library caller's other threads, and the environment,
     keep theirs), Ray's actors get the flags, and a bad value is one line naming the flag, before
@@ -193,7 +193,7 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
 
     common = ["--model", tiny_dirs["llama"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", "60",
               "--top-k", "5"]
-    want = mine_tiny(tmp_path / "padded", tiny_dirs["llama"], 60, 5)
+    want = reference_mine(tiny_dirs["llama"], 60, 5)
     monkeypatch.setenv("FFKV_PACK", "0")
     res = run_cli("mine", "--out", tmp_path / "flag", *common, "--pack", "48", "--fused-kernels", "0")
     assert res.returncode == 0, res.stderr
@@ -201,7 +201,7 @@ def test_flags_set_the_switches_and_win_over_the_environment(tiny_dirs, tmp_path
     man = json.loads((tmp_path / "flag" / "manifest.json").read_text())
     rec = man["steps"]["mine"]
     assert rec["packed_rows"] == 48 and rec["fused_trackers"] is False and rec["tuning"] is None
-    assert man["settings"]["mine"] == json.loads((tmp_path / "padded" / "manifest.json").read_text())["settings"]["mine"]
+    assert man["settings"]["mine"] == json.loads((want / "manifest.json").read_text())["settings"]["mine"]
     assert "pack" not in man["settings"]["mine"]  # how the pass ran, not what it found: not recorded
     for flag, value in (("--pack", "x"), ("--pack", "-1"), ("--fused-kernels", "yes"), ("--compile", "2")):
         res = run_cli("mine", "--out", tmp_path / "bad", *common, flag, value)

@@ -45,6 +45,12 @@ class Step:
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
+    # "package:file.html": a Jinja partial in the step's own package drawing each of its panels (`p`:
+    # step, title, columns, rows, note; `m`: the memory page's data); None: the default table
+    panel_template: str | None = None
+    # run -> {column title: {layer: plain value}}: the step's columns in the browser's overview
+    # (its page, /api/overview's rows under the step's name, and the layer table's CSV/JSON)
+    overview: Callable[[Any], dict] | None = None
     # True: `sections` are drawn before the step has run (each naming the command that makes what is
     # missing: the paper's steps), and a user's error in them (a damaged table) stops the report in one
     # line; False: drawn once the step is done, and any error in them shown as that section's.

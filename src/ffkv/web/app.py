@@ -3,9 +3,9 @@
 Layers, outermost first: security headers on every response (`common.SECURITY_HEADERS`), a
 Host check against DNS rebinding (only the names the server is reached by), the access token
 when the server is reachable from other machines (`TokenAuth`: `ffkv serve --allow-remote`), a
-cap on request bodies, then the routes of `routes` and, when present, the prediction explorer's router
-(`ffkv.web.explore.router`). Errors never show a traceback: 404 and 422 pages (JSON under
-/api/), and a plain 500 page whose details go to the server's log only.
+cap on request bodies, then the routes of `routes` and, when it loads, the prediction explorer's
+(`ffkv.web.routers.explorer`). Errors never show a traceback: 404 and 422 pages (JSON under /api/),
+and a plain 500 page whose details go to the server's log only.
 """
 from __future__ import annotations
 
@@ -242,14 +242,14 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
 
     app.include_router(routes.router)
     try:
-        from ffkv.web import explore  # the prediction explorer (its own issue), when present
+        from ffkv.web.routers import explorer  # the prediction explorer, when it loads
     except ImportError:
-        explore = None
+        explorer = None
     except Exception as e:  # noqa: BLE001 - a broken explorer must not take the browser down
         say(f"warning: the prediction explorer is unavailable ({type(e).__name__}: {e})")
-        explore = None
-    if explore is not None and hasattr(explore, "router"):
-        app.include_router(explore.router)
+        explorer = None
+    if explorer is not None and hasattr(explorer, "router"):
+        app.include_router(explorer.router)
         app.state.has_explore = True
 
     app.add_middleware(BodyLimit)

@@ -6,8 +6,9 @@ build on this module:
 - `CSP` and `SECURITY_HEADERS` are set on every response by the app (`ffkv.web.app`): no
   request leaves the page for another origin (scripts, styles and images come from `/static/`
   or are inline SVG; no inline script or style attribute is allowed).
-- `templates`: one Jinja2 environment over `ffkv/web/templates`, autoescaping every `{{ }}`
-  (corpus, vocabulary and annotation strings are untrusted). `render(request, name, **ctx)`
+- `templates`: one Jinja2 environment over `ffkv/web/templates` (and a step's own partials,
+  "package:file.html"), autoescaping every `{{ }}` (corpus, vocabulary and annotation strings
+  are untrusted). `render(request, name, **ctx)`
   renders a page extending `base.html` (blocks `title` and `content`).
 - `same_origin(request)`: a FastAPI dependency for every state-changing route (POST). A request
   whose `Origin` (or, without one, `Referer`) is not this server's own origin is refused with
@@ -27,7 +28,7 @@ from urllib.parse import urlencode, urlsplit
 
 from fastapi import HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
-from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from jinja2 import ChoiceLoader, Environment, FileSystemLoader, FunctionLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
 from ffkv.display import number, show_token
@@ -101,7 +102,25 @@ class _Templates(Environment):
         return super().getattr(obj, attribute)
 
 
-templates = _Templates(loader=FileSystemLoader(str(TEMPLATES_DIR)),
+def step_template(name: str):
+    """A template named "package:file.html" (`Step.panel_template`), read from that package's own
+    folder: a step's partials live beside its code, a plugin's included, and no file of ffkv names them."""
+    pkg, sep, rel = name.partition(":")
+    if not sep or not pkg or not rel or rel.startswith("/") or ".." in rel.replace("\\", "/").split("/"):
+        return None
+    from importlib.resources import files
+
+    try:
+        path = Path(str(files(pkg).joinpath(rel)))
+    except (ImportError, TypeError, ValueError):
+        return None
+    if not path.is_file():
+        return None
+    mtime = path.stat().st_mtime
+    return path.read_text(encoding="utf-8"), str(path), lambda: path.is_file() and path.stat().st_mtime == mtime
+
+
+templates = _Templates(loader=ChoiceLoader([FileSystemLoader(str(TEMPLATES_DIR)), FunctionLoader(step_template)]),
                        autoescape=select_autoescape(enabled_extensions=("html", "svg"), default=True),
                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 templates.filters.update(fmt=fmt, pct=pct, tok=show_token, trig=show_trigger, urlencode_clean=urlencode_clean,

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.web.panels import step_columns
 from ffkv.web.tables import MAX_TOP, MUTATIONS, PRECISION_K, NotFound, _f, position_buckets
 
 
@@ -235,6 +236,10 @@ class Pages:
                     rows[v["layer"]]["patterns"] = {k: v.get(k) for k in (
                         "shallow", "semantic", "both", "not_covered", "keys", "patterns_per_key", "keys_with_pattern")}
                     rows[v["layer"]]["patterns"]["scope"] = scope
+        cols = step_columns(self.b.run, self.b.L)
+        for c in cols:
+            for r, v in zip(rows, c.pop("cells")):
+                r.setdefault("steps", {}).setdefault(c["step"], {})[c["title"]] = v
         ann = self.b.annotations()
         per = {}
         for a in ann:
@@ -247,4 +252,4 @@ class Pages:
                 "negative": self.b.negative, "corpus_source": self.b.corpus_source, "corpus_sha256": self.b.corpus_sha,
                 "sentences": int(len(self.b.sent_ids)), "steps": steps, "annotations": len(ann),
                 "has_report": self.b.has_report, "index": self.b.index_status(), "rows": rows,
-                "load_seconds": self.b.load_seconds}
+                "load_seconds": self.b.load_seconds, **({"step_columns": cols} if cols else {})}

@@ -27,7 +27,8 @@ Where each lives: `routers.site` (the overview, `/api`, static files, the report
 (memory pages, re-verify, sentences, activations, similar memories), `routers.annotation`,
 `routers.search` (with its downloads and the token index), `routers.downloads` (a memory's
 triggers), `routers.layers`; `routers.forms` holds what the memory page and the annotation routes
-share; every query parameter is read by `ffkv.web.params`.
+share; every query parameter is read by `ffkv.web.params`. The prediction explorer's router
+(`routers.explorer`, its engine `ffkv.web.explore`) is added by `ffkv.web.app` when it loads.
 """
 from __future__ import annotations
 

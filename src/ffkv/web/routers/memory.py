@@ -7,6 +7,7 @@ from fastapi.responses import RedirectResponse
 
 from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
+from ffkv.web.panels import panel_html, step_panels
 from ffkv.web.params import api, opt_int, opt_sign, req_int
 from ffkv.web.tables import BadQuery, NotFound
 from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
@@ -16,8 +17,6 @@ router = APIRouter()
 
 
 def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:
-    from ffkv.web.panels import step_panels
-
     b = state(request)
     m = b.memory(layer, dim, top, all_samples)
     m["panels"] = step_panels(b.run, layer, dim)
@@ -48,7 +47,7 @@ def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, s
     hist = stats_plot(m.get("stats"))
     return render(request, "memory.html", status_code=status_code, m=m, form=form, form_error=error,
                   prefixes=prefixes, can_annotate=can_annotate, hist=hist, b=b, slots=len(form["slots"]),
-                  max_slots=MAX_SLOTS, all_samples=all_samples)
+                  max_slots=MAX_SLOTS, all_samples=all_samples, panel_html=panel_html(m))
 
 
 @router.get("/memory/{layer}/{dim}", include_in_schema=False)

@@ -89,7 +89,8 @@ def overview(request: Request, format: str | None = None):  # noqa: A002 - the U
     fmt = export.check_format(format)
     ov = state(request).overview()
     if fmt:
-        return export.download(overview_table(ov), list(OVERVIEW_COLUMNS), "ffkv-layers", fmt)
+        extra = [f"{c['step']}.{c['title']}" for c in ov.get("step_columns", ())]
+        return export.download(overview_table(ov), [*OVERVIEW_COLUMNS, *extra], "ffkv-layers", fmt)
     return render(request, "overview.html", ov=ov, rows=overview_rows(ov))
 
 
@@ -99,16 +100,17 @@ OVERVIEW_COLUMNS = ("layer", "mined", "active_mean", "agreement", "agreement_ci_
 
 
 def overview_table(ov: dict) -> list[dict]:
-    """The overview's layer table, flat (its CSV and JSON download)."""
+    """The overview's layer table, flat (its CSV and JSON download); a step's column is "step.title"."""
     out = []
     for r in ov["rows"]:
+        steps = {f"{k}.{t}": v for k, cols in (r.get("steps") or {}).items() for t, v in cols.items()}
         ag, act, pat = r.get("agreement") or {}, r.get("active") or {}, r.get("patterns") or {}
         out.append({"layer": r["layer"], "mined": r["mined"], "active_mean": act.get("mean"),
                     "agreement": ag.get("agreement"), "agreement_ci_low": ag.get("ci_low"),
                     "agreement_ci_high": ag.get("ci_high"), "agreement_shuffled": ag.get("shuffled"),
                     "agreement_n": ag.get("n"), **{k: pat.get(k) for k in ("shallow", "semantic", "both",
                                                                           "not_covered", "patterns_per_key")},
-                    "annotated": r.get("annotated")})
+                    "annotated": r.get("annotated"), **steps})
     return out
 
 
