@@ -349,7 +349,8 @@ def test_normalize_substitution_and_another_activation(moe_model):
 def test_report_counts_all_experts_and_those_a_token_reaches(moe_model):
     """The report's model table and Fig 7 note: d_m counts every expert; a token reaches its
     top-k experts' memories (and the shared expert's), numbers from the config written here."""
-    from ffkv.report.build import experts_text, model_differences
+    from ffkv.report.build import experts_text, model_differences, notes_for
+    from ffkv.steps.compose.paper import FIG7
 
     name, mm = moe_model
     cfg = mm.hf.config
@@ -364,7 +365,8 @@ def test_report_counts_all_experts_and_those_a_token_reaches(moe_model):
     assert f"; {k * de + ds} active per token ({k} routed expert{'s' if k > 1 else ''}" in text
     rows, notes = model_differences(manifest, "norm")
     assert ["mixture of experts", "no (one dense FFN per layer)", text] == next(r for r in rows if r[0] == "mixture of experts")[:3]
-    assert any(f"reaches {k * de + ds} of a layer's {E * de + ds} memories" in n for n in notes["fig7"])
+    assert any(f"reaches {k * de + ds} of a layer's {E * de + ds} memories" in n
+               for n in notes_for(FIG7, notes, manifest["model"], "norm"))
     # a dense model has neither
     dense = {"model": {k_: v for k_, v in mm.info().items() if k_ not in ("experts", "d_expert", "experts_per_token",
                                                                         "memories_per_token", "d_shared_expert")}}

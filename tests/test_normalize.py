@@ -16,7 +16,7 @@ from ffkv.steps.normalize.variants import (TAU_GRID, Sums, Variant, coefficients
                                                  grid_sums, random_slots, replacement, softmax_weights,
                                                  top_slots)
 from ffkv.steps.normalize.variance import synthetic
-from ffkv.report import normalize as N
+from ffkv.steps.normalize import report as N
 from ffkv.model import identity
 
 SMALL = dict(tokens=400, fit_tokens=200, sweep_tokens=200, capacity_n=(16,), synthetic_draws=50,

@@ -96,7 +96,10 @@ def test_report_has_every_section_figure_and_verdict(report, tiny_run):
 
 def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
     """The verdicts printed are the verdict functions applied to the run's own tables."""
-    from ffkv.report import verdicts as V
+    from ffkv.steps.compose import verdicts as compose
+    from ffkv.steps.mutate import verdicts as mutate
+    from ffkv.steps.patterns import verdicts as patterns
+    from ffkv.steps.values import verdicts as values
 
     t = {n: pq.read_table(tiny_run / f"{n}.parquet").to_pandas()
          for n in ("patterns_fig2", "mutations_layers", "values_layers", "values_fig6", "values_table2",
@@ -104,12 +107,12 @@ def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
     man = json.loads((tiny_run / "manifest.json").read_text())
     L = man["model"]["layers"]
     expect = {
-        "fig2": V.fig2(t["patterns_fig2"], L), "fig3": V.fig3(t["mutations_layers"], L),
-        "fig4": V.fig4(t["values_layers"], L), "fig5": V.fig5(t["values_layers"], L),
-        "fig6": V.fig6(t["values_fig6"]), "table2": V.table2(t["values_table2"], L),
-        "fig8": V.fig8(t["compose_layers"], gated=True, lens="norm"),
-        "fig9": V.fig9(t["compose_layers"], L, lens="norm"), "fig10": V.fig10(t["compose_layers"], L, lens="norm"),
-        "fig11": V.fig11(t["compose_layers"], lens="norm"),
+        "fig2": patterns.fig2(t["patterns_fig2"], L), "fig3": mutate.fig3(t["mutations_layers"], L),
+        "fig4": values.fig4(t["values_layers"], L), "fig5": values.fig5(t["values_layers"], L),
+        "fig6": values.fig6(t["values_fig6"]), "table2": values.table2(t["values_table2"], L),
+        "fig8": compose.fig8(t["compose_layers"], gated=True, lens="norm"),
+        "fig9": compose.fig9(t["compose_layers"], L, lens="norm"), "fig10": compose.fig10(t["compose_layers"], L, lens="norm"),
+        "fig11": compose.fig11(t["compose_layers"], lens="norm"),
     }
     page = report.read_text()
     got = verdicts_in(page)
@@ -134,17 +137,18 @@ def test_report_verdicts_are_those_of_the_run_tables(report, tiny_run):
 def test_verdicts_json_has_each_lens_verdict(report, tiny_run):
     """`lenses` in verdicts.json is the verdict function under each lens the tables hold, and
     `ffkv verdicts` reads it back; a run compared with itself changes nothing."""
-    from ffkv.report import verdicts as V
+    from ffkv.steps.compose import verdicts as compose
+    from ffkv.steps.values import verdicts as values
 
     L = json.loads((tiny_run / "manifest.json").read_text())["model"]["layers"]
     vl = pq.read_table(tiny_run / "values_lenses.parquet").to_pandas()
     cl = pq.read_table(tiny_run / "compose_layers.parquet").to_pandas()
     vj = {r["id"]: r for r in json.loads((report.parent / "verdicts.json").read_text())}
     for ln in ("norm", "naive"):
-        assert vj["fig4"]["lenses"][ln] == V.fig4(vl, L, lens=ln).verdict
-        assert vj["fig5"]["lenses"][ln] == V.fig5(vl, L, lens=ln).verdict
-        assert vj["fig9"]["lenses"][ln] == V.fig9(cl, L, lens=ln).verdict
-        assert vj["fig11"]["lenses"][ln] == V.fig11(cl, lens=ln).verdict
+        assert vj["fig4"]["lenses"][ln] == values.fig4(vl, L, lens=ln).verdict
+        assert vj["fig5"]["lenses"][ln] == values.fig5(vl, L, lens=ln).verdict
+        assert vj["fig9"]["lenses"][ln] == compose.fig9(cl, L, lens=ln).verdict
+        assert vj["fig11"]["lenses"][ln] == compose.fig11(cl, lens=ln).verdict
     assert vj["fig4"]["lenses"]["norm"] == vj["fig4"]["verdict"] and vj["fig3"]["lenses"] is None
     overview = report.read_text().split('<section id="overview">')[1].split("</section>")[0]
     assert "<th>verdict (norm lens)</th><th>naive lens (the paper&#x27;s)</th>" in overview

@@ -61,7 +61,7 @@ def _overview(page: str) -> str:
 
 # ---- the overview ----------------------------------------------------------------------------------
 def test_overview_lists_the_claims_with_their_verdicts(normalized):
-    from ffkv.report import normalize as N
+    from ffkv.steps.normalize import report as N
 
     page = normalized.read_text()
     ov = _overview(page)
@@ -112,17 +112,21 @@ def test_pngs_are_twice_the_layout_size_and_shown_at_it(normalized):
 
 def _all_figures(tiny_run):  # noqa: F811
     """Every figure the report draws, from the tiny run's tables and constructed normalize tables."""
-    from ffkv.report import figures as F
-    from ffkv.report import keystats as K
-    from ffkv.report import normalize as N
+    from ffkv.steps.compose import figures as compose
+    from ffkv.steps.mine import report as K
+    from ffkv.steps.mutate import figures as mutate
+    from ffkv.steps.normalize import report as N
+    from ffkv.steps.patterns import figures as patterns
+    from ffkv.steps.values import figures as values
     from ffkv.store.run import Run
 
     run = Run(tiny_run)
     t = lambda n: run.read_table(n).to_pandas()  # noqa: E731
-    out = {"fig2": F.fig2(t("patterns_fig2")), "fig3": F.fig3(t("mutations_layers")),
-           "fig4": F.fig4(t("values_layers")), "fig5": F.fig5(t("values_layers")), "fig6": F.fig6(t("values_fig6"))}
+    out = {"fig2": patterns.fig2(t("patterns_fig2")), "fig3": mutate.fig3(t("mutations_layers")),
+           "fig4": values.fig4(t("values_layers")), "fig5": values.fig5(t("values_layers")),
+           "fig6": values.fig6(t("values_fig6"))}
     for f in ("fig7", "fig8", "fig9", "fig10", "fig11"):
-        out[f] = getattr(F, f)(t("compose_layers"), primary="norm")
+        out[f] = getattr(compose, f)(t("compose_layers"), primary="norm")
     c = K.content(run)
     out["keystats_density"] = K.density_figure(c["per_key"])
     out["keystats_hist"] = K.histograms_figure(c["keys"], c["layout"])
@@ -225,8 +229,13 @@ def test_c3_c4_legend_or_colour_bar_names_every_line(figures):
 
 
 def test_paper_levels_are_drawn(figures):
-    from ffkv.report.paper import REFERENCE
+    from ffkv.steps.compose import paper as compose
+    from ffkv.steps.patterns import paper as patterns
+    from ffkv.steps.values import paper as values
 
+    REFERENCE = {e.id: e.reference for m in (patterns, values, compose) for e in vars(m).values()
+                 if getattr(e, "reference", None)}
+    assert sorted(REFERENCE) == ["fig2", "fig4", "fig7", "fig8", "fig9"]
     for sid, ref in REFERENCE.items():
         ax = figures[sid].axes[0]
         labels = ax.get_legend_handles_labels()[1]
@@ -260,9 +269,10 @@ def test_alt_texts_say_what_each_figure_shows(report):  # noqa: F811
 
 def test_describe_names_axes_series_and_reference():
     from ffkv.report import figures as F
+    from ffkv.steps.compose import figures as compose
 
     df = pd.DataFrame({"layer": [0, 1, 2], "r_matches_final": [0.2, 0.5, 0.9], "o_matches_final": [1.0, 1.0, 1.0]})
-    alt = F.describe(F.fig9(df))
+    alt = F.describe(compose.fig9(df))
     assert "line chart" in alt and "x axis: layer (0-based)" in alt and "y axis: % of examples" in alt
     assert "top(r_ℓ) = final (20 to 100)" in alt and "reference: paper: about a third" in alt
 

@@ -1,91 +1,155 @@
-"""`ffkv reproduce`: every step of the paper in order, each resumable, then the report.
+"""`ffkv reproduce`: every registered step in order, each resumable, then the report.
 
 Each step runs through the step lifecycle (`ffkv.steps.lifecycle.execute`) with the settings its
 own command would give it, so a step behaves exactly as when a user types it: it skips itself
 when the manifest says it is done with the same settings, and mining resumes from its
-checkpoint after a kill. The model is loaded once for all steps.
+checkpoint after a kill. The model is loaded once for all steps. reproduce's options are the
+steps' settings fields marked for it (`setting(..., reproduce=...)`, `options()`); each step
+makes its settings from them (`Step.reproduce`).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
 
 from ffkv.errors import FfkvError
 from ffkv.store.run import Run
 from ffkv.model import identity
 
-STEPS = ("mine", "values", "compose", "mutate", "patterns", "normalize")
+COMMON = {"model": None, "preset": "default", "seed": 0, "device": "auto", "dtype": "auto"}  # reproduce's own
 
 
-@dataclass
-class ReproduceSettings:
-    """Defaults sized so that `make demo` on a fresh clone (install included) stays under 10 minutes
-    on a 2-core CPU with the embedded SmolLM2."""
-    model: str | None = None
-    corpus: str | None = None  # mining corpus; default: the embedded Wikipedia (train split)
-    compose_corpus: str | None = None  # held-out corpus; default: the embedded valid split
-    sentences: int | None = 1500  # None: every sentence of the corpus
-    top_k: int = 50
-    prefixes: int = 1000
-    prefixes_per_sentence: int = 1  # compose --per-sentence: used only when the held-out split runs short
-    keys_per_layer: int = 3  # mutate: keys per layer (the paper: 100); 3 × 50 examples × 30 layers
-    semantic_keys_per_layer: int = 10  # the paper's experts read 10 keys per layer
-    semantic: bool = True  # False: shallow patterns only (no sentence encoder needed)
-    normalize: str = "reproduce"  # "reproduce": the ≤ 2-minute sizing; "default": `ffkv normalize` as is
-    negative: bool | None = None  # None: mine negatives when the FFN is gated
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
+@dataclass(frozen=True)
+class Option:
+    """One `ffkv reproduce` option, from the settings fields that name it (`setting(..., reproduce=)`)."""
+    dest: str  # its name in `ReproduceSettings` ("--top-k": top_k)
+    decls: tuple[str, ...]  # typer's declarations: the flag ("--on/--off" for a switch) and its short form
+    annotation: Any  # typer's type
+    default: Any  # reproduce's default, before any preset
+    help: str | None
+    presets: dict  # preset name -> value
+    min: Any = None
+    max: Any = None
+    parse: Callable | None = None  # typed as text, parsed by the field's parser
+    checks: tuple = ()  # (flag, check) of every field it gives: run before anything opens
 
 
-# Named sets of flags. "full" mines every sentence of the corpus and uses the paper's sample
-# sizes (4,000 held-out prefixes, 100 mutated keys per layer, 10 semantic keys per layer). The
-# embedded valid split has 3,432 usable sentences, so 568 of them give a second prefix.
-PRESETS: dict[str, dict] = {
-    "default": {},
-    "full": {"sentences": None, "prefixes": 4000, "prefixes_per_sentence": 2, "keys_per_layer": 100,
-             "semantic_keys_per_layer": 10, "normalize": "default"},
-}
+def options() -> list[Option]:
+    """Every registered step's reproduce options, in the registry's order; a flag that several
+    fields name is one option (as the first declares it). A step that fails to load adds none
+    (its own command says why)."""
+    import typing
+
+    from ffkv.steps.cli import _annotation
+    from ffkv.steps.registry import get, known
+    from ffkv.steps.settings import _FIELDS, cli_default, flag, flag_name, spec
+
+    out: dict[str, Option] = {}
+    for name in known():
+        try:
+            step = get(name)
+        except FfkvError:
+            continue
+        if not dataclasses.is_dataclass(step.settings):
+            continue
+        hints = typing.get_type_hints(step.settings)
+        for f in dataclasses.fields(step.settings):
+            s = spec(f)
+            r = s.reproduce
+            if r is None:
+                continue
+            fl = r.name or flag_name(f)
+            dest = fl.lstrip("-").replace("-", "_")
+            if dest in COMMON:
+                continue
+            if dest in out:
+                o = out[dest]
+                out[dest] = dataclasses.replace(o, checks=o.checks + ((fl, s.check),))
+                continue
+            default = cli_default(f) if r.default is _FIELDS else r.default
+            switch = hints[f.name] is bool
+            if switch:
+                pair = flag(f) if r.name is None and "/" in flag(f) else f"{fl}/--no-{fl[2:]}"
+                ann = typing.Optional[bool] if default is None else bool
+            else:
+                pair = fl
+                ann = typing.Optional[str] if s.parse is not None else typing.Optional[_annotation(hints[f.name])]
+            out[dest] = Option(dest, (pair, *([r.short] if r.short else [])), ann, default, r.help or s.help or None,
+                               dict(r.presets), r.min, r.max, s.parse, ((fl, s.check),))
+    return list(out.values())
+
+
+def presets(opts: list[Option] | None = None) -> tuple[str, ...]:
+    """The presets' names: "default" (every option's default), then those the options name."""
+    opts = options() if opts is None else opts
+    return tuple(dict.fromkeys(["default", *(n for o in opts for n in o.presets)]))
+
+
+class ReproduceSettings(SimpleNamespace):
+    """What `reproduce` runs with, by name: `model`, `preset`, `seed`, `device`, `dtype` and every
+    registered step's reproduce options (`options()`), each at its preset's value unless given.
+    The defaults are sized so that `make demo` on a fresh clone (install included) stays under 10
+    minutes on a 2-core CPU with the embedded SmolLM2. A step's `Step.reproduce(r, model)` reads it."""
+
+    def __init__(self, **given):
+        opts = options()
+        name = given.get("preset", "default")
+        if name not in presets(opts):
+            raise FfkvError(f"unknown preset {name!r}; presets: {', '.join(presets(opts))}")
+        values = {**COMMON, **{o.dest: o.presets.get(name, o.default) for o in opts}, "preset": name}
+        unknown = [k for k in given if k not in values]
+        if unknown:
+            raise FfkvError(f"reproduce has no setting {unknown[0]!r}; settings: {', '.join(values)}")
+        super().__init__(**{**values, **given})
 
 
 def preset(name: str, **overrides) -> ReproduceSettings:
     """The settings of preset `name`, with `overrides` (flags the user typed) on top."""
-    if name not in PRESETS:
-        raise FfkvError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return ReproduceSettings(**{**PRESETS[name], **overrides})
+    return ReproduceSettings(preset=name, **overrides)
+
+
+def check(s: ReproduceSettings) -> None:
+    """Every given value through the checks of the fields it reaches, before anything opens."""
+    for o in options():
+        v = getattr(s, o.dest)
+        for fl, chk in o.checks:
+            err = chk(v) if chk is not None and v is not None else None
+            if err:
+                raise FfkvError(f"{fl} {err}")
 
 
 def step_settings(step: str, s: ReproduceSettings, gated: bool, n_layers: int | None = None):
-    """The settings each step gets: the same as typing its command with reproduce's flags (a step
-    that says so itself, through `Step.reproduce`, is asked)."""
+    """The settings step `step` gets: what its own `Step.reproduce` makes of reproduce's values
+    for a model with these properties (None: it sits this run out)."""
     from ffkv.steps.registry import get
 
-    own = get(step).reproduce
-    if own is not None:
-        from types import SimpleNamespace
-
-        return own(s, SimpleNamespace(gated=gated, n_layers=n_layers))
-    raise ValueError(step)
+    return get(step).reproduce(s, SimpleNamespace(gated=gated, n_layers=n_layers))
 
 
 def plan_steps(s: ReproduceSettings, mm) -> list[tuple[str, object]]:
-    """(step, settings) for every registered step that `reproduce` runs, in dependency order: the
-    built-in ones as their own commands would run them, then each plugin step whose `reproduce`
-    gives settings for this run (None: it sits this one out)."""
+    """(step, settings) for every registered step that `reproduce` runs, in dependency order: each
+    step whose `Step.reproduce` gives settings for this run (None: it sits this one out)."""
     from ffkv.steps.registry import ordered
 
     plan = []
     for step in ordered():
-        if step.reproduce is not None:
-            settings = step.reproduce(s, mm)
-        elif step.name in STEPS:
-            settings = step_settings(step.name, s, mm.gated, mm.n_layers)
-        else:
-            settings = None
+        settings = step.reproduce(s, mm) if step.reproduce is not None else None
         if settings is not None:
             plan.append((step.name, settings))
     return plan
+
+
+def preflight(s: ReproduceSettings) -> None:
+    """Each registered step's own check before anything runs (`Step.preflight`: patterns' encoder)."""
+    from ffkv.steps.registry import ordered
+
+    for step in ordered():
+        if step.preflight is not None and step.reproduce is not None:
+            step.preflight(s)
 
 
 def _open(run: Path, s: ReproduceSettings):
@@ -115,10 +179,8 @@ def reproduce(run: Path, s: ReproduceSettings, log=print, show=None) -> dict:
     from ffkv.steps.lifecycle import execute
 
     run = Path(run)
-    if s.semantic:  # before any step runs: a missing encoder would otherwise stop it at step 5
-        from ffkv.steps.patterns.semantic import require_encoder
-
-        require_encoder()
+    check(s)
+    preflight(s)  # before any step runs: a missing encoder would otherwise stop it at step 5
     r, mm = _open(run, s)
     times = {}
     plan = plan_steps(s, mm)

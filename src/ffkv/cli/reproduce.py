@@ -1,6 +1,8 @@
-"""`ffkv reproduce`: the whole paper in one command."""
+"""`ffkv reproduce`: the whole paper in one command. Its options beyond the run, the model, the
+preset, the seed and the device are the registered steps' (`ffkv.reproduce.options`)."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -8,41 +10,69 @@ import typer
 
 from ffkv.cli.options import DeviceOpt, DtypeOpt
 
+PRESET_HELP = ("default (about 9 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 "
+               "prefixes (2 from some sentences) and 100 keys per layer, every layer for normalize; about 90 "
+               "minutes on a 2-core CPU); flags below override it.")
+OWN = ("run_dir", "model_name", "preset", "seed", "device", "dtype")
 
-def reproduce(run_dir: Path = typer.Argument(Path("runs/default"), metavar="[RUN]", help="Run directory (created or resumed)."),
-              model_name: Optional[str] = typer.Option(None, "--model", "-m", help="HF id, folder or .gguf (default: embedded SmolLM2), e.g. gpt2."),
-              corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Mining corpus (default wikipedia:train), e.g. wikitext-103:train or a file."),
-              compose_corpus: Optional[str] = typer.Option(None, "--compose-corpus", help="Held-out corpus for compose and normalize (default wikipedia:valid)."),
-              preset: str = typer.Option("default", "--preset", help="default (about 9 minutes on a 2-core CPU) or full (every sentence of the corpus, the paper's 4,000 prefixes (2 from some sentences) and 100 keys per layer, every layer for normalize; about 90 minutes on a 2-core CPU); flags below override it."),
-              sentences: Optional[int] = typer.Option(None, "--sentences", min=1, help="Sentences to mine (default 1,500; the paper: all of WikiText-103 train)."),
-              top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Trigger examples per key (default 50)."),
-              prefixes: Optional[int] = typer.Option(None, "--prefixes", min=1, help="Held-out prefixes for compose (default 1,000; the paper: 4,000)."),
-              prefixes_per_sentence: Optional[int] = typer.Option(None, "--prefixes-per-sentence", min=1, help="Compose's --per-sentence: up to this many prefixes of one held-out sentence when sentences run short (default 1; full preset 2)."),
-              keys_per_layer: Optional[int] = typer.Option(None, "--keys-per-layer", min=1, help="Keys per layer for mutate (default 3; the paper: 100)."),
-              semantic_keys_per_layer: Optional[int] = typer.Option(None, "--semantic-keys-per-layer", min=0, help="Keys per layer given semantic patterns (default 10, as the paper)."),
-              semantic: bool = typer.Option(True, "--semantic/--no-semantic", help="Semantic patterns too (needs the sentence encoder package); --no-semantic: shallow patterns only."),
-              negative: Optional[bool] = typer.Option(None, "--negative/--no-negative", help="Mine most-negative triggers too (default: when the FFN is gated)."),
-              seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of every sample."),
-              device: str = DeviceOpt, dtype: str = DtypeOpt):
-    """Run every experiment of the paper (mine, values, compose, mutate, patterns, normalize) and build
+
+def reproduce(run_dir: Path, model_name: Optional[str], preset: str, seed: int, device: str, dtype: str,
+              **typed) -> None:
+    from ffkv.reproduce import options, preset as make_preset, reproduce as run_reproduce, summary_lines
+
+    parse = {o.dest: o.parse for o in options() if o.parse is not None}
+    typed = {k: parse[k](v) if k in parse and isinstance(v, str) else v for k, v in typed.items() if v is not None}
+    s = make_preset(preset, model=model_name, seed=seed, device=device, dtype=dtype, **typed)
+    res = run_reproduce(run_dir, s, show=show_step)
+    print()
+    for line in summary_lines(run_dir, res["times"])[:10]:
+        print(line)
+    print(f"report: {res['report']}")
+
+
+def command():
+    """`reproduce` with one option per registered step's reproduce option (`ffkv.reproduce.options`)."""
+    from ffkv.reproduce import options
+    from ffkv.steps.registry import get, known
+
+    K = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("run_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
+                                default=typer.Argument(Path("runs/default"), metavar="[RUN]",
+                                                       help="Run directory (created or resumed).")),
+              inspect.Parameter("model_name", K, annotation=Optional[str], default=typer.Option(
+                  None, "--model", "-m", help="HF id, folder or .gguf (default: embedded SmolLM2), e.g. gpt2.")),
+              inspect.Parameter("preset", K, annotation=str, default=typer.Option("default", "--preset", help=PRESET_HELP))]
+    for o in options():
+        if o.dest in OWN:
+            continue
+        default = o.default if o.annotation in (bool, Optional[bool]) else None  # None: not typed, the preset's
+        params.append(inspect.Parameter(o.dest, K, annotation=o.annotation, default=typer.Option(
+            default, *o.decls, help=o.help, min=o.min, max=o.max)))
+    params += [inspect.Parameter("seed", K, annotation=int, default=typer.Option(
+                   0, "--seed", min=0, max=2**32 - 1, help="Seed of every sample.")),
+               inspect.Parameter("device", K, annotation=str, default=DeviceOpt),
+               inspect.Parameter("dtype", K, annotation=str, default=DtypeOpt)]
+
+    def cmd(run_dir: Path = Path("runs/default"), **kw):
+        reproduce(run_dir, **kw)
+
+    names = []
+    for n in known():
+        try:
+            if get(n).reproduce is not None:
+                names.append(n)
+        except Exception:  # noqa: BLE001 - a plugin that fails to load is named by its own command
+            continue
+    cmd.__signature__ = inspect.Signature(params)
+    cmd.__name__ = "reproduce"
+    cmd.__doc__ = f"""Run every experiment of the paper ({", ".join(names)}) and build
     the report. The defaults take about 9 minutes on a 2-core CPU; a killed run resumes where it
     stopped. Compare two runs' verdicts with `ffkv verdicts RUN_A RUN_B`.
 
     Scale up for real studies, e.g. --sentences 1000000 --device cuda, --model gpt2,
     --corpus wikitext-103:train.
     """
-    from ffkv.reproduce import preset as make_preset, reproduce as run_reproduce, summary_lines
-
-    typed = {"sentences": sentences, "top_k": top_k, "prefixes": prefixes,
-             "prefixes_per_sentence": prefixes_per_sentence, "keys_per_layer": keys_per_layer,
-             "semantic_keys_per_layer": semantic_keys_per_layer}
-    s = make_preset(preset, model=model_name, corpus=corpus, compose_corpus=compose_corpus, negative=negative,
-                    semantic=semantic, device=device, dtype=dtype, seed=seed, **{k: v for k, v in typed.items() if v is not None})
-    res = run_reproduce(run_dir, s, show=show_step)
-    print()
-    for line in summary_lines(run_dir, res["times"])[:10]:
-        print(line)
-    print(f"report: {res['report']}")
+    return cmd
 
 
 def show_step(step: str, run, out) -> None:
@@ -57,4 +87,4 @@ def show_step(step: str, run, out) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(reproduce)
+    app.command(name="reproduce")(command())

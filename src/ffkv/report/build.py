@@ -5,8 +5,8 @@ asked for in the registry's order: the paper's figures first, in the paper's ord
 beyond it. Here: what they share (`Builder`: the run's tables, decoder, lens, the hint for a missing
 table), how this model differs from the paper's, and the page (overview, contents, manifest). A
 missing table leaves its section with a "not comparable" verdict and the command that creates it.
-Nothing is read from outside the run, nothing is fetched: the paper's results are embedded
-(`ffkv.report.paper`).
+Nothing is read from outside the run, nothing is fetched: the paper's results are embedded (each
+step's `paper.py`, `ffkv.report.paper`).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from ffkv.defs import lens_name
 from ffkv.display import show_token
 from ffkv.errors import FfkvError
 from ffkv.report import figures as F
-from ffkv.report import verdicts as V
 from ffkv.report.html import chip, code, esc, img, kv, table, template, verdict_line
-from ffkv.report.paper import PAPER, PAPER_MODEL
+from ffkv.report.paper import MODEL_NOTES, PAPER_MODEL, Paper
+from ffkv.report.stats import DIFFERS, INCONCLUSIVE, NA, RELU_LIKE, SAME, VERDICTS, Verdict
 from ffkv.store import decode, query
 from ffkv.store.run import Run, atomic_write_bytes
 
@@ -35,7 +35,7 @@ PREFIX_CHARS = 110  # characters of a prefix shown before its last token
 @dataclass
 class Section:
     id: str
-    verdict: V.Verdict
+    verdict: Verdict
     figure: dict | None = None  # {"png": Path, "svg": Path}
     html: str = ""  # tables and extra text
     notes: list[str] = field(default_factory=list)
@@ -91,10 +91,15 @@ def quantization(model: dict) -> str | None:
     return m.group(1) if m else None
 
 
-def model_differences(manifest: dict, lens: str) -> tuple[list[list[str]], dict[str, list[str]]]:
-    """Rows (property, paper, this run, where it matters) and notes per section id; `lens`: the run's."""
+def model_differences(manifest: dict, lens: str) -> tuple[list[list[str]], dict[str, str | None]]:
+    """Rows (property, paper, this run, where it matters), and the ways this model differs that a
+    section of the paper's may be read under (`Paper.notes`), in `MODEL_NOTES` order: each with its
+    common note (None: each section says its own). `lens`: the run's. The rows of the steps' own
+    settings (sample sizes) are each registered step's `Step.differences`."""
+    from ffkv.steps.registry import ordered
+
     m = manifest.get("model") or {}
-    notes: dict[str, list[str]] = {k: [] for k in PAPER}
+    notes: dict[str, str | None] = {}
     rows = [["model", PAPER_MODEL["name"], f"{m.get('model_id', '?')}", ""],
             ["architecture", PAPER_MODEL["architecture"], f"{m.get('architecture', '?')} ({m.get('class', '?')})", ""]]
     rows += _depth_rows(int(m.get("layers") or 0), notes)
@@ -105,15 +110,30 @@ def model_differences(manifest: dict, lens: str) -> tuple[list[list[str]], dict[
         rows.append(["mixture of experts", "no (one dense FFN per layer)", experts_text(m),
                      "a token reaches only its routed experts' memories (m = 0 elsewhere): "
                      "Fig 7's shares are of d_m, all experts counted"])
-        notes["fig7"].append(f"Mixture of experts: a token reaches {m['memories_per_token']:,} of a layer's "
-                             f"{m['d_m']:,} memories (its routed experts'), so at most "
-                             f"{m['memories_per_token'] / m['d_m']:.0%} of d_m can be active on it.")
+        notes["moe"] = None
     rows.append(_ffn_row(m, notes))
     rows += _weights_and_vocabulary_rows(m, notes)
     rows.append(_corpus_row(manifest))
     rows.append(_lens_row(lens, notes))
-    rows += _settings_rows(manifest.get("settings") or {})
-    return rows, notes
+    settings = manifest.get("settings") or {}
+    for step in ordered():
+        if step.differences is not None:
+            rows += step.differences(settings.get(step.name) or {})
+    return rows, {k: notes[k] for k in MODEL_NOTES if k in notes}
+
+
+def notes_for(entry: Paper, notes: dict[str, str | None], model: dict, lens: str) -> list[str]:
+    """The notes under a section of the paper's: for each of `notes` (`model_differences`) that the
+    section is read under, its own note (a format string over the model's fields) or the common one."""
+    fields = {**model, "act": str(model.get("activation") or "?"), "lens": lens,
+              "active_share": (model.get("memories_per_token") or 0) / (model.get("d_m") or 1)}
+    out = []
+    for k, common in notes.items():
+        if k in entry.notes:
+            own = entry.notes[k]
+            if (text := own.format(**fields) if own is not None else common):
+                out.append(text)
+    return out
 
 
 def experts_text(m: dict) -> str | None:
@@ -137,11 +157,9 @@ def _depth_rows(L: int, notes: dict) -> list[list[str]]:
         marks = ", ".join(f"{k}→{paper_layer_here(k, L)}" for k in (1, 5, 9, 10, 11, 16))
         where = (f"Layer-wise figures are read by relative depth (ℓ+½)/L. The paper's layer k (1-based) "
                  f"corresponds to this model's layer (0-based): {marks}.")
-        depth_note = (f"This model has {L} layers (the paper's has 16): compare by relative depth; the "
-                      f"paper's layer 10 ≈ layer {paper_layer_here(10, L)} here, its layer 11 ≈ layer "
-                      f"{paper_layer_here(11, L)} (0-based).")
-        for s in ("fig2", "fig2_human", "fig3", "fig4", "fig5", "fig7", "fig9", "table2"):
-            notes[s].append(depth_note)
+        notes["depth"] = (f"This model has {L} layers (the paper's has 16): compare by relative depth; the "
+                          f"paper's layer 10 ≈ layer {paper_layer_here(10, L)} here, its layer 11 ≈ layer "
+                          f"{paper_layer_here(11, L)} (0-based).")
     return [["layers", "16", str(L), where]]
 
 
@@ -154,20 +172,11 @@ def _ffn_row(m: dict, notes: dict) -> list[str]:
         why = ("A negative coefficient writes −v: directions are compared as sign·v (Figs 4–6, Table 2, Fig 8's "
                "signed form); m > 0 holds for about half the memories by symmetry, so Fig 7 is judged by n90, "
                "the fewest memories carrying 90% of Σ|m|·‖v‖.")
-        notes["fig7"].append("Gated FFN: m = f(x·g)·(x·u) is signed through x·u, whose sign is symmetric, so "
-                             "about 50% of memories have m > 0 for any input, which is not the paper's 'key fired' "
-                             "count; the verdict uses the scale-free n90 instead.")
-        notes["fig8"].append("Gated FFN: the verdict uses the signed form (a memory with m < 0 writes −v, "
-                             "so its prediction is top(−v)); the paper's form (m > 0 only) is also drawn.")
-        for s in ("fig4", "fig5", "fig6", "table2"):
-            notes[s].append("Gated FFN: each value is read in the direction its key's top trigger writes "
-                            "it (sign of the coefficient × v).")
-        notes["fig3"].append("Gated FFN: coefficients are signed; the relative change is measured in the "
-                             "trigger's own direction (−0.5 = lost half of it; below −1 = changed sign).")
-    elif act.lower() not in V.RELU_LIKE:
+        notes["gated"] = None
+    elif act.lower() not in RELU_LIKE:
         ffn_run = f"{act}, not gated"
         why = "m > 0 is not the same as 'the key fired' for this activation (Fig 7)."
-        notes["fig7"].append(f"Activation {act}: coefficients are rarely exactly zero.")
+        notes["activation"] = None
     else:
         ffn_run = f"{act}, not gated"
         why = ("GELU is slightly negative for negative inputs; m > 0 still means a positive pre-activation."
@@ -184,8 +193,7 @@ def _weights_and_vocabulary_rows(m: dict, notes: dict) -> list[list[str]]:
              f"{m.get('vocab_size', 0):,} subword tokens ({m.get('tokenizer', '?')})",
              "the next token is often a word piece, which lowers agreement (Fig 4) and makes last-token "
              "patterns sub-word (Table 1, Fig 2)"]]
-    for s in ("fig4", "table2", "table1"):
-        notes[s].append("Subword vocabulary: the trigger's next token is often a piece of a word, not a word "
+    notes["subword"] = ("Subword vocabulary: the trigger's next token is often a piece of a word, not a word "
                         "as in the paper's word-level model.")
     return rows
 
@@ -202,31 +210,10 @@ def _corpus_row(manifest: dict) -> list[str]:
 
 def _lens_row(lens: str, notes: dict) -> list[str]:
     if lens != "naive":
-        for s in ("fig4", "fig5", "fig6", "fig8", "fig9", "fig10", "fig11"):
-            notes[s].append(f"Projected with the {lens} lens; the paper used the naive projection h·E.")
+        notes["lens"] = f"Projected with the {lens} lens; the paper used the naive projection h·E."
     return ["lens", PAPER_MODEL["lens"], lens,
             "norm: through the model's final norm (at the last layer it gives the model's own logits); "
             "the compose figures draw both lenses, the verdicts use the run's" if lens != "naive" else ""]
-
-
-def _settings_rows(settings: dict) -> list[list[str]]:
-    """Where the run's sample sizes differ from the paper's (compose, mutate, patterns)."""
-    rows = []
-    cs = settings.get("compose") or {}
-    if cs.get("prefixes"):
-        rows.append(["compose prefixes", "4,000", f"{cs['prefixes']:,}",
-                     "fewer prefixes: wider sampling error in Figs 7–11"])
-    ms = settings.get("mutate") or {}
-    if "keys_per_layer" in ms:
-        rows.append(["mutated keys per layer", "100", str(ms["keys_per_layer"] or "all"), ""])
-    ps = settings.get("patterns") or {}
-    if ps:
-        rows.append(["pattern labels", "human experts, 10 keys per layer",
-                     "automatic (ffkv patterns): shallow for every analysed key, semantic for "
-                     f"{ps.get('semantic_keys_per_layer', '?') or 'all'} per layer"
-                     + ("" if ps.get("semantic", True) else " (semantic off)"),
-                     "automatic labels are a proxy for the experts' reading"])
-    return rows
 
 
 # ---- sections --------------------------------------------------------------------------------------------
@@ -245,7 +232,8 @@ class Builder:
         self.lens = run.lens
         self.problems: list[str] = []
         self._decoder: Decoder | None = None
-        self._differences: tuple[list[list[str]], dict[str, list[str]]] | None = None
+        self._differences: tuple[list[list[str]], dict[str, str | None]] | None = None
+        self.entries: dict[str, Paper] = {}  # the paper's sections asked for so far, by id
 
     @property
     def decoder(self) -> Decoder | None:
@@ -253,19 +241,19 @@ class Builder:
             self._decoder = Decoder.of_frame(self.t.get("vocab"))
         return self._decoder
 
-    def cmd(self, step: str) -> str:
-        if step == "annotate":
-            return f"ffkv annotate sample {self.run.path}` and `ffkv annotate add {self.run.path} …"
-        return f"ffkv {step} {self.run.path}"
-
     def need(self, sid: str, *names: str) -> tuple[list[pd.DataFrame], str | None]:
+        """The tables `names` of section `sid`, and, when one is missing, the text naming the command
+        of the registered step that writes it (`Step.tables`)."""
+        from ffkv.steps.registry import command, ordered
+
         dfs = [self.t.get(n) for n in names]
         absent = [n for n, d in zip(names, dfs) if d is None]
         if absent:
-            step = PAPER[sid]["step"]
+            step = next((s.name for s in ordered() if absent[0] in s.tables), None)
+            how = f"`{command(step, self.run)}`" if step else "the step that writes it"
             return dfs, (f"This section needs the {', '.join(f'`{a}`' for a in absent)} table"
                          f"{'s' if len(absent) > 1 else ''}; create {'them' if len(absent) > 1 else 'it'} "
-                         f"with `{self.cmd(step)}`.")
+                         f"with {how}.")
         return dfs, None
 
     def draw(self, name: str, fn, *args, **kw) -> dict | None:
@@ -303,20 +291,21 @@ class Builder:
         return cls(run, fig_dir)
 
     @property
-    def differences(self) -> tuple[list[list[str]], dict[str, list[str]]]:
+    def differences(self) -> tuple[list[list[str]], dict[str, str | None]]:
         """How this model differs from the paper's (`model_differences`): the page's table, and the
-        notes per section of the paper's."""
+        differences a section of the paper's may be read under."""
         if self._differences is None:
             self._differences = model_differences(self.run.manifest, self.lens)
         return self._differences
 
-    def paper_section(self, make, place: float):
-        """One of the paper's figures as a `ReportSection`: `make(builder) -> Section` (named as the
-        section's id, e.g. `fig4`), placed at `place` (its number in the paper). A malformed table
-        does not sink the report: the section is then "not comparable" with the error."""
+    def paper_section(self, entry: Paper, make):
+        """One of the paper's figures as a `ReportSection`: what the paper says (`entry`, placed at
+        `entry.place`) beside `make(builder) -> Section`, the run's verdict and figure. A malformed
+        table does not sink the report: the section is then "not comparable" with the error."""
         from ffkv.steps import ReportSection
 
-        sid = make.__name__
+        sid = entry.id
+        self.entries[sid] = entry
         try:
             s = make(self)
         except FfkvError:
@@ -325,10 +314,10 @@ class Builder:
             msg = f"{sid}: {type(e).__name__}: {e}"
             self.problems.append(msg)
             self.log(f"report: warning: {msg}")
-            s = Section(sid, V.Verdict(V.NA, "the section could not be built", str(e)), error=msg)
-        title = PAPER[s.id]["title"]
-        return ReportSection(s.id, title, section_html(s, self.differences[1].get(s.id, []) + s.notes, "figures"),
-                             (verdict_record(s),), short=title.split(" — ")[0], whole=True, paper=s, place=place)
+            s = Section(sid, Verdict(NA, "the section could not be built", str(e)), error=msg)
+        notes = notes_for(entry, self.differences[1], self.m, self.lens) + s.notes
+        return ReportSection(sid, entry.title, section_html(s, entry, notes, "figures"), (verdict_record(s, entry),),
+                             short=entry.title.split(" — ")[0], whole=True, paper=s, place=entry.place)
 
     # ---- the report's sections: every step's, in the registry's order ----------------------------------
     def sections(self) -> tuple[list, list]:
@@ -389,13 +378,14 @@ def figure_html(figure: dict, title: str, fig_rel: str = "figures") -> str:
             f'<a href="{fig_rel}/{figure["svg"].name}">{esc(figure["svg"].name)}</a></figcaption></figure>')
 
 
-def section_html(s: Section, notes: list[str], fig_rel: str) -> str:
-    p = PAPER[s.id]
-    parts = [f'<section id="{s.id}" class="figure-section" data-section="{s.id}">', f"<h2>{esc(p['title'])}</h2>"]
-    paper = (f'<aside class="paper"><h3>The paper</h3><p>{esc(p["result"])}</p>'
-             f'<p class="setup"><b>Measured:</b> {esc(p["measure"])}.<br><b>Setup:</b> {esc(p["setup"])}.</p></aside>')
+def section_html(s: Section, p: Paper, notes: list[str], fig_rel: str) -> str:
+    """A section of the paper's: the run's figure (or tables, or what is missing) beside what the
+    paper says (`p`), the verdict, the notes on reading it with this model."""
+    parts = [f'<section id="{s.id}" class="figure-section" data-section="{s.id}">', f"<h2>{esc(p.title)}</h2>"]
+    paper = (f'<aside class="paper"><h3>The paper</h3><p>{esc(p.result)}</p>'
+             f'<p class="setup"><b>Measured:</b> {esc(p.measure)}.<br><b>Setup:</b> {esc(p.setup)}.</p></aside>')
     if s.figure:
-        fig = figure_html(s.figure, p["title"], fig_rel)
+        fig = figure_html(s.figure, p.title, fig_rel)
     elif s.missing or s.error:
         fig = (f'<div class="missing"><p>{code(s.missing or "")}</p>'
                f'{f"<p class=error>{esc(s.error)}</p>" if s.error else ""}</div>')
@@ -471,7 +461,7 @@ def render(run: Run, paper: list, extra: list, diff_rows, lens: str | None = Non
     sections = [r.paper for r in paper]
     beyond = [dict(v) for r in extra for v in r.verdicts]
     m = run.manifest.get("model") or {}
-    counts = {v: sum(s.verdict.verdict == v for s in sections) for v in V.VERDICTS}
+    counts = {v: sum(s.verdict.verdict == v for s in sections) for v in VERDICTS}
     others = [ln for ln in dict.fromkeys(k for s in sections for k in s.lenses) if ln != lens]
     claims = [r for r in beyond if r.get("id") and r.get("verdict")]
     short = lambda r: str(r.get("title") or r["id"]).split(" — ")[0]  # noqa: E731  "C1 — …" -> "C1"
@@ -495,9 +485,9 @@ def render(run: Run, paper: list, extra: list, diff_rows, lens: str | None = Non
     body = [
         f'<nav class="toc">{toc} <a href="#model">Model</a> <a href="#manifest">Manifest</a></nav>',
         '<section id="overview"><h2>Overview</h2>'
-        f"<p>{counts[V.SAME]} sections show the paper's trend, {counts[V.DIFFERS]} differ, "
-        f"{counts[V.INCONCLUSIVE]} are inconclusive (the difference lies within its interval or cannot be told "
-        f"apart from chance) and {counts[V.NA]} are not comparable. Each verdict is computed from the run's "
+        f"<p>{counts[SAME]} sections show the paper's trend, {counts[DIFFERS]} differ, "
+        f"{counts[INCONCLUSIVE]} are inconclusive (the difference lies within its interval or cannot be told "
+        f"apart from chance) and {counts[NA]} are not comparable. Each verdict is computed from the run's "
         f"tables by the criterion printed under its figure, against a chance baseline with a 95% interval; "
         f"layer-wise criteria compare parts of the network by relative depth.{claims_line}</p>"
         + overview + "</section>",
@@ -515,9 +505,9 @@ def render(run: Run, paper: list, extra: list, diff_rows, lens: str | None = Non
         version=esc(__version__), body="\n".join(body))
 
 
-def verdict_record(s: Section) -> dict:
+def verdict_record(s: Section, p: Paper) -> dict:
     """A section of the paper's as data: its record in verdicts.json."""
-    return {"id": s.id, "title": PAPER[s.id]["title"], "verdict": s.verdict.verdict,
+    return {"id": s.id, "title": p.title, "verdict": s.verdict.verdict,
             "criterion": s.verdict.criterion, "measured": s.verdict.measured,
             "other_lens": s.extra.strip(" ()") or None, "lenses": s.lenses or None,
             "figure": s.figure["png"].name if s.figure else None, "missing": s.missing, "error": s.error}

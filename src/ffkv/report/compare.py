@@ -66,7 +66,7 @@ def side_by_side(runs: list[list[dict]]) -> list[dict]:
     return rows
 
 
-HOLDS = "same trend"  # ffkv.report.verdicts.SAME, without importing the report's plotting stack
+HOLDS = "same trend"  # ffkv.report.stats.SAME, without importing the report's plotting stack
 
 
 def lenses_read(rows: list[dict]) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from string import Template
 
 from ffkv.display import number
-from ffkv.report.verdicts import DIFFERS, INCONCLUSIVE, NA, SAME, Verdict
+from ffkv.report.stats import DIFFERS, INCONCLUSIVE, NA, SAME, Verdict
 
 VERDICT_CLASS = {SAME: "v-same", DIFFERS: "v-differs", INCONCLUSIVE: "v-inconclusive", NA: "v-na"}
 

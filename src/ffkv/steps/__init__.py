@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ffkv.steps.registry import get, known, ordered, register  # noqa: F401
-from ffkv.steps.settings import at_least, between, setting  # noqa: F401
+from ffkv.steps.settings import Flag, at_least, between, setting  # noqa: F401
 from ffkv.steps.lifecycle import Context, Outcome, Step, execute  # noqa: F401
 
 

@@ -43,8 +43,12 @@ class Step:
     cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli)
     summary: Callable[[Any, "Outcome", Any, bool], None] | None = None  # (run, outcome, settings, as_json): what the command prints
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
+    preflight: Callable[[Any], None] | None = None  # (ReproduceSettings): raise FfkvError before reproduce opens anything
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
+    # (the step's recorded settings, {} when it has not run) -> rows of the report's "how this run
+    # differs from the paper's" table: [property, paper, this run, where it matters] (sample sizes)
+    differences: Callable[[dict], list] | None = None
     # "package:file.html": a Jinja partial in the step's own package drawing each of its panels (`p`:
     # step, title, columns, rows, note; `m`: the memory page's data); None: the default table
     panel_template: str | None = None

@@ -25,13 +25,38 @@ class Setting:
     short: str | None = None  # e.g. "-n"
     parse: Callable[[str], Any] | None = None  # CLI text -> value (ranges, lists); the option is then a string
     shown: Any = None  # the CLI default when it is not the field's (a parsed field: as typed, "+" for sign 1)
+    reproduce: "Flag | None" = None  # an `ffkv reproduce` option giving this field (`setting(..., reproduce=)`)
+
+
+_FIELDS = object()  # Flag: "as the field's"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A settings field as an `ffkv reproduce` option: its flag (default: the field's), reproduce's
+    default and help when they differ from the command's, the value each named preset gives it
+    (`--preset full`), and its range (typer's min and max). The value reaches the step's
+    `Step.reproduce(r, model)` as `r.NAME`, NAME the flag without its dashes ("--top-k": top_k).
+    Fields of several steps naming one flag share it (compose's and normalize's held-out corpus)."""
+    name: str | None = None
+    default: Any = _FIELDS
+    help: str | None = None
+    presets: dict = dataclasses.field(default_factory=dict)
+    min: Any = None
+    max: Any = None
+    short: str | None = None
 
 
 def setting(default, help: str = "", *, check=None, recorded: bool = True, flag: str | None = None,
-            short: str | None = None, parse=None, shown: str | None = None):
-    """A dataclass field with its help, its check and whether it is recorded."""
+            short: str | None = None, parse=None, shown: str | None = None, reproduce=None):
+    """A dataclass field with its help, its check and whether it is recorded. `reproduce`: True (an
+    `ffkv reproduce` option like the command's), a flag name ("--prefixes") or a `Flag`."""
+    if reproduce is True:
+        reproduce = Flag()
+    elif isinstance(reproduce, str):
+        reproduce = Flag(reproduce)
     return dataclasses.field(default=default,
-                             metadata={META: Setting(help, check, recorded, flag, short, parse, shown)})
+                             metadata={META: Setting(help, check, recorded, flag, short, parse, shown, reproduce)})
 
 
 def spec(f: dataclasses.Field) -> Setting:

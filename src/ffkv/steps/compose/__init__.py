@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
-from ffkv.steps.settings import a_seed, at_least, budget, setting
+from ffkv.steps.settings import Flag, a_seed, at_least, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -29,9 +29,13 @@ class ComposeSettings:
     """What `ffkv compose` is asked for. `batch_tokens` changes speed, `lens` and `cases` only the
     printed summary: none of the three is recorded."""
     corpus: str | None = setting(None, "Held-out corpus: wikipedia:valid (default), a .tokens/.jsonl/.txt file, "
-                                       "hf:NAME[:SPLIT].")
+                                       "hf:NAME[:SPLIT].",
+                                 reproduce=Flag("--compose-corpus", help="Held-out corpus for compose and normalize "
+                                                                         "(default wikipedia:valid)."))
     n_prefixes: int = setting(4000, "Prefixes to sample, one per sentence (the paper: 4,000).", check=at_least(1),
-                              flag="--prefixes", short="-n")
+                              flag="--prefixes", short="-n",
+                              reproduce=Flag("--prefixes", default=1000, presets={"full": 4000}, min=1,
+                                             help="Held-out prefixes for compose (default 1,000; the paper: 4,000)."))
     seed: int = setting(0, "Seed of the document order, the sentence sample and the positions.", check=a_seed)
     eps: float = setting(DEFAULT_EPS, "Also count a memory active when |m_i| > eps (SiLU/GELU are rarely exactly 0).",
                          check=at_least(0))
@@ -41,7 +45,11 @@ class ComposeSettings:
                                       recorded=False)
     per_sentence: int = setting(1, "When the corpus has fewer usable sentences than --prefixes, take up to this many "
                                    "distinct positions of a sentence (a second one only after every sentence gave "
-                                   "one). 1 (default): one per sentence, fewer prefixes.", check=at_least(1))
+                                   "one). 1 (default): one per sentence, fewer prefixes.", check=at_least(1),
+                                reproduce=Flag("--prefixes-per-sentence", default=1, presets={"full": 2}, min=1,
+                                               help="Compose's --per-sentence: up to this many prefixes of one "
+                                                    "held-out sentence when sentences run short (default 1; full "
+                                                    "preset 2)."))
     lens: str = setting("norm", "Lens shown first in the summary (both are always computed): naive or norm.",
                         check=_lens, recorded=False)
     cases: int = setting(5, "Last-layer cases to print (all are in compose_cases).", check=at_least(0), recorded=False)
@@ -70,4 +78,5 @@ STEP = Step("compose", ComposeSettings, requires=(), tables=TABLES,
                  "confidence per layer, the residual/ffn/agreement/composition breakdown, last-layer cases.",
             cli=True, summary=lazy("ffkv.steps.compose.summary:summary"), reproduce=reproduce,
             sections=lazy("ffkv.steps.compose.report:sections"),
+            differences=lazy("ffkv.steps.compose.report:differences"),
             report_before_done=True)

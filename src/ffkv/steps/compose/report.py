@@ -3,18 +3,28 @@ layers refine the prediction) and the last layer's cases, judged under the run's
 lens's verdict beside it. Read from `compose_layers` and `compose_cases` (`ffkv.steps.compose.compute`)."""
 from __future__ import annotations
 
-from ffkv.report import figures as F
-from ffkv.report import verdicts as V
 from ffkv.report.build import PREFIX_CHARS, Builder, Section
 from ffkv.report.html import esc, table, tok
+from ffkv.report.stats import on_lens
+from ffkv.steps.compose import figures as F
+from ffkv.steps.compose import verdicts as V
+from ffkv.steps.compose.paper import CASES, FIG7, FIG8, FIG9, FIG10, FIG11
 
 CASES_ROWS = 20
 
 
 def sections(run, fig_dir) -> list:
     b = Builder.of(run, fig_dir)
-    return [b.paper_section(fig7, 7), b.paper_section(fig8, 8), b.paper_section(fig9, 9),
-            b.paper_section(fig10, 10), b.paper_section(fig11, 11), b.paper_section(cases, 11.5)]
+    return [b.paper_section(FIG7, fig7), b.paper_section(FIG8, fig8), b.paper_section(FIG9, fig9),
+            b.paper_section(FIG10, fig10), b.paper_section(FIG11, fig11), b.paper_section(CASES, cases)]
+
+
+def differences(settings: dict) -> list[list[str]]:
+    """The held-out prefixes, beside the paper's 4,000."""
+    if not settings.get("prefixes"):
+        return []
+    return [["compose prefixes", "4,000", f"{settings['prefixes']:,}",
+             "fewer prefixes: wider sampling error in Figs 7–11"]]
 
 
 def _compose(b: Builder, sid: str, vfn, ffn, *vargs, with_L=True, **vkw) -> Section:
@@ -58,7 +68,7 @@ def cases(b: Builder) -> Section:
     s = Section("cases", V.cases(df, b.lens), missing=miss)
     if df is None or df.empty:
         return s
-    d, lens = V._lens(df, b.lens)
+    d, lens = on_lens(df, b.lens)
     d = d.sort_values("sample_order").head(CASES_ROWS)
     rows = [[int(r.sample_order), esc("…" + r.prefix[-PREFIX_CHARS:] if len(r.prefix) > PREFIX_CHARS else r.prefix),
              tok(r.top_r_token), tok(r.top_o_token), tok(r.top_y_token), r.category, tok(r.target_token),

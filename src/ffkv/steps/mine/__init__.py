@@ -20,7 +20,7 @@ from ffkv.errors import FfkvError
 from ffkv.parse import parse_int_list
 from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step
-from ffkv.steps.settings import a_seed, at_least, between, budget, setting
+from ffkv.steps.settings import Flag, a_seed, at_least, between, budget, setting
 
 DEFAULT_CORPUS = "wikipedia:train"
 
@@ -54,17 +54,25 @@ class MineSettings:
     what it finds (tests hold mining to that): none is recorded."""
     corpus: str | None = setting(None, "Corpus source (see `ffkv corpus --help`). Default: the embedded Wikipedia's "
                                        "train split (compose holds out wikipedia:valid).", short="-c",
-                                 shown=DEFAULT_CORPUS)
+                                 shown=DEFAULT_CORPUS,
+                                 reproduce=Flag(default=None, short="-c", help="Mining corpus (default wikipedia:train), "
+                                                "e.g. wikitext-103:train or a file."))
     max_sentences: int | None = setting(None, "Cap on sentences (after a seeded shuffle of documents).",
-                                        check=at_least(1))
+                                        check=at_least(1),
+                                        reproduce=Flag("--sentences", default=1500, presets={"full": None}, min=1,
+                                                       help="Sentences to mine (default 1,500; the paper: all of "
+                                                            "WikiText-103 train)."))
     seed: int = setting(0, "Seed of the document order.", check=a_seed)
     field: str = setting("text", "JSONL field holding the text (a Parquet corpus: the column of token ids).")
     context: int = setting(CORPUS_CONTEXT, "Window, in tokens, that a flat token stream (.u16, .u32, .bin:u16) is cut into.",
                            check=between(1, 1 << 20))
     layers: list[int] | None = setting(None, "Layers to mine, e.g. 0,5,10-12. Default: all.", parse=_layers)
     dims: list[int] | None = setting(None, "Memory dims to mine, e.g. 0-99. Default: all.", parse=_dims)
-    top_k: int = setting(50, "Trigger examples kept per key.", check=between(1, 10000), short="-t")
-    negative: bool = setting(False, "Also keep the most negative coefficients (sign=-1).")
+    top_k: int = setting(50, "Trigger examples kept per key.", check=between(1, 10000), short="-t",
+                         reproduce=Flag(default=50, min=1, help="Trigger examples per key (default 50)."))
+    negative: bool = setting(False, "Also keep the most negative coefficients (sign=-1).",
+                             reproduce=Flag(default=None, help="Mine most-negative triggers too (default: when the "
+                                                               "FFN is gated)."))
     per_prefix: bool = setting(False, "Allow several prefixes of one sentence per key.")
     batch_tokens: int | str = setting("auto", "Token budget per batch (length-packed; speed and memory only): auto "
                                               "(2,048 on a CPU; on CUDA sized from free memory and the model's shape) "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.parse import parse_sign
-from ffkv.steps.settings import a_seed, a_sign, at_least, budget, setting
+from ffkv.steps.settings import Flag, a_seed, a_sign, at_least, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -22,7 +22,9 @@ class MutateSettings:
     """The `mutate` step's settings (`ffkv mutate`'s options). `batch_tokens` changes speed only
     and is not recorded; `dtype` is recorded and is the dtype the model is opened with."""
     keys_per_layer: int = setting(DEFAULT_KEYS_PER_LAYER, "Keys sampled per layer (seeded); the paper used 100 "
-                                  "(a GPU setting); 0 = every mined key.", check=at_least(0))
+                                  "(a GPU setting); 0 = every mined key.", check=at_least(0),
+                                  reproduce=Flag(default=3, presets={"full": 100}, min=1,
+                                                 help="Keys per layer for mutate (default 3; the paper: 100)."))
     examples: int = setting(DEFAULT_EXAMPLES, "Top trigger examples per key.", check=at_least(1))
     sign: int = setting(1, "Which triggers: + (top positive, the paper) or - (most negative).", parse=parse_sign,
                         shown="+", check=a_sign)
@@ -42,6 +44,7 @@ STEP = Step(name="mutate", settings=MutateSettings, requires=("mine",), tables=(
             compute=lazy("ffkv.steps.mutate.compute:compute"), record=record, cli=True,
             summary=lazy("ffkv.steps.mutate.summary:summary"),
             sections=lazy("ffkv.steps.mutate.report:sections"),
+            differences=lazy("ffkv.steps.mutate.report:differences"),
             report_before_done=True,
             reproduce=lambda r, mm: MutateSettings(keys_per_layer=r.keys_per_layer, seed=r.seed, dtype=r.dtype),
             help="Fig 3: remove the first, last or a random token of each key's top trigger examples and report "

@@ -2,13 +2,21 @@
 trigger is removed), from `mutations_layers` (`ffkv.steps.mutate.compute`)."""
 from __future__ import annotations
 
-from ffkv.report import figures as F
-from ffkv.report import verdicts as V
 from ffkv.report.build import Builder, Section
+from ffkv.steps.mutate import figures as F
+from ffkv.steps.mutate import verdicts as V
+from ffkv.steps.mutate.paper import FIG3
 
 
 def sections(run, fig_dir) -> list:
-    return [Builder.of(run, fig_dir).paper_section(fig3, 3)]
+    return [Builder.of(run, fig_dir).paper_section(FIG3, fig3)]
+
+
+def differences(settings: dict) -> list[list[str]]:
+    """The keys mutated per layer, beside the paper's 100."""
+    if "keys_per_layer" not in settings:
+        return []
+    return [["mutated keys per layer", "100", str(settings["keys_per_layer"] or "all"), ""]]
 
 
 def fig3(b: Builder) -> Section:

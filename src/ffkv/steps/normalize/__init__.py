@@ -53,7 +53,7 @@ _budget = budget(1)  # --batch-tokens: parse, check
 class NormalizeSettings:
     """`ffkv normalize`'s options. All but `batch_tokens` (speed only) are recorded."""
     corpus: str | None = setting(None, "Held-out text: wikipedia:valid (default), a .tokens/.jsonl/.txt file, "
-                                       "hf:NAME[:SPLIT].")
+                                       "hf:NAME[:SPLIT].", reproduce="--compose-corpus")
     tokens: int = setting(10_000, "Tokens of the evaluation split (losses, concentration).", check=at_least(1))
     fit_tokens: int = setting(2_000, "Tokens of the fit split (τ and scales), from other documents.",
                               check=at_least(1))
@@ -104,9 +104,9 @@ def reproduce_settings(n_layers: int, corpus: str | None = None, seed: int = 0,
 
 
 def reproduce(r, mm) -> NormalizeSettings:
-    """`ffkv reproduce`'s normalize: its ≤ 2-minute sizing, or the command's defaults (--normalize default),
+    """`ffkv reproduce`'s normalize: its ≤ 2-minute sizing, or the command's defaults (--preset full),
     on reproduce's held-out corpus (--compose-corpus) like compose."""
-    if r.normalize == "default":
+    if r.preset == "full":
         return NormalizeSettings(corpus=r.compose_corpus, seed=r.seed, dtype=r.dtype)
     return reproduce_settings(int(mm.n_layers), corpus=r.compose_corpus, seed=r.seed, dtype=r.dtype)
 

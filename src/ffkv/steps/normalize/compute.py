@@ -5,7 +5,7 @@ about what a normalization would do (seed 004), on held-out text (default `wikip
 C1 softmax concentrates the weight on a few slots; C2 so it degrades as the slots grow; C3 an
 unnormalized ReLU memory's output variance grows like n/2; C4 a ReLU scaled by 1/(γ·√(n/2))
 keeps it constant; C5 a key-value memory followed by a layer norm is a FFN. The verdicts are in
-`ffkv.report.normalize`.
+`ffkv.steps.normalize.report`.
 
 Text. Sentences of the corpus in its seeded order: the evaluation split (`tokens`) first, then,
 from the next document on, the fit split (`fit_tokens`); τ and every scale are fit on the fit

@@ -8,7 +8,7 @@ import sys
 
 def verdicts(run) -> dict:
     """{claim id: Verdict} from the run's tables."""
-    from ffkv.report import normalize as N
+    from ffkv.steps.normalize import report as N
 
     get = {t: run.read_table(t) if run.has_table(t) else None
            for t in ("normalize_layers", "normalize_capacity", "normalize_variance")}

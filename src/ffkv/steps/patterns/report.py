@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ffkv.report import figures as F
-from ffkv.report import verdicts as V
 from ffkv.report.build import Builder, Section, prefix_html
 from ffkv.report.html import esc, kv, table
+from ffkv.report.stats import NA, Verdict
+from ffkv.steps.patterns import figures as F
+from ffkv.steps.patterns import verdicts as V
+from ffkv.steps.patterns.paper import FIG2, FIG2_HUMAN, TABLE1
 
 TABLE1_LAYERS = 4  # layers shown in Table 1, spread over the depth
 TABLE1_KEYS = 2  # keys per layer
@@ -20,7 +22,18 @@ TABLE1_PATTERNS = 4  # patterns shown per key
 
 def sections(run, fig_dir) -> list:
     b = Builder.of(run, fig_dir)
-    return [b.paper_section(fig2, 2), b.paper_section(fig2_human, 2.1), b.paper_section(table1, 2.2)]
+    return [b.paper_section(FIG2, fig2), b.paper_section(FIG2_HUMAN, fig2_human), b.paper_section(TABLE1, table1)]
+
+
+def differences(settings: dict) -> list[list[str]]:
+    """Who labelled the patterns: the paper's experts, here `ffkv patterns`."""
+    if not settings:
+        return []
+    return [["pattern labels", "human experts, 10 keys per layer",
+             "automatic (ffkv patterns): shallow for every analysed key, semantic for "
+             f"{settings.get('semantic_keys_per_layer', '?') or 'all'} per layer"
+             + ("" if settings.get("semantic", True) else " (semantic off)"),
+             "automatic labels are a proxy for the experts' reading"]]
 
 
 def fig2(b: Builder) -> Section:
@@ -42,7 +55,7 @@ def fig2(b: Builder) -> Section:
 def fig2_human(b: Builder) -> Section:
     path = b.run.path / "annotations.sqlite"
     if not path.exists():
-        return Section("fig2_human", V.Verdict(V.NA, "needs human annotations", "no annotations.sqlite in the run"),
+        return Section("fig2_human", Verdict(NA, "needs human annotations", "no annotations.sqlite in the run"),
                        missing=f"No human annotations yet: draw the sample with `ffkv annotate sample "
                                f"{b.run.path}`, then record labels with `ffkv annotate add` (or import "
                                f"them with `ffkv annotate import`).")

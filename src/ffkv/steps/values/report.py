@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ffkv.report import figures as F
-from ffkv.report import verdicts as V
 from ffkv.report.build import Builder, Section, prefix_html
 from ffkv.report.html import esc, table, tok
+from ffkv.steps.values import figures as F
+from ffkv.steps.values import verdicts as V
+from ffkv.steps.values.paper import FIG4, FIG5, FIG6, TABLE2
 
 TABLE2_ROWS = 20
 
 
 def sections(run, fig_dir) -> list:
     b = Builder.of(run, fig_dir)
-    return [b.paper_section(fig4, 4), b.paper_section(fig5, 5), b.paper_section(fig6, 6),
-            b.paper_section(table2, 6.5)]
+    return [b.paper_section(FIG4, fig4), b.paper_section(FIG5, fig5), b.paper_section(FIG6, fig6),
+            b.paper_section(TABLE2, table2)]
 
 
 def _read_lenses(b: Builder, s: Section, name: str, fn, *args) -> pd.DataFrame | None:
