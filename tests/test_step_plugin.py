@@ -247,3 +247,13 @@ def test_the_step_is_named_only_in_its_folder_and_its_registration_line():
     assert named == []
     named_in_dist = [f.name for f in DIST.iterdir() if pattern.search(f.read_text())]
     assert named_in_dist == ["entry_points.txt", "METADATA"] or sorted(named_in_dist) == ["METADATA", "entry_points.txt"]
+
+
+def test_each_builtin_step_may_register_itself_again():
+    """A built-in's STEP names its computation in a module beneath its package (`lazy`), and
+    `register()` of that very step is accepted: only another step taking its name is refused."""
+    from ffkv.steps import registry
+    for name in registry.BUILTIN:
+        step = registry.get(name)
+        assert registry.register(step) is step
+        registry._registered.pop(name, None)

@@ -37,7 +37,7 @@ _plugins: dict[str, metadata.EntryPoint] | None = None
 def register(step):
     """Add `step` (a `Step`) to the registry of this process; returns it, so a module can write
     `STEP = register(Step(...))`. A name already taken by another step is refused."""
-    if step.name in BUILTIN and BUILTIN[step.name] != _where(step):
+    if step.name in BUILTIN and not _builtin_home(step):
         raise FfkvError(f"{step.name!r} is a built-in step; choose another name")
     have = _registered.get(step.name) or _loaded.get(step.name)
     if have is not None and have is not step:
@@ -46,9 +46,12 @@ def register(step):
     return step
 
 
-def _where(step) -> str:
-    mod = getattr(step.compute, "__module__", "")
-    return f"{mod}:STEP"
+def _builtin_home(step) -> bool:
+    """A built-in's computation lives in its own package (`ffkv.steps.NAME` or a module beneath it);
+    anything else taking a built-in's name is another step."""
+    home = BUILTIN[step.name].split(":")[0]
+    mod = getattr(step.compute, "__module__", "") or ""
+    return mod == home or mod.startswith(home + ".")
 
 
 def plugins() -> dict[str, metadata.EntryPoint]:
