@@ -647,18 +647,22 @@ from ffkv.mine.engine import save_npz
 import ffkv.store.run
 p = Path({str(tmp_path / 'ck.npz')!r})
 a = np.arange(40_000_000)  # 320 MB: the write takes a good part of a second
+seen = []
 def kill_once_writing():  # the temp file appears inside the held block: no timing to lose under load
-    while not os.listdir(p.parent):
+    while not (names := os.listdir(p.parent)):
         time.sleep(0.001)
+    seen.extend(names)
     os.kill(os.getpid(), signal.SIGINT)
-threading.Thread(target=kill_once_writing, daemon=True).start()
+killer = threading.Thread(target=kill_once_writing, daemon=True)
+killer.start()
 try:
     save_npz(p, {{"a": a}})
+    killer.join(120)  # a loaded machine may run the thread only after the write: it kills then
     for _ in range(600):  # a signal that came after the write is acted on here, in the same way
         time.sleep(0.05)
-    print("not interrupted")
+    print("not interrupted; the thread saw", seen, "alive", killer.is_alive())
 except KeyboardInterrupt:
     print("interrupted", np.array_equal(np.load(p)["a"], a))
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0 and p.stdout.strip() == "interrupted True", p.stdout + p.stderr[-2000:]
