@@ -27,6 +27,7 @@ BUILTIN: dict[str, str] = {
     "mutate": "ffkv.steps.mutate:STEP",
     "patterns": "ffkv.steps.patterns:STEP",
     "normalize": "ffkv.steps.normalize:STEP",
+    "census": "ffkv.steps.census:STEP",
 }
 
 _registered: dict = {}  # name -> Step, from register()

@@ -1,0 +1,294 @@
+"""The census step (issue 46, first piece), each number against a computation of its own:
+
+- the vocabulary moments equal scipy.stats.skew / kurtosis (and numpy's variance) of cos(W_U, v)
+  over the full vocabulary, computed here in float64 from the raw weight matrices of the model's own
+  modules (lm_head, the final norm, down_proj's columns; Gemma 3: times the post-FFN norm's 1 + w);
+- the key-value cosines and their input-output classes equal a brute force from the raw gate, up
+  (or fused gate_up: Phi-3) and down weights, the classes decided memory by memory by the
+  definitions written out again here; an ungated family (GPT-2, Conv1D weights) too;
+- `active` and `dead` equal a hooked forward of the raw model over the run's own sentences,
+  counting |m| at down_proj's input; a memory made dead by zeroing its gate row is found dead;
+- settings out of range are one line and exit 2, before any model loads.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from scipy import stats
+
+from conftest import build_tiny, mine_tiny, run_cli
+
+DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: m = silu(0)·(x·u) = 0 on every token
+
+
+@pytest.fixture(scope="module")
+def census_run(tmp_path_factory, tok_dir):
+    """A tiny Llama with one memory forced dead, mined on 40 WikiText-2 sentences, then censused."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("census")
+    path = build_tiny("llama", root / "llama", tok_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        hf.model.layers[DEAD[0]].mlp.gate_proj.weight[DEAD[1]] = 0
+    hf.save_pretrained(path)
+    run = mine_tiny(root / "run", path, 40, 5)
+    r = run_cli("census", run)
+    assert r.returncode == 0, r.stderr
+    assert "census: 240 memories" in r.stdout
+    return run, hf.eval()
+
+
+def _table(run, name="census"):
+    return pq.read_table(run / f"{name}.parquet").to_pandas()
+
+
+def _cos_vocab(W_U: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+    """(V,) cos(W_U[t], v) in float64; 0 for a zero row of W_U (a padding token's: Gemma's)."""
+    W, v = W_U.detach().double(), v.detach().double()
+    n = W.norm(dim=1) * v.norm()
+    return torch.where(n > 0, (W @ v) / torch.where(n > 0, n, 1.0), 0.0).numpy()
+
+
+def _moments_brute(W_U, values_rows):
+    out = []
+    for v in values_rows:
+        c = _cos_vocab(W_U, v)
+        out.append((stats.skew(c), stats.kurtosis(c), np.var(c)))
+    return np.array(out)
+
+
+def _cos(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _io_class(cg_in, cg_out, c_in_out, tau, gated):
+    """The classes of `ffkv.steps.census.compute`, decided one memory at a time."""
+    def t(c):
+        return 1 if c > tau else -1 if c < -tau else 0
+
+    if not gated:
+        return {1: "enrichment", -1: "depletion", 0: "orthogonal_output"}[t(c_in_out)]
+    if t(cg_out) == 0 and t(c_in_out) == 0:
+        return "orthogonal_output"
+    s = t(cg_in)
+    if s == 0:
+        return "proportional_change"
+    e_g, e_u = t(s * cg_out), t(c_in_out)
+    if e_g >= 0 and e_u >= 0:
+        return "enrichment"
+    if e_g <= 0 and e_u <= 0:
+        return "depletion"
+    return "conditional_enrichment" if e_u > 0 else "conditional_depletion"
+
+
+# ---- the step on a mined run ----------------------------------------------------------------------
+def test_moments_equal_scipy_over_the_full_vocabulary(census_run):
+    run, hf = census_run
+    df = _table(run)
+    W_U = hf.lm_head.weight.detach() * hf.model.norm.weight.detach()  # the run's lens: norm (gain folded in)
+    assert W_U.shape[0] == hf.config.vocab_size
+    for l in range(hf.config.num_hidden_layers):
+        down = hf.model.layers[l].mlp.down_proj.weight.detach()  # (d, d_m): value i is column i
+        dims = sorted([0, 5, 33, 79] + ([DEAD[1]] if l == DEAD[0] else []))
+        want = _moments_brute(W_U, [down[:, i] for i in dims])
+        got = df[(df.layer == l) & df.dim.isin(dims)].sort_values("dim")[["skew", "kurtosis", "variance"]].to_numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-4)
+    # the classes follow the recorded thresholds
+    d = hf.config.hidden_size
+    _classes_follow(df, 10.0, 2.0, d)
+
+
+def _classes_follow(df, kurtosis, partition, d):
+    k, s = df["kurtosis"], df["skew"]
+    assert (df.prediction == ((k > kurtosis) & (s > 0))).all()
+    assert (df.suppression == ((k > kurtosis) & (s < 0))).all()
+    assert (df.partition == (df.variance * d > partition)).all()
+
+
+def test_cosine_classes_equal_a_brute_force_from_the_raw_weights(census_run):
+    run, hf = census_run
+    df = _table(run).set_index(["layer", "dim"])
+    for l in range(hf.config.num_hidden_layers):
+        mlp = hf.model.layers[l].mlp
+        for i in range(0, hf.config.intermediate_size, 3):
+            g, u, v = mlp.gate_proj.weight[i], mlp.up_proj.weight[i], mlp.down_proj.weight[:, i]
+            want = (_cos(g, u), _cos(g, v), _cos(u, v))
+            row = df.loc[(l, i)]
+            if l == DEAD[0] and i == DEAD[1]:
+                continue  # a zero gate row: its cosines are 0 by ffkv's guard, undefined here
+            assert (row.cos_gate_in, row.cos_gate_out, row.cos_in_out) == pytest.approx(want, abs=1e-5)
+            assert row.io_class == _io_class(*want, 0.1, True), (l, i)
+
+
+def test_dead_and_active_equal_a_hooked_forward(census_run):
+    run, hf = census_run
+    df = _table(run)
+    sents = pq.read_table(run / "sentences.parquet").column("token_ids").to_pylist()
+    L, d_m = hf.config.num_hidden_layers, hf.config.intermediate_size
+    nonzero = np.zeros((L, d_m), np.int64)
+    half = np.zeros((L, d_m), np.int64)  # |m| ≥ 0.5: --eps 0.3 rounds up to the histogram's edge 2^-1
+    seen = {}
+
+    def hook(l):
+        def pre(mod, args):
+            seen[l] = args[0][0].detach()
+        return pre
+
+    hs = [hf.model.layers[l].mlp.down_proj.register_forward_pre_hook(hook(l)) for l in range(L)]
+    try:
+        with torch.no_grad():
+            for ids in sents:
+                hf(torch.tensor([ids]))
+                for l in range(L):
+                    m = seen[l].abs()
+                    nonzero[l] += (m >= 2.0 ** -126).sum(0).numpy()
+                    half[l] += (m >= 0.5).sum(0).numpy()
+    finally:
+        for h in hs:
+            h.remove()
+    n_tokens = sum(map(len, sents))
+    assert (df.tokens == n_tokens).all()
+    got = df.sort_values(["layer", "dim"]).active.to_numpy().reshape(L, d_m)
+    np.testing.assert_array_equal(got, nonzero)
+    dead = set(map(tuple, df[df.dead][["layer", "dim"]].to_numpy().tolist()))
+    assert dead == set(zip(*np.nonzero(nonzero == 0))) == {DEAD}
+    assert (df.rare == (~df.dead & (df.active < 1e-4 * n_tokens))).all()
+    lay = _table(run, "census_layers")
+    assert lay.dead.tolist() == pytest.approx([(1 / d_m if l == DEAD[0] else 0.0) for l in range(L)])
+
+    r = run_cli("census", run, "--eps", "0.3", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    summ = json.loads(r.stdout)
+    assert (summ["eps"], summ["eps_used"]) == (0.3, 0.5)
+    df2 = _table(run).sort_values(["layer", "dim"])
+    np.testing.assert_array_equal(df2.active.to_numpy().reshape(L, d_m), half)
+    assert summ["dead"] == int((half == 0).sum()) >= 1
+
+
+def test_layer_table_is_the_census_table_by_layer(census_run):
+    run, hf = census_run
+    df, lay = _table(run), _table(run, "census_layers")
+    from ffkv.steps.census.compute import IO_CLASSES
+
+    for _, row in lay.iterrows():
+        part = df[df.layer == row.layer]
+        assert row.memories == len(part) == row.mined
+        for c in ("prediction", "suppression", "partition"):
+            assert row[c] == pytest.approx(part[c].mean())
+        for c in IO_CLASSES:
+            assert row[c] == pytest.approx((part.io_class == c).mean())
+        assert sum(row[c] for c in IO_CLASSES) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("args, flag", [(("--eps", "-0.5"), "--eps"), (("--cos", "1.5"), "--cos"),
+                                        (("--rare", "2"), "--rare"), (("--kurtosis", "-1"), "--kurtosis")])
+def test_settings_out_of_range_are_one_line_before_the_model_loads(census_run, monkeypatch, args, flag):
+    from ffkv.model import identity
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(identity, "open_model", no_model)
+    run, _ = census_run
+    r = run_cli("census", run, *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_run_without_key_statistics_is_refused_in_one_line(tmp_path, tiny_dirs):
+    run = mine_tiny(tmp_path / "nostats", tiny_dirs["gpt2"], 5, 2, "--no-stats")
+    r = run_cli("census", run)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--no-stats" in r.stderr
+
+
+# ---- the library call on other families -----------------------------------------------------------
+def _families(tok_dir, tmp_path_factory):
+    from test_families import FAMILIES, open_tiny
+
+    built: dict = {}
+    return {n: open_tiny(n, FAMILIES[n].config, lambda: tmp_path_factory.mktemp("census_fam"), tok_dir, built)[1]
+            for n in ("phi3", "gemma3_text")}
+
+
+@pytest.fixture(scope="module")
+def families(tok_dir, tmp_path_factory):
+    return _families(tok_dir, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma3_text"])
+def test_layer_census_on_fused_and_post_norm_families(families, name):
+    """Phi-3's fused gate_up rows split by hand; Gemma 3's value after its post-FFN norm's gain
+    (1 + w), and its final norm's gain (1 + w) folded into W_U."""
+    from ffkv.steps.census.compute import layer_census
+
+    mm = families[name]
+    hf = mm.hf
+    layer = 1
+    mlp = hf.model.layers[layer].mlp
+    d_m = hf.config.intermediate_size
+    if name == "phi3":
+        gate, up = mlp.gate_up_proj.weight[:d_m], mlp.gate_up_proj.weight[d_m:]
+        values = mlp.down_proj.weight.T
+        final = hf.model.norm.weight
+    else:
+        gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+        post = 1 + hf.model.layers[layer].post_feedforward_layernorm.weight
+        values = mlp.down_proj.weight.T * post
+        final = 1 + hf.model.norm.weight
+    dims = [0, 3, 17, d_m - 1]
+    for lens, W_U in (("norm", hf.lm_head.weight * final), ("naive", hf.lm_head.weight)):
+        t = layer_census(mm, layer, dims, lens=lens).to_pandas()
+        assert t.dim.tolist() == dims and (t.layer == layer).all()
+        want = _moments_brute(W_U.detach(), [values[i].detach() for i in dims])
+        np.testing.assert_allclose(t[["skew", "kurtosis", "variance"]].to_numpy(), want, rtol=1e-3, atol=2e-4)
+    for k, i in enumerate(dims):
+        want = (_cos(gate[i], up[i]), _cos(gate[i], values[i]), _cos(up[i], values[i]))
+        got = t.iloc[k]
+        assert (got.cos_gate_in, got.cos_gate_out, got.cos_in_out) == pytest.approx(want, abs=1e-5)
+        assert got.io_class == _io_class(*want, 0.1, True)
+    whole = layer_census(mm, layer).to_pandas()
+    assert len(whole) == d_m
+    # thresholds in the middle of the layer's own moments: every class has members and follows them
+    k, p = float(whole["kurtosis"].median()), float((whole.variance * mm.d).median())
+    some = layer_census(mm, layer, kurtosis=k, partition=p).to_pandas()
+    assert some.prediction.any() and some.suppression.any() and some.partition.any() and not some.partition.all()
+    _classes_follow(some, k, p, hf.config.hidden_size)
+    np.testing.assert_allclose(whole.iloc[dims][["skew", "kurtosis", "cos_in_out"]].to_numpy(),
+                               layer_census(mm, layer, dims).to_pandas()[["skew", "kurtosis", "cos_in_out"]].to_numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_layer_census_on_an_ungated_family(tiny_models):
+    """GPT-2 (Conv1D: c_fc's weight is (d, d_m), c_proj's (d_m, d)): cos(k, v) and three classes."""
+    from ffkv.steps.census.compute import layer_census
+
+    mm = tiny_models["gpt2"]
+    hf = mm.hf
+    mlp = hf.transformer.h[0].mlp
+    t = layer_census(mm, 0, cos=0.2).to_pandas()
+    assert t.cos_gate_in.isna().all() and t.cos_gate_out.isna().all()
+    for i in range(0, mlp.c_fc.weight.shape[1], 7):
+        c = _cos(mlp.c_fc.weight[:, i], mlp.c_proj.weight[i])
+        assert t.cos_in_out[i] == pytest.approx(c, abs=1e-5)
+        assert t.io_class[i] == _io_class(None, None, c, 0.2, False)
+    W_U = hf.lm_head.weight * hf.transformer.ln_f.weight
+    want = _moments_brute(W_U.detach(), [mlp.c_proj.weight[i].detach() for i in (0, 9)])
+    np.testing.assert_allclose(t.iloc[[0, 9]][["skew", "kurtosis", "variance"]].to_numpy(), want, rtol=1e-3, atol=2e-4)
+    assert not t[["skew", "kurtosis", "variance"]].isna().any().any()
+
+
+def test_library_defaults_are_the_steps():
+    from dataclasses import fields
+
+    from ffkv.steps.census import CensusSettings
+    from ffkv.steps.census.compute import DEFAULTS
+
+    d = {f.name: f.default for f in fields(CensusSettings)}
+    assert {k: d[k] for k in DEFAULTS} == DEFAULTS
