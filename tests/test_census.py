@@ -12,6 +12,9 @@
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -125,7 +128,7 @@ def test_cosine_classes_equal_a_brute_force_from_the_raw_weights(census_run):
             assert row.io_class == _io_class(*want, 0.1, True), (l, i)
 
 
-def test_dead_and_active_equal_a_hooked_forward(census_run):
+def test_dead_and_active_equal_a_hooked_forward(census_run, tmp_path):
     run, hf = census_run
     df = _table(run)
     sents = pq.read_table(run / "sentences.parquet").column("token_ids").to_pylist()
@@ -161,13 +164,13 @@ def test_dead_and_active_equal_a_hooked_forward(census_run):
     lay = _table(run, "census_layers")
     assert lay.dead.tolist() == pytest.approx([(1 / d_m if l == DEAD[0] else 0.0) for l in range(L)])
 
-    r = run_cli("census", run, "--eps", "0.3", "--json")
+    other = tmp_path / "eps"
+    shutil.copytree(run, other)  # the module's run keeps the default census
+    r = run_cli("census", other, "--eps", "0.3", "--json")
     assert r.returncode == 0, r.stderr
-    import json
-
     summ = json.loads(r.stdout)
     assert (summ["eps"], summ["eps_used"]) == (0.3, 0.5)
-    df2 = _table(run).sort_values(["layer", "dim"])
+    df2 = _table(other).sort_values(["layer", "dim"])
     np.testing.assert_array_equal(df2.active.to_numpy().reshape(L, d_m), half)
     assert summ["dead"] == int((half == 0).sum()) >= 1
 
@@ -292,3 +295,23 @@ def test_library_defaults_are_the_steps():
 
     d = {f.name: f.default for f in fields(CensusSettings)}
     assert {k: d[k] for k in DEFAULTS} == DEFAULTS
+
+
+def test_report_section_and_memory_panel(census_run, tmp_path):
+    """The report's census by depth (a figure and the table of census_layers) and the memory page's
+    panel (through `ffkv.web.panels.step_panels`, as every step's), the forced-dead memory's saying so."""
+    from ffkv.steps.registry import get
+    from ffkv.store.run import Run
+    from ffkv.web.panels import step_panels
+
+    run, hf = census_run
+    secs = get("census").sections(Run(run), tmp_path)
+    assert [s.id for s in secs] == ["census"]
+    assert (tmp_path / "census_depth.png").exists() and "<table" in secs[0].html and "<figure>" in secs[0].html
+    assert secs[0].html.count("<tr>") == 1 + hf.config.num_hidden_layers
+    panels = [p for p in step_panels(Run(run), *DEAD) if p["step"] == "census"]
+    assert len(panels) == 1 and panels[0]["rows"][0][1] == "dead"
+    row = _table(run).set_index(["layer", "dim"]).loc[DEAD]
+    assert panels[0]["rows"][2][1] == row.io_class.replace("_", " ")
+    alive = [p for p in step_panels(Run(run), 0, 0) if p["step"] == "census"]
+    assert alive[0]["rows"][0][1] in ("alive", "rare")

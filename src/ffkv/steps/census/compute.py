@@ -39,6 +39,8 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
      enrichment when e_g ≥ 0 and e_u ≥ 0, depletion when e_g ≤ 0 and e_u ≤ 0 (not both 0: that is
      1.), conditional_enrichment when e_g < 0 < e_u, conditional_depletion when e_u < 0 < e_g.
   The classes do not change under (u_i, v_i) -> (−u_i, −v_i), which leaves the FFN as it is.
+  A zero weight vector's cosines are 0 (its class orthogonal_output, or proportional_change for a
+  zero gate row); a zero value's moments are null.
 - Dead and rare (Voita et al. 2024), from the mined pass's key histogram (`key_hist`, the signed
   log2 histogram of m over every mined token; `ffkv.mine.stats`): a memory is active on a token when
   |m| > eps. The histogram resolves |m| only at its bin edges (0, then 2^-10, 2^-9, …, 2^10), so eps

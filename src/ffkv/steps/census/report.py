@@ -1,25 +1,76 @@
-"""The census's report section: the class shares by depth (`census_layers`), as a table. Imported
-only when a report is built; drawn once the step has run."""
+"""The census's report section: the class shares by depth (`census_layers`), as a figure and a
+table. Imported only when a report is built; drawn once the step has run."""
 from __future__ import annotations
 
 from ffkv.report.html import table
 from ffkv.steps import ReportSection
 from ffkv.steps.census.compute import IO_CLASSES, VOCAB_CLASSES
 
+# what the figure draws, each a share of the layer's memories (dead and rare: of its mined ones)
+LINES = (("dead", "dead", "C7", "-"), ("rare", "rare", "C7", ":"), ("prediction", "prediction", "C2", "-"),
+         ("suppression", "suppression", "C3", "-"), ("partition", "partition", "C4", "-"),
+         ("enrichment", "enrichment", "C0", "--"), ("depletion", "depletion", "C1", "--"))
+
+
+def figure(df):
+    from ffkv.report.figures import finish, new_figure, styled
+
+    @styled
+    def draw():
+        fig, ax = new_figure()
+        for col, label, color, style in LINES:
+            if col in df.columns and df[col].notna().any():
+                ax.plot(df["layer"], df[col] * 100, style, marker="o", ms=3, color=color, label=label)
+        return finish(fig, ax, df["layer"], "% of the layer's memories", "Memory census by depth")
+
+    return draw()
+
 
 def sections(run, fig_dir) -> list:
+    from ffkv.report.build import figure_html
+    from ffkv.report.figures import save
     from ffkv.store import query
 
     t = query.table(run, "census_layers")
+    df = t.to_pandas()
     rec = (run.manifest.get("settings") or {}).get("census") or {}
     cols = ["dead", "rare", *VOCAB_CLASSES, *IO_CLASSES]
     rows = [[r["layer"], r["memories"], *[("n/a" if r[c] is None else f"{100 * r[c]:.1f}%") for c in cols]]
             for r in t.to_pylist()]
-    note = (f"<p>Shares of each layer's memories (dead and rare: of its mined memories). Thresholds: "
-            f"|m| &gt; {rec.get('eps', 0):g} (read as |m| ≥ {rec.get('eps_used', 0):g}), rare below "
-            f"{rec.get('rare', 1e-4):g} of the tokens, kurtosis &gt; {rec.get('kurtosis', 10):g}, variance · d &gt; "
-            f"{rec.get('partition', 2):g}, |cos| &gt; {rec.get('cos', 0.1):g}; definitions in "
-            f"<code>ffkv.steps.census.compute</code>.</p>")
-    html = note + table(["layer", "memories", *[c.replace("_", " ") for c in cols]], rows,
-                        num=set(range(2 + len(cols))))
+    note = (f"<p>Shares of each layer's memories (dead and rare: of its mined memories; enrichment and "
+            f"depletion without their conditional kinds). Thresholds: |m| &gt; {rec.get('eps', 0):g} (read as "
+            f"|m| ≥ {rec.get('eps_used', 0):g}, the key histogram's edge), rare below {rec.get('rare', 1e-4):g} "
+            f"of the tokens, excess kurtosis &gt; {rec.get('kurtosis', 10):g}, variance · d &gt; "
+            f"{rec.get('partition', 2):g}, |cos| &gt; {rec.get('cos', 0.1):g}, {rec.get('lens', 'norm')} lens; "
+            f"definitions in <code>ffkv.steps.census.compute</code>.</p>")
+    fig = figure_html(save(figure(df), fig_dir, "census_depth"), "Memory census by depth") if len(df) else ""
+    html = fig + note + table(["layer", "memories", *[c.replace("_", " ") for c in cols]], rows,
+                              num=set(range(2 + len(cols))))
     return [ReportSection("census", "Memory census by depth", html, short="Census")]
+
+
+def panels(run, layer: int, dim: int) -> list:
+    """The memory page's census panel: its classes with the numbers behind them."""
+    from ffkv.steps import Panel
+    from ffkv.store import query
+
+    rows = query.table(run, "census", filters=[("layer", "=", int(layer)), ("dim", "=", int(dim))]).to_pylist()
+    if not rows:
+        return []
+    r = rows[0]
+    rec = (run.manifest.get("settings") or {}).get("census") or {}
+    vocab = [c for c in VOCAB_CLASSES if r[c]] or ["none"]
+    activity = ("not mined" if r["tokens"] is None else
+                f"active on {r['active']:,} of {r['tokens']:,} tokens (|m| ≥ {rec.get('eps_used', 0):g})"
+                + (": dead" if r["dead"] else ": rare" if r["rare"] else ""))
+    cos = ", ".join(f"{name} {r[c]:+.3f}" for c, name in (("cos_gate_in", "cos(gate, in)"),
+                                                        ("cos_gate_out", "cos(gate, out)"),
+                                                        ("cos_in_out", "cos(in, out)")) if r[c] is not None)
+    return [Panel("Census", ("measure", "class", "numbers"), (
+        ("activity", "dead" if r["dead"] else "rare" if r["rare"] else "alive" if r["tokens"] is not None else "",
+         activity),
+        ("vocabulary moments", ", ".join(vocab),
+         f"skew {r['skew']:+.3f}, excess kurtosis {r['kurtosis']:.3f}, variance {r['variance']:.3g}"),
+        ("input-output", r["io_class"].replace("_", " "), cos)),
+        note="cos(W_U, v) over the vocabulary (Gurnee et al.), key-value cosines (after Gerstner & Schütze); "
+             "definitions in ffkv.steps.census.compute.")]
