@@ -315,3 +315,41 @@ def test_report_section_and_memory_panel(census_run, tmp_path):
     assert panels[0]["rows"][2][1] == row.io_class.replace("_", " ")
     alive = [p for p in step_panels(Run(run), 0, 0) if p["step"] == "census"]
     assert alive[0]["rows"][0][1] in ("alive", "rare")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_layer_census_on_a_mixture_of_experts(name, tmp_path_factory, tok_dir):
+    """Each memory is (layer, expert, dim): the expert columns, the shared expert named (Qwen2-MoE's,
+    expert E after the E routed ones), the cosines from the fused 3D gate_up weights (gate rows
+    first) and the moments from the down projections' columns."""
+    from test_moe import MOE, _BUILT
+    from test_families import open_tiny
+
+    from ffkv.steps.census.compute import layer_census
+
+    mm = open_tiny(name, MOE[name][0], lambda: tmp_path_factory.mktemp("census_moe"), tok_dir, _BUILT)[1]
+    hf, layer = mm.hf, 2
+    mlp = hf.model.layers[layer].mlp
+    gu, dn = mlp.experts.gate_up_proj, mlp.experts.down_proj  # (E, 2·de, d), (E, d, de)
+    E, de = dn.shape[0], dn.shape[2]
+    t = layer_census(mm, layer).to_pandas()
+    shared = MOE[name][2]
+    ds = mlp.shared_expert.down_proj.weight.shape[1] if shared else 0
+    assert len(t) == E * de + ds
+    assert t.expert.tolist() == [i // de for i in range(E * de)] + [E] * ds
+    assert t.expert_dim.tolist() == [i % de for i in range(E * de)] + list(range(ds))
+    assert t.shared_expert.tolist() == [False] * (E * de) + [True] * ds
+    picks = [(e, i) for e in range(E) for i in (0, de - 1)] + ([(E, 0), (E, ds - 1)] if shared else [])
+    W_U = hf.lm_head.weight * hf.model.norm.weight
+    for e, i in picks:
+        if e < E:
+            g, u, v = gu[e, i], gu[e, de + i], dn[e, :, i]
+        else:
+            s = mlp.shared_expert
+            g, u, v = s.gate_proj.weight[i], s.up_proj.weight[i], s.down_proj.weight[:, i]
+        row = t[(t.expert == e) & (t.expert_dim == i)].iloc[0]
+        want = (_cos(g, u), _cos(g, v), _cos(u, v))
+        assert (row.cos_gate_in, row.cos_gate_out, row.cos_in_out) == pytest.approx(want, abs=1e-5)
+        assert row.io_class == _io_class(*want, 0.1, True)
+        np.testing.assert_allclose([row["skew"], row["kurtosis"], row["variance"]], _moments_brute(W_U, [v])[0],
+                                   rtol=1e-3, atol=2e-4)

@@ -52,9 +52,10 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
 
 Tables written (public contract; layers 0-based)
 - `census`: one row per memory, by layer then dim. layer int16, dim int32, for a mixture of experts
-  also expert int16 and expert_dim int32 (`MemoryModel.expert_of`; the shared expert is expert E,
-  after the E routed ones), skew float32, kurtosis float32, variance float32, cos_gate_in float32,
-  cos_gate_out float32, cos_in_out float32, tokens int64, active int64, dead bool, rare bool,
+  also expert int16, expert_dim int32 (`MemoryModel.expert_of`; the shared expert is expert E,
+  after the E routed ones) and shared_expert bool (true on the shared expert's memories), then
+  skew float32, kurtosis float32, variance float32, cos_gate_in float32, cos_gate_out float32,
+  cos_in_out float32, tokens int64, active int64, dead bool, rare bool,
   prediction bool, suppression bool, partition bool, io_class string (one of `IO_CLASSES`).
 - `census_layers`: one row per layer. layer int16, memories int32, mined int32 (memories with key
   statistics), tokens int64, then float64 shares: dead and rare (of the mined memories; null when
@@ -220,7 +221,9 @@ def _expert_columns(mm, dims: np.ndarray) -> dict:
     if mm.expert_of(0) is None:
         return {}
     pairs = np.array([mm.expert_of(int(i)) for i in dims], np.int64).reshape(-1, 2)
-    return {"expert": pa.array(pairs[:, 0].astype(np.int16)), "expert_dim": pa.array(pairs[:, 1].astype(np.int32))}
+    routed = int(mm.arch.n_experts(mm.blocks[0]))
+    return {"expert": pa.array(pairs[:, 0].astype(np.int16)), "expert_dim": pa.array(pairs[:, 1].astype(np.int32)),
+            "shared_expert": pa.array(pairs[:, 0] == routed)}
 
 
 def _f32(x: np.ndarray) -> pa.Array:
