@@ -316,6 +316,14 @@ def test_report_section_and_memory_panel(census_run, tmp_path):
     alive = [p for p in step_panels(Run(run), 0, 0) if p["step"] == "census"]
     assert alive[0]["rows"][0][1] in ("alive", "rare")
 
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    c = TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+    page = c.get(f"/memory/{DEAD[0]}/{DEAD[1]}")
+    assert page.status_code == 200 and "Census" in page.text and "excess kurtosis" in page.text
+
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_layer_census_on_a_mixture_of_experts(name, tmp_path_factory, tok_dir):
