@@ -51,9 +51,28 @@ def _user_os_error(e: OSError) -> str | None:
     return f"{os.strerror(e.errno).lower()}" + (f": {name}" if name else "")
 
 
-def _out_of_memory(e: BaseException) -> str | None:
+def _command_of(argv: list[str] | None):
+    """The click command that `argv` (else the process's arguments) runs, or None: the first
+    word that names one of the app's commands."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        group = typer.main.get_command(app)
+        commands = getattr(group, "commands", {})
+    except Exception:  # noqa: BLE001 - no command known: the hint names no option
+        return None
+    return next((commands[a] for a in map(str, args) if a in commands), None)
+
+
+def _options_of(command) -> set[str]:
+    """Every option name (`--batch-tokens`, ...) that `command` takes."""
+    return {o for p in getattr(command, "params", ()) for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))
+            if o.startswith("-")}
+
+
+def _out_of_memory(e: BaseException, argv: list[str] | None = None) -> str | None:
     """Running out of device or host memory (a budget too large for this machine, or another
-    process holding the GPU) as one line with what to do; None for any other error."""
+    process holding the GPU) as one line with what to do, naming only options the failing command
+    (from `argv`) has; None for any other error."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(e, torch.OutOfMemoryError):
         where = "GPU"
@@ -62,8 +81,11 @@ def _out_of_memory(e: BaseException) -> str | None:
     else:
         return None
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return (f"out of {where} memory ({first}); free some, or pass a smaller --batch-tokens "
-            "(mine resumes its checkpoint only under the budget it began with)")
+    command = _command_of(argv)
+    if command is not None and "--batch-tokens" in _options_of(command):
+        resume = " (mine resumes its checkpoint only under the budget it began with)" if command.name == "mine" else ""
+        return f"out of {where} memory ({first}); free some, or pass a smaller --batch-tokens{resume}"
+    return f"out of {where} memory ({first}); free some memory, or give it a smaller input"
 
 
 def _click_errors() -> tuple[type, ...]:
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             print(f"ffkv: error: {_one_line(e.format_message())}{where}", file=sys.stderr)
             sys.exit(2)
-        why = _out_of_memory(e)
+        why = _out_of_memory(e, argv)
         if why is not None:
             print(f"ffkv: error: {_one_line(why)}", file=sys.stderr)
             sys.exit(2)
