@@ -323,6 +323,15 @@ def test_report_section_and_memory_panel(census_run, tmp_path):
     c = TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
     page = c.get(f"/memory/{DEAD[0]}/{DEAD[1]}")
     assert page.status_code == 200 and "Census" in page.text and "excess kurtosis" in page.text
+    ov = c.get("/api/overview").json()
+    titles = [x["title"] for x in ov["step_columns"] if x["step"] == "census"]
+    lay = _table(run, "census_layers")
+    assert titles == [f"census: {k}" for k in ("dead", "prediction", "suppression", "partition",
+                                                 "enrichment", "depletion")]
+    for k in titles:
+        got = [r["steps"]["census"][k] for r in ov["rows"]]
+        assert got == pytest.approx(lay[k.split(": ")[1]].tolist())
+    assert "census: dead" in c.get("/").text
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])

@@ -46,6 +46,7 @@ STEP = Step("census", CensusSettings, requires=("mine",), tables=TABLES,
             compute=lazy("ffkv.steps.census.compute:compute"), record=lazy("ffkv.steps.census.compute:record"),
             cli=True, summary=lazy("ffkv.steps.census.summary:summary"),
             sections=lazy("ffkv.steps.census.report:sections"), panels=lazy("ffkv.steps.census.report:panels"),
+            overview=lazy("ffkv.steps.census.report:overview"),
             help="A census of the memories: dead and rare (from the mined key statistics), prediction, "
                  "suppression and partition (vocabulary moments of the values), enrichment and depletion "
                  "(cosines of keys with values).")

@@ -74,3 +74,15 @@ def panels(run, layer: int, dim: int) -> list:
         ("input-output", r["io_class"].replace("_", " "), cos)),
         note="cos(W_U, v) over the vocabulary (Gurnee et al.), key-value cosines (after Gerstner & Schütze); "
              "definitions in ffkv.steps.census.compute.")]
+
+
+OVERVIEW = ("dead", "prediction", "suppression", "partition", "enrichment", "depletion")
+
+
+def overview(run) -> dict:
+    """The browser overview's census columns: per layer, the share of its memories in each of
+    `OVERVIEW` (dead: of its mined memories), from `census_layers`."""
+    from ffkv.store import query
+
+    t = query.table(run, "census_layers", columns=["layer", *OVERVIEW]).to_pylist()
+    return {f"census: {c}": {r["layer"]: r[c] for r in t} for c in OVERVIEW}
