@@ -82,7 +82,11 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
     lens = next((o.get("lens") for o in origins if o.get("lens")), None)
     if lens:
         man["lens"] = lens
-    restored, missing = [], {}
+    restored, missing, foreign = [], {}, {}
+    passes: dict[str, set] = {}  # step -> the passes its own tables record (`Run._pass_identity`)
+    for o, _ in found.values():
+        if o and o.get("step"):
+            passes.setdefault(o["step"], set()).add(o.get("pass"))
     for name in names():
         step = get(name)
         own = [found[t][0] for t in found if found[t][0] and found[t][0].get("step") == name]
@@ -92,9 +96,15 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
             if own or any(t in found for t in step.tables):
                 missing[name] = lost
             continue
+        why = _inconsistent(name, step, own, passes, man["steps"])
+        if why:
+            foreign[name] = why
+            continue
         times = [found[t][1]["written"] for t in step.tables]
         settings = next((o.get("settings") for o in own if o.get("settings") is not None), None)
-        info = {"status": "done", "started": min(times), "finished": max(times), "repaired": True}
+        one = next(iter(passes.get(name) or {None}))
+        info = {"status": "done", "started": one if isinstance(one, (int, float)) else min(times),
+                "finished": max(times), "repaired": True}
         if name == "mine":
             info.update(_mine_info(path, found, settings, man))
         man["steps"][name] = info
@@ -109,12 +119,40 @@ def rebuild(path: Path, model_name: str | None = None, device: str = "auto", log
     Run(path)  # it loads
     for t, why in sorted(problems.items()):
         log(f"repair: left {t}.parquet as it is: {why}")
+    for name, why in foreign.items():
+        log(f"repair: step {name} not restored: {why}; redo it with its command and --force")
     for name, lost in missing.items():
         log(f"repair: step {name} not restored (missing or unreadable: {', '.join(lost)}); redo it with "
             f"its command and --force")
     log(f"repaired {path}: {len(found)} table(s) verified; steps done again: {', '.join(restored) or 'none'}; "
         f"model {model.get('model_id') or model.get('model')}")
     return man
+
+
+def _inconsistent(name: str, step, own: list[dict], passes: dict[str, set], done: dict) -> str | None:
+    """Why the tables of step `name` (`own`: their origins) cannot be taken as one finished pass
+    of this run, or None: they must come from one pass, and the upstream passes they record (each
+    step it requires, and mine when they name one) must be the ones restored here. A step's
+    tables copied from another run name another mine; tables of two passes mixed are not one
+    result."""
+    mine = passes.get(name) or set()
+    if len(mine) > 1:
+        return (f"its tables come from {len(mine)} different passes (tables of another run or of an "
+                f"older pass mixed in)")
+    if not step.requires and not any((o.get("upstream") or {}).get("mine") is not None for o in own):
+        return None
+    if None in mine or not own:
+        return ("its tables do not record which pass of the steps it reads they come from (written by "
+                "an older ffkv), so they cannot be matched to this run's")
+    for o in own:
+        up = o.get("upstream") or {}
+        for u in dict.fromkeys([*step.requires, *(["mine"] if "mine" in up else [])]):
+            if u not in done:
+                return f"it reads `{u}`, which is not restored"
+            if up.get(u) != done[u].get("started"):
+                return (f"its tables read another `{u}` pass than this run's (copied from another run, "
+                        f"or left from before `{u}` was redone)")
+    return None
 
 
 def _optional_tables(name: str) -> tuple[str, ...]:

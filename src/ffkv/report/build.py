@@ -249,6 +249,11 @@ class Builder:
         dfs = [self.t.get(n) for n in names]
         absent = [n for n, d in zip(names, dfs) if d is None]
         if absent:
+            foreign = [(n, pr) for n in absent if self.run.table_path(n).exists()
+                       and (pr := self.run.table_problem(n)) is not None]
+            if foreign:  # a file with the table's name that the run does not vouch for: skipped, saying why
+                n, pr = foreign[0]
+                return dfs, f"This section is skipped: the `{n}` table of this run {pr}."
             step = next((s.name for s in ordered() if absent[0] in s.tables), None)
             how = f"`{command(step, self.run)}`" if step else "the step that writes it"
             return dfs, (f"This section needs the {', '.join(f'`{a}`' for a in absent)} table"
@@ -513,6 +518,16 @@ def verdict_record(s: Section, p: Paper) -> dict:
             "figure": s.figure["png"].name if s.figure else None, "missing": s.missing, "error": s.error}
 
 
+def ignored_tables(run: Run) -> dict[str, list[str]]:
+    """The files in the run with a table's name that it does not vouch for (`Run.table_problem`),
+    by what is wrong with them: each is left out of every section."""
+    out: dict[str, list[str]] = {}
+    for p in sorted(run.path.glob("*.parquet")):
+        if not p.name.startswith(".") and (pr := run.table_problem(p.stem)) is not None:
+            out.setdefault(pr, []).append(p.stem)
+    return out
+
+
 def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list[str]]:
     """`build_report`, also returning the problems met (sections that could not be built)."""
     from ffkv.steps.lifecycle import check_run
@@ -520,6 +535,9 @@ def build(run_path, out: str | Path | None = None, log=None) -> tuple[Path, list
     run = Run(run_path)
     run.require("mine", f"ffkv mine --out {run.path}")
     check_run(run)  # a damaged table is one line naming its rebuild, not a report drawn from it
+    for why, names in ignored_tables(run).items():  # files the manifest does not vouch for: named, never drawn
+        (log or (lambda *_: None))(f"report: ignored {', '.join(f'`{n}`' for n in names)} in {run.path}: "
+                                   f"{'each' if len(names) > 1 else 'it'} {why}")
     if out is None:
         html_path = run.path / "report" / "index.html"
     else:

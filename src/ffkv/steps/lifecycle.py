@@ -150,7 +150,7 @@ def step_tables(run, name: str, step: Step | None = None) -> list[str]:
     started = run.step(name).get("started") or 0
     recs = run.manifest.get("tables") or {}
     extra = [t for t, r in recs.items() if isinstance(r, dict) and r.get("step") == name
-             and ((r.get("written") or 0) >= started or run.has_table(t))]
+             and ((r.get("written") or 0) >= started or run.table_path(t).exists())]
     return list(dict.fromkeys([*(step.tables if step is not None else ()), *extra]))
 
 
@@ -159,7 +159,7 @@ def table_problems(run, name: str, step: Step | None = None, known: bool = False
     `known`: only the tables the manifest records or the folder holds (a table an older ffkv never
     wrote is missing to the step, which redoes itself, but no damage to a reader)."""
     recs = run.manifest.get("tables") or {}
-    return [(t, pr) for t in step_tables(run, name, step) if not known or t in recs or run.has_table(t)
+    return [(t, pr) for t in step_tables(run, name, step) if not known or t in recs or run.table_path(t).exists()
             if (pr := run.table_problem(t)) is not None]
 
 

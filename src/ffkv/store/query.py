@@ -24,11 +24,24 @@ def path(run, name: str) -> Path:
     return Path(run.path) / f"{name}.parquet"
 
 
-def table(run, name: str, columns=None, filters=None) -> pa.Table:
-    """A whole table, or the columns and rows asked for (pyarrow filter syntax)."""
+def trusted(run, name: str) -> None:
+    """Table `name` is the run's to read (`Run.table_problem`: recorded by the manifest, as
+    written, by a step that is done), else FfkvError, one line: a file with a table's name that
+    the manifest does not vouch for is never drawn."""
     p = path(run, name)
     if not p.exists():
         raise FfkvError(f"run {run.path} has no `{name}` table")
+    problem = getattr(run, "table_problem", None)
+    pr = problem(name) if problem is not None else None
+    if pr is not None:
+        raise FfkvError(f"the `{name}` table of {run.path} {pr}")
+
+
+def table(run, name: str, columns=None, filters=None) -> pa.Table:
+    """A whole table, or the columns and rows asked for (pyarrow filter syntax), once the run
+    vouches for it (`trusted`)."""
+    p = path(run, name)
+    trusted(run, name)
     try:
         return pq.read_table(p, columns=list(columns) if columns is not None else None, filters=filters)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
@@ -39,8 +52,7 @@ def table(run, name: str, columns=None, filters=None) -> pa.Table:
 
 def schema_names(run, name: str) -> list[str]:
     p = path(run, name)
-    if not p.exists():
-        raise FfkvError(f"run {run.path} has no `{name}` table")
+    trusted(run, name)
     try:
         return list(pq.read_schema(p).names)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
@@ -49,8 +61,10 @@ def schema_names(run, name: str) -> list[str]:
 
 
 def tables(run) -> list[str]:
-    """Names of the tables present in the run."""
-    return sorted(p.stem for p in Path(run.path).glob("*.parquet") if not p.name.startswith("."))
+    """Names of the run's tables: those present that it vouches for (`Run.has_table`)."""
+    names = sorted(p.stem for p in Path(run.path).glob("*.parquet") if not p.name.startswith("."))
+    has = getattr(run, "has_table", None)
+    return [n for n in names if has is None or has(n)]
 
 
 def connect(run):

@@ -298,7 +298,9 @@ class Run:
         return self.path / f"{name}.parquet"
 
     def has_table(self, name: str) -> bool:
-        return self.table_path(name).exists()
+        """Table `name` is this run's to read (`table_problem` is None): a file with its name that
+        the manifest does not vouch for is absent to every reader."""
+        return self.table_problem(name) is None
 
     def write_table(self, name: str, table: pa.Table | dict, row_group_size: int | None = None) -> Path:
         """Write table `name` atomically and record what was written (rows, bytes, the footer's
@@ -317,10 +319,22 @@ class Run:
     def _origin_meta(self, name: str, schema: pa.Schema) -> dict:
         origin = {"table": name, "step": self._writer, "ffkv_version": __version__,
                   "settings": self.settings(self._writer) if self._writer else None,
-                  "model": self.manifest.get("model"), "lens": self.lens}
+                  "model": self.manifest.get("model"), "lens": self.lens, **self._pass_identity()}
         meta = dict(schema.metadata or {})
         meta[TABLE_META] = json.dumps(origin, default=str).encode()
         return meta
+
+    def _pass_identity(self) -> dict:
+        """Which pass wrote a table, for `ffkv repair`: `pass`, the writing step's start (its
+        first try's, kept across resumes), and `upstream`, the start of every step done when it
+        was written (the passes it may have read). Tables of one pass share `pass`; a table copied
+        from another run names another run's passes."""
+        steps = self.manifest.get("steps") or {}
+        if not self._writer:
+            return {}
+        return {"pass": (steps.get(self._writer) or {}).get("started"),
+                "upstream": {n: st.get("started") for n, st in steps.items()
+                             if n != self._writer and isinstance(st, dict) and st.get("status") == "done"}}
 
     def _record_table(self, name: str, rows: int, digest: dict) -> None:
         self.manifest.setdefault("tables", {})[name] = {"rows": rows, **digest, "step": self._writer,
@@ -347,26 +361,72 @@ class Run:
             digest = table_digest(tmp)
         self._record_table(name, rows, digest)
 
+    def _digest(self, p: Path) -> dict:
+        """`table_digest(p)`, read again only when the file's size, mtime or inode changed (a
+        reader asks on every read; the footer is hashed once per version of the file)."""
+        st = p.stat()
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        cache = self.__dict__.setdefault("_digests", {})
+        hit = cache.get(p.name)
+        if hit is None or hit[0] != key:
+            hit = cache[p.name] = (key, table_digest(p))
+        return hit[1]
+
+    def _legacy(self) -> bool:
+        """A run made before the manifest recorded its tables: steps done, no table records."""
+        return "tables" not in self.manifest and any(
+            isinstance(st, dict) and st.get("status") == "done" for st in (self.manifest.get("steps") or {}).values())
+
     def table_problem(self, name: str) -> str | None:
         """None when table `name` is what this run wrote; else what is wrong with it, as the end of
-        "the `name` table of RUN ...". Cheap: a stat and the footer. Tables of runs made before
-        records existed are verified by their footer alone."""
+        "the `name` table of RUN ...". The one trust rule for every reader (`has_table`,
+        `ffkv.store.query.table`): a table counts only when the manifest records it, with the size
+        and footer digest recorded, written by a step that is done (or by the step running in this
+        process, or outside any step: a cache). A file with a table's name that the manifest does
+        not record (another run's, copied in) or whose step did not finish (killed) is never drawn.
+        Cheap: a stat, and the footer hashed once per version of the file. Tables of runs made
+        before records existed are verified by their footer alone."""
         p = self.table_path(name)
         if not p.is_file():
             return "is missing" if not p.exists() else "is not a file"
-        rec = (self.manifest.get("tables") or {}).get(name)
+        recs = self.manifest.get("tables")
+        rec = recs.get(name) if isinstance(recs, dict) else None
+        legacy = rec is None and self._legacy()
         try:
-            digest = table_digest(p)
-            if rec is None:
+            digest = self._digest(p)
+            if legacy:
                 table_origin(p)  # the footer parses
         except (OSError, ValueError):
             return "is unreadable (not a whole Parquet file: cut short, or another file)"
-        if rec is not None and (digest["bytes"] != rec.get("bytes") or
-                                digest["footer_sha256"] != rec.get("footer_sha256")):
+        if legacy:
+            return None
+        if rec is None or not isinstance(rec, dict):
+            return ("is not one this run wrote (its manifest records no such table: a file copied in from "
+                    "elsewhere, or left by an older pass), so never read: remove it, or run the step that writes it")
+        if digest["bytes"] != rec.get("bytes") or digest["footer_sha256"] != rec.get("footer_sha256"):
             return (f"is not the table this run wrote ({digest['bytes']:,} bytes, "
                     f"{rec.get('rows') or 0:,} rows and {rec.get('bytes') or 0:,} bytes written): "
                     f"cut short, or replaced by another file")
+        step = rec.get("step")
+        if step is not None and step != getattr(self, "_writer", None):
+            status = ((self.manifest.get("steps") or {}).get(step) or {}).get("status")
+            if status != "done" and not self._shared_with_done(name, step):
+                how = {"running": "it was stopped or killed before it finished", "failed": "it failed"}.get(
+                    status, "the manifest records no finished pass of it")
+                return (f"was written by `{step}`, which is not done ({how}); never read until "
+                        f"`{step}` finishes")
         return None
+
+    def _shared_with_done(self, name: str, writer: str) -> bool:
+        """Table `name` is also one of the tables of another step that is done (a cache two steps
+        fill, e.g. `value_tops`, a function of the model alone): whole as recorded, it stands
+        whichever of them wrote it last."""
+        try:
+            from ffkv.steps.registry import get, known
+
+            return any(n != writer and self.step_done(n) and name in get(n).tables for n in known())
+        except Exception:  # noqa: BLE001 - no registry (a bare store reader): the strict rule
+            return False
 
     def verify_table(self, name: str) -> str | None:
         """`table_problem`, then what a step checks before it says done: the footer parses as
