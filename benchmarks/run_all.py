@@ -11,7 +11,8 @@ HERE = Path(__file__).resolve().parent
 run = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--run=")), None)
 NEEDS_RUN = {"bench_values.py", "bench_serve.py"}
 for script in ("bench_mine.py", "bench_values.py", "bench_compose.py", "bench_mutate.py", "bench_explore.py",
-               "bench_normalize.py", "bench_serve.py", "bench_rank.py", "bench_gpu.py", "bench_gguf_refusal.py"):
+               "bench_normalize.py", "bench_serve.py", "bench_rank.py", "bench_gpu.py", "bench_gguf_refusal.py",
+               "bench_census.py"):
     print(f"\n=== {script}", flush=True)
     if script in NEEDS_RUN and not run:
         print(f"skipped: {script} needs a finished run (make bench RUN=runs/default)", flush=True)
