@@ -372,10 +372,11 @@ class Run:
             hit = cache[p.name] = (key, table_digest(p))
         return hit[1]
 
-    def _legacy(self) -> bool:
-        """A run made before the manifest recorded its tables: steps done, no table records."""
-        return "tables" not in self.manifest and any(
-            isinstance(st, dict) and st.get("status") == "done" for st in (self.manifest.get("steps") or {}).values())
+    @staticmethod
+    def _legacy(m: dict) -> bool:
+        """Manifest `m` is of a run made before table records: steps done, no table records."""
+        return "tables" not in m and any(
+            isinstance(st, dict) and st.get("status") == "done" for st in (m.get("steps") or {}).values())
 
     def table_problem(self, name: str) -> str | None:
         """None when table `name` is what this run wrote; else what is wrong with it, as the end of
@@ -385,20 +386,34 @@ class Run:
         process, or outside any step: a cache). A file with a table's name that the manifest does
         not record (another run's, copied in) or whose step did not finish (killed) is never drawn.
         Cheap: a stat, and the footer hashed once per version of the file. Tables of runs made
-        before records existed are verified by their footer alone."""
+        before records existed are verified by their footer alone. A Run whose manifest another
+        process (or Run) has since saved asks the manifest on disk before it refuses a table."""
         p = self.table_path(name)
         if not p.is_file():
             return "is missing" if not p.exists() else "is not a file"
-        recs = self.manifest.get("tables")
-        rec = recs.get(name) if isinstance(recs, dict) else None
-        legacy = rec is None and self._legacy()
         try:
             digest = self._digest(p)
-            if legacy:
-                table_origin(p)  # the footer parses
         except (OSError, ValueError):
             return "is unreadable (not a whole Parquet file: cut short, or another file)"
-        if legacy:
+        pr = self._problem(name, p, digest, self.manifest)
+        if pr is not None:
+            try:
+                disk = self._load() if (self.path / MANIFEST).exists() else None
+            except FfkvError:
+                disk = None
+            if disk is not None and disk != self.manifest and self._problem(name, p, digest, disk) is None:
+                return None
+        return pr
+
+    def _problem(self, name: str, p: Path, digest: dict, m: dict) -> str | None:
+        """`table_problem` of the file at `p` (footer `digest`) against manifest `m`."""
+        recs = m.get("tables")
+        rec = recs.get(name) if isinstance(recs, dict) else None
+        if rec is None and self._legacy(m):
+            try:
+                table_origin(p)  # the footer parses
+            except ValueError:
+                return "is unreadable (not a whole Parquet file: cut short, or another file)"
             return None
         if rec is None or not isinstance(rec, dict):
             return ("is not one this run wrote (its manifest records no such table: a file copied in from "
@@ -409,22 +424,25 @@ class Run:
                     f"cut short, or replaced by another file")
         step = rec.get("step")
         if step is not None and step != getattr(self, "_writer", None):
-            status = ((self.manifest.get("steps") or {}).get(step) or {}).get("status")
-            if status != "done" and not self._shared_with_done(name, step):
+            steps = m.get("steps") or {}
+            status = (steps.get(step) or {}).get("status")
+            if status != "done" and not self._shared_with_done(name, step, steps):
                 how = {"running": "it was stopped or killed before it finished", "failed": "it failed"}.get(
                     status, "the manifest records no finished pass of it")
                 return (f"was written by `{step}`, which is not done ({how}); never read until "
                         f"`{step}` finishes")
         return None
 
-    def _shared_with_done(self, name: str, writer: str) -> bool:
+    @staticmethod
+    def _shared_with_done(name: str, writer: str, steps: dict) -> bool:
         """Table `name` is also one of the tables of another step that is done (a cache two steps
         fill, e.g. `value_tops`, a function of the model alone): whole as recorded, it stands
         whichever of them wrote it last."""
         try:
             from ffkv.steps.registry import get, known
 
-            return any(n != writer and self.step_done(n) and name in get(n).tables for n in known())
+            return any(n != writer and (steps.get(n) or {}).get("status") == "done" and name in get(n).tables
+                       for n in known())
         except Exception:  # noqa: BLE001 - no registry (a bare store reader): the strict rule
             return False
 
