@@ -19,7 +19,8 @@ from conftest import WT2, mine_tiny, run_cli
 LONG_RUNNING = {"serve", "reproduce"}
 
 GARBAGE = ["", " ", "-1", "0", "-0", "nan", "inf", "-inf", "1e400", "99999999999999999999999", "1.5", "abc",
-           "½", "\x1b[2J", "\u202e1", "1,2", "3-1", "1:2", "+", "-", "--", "x" * 300, "0x10", "1_000", "٣"]
+           "½", "\x1b[2J", "\u202e1", "1,2", "3-1", "1:2", "+", "-", "--", "x" * 300, "0x10", "1_000", "٣",
+           "9" * 5000, "-" + "9" * 5000, "𝟙", "²", "1e3", "+0"]  # 5,000 digits: past Python's int-string limit
 
 
 def leaf_commands() -> dict[str, object]:

@@ -26,7 +26,8 @@ QUERY_NAMES = ["top", "annotate_sign", "slots", "samples", "sign", "rank", "pos"
 FORM_NAMES = ["annotator", "sign", "note", "p0_description", "p0_kind", "p0_prefixes", "p1_description",
               "p1_kind", "p1_prefixes", "p19_prefixes", "p20_description", "p99999999999_kind"]
 NUMBERS = ["0", "1", "2", "-1", "25", "79", "80", "200", "1000000", "99999999999999999999999", "1e308", "-1e308",
-           "nan", "inf", "-inf", "0x10", "1.5", "+1", "-", " 1 ", "", "١", "1_000"]
+           "nan", "inf", "-inf", "0x10", "1.5", "+1", "-", " 1 ", "", "١", "1_000",
+           "-0", "+0", "1e3", "1E-3", "𝟙", "²", "9" * 5000, "-" + "9" * 5000]  # 5,000 digits: past the int-string limit
 WORDS = ["the", "␣the", " the", "shallow", "semantic", "any", "all", "first", "yes", "no", "promote", "suppress",
          "norm", "naive", "precision", "max_prob", "desc", "asc", "word", "token", "1:5", "0:0,1:1", "2:79:3.5",
          "last", "<script>alert(1)</script>", "%00", "../../manifest.json", "\x00", "\u202e", "Łukasz", "李明"]
