@@ -88,15 +88,13 @@ DEFAULTS = {"kurtosis": 10.0, "partition": 2.0, "cos": 0.1}  # CensusSettings' d
 def unembedding_rows(mm, lens: str):
     """W_U (V, d) float32 rows as the census compares values with them, each of unit norm (a zero row
     stays zero): E, or E's rows times the final norm's gain for the norm lens."""
-    import torch
-
     from ffkv.model.memories import lens_for
 
     ln = lens_for(mm, check_lens(lens))
     W = ln.E.detach().float()
     if lens == "norm":
         W = W * ln.gain.detach().float()
-    return W / W.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return _unit(W)
 
 
 def _unit(X):
