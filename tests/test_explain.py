@@ -200,7 +200,8 @@ def test_unedited_layers_are_reused_exactly(tiny_models, at):
     base = _read(mm, ids, None, 5, "norm", 3)
     edits = [Intervention(2, 5, "scale", 0.0), Intervention(1, 7, "set", 1.5)]
     fast = _read(mm, ids, base["prediction_id"], 5, "norm", 3, edits, at, base=base)
-    full = _read(mm, ids, base["prediction_id"], 5, "norm", 3, edits, at)
+    # the contributions of both are read at the unedited pass's frozen norm scale
+    full = _read(mm, ids, base["prediction_id"], 5, "norm", 3, edits, at, scale=base["_scale"])
     assert _public(fast) == _public(full)
     assert torch.equal(fast["_m"], full["_m"]) and torch.equal(fast["_contrib"], full["_contrib"])
     assert fast["layers"][0] is base["layers"][0] and fast["layers"][1] is not base["layers"][1]
@@ -248,14 +249,28 @@ def test_contrast_and_limits(tiny_models):
         explain(mm, TEXT, max_tokens=4)
     with pytest.raises(FfkvError, match="out of range"):
         explain(mm, TEXT, interventions=[(0, mm.d_m, "scale", 0.0)])
-    # the contribution is m_i·(v_i·e_w) under the chosen lens
+    # the contribution is m_i·(v_i·e_w) under the naive lens; under the norm lens its share of the
+    # logit through GPT-2's final LayerNorm: v centred, times its gain, over its scale at the last
+    # position's final residual (read here from ln_f's own input)
+    ln_f = mm.hf.transformer.ln_f
+    seen = {}
+    hook = ln_f.register_forward_pre_hook(lambda mod, args: seen.__setitem__("h", args[0][0, -1]))
+    try:
+        with torch.no_grad():
+            mm.hf(input_ids=torch.tensor([mm.tok(TEXT)["input_ids"]]), use_cache=False)
+    finally:
+        hook.remove()
     for lens in ("naive", "norm"):
         r = explain(mm, TEXT, 2, lens=lens)
         m = r["layers"][1]["memories"][0]
         v = mm.values(1)[m["dim"]]
-        g = mm.hf.transformer.ln_f.weight if lens == "norm" else 1.0
+        g, k = 1.0, 1.0
+        if lens == "norm":
+            v, g = v - v.mean(), ln_f.weight
+            k = float(1 / torch.sqrt(seen["h"].var(unbiased=False) + ln_f.eps))
+        assert r["contrib_scale"] == pytest.approx(k, rel=1e-5)
         with torch.no_grad():
-            want = m["coef"] * float((v * g) @ mm.hf.lm_head.weight[r["prediction_id"]])
+            want = m["coef"] * float((v * g) @ mm.hf.lm_head.weight[r["prediction_id"]]) * k
         assert m["contrib"] == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 

@@ -97,6 +97,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
         c = res["contrast"]
         lines.append(f"contrast {c['token']!r}: p={c['p']:.3f}, rank {c['rank'] + 1}"
                      + (f" → p={after['contrast']['p']:.3f}, rank {after['contrast']['rank'] + 1}" if after else ""))
+    lines.append(f"contributions in {res['contrib_units']}")
     lines.append("strongest memories for " + repr(w) + " (layer:dim contribution): up "
                  + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}" for m in res["top_memories"]["up"])
                  + "; down " + ", ".join(f"{m['layer']}:{m['dim']} {m['contrib']:+.2f}"

@@ -153,6 +153,25 @@ class Architecture:
         w = getattr(norm, "weight", None)
         return None if w is None else w + self.gain_offset if self.gain_offset else w
 
+    @staticmethod
+    def norm_eps(norm) -> float:
+        """A norm's ε. OLMo's parameter-free LayerNorm keeps none: it hard-codes F.layer_norm's 1e-5."""
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        return 1e-5 if eps is None else float(eps)
+
+    @staticmethod
+    def norm_centres(norm) -> bool:
+        """Whether a norm subtracts the mean (a LayerNorm) or not (an RMSNorm), from its class."""
+        import torch
+
+        name = type(norm).__name__
+        return isinstance(norm, torch.nn.LayerNorm) or ("LayerNorm" in name and "RMS" not in name)
+
+    def head_scale(self, cfg) -> float:
+        """The linear factor of `head` (what the logits are multiplied by); a soft-cap is not
+        linear and is left out: attributions are then in logits before it."""
+        return 1.0
+
     def head(self, cfg, z: torch.Tensor) -> torch.Tensor:
         """What the CausalLM does to the unembedded final state, here a soft-cap if any."""
         cap = getattr(text_config(cfg), self.softcap, None) if self.softcap else None
@@ -353,8 +372,14 @@ class ScaledResidual(Architecture):
     def write_y(self, blk, y):
         return y / self._c(blk)
 
+    def _divisor(self, cfg) -> float:
+        return float(getattr(text_config(cfg), self.divisor, 1.0) or 1.0)
+
+    def head_scale(self, cfg) -> float:
+        return 1.0 / self._divisor(cfg)
+
     def head(self, cfg, z):
-        return z / float(getattr(text_config(cfg), self.divisor, 1.0) or 1.0)
+        return z / self._divisor(cfg)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,21 @@ class Lens:
         v = self._direction(v.float())
         return torch.matmul(v, (self.E if tokens is None else self.E[tokens]).float().T, out=out)
 
+    # ---- direct logit attribution: a write's share of one state's logits --------------------
+    units: str = ""  # what `contribution_logits` are in, shown beside them (JSON, explorer, CLI)
+
+    @torch.no_grad()
+    def logit_scale(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) final residual states -> (..., 1) float32 factor that turns this lens's
+        `contribution_logits` into a share of the logits read at h."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def contribution_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., d) writes to the residual stream -> float32 logits per unit scale (times
+        `logit_scale(h)`: their shares of the logits at h, which add up over the writes)."""
+        return self.direction_logits(v, tokens)
+
     def top(self, h: torch.Tensor) -> torch.Tensor:
         return self.logits(h).argmax(-1)
 
@@ -138,6 +153,13 @@ class NaiveLens(Lens):
     def _direction(self, v: torch.Tensor) -> torch.Tensor:
         return v
 
+    units = "naive-lens units: m·(v·e_t), no final norm (not the model's logits)"
+
+    @torch.no_grad()
+    def logit_scale(self, h: torch.Tensor) -> torch.Tensor:
+        """1: h·E is linear, so m·(v·e_t) is already its share of the naive logit."""
+        return torch.ones(*h.shape[:-1], 1, device=h.device)
+
 
 class NormLens(Lens):
     """The model's own head (`model_logits`: final norm, unembedding, and what the family does to
@@ -153,6 +175,39 @@ class NormLens(Lens):
 
     def _direction(self, v: torch.Tensor) -> torch.Tensor:
         return v * self.gain.to(v.dtype)
+
+    @property
+    def units(self) -> str:
+        cap = " before the soft-cap" if self.mm.arch.softcap else ""
+        v, rms = ("(v − mean v)", "std") if self.centres else ("v", "rms")
+        return f"logits{cap}: m·({v}·(g⊙e_t))/{rms}(final residual), the scale frozen at this run"
+
+    @property
+    def centres(self) -> bool:
+        """The final norm subtracts the mean (LayerNorm): a write's share is its centred part's."""
+        return self.mm.arch.norm_centres(self.final_norm)
+
+    @torch.no_grad()
+    def logit_scale(self, h: torch.Tensor) -> torch.Tensor:
+        """head_scale / s, s = sqrt(mean((h − mean h)²) + ε) (LayerNorm) or sqrt(mean(h²) + ε)
+        (RMSNorm): the final norm's own scale at h. Frozen at h, the norm is linear, so the shares
+        of all writes to h (embedding, attention, each m_i·v_i, biases) add up to the logit, less
+        the norm's and unembedding's biases (direct logit attribution, as TransformerLens does it
+        with a cached LayerNorm scale). Without it m·(v·(g⊙e_t)) is off by s (issue 48: +1025)."""
+        hf = h.float()
+        if self.centres:
+            hf = hf - hf.mean(-1, keepdim=True)
+        eps = self.mm.arch.norm_eps(self.final_norm)
+        s = torch.sqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return self.mm.arch.head_scale(self.mm.hf.config) / s
+
+    @torch.no_grad()
+    def contribution_logits(self, v: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The direction's logits of the write's centred part where the norm centres."""
+        v = v.float()
+        if self.centres:
+            v = v - v.mean(-1, keepdim=True)
+        return self.direction_logits(v, tokens)
 
 
 LENS_TYPES: dict[str, type[Lens]] = {c.name: c for c in (NaiveLens, NormLens)}

@@ -4,9 +4,13 @@
 the layers. Per layer ℓ it reads, under both lenses (`Lens` "naive" and "norm"), the residual
 before the FFN (r), the FFN's own output (y) and the residual after it (o): their top tokens and
 the probability and logit of w. It ranks the layer's memories by their signed contribution to w,
-m_i·(v_i·e_w) under the chosen lens (`Lens.direction_logits`; m_i from the capture, which tests
-hold equal to `MemoryModel.coefficients`), both those pushing w up and those pushing it down,
-and likewise for a contrast token.
+both those pushing w up and those pushing it down, and likewise for a contrast token. Under the
+norm lens a contribution is a share of w's logit (direct logit attribution):
+m_i·(v_i·(g⊙e_w))/s, s the final norm's scale at the last position's final residual, frozen at
+the unedited pass (`Lens.logit_scale`; v_i centred where the norm is a LayerNorm,
+`Lens.contribution_logits`), so that all writes' shares add up to the logit (tests/test_dla.py).
+Under the naive lens it is m_i·(v_i·e_w), in the naive lens's own units (`contrib_units` says
+which). m_i is from the capture, which tests hold equal to `MemoryModel.coefficients`.
 
 With `interventions` (`ffkv.parse.Intervention`: scale or set chosen m_i, at the last position or
 at every position, through `MemoryModel.intervene`), a second forward pass runs with the edits.
@@ -15,7 +19,9 @@ contrast, so the two compare number by number; its own prediction is in `interve
 
 The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web return it):
   text, tokens (each token as text), n_tokens (those explained), truncated (None, or with
-    `truncate`: side, dropped_tokens, text_tokens: the text's own length), lens (of the contributions), at,
+    `truncate`: side, dropped_tokens, text_tokens: the text's own length), lens (of the contributions),
+  contrib_units (what every contrib is in), contrib_scale (the factor applied to m_i·(v_i·e_w):
+    1/s under the norm lens, times the head's linear factor; 1 under the naive lens), at,
   prediction, prediction_id, p, top (the model's top next tokens: token, id, p, logit),
   contrast (token, id, p, logit, rank: 0-based, the tokens with a higher logit; or None),
   layers: per layer {layer, top_r, top_y, top_o, p_final_in_r (chosen lens), memories (the
@@ -147,12 +153,14 @@ def _layer_row(l: int, readings: dict, k0: int, lens_mode: str, has_contrast: bo
 
 
 def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: str, top: int,
-          edits=(), at: str = "last", base: dict | None = None) -> dict:
+          edits=(), at: str = "last", base: dict | None = None, scale: torch.Tensor | None = None) -> dict:
     """One forward pass (with `edits` applied) read at the last position for tokens w and contrast.
 
     w None: the run's own prediction. `base`: the unedited read of the same text; the layers
     before the first edited one compute exactly what they computed there, so their readings
-    are taken from it rather than computed again."""
+    are taken from it rather than computed again. `scale`: the lens's `logit_scale` the
+    contributions use (default: base's, so an edited pass is read at the clean run's frozen
+    scale and its numbers compare with the clean ones; without base, this pass's own)."""
     L = mm.n_layers
     first = min((e[0] for e in edits), default=0) if base is not None else 0
     inp, mask = mm.batch([ids])
@@ -172,9 +180,12 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
         return {"token": dec(i), "id": int(i), "p": float(torch.exp(logits[i] - lse)), "logit": float(logits[i])}
 
     readings = _lens_readings(cap, new, lenses, targets)
-    # the signed contribution of every memory to w (and the contrast): m_i·(v_i·e_t), (L, d_m, n)
+    # the signed contribution of every memory to w (and the contrast), (L, d_m, n): its share of
+    # the logit, m_i·(v_i·e_t) times the lens's scale at the final residual (`Lens.logit_scale`)
+    if scale is None:
+        scale = base["_scale"] if base is not None else lens.logit_scale(cap[L - 1]["o"][0, -1])
     m = torch.stack([cap[l]["m"][0, -1] for l in new])  # (L, d_m)
-    dirs = torch.stack([lens.direction_logits(mm.values(l), targets) for l in new])
+    dirs = torch.stack([lens.contribution_logits(mm.values(l), targets) for l in new]) * scale
     contrib = (m.unsqueeze(-1) * dirs.to(m.dtype)).float()
     if first:
         m, contrib = torch.cat([base["_m"][:first], m]), torch.cat([base["_contrib"][:first], contrib])
@@ -218,7 +229,7 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
         "layers": layers,
         "top_memories": {k: [memory(x) for x in v] for k, v in tops.items()},
         "contrast_memories": None if ctops is None else {k: [memory(x) for x in v] for k, v in ctops.items()},
-        "_m": m, "_contrib": contrib,
+        "_m": m, "_contrib": contrib, "_scale": scale,
     }
 
 
@@ -266,8 +277,10 @@ def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "l
     base = _read(mm, ids, None, c, lens, top_memories)
     w = base["prediction_id"]
     after = _read(mm, ids, w, c, lens, top_memories, edits, at, base=base) if edits else None
+    ln = lens_for(mm, lens)
     res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids), "truncated": cut,
-           "lens": lens, "at": at, **_public(base),
+           "lens": lens, "contrib_units": ln.units, "contrib_scale": float(base["_scale"]),
+           "at": at, **_public(base),
            "interventions": _edit_rows(base, after, edits),
            "intervened": None if after is None else _public(after),
            "changed": None if after is None else after["prediction_id"] != w}

@@ -107,7 +107,9 @@ def page_context(q: Query, r: dict) -> dict:
         lists += [r["contrast_memories"]["up"], r["contrast_memories"]["down"]]
     vmax = max([abs(m["contrib"]) for ms in lists[:2] for m in ms] + [1e-12])
     cmax = max([abs(m["contrib_contrast"]) for ms in lists[2:] for m in ms] + [1e-12])
-    return {"add_url": add, "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax,
+    # the contributions' units in short (the header's title gives them in full)
+    unit = r.get("contrib_units", "").split(":")[0]
+    return {"add_url": add, "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax, "contrib_unit": unit,
             "layer_top_url": lambda row: add(*[(m["layer"], m["dim"]) for m in row["memories"]]),
             "clear_url": q.url(suppress="", scale="", at=""),
             "contrast_url": lambda tid: q.url(contrast="", contrast_id=tid),
