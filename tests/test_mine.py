@@ -664,5 +664,10 @@ try:
 except KeyboardInterrupt:
     print("interrupted", np.array_equal(np.load(p)["a"], a))
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    # SIGINT's default disposition in the child: a suite started in the background of a
+    # non-interactive shell inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler
+    import signal
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.returncode == 0 and p.stdout.strip() == "interrupted True", p.stdout + p.stderr[-2000:]
