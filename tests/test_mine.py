@@ -506,8 +506,8 @@ def test_ray_gives_each_gpu_an_actor_and_says_why_one_failed(tmp_path, tiny_dirs
     line with the actor's own reason rather than Ray's wrapper (actor id, pid, the traceback)."""
     ray = pytest.importorskip("ray")
     for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0"}.items():
-        monkeypatch.setenv(k, v)
+                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}.items():
+        monkeypatch.setenv(k, v)  # niceness: as ffkv's own private instance has it (`_init_ray`)
     ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:
