@@ -20,6 +20,7 @@ from ffkv.mine.topk import TopKState
 from ffkv.mine.trackers import Batch, MineState
 
 LENGTHS = (5, 7, 3)
+CHECK_KEYS = 160  # keys per layer of the kernels' check: ten capture programs, two offer blocks
 
 
 def sentences(mm) -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +88,7 @@ def _check_states(device) -> str | None:
     the counts, maxima, positions, samples and top-k lists must be equal bit for bit, the sums to
     float32 rounding. None: they are."""
     g = torch.Generator().manual_seed(0)
-    B, T, w, layers = 12, 9, 160, (0, 1)
+    B, T, w, layers = 12, 9, CHECK_KEYS, (0, 1)
     m = torch.randn(B, T, 2 * w, generator=g) * torch.exp(torch.randn(B, T, 2 * w, generator=g) * 2)
     m[1, :, 9] = 1.5  # ties: the first position wins
     m[0, 0, :5] = 0.0
