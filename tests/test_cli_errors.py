@@ -239,7 +239,7 @@ def test_ctrl_c_during_mine_then_resume(tiny_dirs, tmp_path):
     # Long enough that the signal lands mid-pass: one that lands while the interpreter is already
     # shutting down meets SIGINT's default disposition and kills the process (-2), a race, not a bug.
     args = ["mine", "--out", str(out), "--model", str(tiny_dirs["llama"]), "--corpus", str(WT2 / "wiki.train.tokens"),
-            "--max-sentences", "8000", "--top-k", "5", "--checkpoint-every", "0"]
+            "--max-sentences", "2000", "--top-k", "5", "--checkpoint-every", "0"]
     p = subprocess.Popen([sys.executable, "-m", "ffkv.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

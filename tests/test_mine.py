@@ -315,7 +315,7 @@ def test_rebuild_flags_type_back_the_record():
 
 
 def test_resume_after_sigkill(tmp_path, tiny_dirs):
-    args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 800,
+    args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 300,
             "--top-k", 5, "--batch-tokens", 64, "--checkpoint-every", 0]
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0
