@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-import ffkv  # noqa: F401  first, so that its MKL_CBWR setting is in place before torch loads MKL
+# One pytest-xdist worker per core: each gets its share of the cores for torch's threads (and the
+# processes it starts). Two workers of two threads each on two cores spin against each other in
+# OpenMP's barriers: six test files took 174 s so, 135 s at one thread a worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
+import ffkv  # noqa: E402, F401  first, so that its MKL_CBWR setting is in place before torch loads MKL
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
