@@ -25,6 +25,22 @@ def load_default():
     return open_model(None, device="cpu")
 
 
+def first_layers(mm, n: int | None):
+    """The model cut to its first `n` decoder blocks (a smaller benchmark of the same shapes), or mm."""
+    if not n or n >= mm.n_layers:
+        return mm
+    from ffkv.model.arch import get_path
+    from ffkv.model.memories import MemoryModel
+
+    blocks = get_path(mm.hf, mm.arch.layers)
+    del blocks[n:]
+    cfg = getattr(mm.hf.config, "text_config", None) or mm.hf.config
+    cfg.num_hidden_layers = n
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:n]
+    return MemoryModel(mm.hf, mm.tok, mm.spec)
+
+
 def wikitext_token_lists(mm, n: int, split: str = "valid"):
     from ffkv.corpus.sources import open_corpus, tokenize
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (ffkv before torch; offline)
 import numpy as np
-from _common import PeakAbove, page_in, status_kb
+import limit
+from _common import PeakAbove, first_layers, page_in, status_kb
 from ffkv.model import identity
 
 PAPER_GB = 150.0
@@ -69,6 +70,9 @@ def synthetic_run(path: Path, mm, k: int, seed: int = 0):
         "layer": layer, "dim": dim, "sign": sign, "rank": rank, "coef": coef,
         "sentence_id": sid.astype(np.int64), "position": pos,
         "next_token": pa.array(nxt, pa.int32(), mask=pos + 1 >= T)}), row_group_size=100_000)
+    from ffkv.steps.mine.compute import vocab_table
+
+    run.write_table("vocab", vocab_table(mm.tok, mm.vocab_size))  # a table the mine step writes
     run.start_step("mine", {"synthetic": True, "top_k": k})
     run.finish_step("mine")
     return n
@@ -97,6 +101,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--triggers-k", type=int, default=50, help="synthetic triggers per key and sign")
     ap.add_argument("--permutations", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only the model's first N layers (synthetic triggers only; a quick look)")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,7 +126,7 @@ def main():
         else:
             from ffkv.model.memories import open_model
 
-            mm = open_model(None, device="cpu")
+            mm = first_layers(open_model(None, device="cpu"), args.layers)
             n_rows = synthetic_run(tmp / "run", mm, args.triggers_k)
             run = Run(tmp / "run")
         page_in(mm)
@@ -135,6 +141,7 @@ def main():
         cpu_user, cpu_sys = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
         peak_gb, sampled_gb = peak.gb, peak.sampled_gb
         load1 = os.getloadavg()
+        lenses = Run(tmp / "run").settings("values").get("lenses") or [run.lens]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -158,6 +165,14 @@ def main():
           f"(its model: 65,536 values × ~270k tokens)")
     print(f"  for scale            : one float32 L×d_m×V logit tensor for this model would be {full_gb:.1f} GB "
           f"(computed, never built)")
+    # the limit: every value through each lens, and the keys through the run's lens: (chunk, d) @ (d, V)
+    from ffkv.steps.values.compute import MAX_LOGIT_BYTES, WORK_ROWS
+
+    chunk = max(1, min(args.chunk, d_m, max(WORK_ROWS, MAX_LOGIT_BYTES // (4 * V))))
+    print()
+    limit.report("values", limit.vocab_shapes(mm, d_m, chunk, count=L * (len(lenses) + 1)), wall,
+                 note=f"{L * d_m:,} values × {len(lenses)} lenses ({', '.join(lenses)}) + {L * d_m:,} keys, "
+                      f"each 2·d·V = 2·{mm.d}·{V:,}; chunks of {chunk}")
     return 0
 
 
