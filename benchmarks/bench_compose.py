@@ -16,8 +16,10 @@ import os
 import sys
 import tempfile
 import time
-from ffkv.model import identity
 from pathlib import Path
+
+import limit
+from ffkv.model import identity
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FFKV_SHARED", ROOT.parent / "shared"))
@@ -39,6 +41,27 @@ def plain_forward(mm, prefixes, batch_tokens: int) -> float:
             ids, mask = mm.batch([prefixes[i] for i in idx])
             mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
     return time.perf_counter() - t
+
+
+def compose_limit(mm, run, info) -> None:
+    """The pass against the plain GEMM of its products: the forward over the prefixes' tokens (every
+    block, batched as the step packs them) and, per lens and layer, r, y and o of each scored
+    position onto the vocabulary ((3B, d) @ (d, V) per batch); and the value tops (every value
+    through both lenses, 384 rows at a time) when this run computed them."""
+    from ffkv.corpus.batching import pack
+    from ffkv.defs import LENSES
+
+    ids = run.read_table("compose_prefixes").column("token_ids").to_pylist()
+    lengths = [len(p) for p in ids]
+    batches = [[lengths[i] for i in b] for b in pack(lengths, info["batch_tokens"], info["max_rows"])]
+    L, n_lens = mm.n_layers, len(LENSES)
+    vocab = [limit.Gemm(3 * len(b), mm.d, mm.vocab_size, L * n_lens) for b in batches]
+    limit.report("compose pass", limit.forward_shapes(mm, lengths, batches) + vocab, info["seconds_pass"],
+                 note=f"forward over {sum(lengths):,} tokens in {len(batches)} batches, {L} layers; "
+                      f"{len(ids)} positions × 3 (r, y, o) × {L} layers × {n_lens} lenses onto {mm.vocab_size:,} tokens")
+    if info["seconds_value_tops"] > 0.5:  # computed here, not read from the run's cache
+        limit.report("compose value tops", limit.vocab_shapes(mm, mm.d_m, 384, L * n_lens),
+                     info["seconds_value_tops"], note=f"{L * mm.d_m:,} values × {n_lens} lenses")
 
 
 def main() -> None:
@@ -104,6 +127,8 @@ def main() -> None:
           f"hardware and sample size: a scale marker, not a like-for-like ratio)")
     print(f"  machine load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}, "
           f"on {os.cpu_count()} cores: other processes share the CPU when it exceeds the core count")
+    print()
+    compose_limit(mm, run, info)
     if tmp is not None:
         tmp.cleanup()
     sys.stdout.flush()
