@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+import limit
 from _common import WT2, load_default, out, wikitext_token_lists
 
 import torch  # noqa: E402  (after _common, which imports ffkv first)
@@ -81,6 +82,14 @@ def throughput(n: int, batch_tokens: int) -> dict:
         f"-> {res['ratio']:.2f}x without statistics (--no-stats; was 1.14x); "
         f"{res['mine_stats_tok_s']:.0f} tok/s -> {res['ratio_stats']:.2f}x with key statistics (goal >= 1.0x); "
         f"over {ntok} tokens, all 46,080 keys, t=50; statistics state {stats_mb:.0f} MB (goal <= 150 MB)")
+    # the limit: every block's products over the batches' tokens (mining needs no head)
+    lengths = [len(t) for t in toks]
+    blocks = limit.forward_shapes(mm, lengths, [[lengths[i] for i in b] for b in batches])
+    note = f"{mm.n_layers} blocks over {ntok:,} tokens in {len(batches)} batches"
+    res["limit"] = limit.report("mine forward, no statistics", blocks, t_bare, note=note, out=out)
+    res["limit_stats"] = limit.report("mine forward, key statistics", blocks, t_full, note=note, out=out)
+    limit.report("plain forward with logits", blocks + [limit.Gemm(ntok, mm.d, mm.vocab_size)], t_plain,
+                 note=note + " + the head on every token", out=out)
     return res
 
 

@@ -88,7 +88,8 @@ def block_shapes(mm, lengths: Iterable[int], layers: Iterable[int] | None = None
             out += [Gemm(tok, i, o, n_l) for i, o in lin]
     h, hd = attention_dims(mm)
     for T, n_seq in Counter(lengths).items():
-        out += [Gemm(T, hd, T, len(layers) * n_seq, h), Gemm(T, T, hd, len(layers) * n_seq, h)]
+        # sequences of one length batched with the heads, as a batched attention kernel runs them
+        out += [Gemm(T, hd, T, len(layers), h * n_seq), Gemm(T, T, hd, len(layers), h * n_seq)]
     return merge(out)
 
 
