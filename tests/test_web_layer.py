@@ -65,6 +65,7 @@ def test_overview_links_every_layer(client):  # noqa: F811
 
 def test_layer_density_is_the_key_statistics(client, web_run):  # noqa: F811
     ks = table(web_run, "key_stats")
+    kh_all = table(web_run, "key_hist")
     for layer in sorted(ks.layer.unique()):
         d = client.get(f"/api/layer/{layer}").json()["density"]
         for sign in (1, -1):
@@ -77,20 +78,35 @@ def test_layer_density_is_the_key_statistics(client, web_run):  # noqa: F811
             assert got[0]["density_mean"] == pytest.approx(x.mean(), rel=1e-6)
             assert got[0]["density_median"] == pytest.approx(np.median(x), rel=1e-6)
             assert got[0]["density_max"] == pytest.approx(x.max(), rel=1e-6)
-        x = ks[(ks.layer == layer) & (ks.sign == 1)].frac_active.to_numpy(np.float64)
+        # the keys' histogram is of |m| ≥ 1/8 (issue 48: m > 0 is ~50% for every key of a gated FFN),
+        # read from key_hist: bins whose lower edge is at least 1/8, either side
+        lo = np.array(json.loads((web_run / "manifest.json").read_text())["steps"]["mine"]["stats"]["lo"])
+        kh = kh_all[kh_all.layer == layer]
+        big = kh[lo[kh.bin.to_numpy()] >= 0.125].groupby("dim")["count"].sum()
+        x = (big.reindex(kh.dim.unique(), fill_value=0) / kh.groupby("dim")["count"].sum()).to_numpy(np.float64)
         want = np.histogram(x, bins=20, range=(0, 1))[0]
+        assert d["eps"] == 0.125 and d["hist"]["measure"] == "|m| ≥ 0.125"
         assert d["hist"]["counts"] == want.tolist() and d["hist"]["total"] == len(x)
 
 
 def test_layer_best_memories_match_the_values_tables(client, web_run):  # noqa: F811
-    vals = table(web_run, "values")
-    vals = vals[vals.kind == "value"]
+    allv = table(web_run, "values")
+    vals = allv[allv.kind == "value"]
     ag = table(web_run, "values_agreement")
     for layer in sorted(vals.layer.unique()):
-        best = client.get(f"/api/layer/{layer}").json()["best"]
-        v = vals[vals.layer == layer].sort_values(["max_prob", "dim"], ascending=[False, True])
+        d = client.get(f"/api/layer/{layer}", params={"per_page": 1000}).json()
+        best = d["best"]
+        # one sign per row (issue 48): the agreement's direction where compared, else the dominant side;
+        # the sharpest values are ranked by the max probability of that side's s·v
+        sign = {r["dim"]: r["sign"] for r in d["memories"]["rows"]}
+        for r in ag[(ag.layer == layer) & ag.direction.notna()].itertuples():
+            assert sign.get(r.dim, int(r.direction)) == int(r.direction)
+        v = allv[(allv.layer == layer) & (allv.kind == allv.dim.map(
+            lambda x: "neg_value" if sign.get(x, 1) == -1 else "value"))]
+        v = v.sort_values(["max_prob", "dim"], ascending=[False, True])
         assert [r["dim"] for r in best["sharpness"]] == v.dim.head(10).tolist()
         assert [r["max_prob"] for r in best["sharpness"]] == pytest.approx(v.max_prob.head(10).tolist())
+        assert [r["sign"] for r in best["sharpness"]] == [sign.get(x, 1) for x in v.dim.head(10)]
         a = ag[(ag.layer == layer) & ag["rank"].notna()].copy()
         a["tp"] = a.target_prob.fillna(-1.0)
         a = a.sort_values(["rank", "tp", "dim"], ascending=[True, False, True])
@@ -227,8 +243,8 @@ def test_annotations_and_overview_downloads(own_client):
 def test_summary_is_built_from_the_run(client, web_run):  # noqa: F811
     from ffkv.display import show_token
 
-    vals = table(web_run, "values")
-    vals = vals[vals.kind == "value"]
+    allv = table(web_run, "values")
+    vals = allv[allv.kind == "value"]
     voc = dict(zip(*pq.read_table(web_run / "vocab.parquet", columns=["token_id", "text"]).to_pydict().values()))
     t = triggers(web_run)
     sent = {s: ids for s, ids in zip(*pq.read_table(web_run / "sentences.parquet",
@@ -236,15 +252,18 @@ def test_summary_is_built_from_the_run(client, web_run):  # noqa: F811
     pats = table(web_run, "patterns")
     for r in vals.head(12).itertuples():
         m = client.get(f"/api/memory/{r.layer}/{r.dim}").json()
-        s = m["summary"]
+        s, side = m["summary"], m["dominant"]  # every part of the line is of its dominant side (issue 48)
+        assert s.startswith("− side: ") == (side == -1)
+        r = allv[(allv.layer == r.layer) & (allv.dim == r.dim)
+                 & (allv.kind == ("value" if side == 1 else "neg_value"))].iloc[0]
         assert "value promotes " + ", ".join(show_token(voc[int(x)]) for x in r.top_tokens[:3]) in s
-        tt = t[(t.layer == r.layer) & (t.dim == r.dim) & (t.sign == 1) & (t["rank"] <= 25)]
+        tt = t[(t.layer == r.layer) & (t.dim == r.dim) & (t.sign == side) & (t["rank"] <= 25)]
         if len(tt):
             ends = [voc[sent[int(x.sentence_id)][int(x.position)]] for x in tt.itertuples()]
             top = max(set(ends), key=lambda w: (ends.count(w), -min(i for i, e in enumerate(ends) if e == w)))
             assert show_token(top) in s.split("top triggers end in ")[1]
             assert f"(of {len(tt)})" in s
-        p = pats[(pats.layer == r.layer) & (pats.dim == r.dim)]
+        p = pats[(pats.layer == r.layer) & (pats.dim == r.dim) & (pats.sign == side)]
         if len(p):
             assert "pattern “" in s
         html = client.get(f"/memory/{r.layer}/{r.dim}").text

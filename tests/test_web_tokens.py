@@ -172,6 +172,9 @@ def test_search_rows_examples_and_their_colours(client, web_run, hf):  # noqa: F
     t = triggers(web_run)
     best = t.sort_values(["layer", "dim", "sign", "rank"], ascending=[True, True, False, True]).groupby(
         ["layer", "dim"]).first()
+    # a suppressing row is of −v (issue 48: one sign per row), so its example is the most negative prefix
+    best_neg = t.sort_values(["layer", "dim", "sign", "rank"], ascending=[True, True, True, True]).groupby(
+        ["layer", "dim"]).first()
     checked = 0
     for url in SEARCH_PAGES:
         html = client.get(url).text
@@ -181,8 +184,8 @@ def test_search_rows_examples_and_their_colours(client, web_run, hf):  # noqa: F
         assert [(e[2], e[3], e[0], e[1]) for e in exs] == [
             (r["layer"], r["dim"], r["sentence_id"], r["position"]) for r in api if r.get("sentence_id") is not None]
         for r in api:
-            if "token=" in url:  # the memory's top trigger
-                b = best.loc[(r["layer"], r["dim"])]
+            if "token=" in url:  # the memory's top trigger of the row's sign
+                b = (best_neg if "suppress" in url else best).loc[(r["layer"], r["dim"])]
                 assert (r["sentence_id"], r["position"]) == (int(b.sentence_id), int(b.position))
         src = re.search(r'data-act-src="([^"]+)"', html).group(1).replace("&amp;", "&")
         assert src.startswith("/api/activations?examples=")

@@ -19,10 +19,11 @@ over a sentence gives every window of it, and one forward gives every memory a p
 that sentence (each layer's few dims picked at once). Results are cached per (layer, dim,
 sentence), up to `CACHE_FLOATS` numbers in all: a page seen before is coloured at once.
 
-JSON of one memory (`activations()`): {layer, dim, scale (largest |m| returned, what the tint
-is relative to), examples: {sentence_id: {start, m: [m at tokens start, start+1, …]}}, computed
+JSON of one memory (`activations()`): {layer, dim, scale (largest |m| returned), scale_pos and
+scale_neg (largest m > 0 and largest −m of m < 0: each sign's tint is relative to its own, so both
+sides' examples show), examples: {sentence_id: {start, m: [m at tokens start, start+1, …]}}, computed
 ((memory, sentence) pairs computed now), seconds}. Of several (`activations_many()`):
-{memories: {"L/D": {layer, dim, scale, examples}}, computed, seconds}.
+{memories: {"L/D": {layer, dim, scale, scale_pos, scale_neg, examples}}, computed, seconds}.
 """
 from __future__ import annotations
 
@@ -96,12 +97,14 @@ def with_memory(permalink: str, layer: int, dim: int) -> str:
 
 
 def explore_links(m: dict, b) -> list[dict] | None:
-    """The memory page's "Intervene" links: the explorer on its top trigger's prefix, with this
-    memory suppressed, doubled, negated, or set to its top coefficient at every position, each
-    with a 20-token continuation."""
+    """The memory page's "Intervene" links: the explorer on the top trigger's prefix of the
+    memory's dominant side (`m["dominant"]`), with this memory suppressed, doubled, negated, or set
+    to that side's top coefficient at every position, each with a 20-token continuation."""
     from ffkv.web.explore import CONTINUE, Query
 
-    rows = (m.get("triggers") or {}).get("+") or []
+    trig = m.get("triggers") or {}
+    first, other = ("-", "+") if m.get("dominant") == -1 else ("+", "-")
+    rows = trig.get(first) or trig.get(other) or []
     if not rows:
         return None
     t = rows[0]
@@ -297,12 +300,15 @@ def activations_many(b, app_state, items) -> dict:
                 computed = len(missing)
     memories = {}
     for (layer, dim), sp in need.items():
-        ex, scale = {}, 0.0
+        ex, pos, neg = {}, 0.0, 0.0
         for sid, (s, e) in sp.items():
             vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in have[((layer, dim), sid)][s:e].tolist()]
-            scale = max([scale] + [abs(x) for x in vals if x is not None])
+            pos = max([pos] + [x for x in vals if x is not None and x > 0])
+            neg = max([neg] + [-x for x in vals if x is not None and x < 0])
             ex[str(sid)] = {"start": s, "m": vals}
-        memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": scale, "examples": ex}
+        # one scale per sign: a memory running from +0.9 to −6 shows its + examples tinted too
+        memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": max(pos, neg), "scale_pos": pos,
+                                      "scale_neg": neg, "examples": ex}
     return {"memories": memories, "computed": computed, "seconds": round(time.time() - t0, 3)}
 
 
@@ -310,7 +316,8 @@ def activations(b, app_state, layer: int, dim: int, examples) -> dict:
     """The JSON of one memory's page (the module docstring lists its fields)."""
     b.check_key(layer, dim)
     j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples])
-    one = j["memories"].get(f"{layer}/{dim}") or {"layer": layer, "dim": dim, "scale": 0.0, "examples": {}}
+    one = j["memories"].get(f"{layer}/{dim}") or {"layer": layer, "dim": dim, "scale": 0.0, "scale_pos": 0.0,
+                                                   "scale_neg": 0.0, "examples": {}}
     return {**one, "computed": j["computed"], "seconds": j["seconds"]}
 
 

@@ -5,6 +5,11 @@
 JSON inside a cell, missing and non-finite numbers as empty cells, and text that a spreadsheet
 would run as a formula (a leading =, +, -, @, tab or carriage return) behind a `'`; JSON as
 {"columns", "rows"}, text raw, with non-finite numbers as null. The file name says what it holds (`ffkv-layer-3.csv`).
+
+Ranks in downloads are 1-based (1 = the value's top token, as the pages show them and as a trigger's
+`rank` is). A column that held a 0-based rank before (`rank` of the token, measure and layer
+tables, `next_token_rank_in_value` of triggers.csv) is now 1-based, and its 0-based value stays
+under the same name with `_0` (`one_based`), so a script reading the old numbers has a named column.
 """
 from __future__ import annotations
 
@@ -57,6 +62,21 @@ def to_csv(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         w.writerow([_cell(jsonable(r.get(c))) for c in columns])
     return buf.getvalue()
+
+
+def one_based(rows: list[dict], columns: list[str], names) -> list[str]:
+    """Each of `names` among `columns` (a 0-based rank) made 1-based in `rows`, its 0-based value
+    kept as NAME_0 right after it; returns the columns with those added."""
+    out = []
+    for c in columns:
+        out.append(c)
+        if c in names:
+            out.append(c + "_0")
+            for r in rows:
+                v = r.get(c)
+                r[c + "_0"] = v
+                r[c] = None if v is None else int(v) + 1
+    return out
 
 
 def check_format(fmt: str | None) -> str | None:

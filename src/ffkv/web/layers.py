@@ -1,8 +1,9 @@
 """A layer page (`/layer/N`, `/api/layer/N`): what the run knows of one layer's memories.
 
 - density: the key statistics of `ffkv mine` (`query.key_stats_by_layer`: mean, quartiles and
-  max of each key's share of tokens with m > 0, per sign) and a histogram of that share over the
-  layer's keys (`key_stats.frac_active`, sign +1);
+  max of each key's share of tokens with m > 0, per sign) and a histogram over the layer's keys of
+  their share of tokens with |m| ≥ ε (`ffkv.web.measures.eps_shares`, from `key_hist`; m > 0,
+  `key_stats.frac_active`, only for a run without the histogram);
 - agreement (Fig 4) from `values_layers`, and the layer's best memories by agreement (rank of the
   top-1 trigger's next token in the value's distribution, then its probability) and by value
   sharpness (the value's max probability), from the browser's per-memory table;
@@ -19,6 +20,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ffkv.store import query
+from ffkv.web.measures import EPS_HIST, eps_shares, row_signs
 from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
@@ -30,7 +32,8 @@ MAKES = {
 }
 MEMORY_COLUMNS = ("layer", "dim", "mined", "n_triggers", "top_coef", "max_prob", "entropy", "top_token",
                   "top_token_text", "max_prob_neg", "top_token_neg", "top_token_neg_text", "precision",
-                  "precision_neg", "rank", "target_prob", "agree", "label", "n_patterns", "coverage", "summary")
+                  "precision_neg", "rank", "target_prob", "direction", "agree", "label", "n_patterns", "coverage",
+                  "summary")
 
 
 def _f(x):
@@ -52,9 +55,15 @@ def layer_memories(b, layer: int, summaries: bool = True) -> list[dict]:
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
     rows = t.filter(keep).to_pylist()
-    for r in rows:
+    signs = row_signs(b, [b.code(r["layer"], r["dim"]) for r in rows], [r["direction"] or 0 for r in rows])
+    for r, s in zip(rows, signs.tolist()):
         r["top_token_text"] = b.tok(r["top_token"])
         r["top_token_neg_text"] = b.tok(r["top_token_neg"])
+        # what the page's list shows: the side of its rank (see `row_signs`), every number of s·v
+        sfx = "" if s == 1 else "_neg"
+        r["sign"] = s
+        r["side"] = {"max_prob": r["max_prob" + sfx], "top_token": r["top_token" + sfx],
+                     "top_token_text": r["top_token" + sfx + "_text"], "precision": r["precision" + sfx]}
     return b.add_summaries(rows) if summaries else rows
 
 
@@ -66,6 +75,13 @@ def _density(b, layer: int) -> dict | None:
     ks = b.key_stats.table
     col = "frac_active" if "frac_active" in ks.column_names else None
     hist = None
+    es = eps_shares(b)[layer * b.d_m:(layer + 1) * b.d_m]
+    es = es[~np.isnan(es)]
+    if len(es):  # the keys by |m| ≥ ε (`eps_shares`): m > 0 is ~50% for every key of a gated FFN
+        counts = np.histogram(np.clip(es, 0, 1), bins=DENSITY_BINS, range=(0, 1))[0]
+        return {"rows": rows, "eps": EPS_HIST, "hist": {
+            "counts": counts.tolist(), "total": int(len(es)), "measure": f"|m| ≥ {EPS_HIST:g}",
+            "labels": [f"{i / DENSITY_BINS:.2f}–{(i + 1) / DENSITY_BINS:.2f}" for i in range(DENSITY_BINS)]}}
     if col is not None:
         sel = pc.equal(ks.column("layer"), layer)
         if "sign" in ks.column_names:
@@ -74,9 +90,9 @@ def _density(b, layer: int) -> dict | None:
         x = x[~np.isnan(x)]
         if len(x):
             counts = np.histogram(np.clip(x, 0, 1), bins=DENSITY_BINS, range=(0, 1))[0]
-            hist = {"counts": counts.tolist(), "total": int(len(x)),
+            hist = {"counts": counts.tolist(), "total": int(len(x)), "measure": "m > 0",
                     "labels": [f"{i / DENSITY_BINS:.2f}–{(i + 1) / DENSITY_BINS:.2f}" for i in range(DENSITY_BINS)]}
-    return {"rows": rows, "hist": hist}
+    return {"rows": rows, "hist": hist, "eps": None}
 
 
 def _best(b, layer: int) -> dict:
@@ -87,12 +103,18 @@ def _best(b, layer: int) -> dict:
     dims = _col(t, "dim").astype(np.int64)
     rank = t.column("rank").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     tp = _col(t, "target_prob").astype(np.float64)
-    mp = _col(t, "max_prob").astype(np.float64)
-    ent = _col(t, "entropy").astype(np.float64)
-    top = t.column("top_token").fill_null(-1).to_numpy(zero_copy_only=False)
+    # one sign per row: rank and p(next) are of the agreement's direction, so the value's top token,
+    # max p and entropy are of that same s·v (`row_signs`)
+    sign = row_signs(b, layer * b.d_m + dims, t.column("direction").fill_null(0).to_numpy(zero_copy_only=False))
+    pos = sign == 1
+    mp = np.where(pos, _col(t, "max_prob"), _col(t, "max_prob_neg")).astype(np.float64)
+    ent = np.where(pos, _col(t, "entropy"), _col(t, "entropy_neg")).astype(np.float64)
+    top = np.where(pos, t.column("top_token").fill_null(-1).to_numpy(zero_copy_only=False),
+                   t.column("top_token_neg").fill_null(-1).to_numpy(zero_copy_only=False))
 
     def row(i):
-        return {"layer": layer, "dim": int(dims[i]), "rank": int(rank[i]) if rank[i] >= 0 else None,
+        return {"layer": layer, "dim": int(dims[i]), "sign": int(sign[i]),
+                "rank": int(rank[i]) if rank[i] >= 0 else None,
                 "target_prob": _f(tp[i]), "max_prob": _f(mp[i]), "entropy": _f(ent[i]),
                 "top_token": int(top[i]) if top[i] >= 0 else None,
                 "top_token_text": b.tok(top[i]) if top[i] >= 0 else None}

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.store import query
 from ffkv.web.tables import PRECISION_K
 
 
@@ -49,6 +50,7 @@ def memories_table(b) -> pa.Table:
     agree = np.zeros(N, bool)
     agree_null = np.ones(N, bool)
     rank = np.full(N, -1, np.int64)
+    direction = np.zeros(N, np.int8)  # the sign rank and target_prob are of (0: not compared)
     tprob = nan()
     if b.agreement is not None:
         at = b.agreement.table
@@ -58,6 +60,8 @@ def memories_table(b) -> pa.Table:
         agree[c] = a.fill_null(False).to_numpy(zero_copy_only=False)
         rank[c] = at.column("rank").fill_null(-1).to_numpy()
         tprob[c] = at.column("target_prob").fill_null(np.nan).to_numpy()
+        if "direction" in at.column_names:
+            direction[c] = at.column("direction").fill_null(0).to_numpy(zero_copy_only=False)
     label = np.full(N, None, object)
     n_pat = np.zeros(N, np.int32)
     cov = nan()
@@ -76,6 +80,7 @@ def memories_table(b) -> pa.Table:
     arrays["agree"] = pa.array(agree, mask=agree_null)
     arrays["rank"] = pa.array(rank, pa.int32(), mask=rank < 0)
     arrays["target_prob"] = pa.array(tprob, mask=np.isnan(tprob))
+    arrays["direction"] = pa.array(direction, pa.int8(), mask=direction == 0)
     arrays["label"] = pa.array(label.tolist(), pa.string())
     arrays["n_patterns"] = pa.array(n_pat)
     arrays["coverage"] = pa.array(cov, mask=np.isnan(cov))
@@ -98,3 +103,125 @@ def precision_at_k(b, top_tok: dict, N: int) -> dict:
             pr = np.where((n > 0) & (top_tok[kind] >= 0), h / np.maximum(n, 1), np.nan)
         out[name] = pr.astype(np.float32)
     return out
+
+
+# ---- a memory's sides: activation mass, dominant sign, per-sign moments -------------------------------
+def bin_moments(lay: dict, top: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per `key_hist` bin, E|m| and E m² of the tokens in it, as the quantiles read the bins
+    (`ffkv.mine.stats`): log-uniform within an octave, uniform within the tiny bin, 0 in the zero
+    bin; an unbounded bin (and, given `top` = the side's exact max |m|, any bin reaching past it)
+    runs up to `top` (its lower edge when unknown). An estimate: the histogram keeps no sums per side."""
+    sign = np.asarray(lay["sign"], np.int64)
+    lo = np.asarray(lay["lo"], np.float64)
+    hi = np.array([np.inf if h is None else float(h) for h in lay["hi"]])
+    if top is not None and np.isfinite(top) and top > 0:
+        hi = np.where((hi > top) & (lo < top), top, hi)
+    hi = np.where(np.isinf(hi), lo, hi)
+    e1, e2 = np.zeros(len(sign)), np.zeros(len(sign))
+    tiny = (sign != 0) & (lo < 2.0 ** -100)
+    e1[tiny], e2[tiny] = hi[tiny] / 2, hi[tiny] ** 2 / 3
+    octv = (sign != 0) & ~tiny & (hi > lo)
+    r = np.log(hi[octv] / lo[octv])
+    e1[octv], e2[octv] = (hi[octv] - lo[octv]) / r, (hi[octv] ** 2 - lo[octv] ** 2) / (2 * r)
+    flat = (sign != 0) & ~tiny & ~octv  # a bin cut to a point (the max at its lower edge)
+    e1[flat], e2[flat] = lo[flat], lo[flat] ** 2
+    return e1, e2
+
+
+def side_moments(counts, lay: dict, top: dict | None = None) -> dict[int, dict]:
+    """Per sign (+1, −1), from one key's histogram counts: n (tokens with sign·m > 0), mean and
+    (population) std of m among them, signed. `top` {sign: exact max |m|} caps the top bin.
+    Estimates from the bins (the mined tables hold mean and std over all tokens only)."""
+    counts = np.asarray(counts, np.float64)
+    sign = np.asarray(lay["sign"], np.int64)
+    out = {}
+    for s in (1, -1):
+        e1, e2 = bin_moments(lay, (top or {}).get(s))
+        sel = sign == s
+        n = counts[sel].sum()
+        if n <= 0:
+            out[s] = {"n": 0, "mean": None, "std": None}
+            continue
+        m1 = float((counts[sel] * e1[sel]).sum() / n)
+        m2 = float((counts[sel] * e2[sel]).sum() / n)
+        out[s] = {"n": int(n), "mean": s * m1, "std": float(np.sqrt(max(m2 - m1 * m1, 0.0)))}
+    return out
+
+
+def side_mass(b) -> tuple[np.ndarray, np.ndarray, str]:
+    """Per memory code, the activation mass Σ|m| of its positive and of its negative side over the
+    mined tokens (from `key_hist`, bins read by `bin_moments`), and where it came from; a run
+    without key statistics falls back to Σ|coef| of its trigger lists ("triggers")."""
+    N = b.L * b.d_m
+    lay = query.stats_layout(b.run) if b.key_hist is not None else None
+    pos, neg = np.zeros(N), np.zeros(N)
+    if lay is not None:
+        kh = b.key_hist
+        e1, _ = bin_moments(lay)
+        sgn = np.asarray(lay["sign"], np.int64)
+        bins = kh.table.column("bin").to_numpy().astype(np.int64)
+        ok = (bins >= 0) & (bins < len(sgn))
+        w = kh.table.column("count").to_numpy().astype(np.float64) * np.where(ok, e1[np.clip(bins, 0, len(sgn) - 1)], 0)
+        s = np.where(ok, sgn[np.clip(bins, 0, len(sgn) - 1)], 0)
+        code = kh.code.astype(np.int64)
+        pos += np.bincount(code[s > 0], weights=w[s > 0], minlength=N)[:N]
+        neg += np.bincount(code[s < 0], weights=w[s < 0], minlength=N)[:N]
+        return pos, neg, "key_hist"
+    coef = np.abs(b.trig.table.column("coef").to_numpy(zero_copy_only=False).astype(np.float64))
+    code = b.trig.code.astype(np.int64)
+    p = b.trig_sign == 1
+    pos += np.bincount(code[p], weights=coef[p], minlength=N)[:N]
+    neg += np.bincount(code[~p], weights=coef[~p], minlength=N)[:N]
+    return pos, neg, "triggers"
+
+
+def dominant_signs(b) -> np.ndarray:
+    """THE dominant side of every memory (int8 per code: −1 where the negative side's activation
+    mass over the mined tokens is larger, else +1): what its summary, its "set m =" control and
+    its first trigger list follow. Cached on the browser."""
+    def make():
+        if not b.negative:  # no negative lists: nothing to show of a − side
+            return np.ones(b.L * b.d_m, np.int8)
+        pos, neg, _ = side_mass(b)
+        return np.where(neg > pos, -1, 1).astype(np.int8)
+
+    return b._lazy("_dominant", make)
+
+
+def dominant_sign(b, layer: int, dim: int) -> int:
+    return int(dominant_signs(b)[b.code(layer, dim)])
+
+
+def row_signs(b, codes, direction) -> np.ndarray:
+    """The sign a table row of memories shows (its ranks, probabilities and top tokens all of
+    s·v): the agreement's direction where the memory was compared (its rank is of that side
+    only), else its dominant side."""
+    d = np.asarray(direction, np.int64)
+    return np.where(d != 0, d, dominant_signs(b)[np.asarray(codes, np.int64)]).astype(np.int8)
+
+
+EPS_HIST = 0.125  # the density's ε read from `key_hist`: an octave edge (2^-3, near compose's 0.1), so exact
+
+
+def eps_shares(b) -> np.ndarray:
+    """Per memory code, the share of mined tokens with |m| ≥ EPS_HIST, read exactly from `key_hist`
+    (NaN for a key without a histogram): the density the browser leads with. m > 0 sits near 50%
+    on every layer of a gated FFN (SiLU is rarely exactly 0), so it says nothing there."""
+    def make():
+        N = b.L * b.d_m
+        out = np.full(N, np.nan)
+        lay = query.stats_layout(b.run) if b.key_hist is not None else None
+        if lay is None:
+            return out
+        big = np.asarray(lay["lo"], np.float64) >= EPS_HIST
+        bins = b.key_hist.table.column("bin").to_numpy().astype(np.int64)
+        cnt = b.key_hist.table.column("count").to_numpy().astype(np.float64)
+        hit = big[np.clip(bins, 0, len(big) - 1)] & (bins >= 0) & (bins < len(big))
+        code = b.key_hist.code.astype(np.int64)
+        tot = np.bincount(code, weights=cnt, minlength=N)[:N]
+        above = np.bincount(code[hit], weights=cnt[hit], minlength=N)[:N]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.where(tot > 0, above / tot, np.nan)
+        return out
+
+    return b._lazy("_eps_shares", make)

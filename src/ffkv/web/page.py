@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.store import query
+from ffkv.web.measures import EPS_HIST, dominant_sign, eps_shares, side_moments
 from ffkv.web.panels import step_columns
 from ffkv.web.tables import MAX_TOP, MUTATIONS, PRECISION_K, NotFound, _f, position_buckets
 
@@ -84,6 +86,7 @@ class Pages:
         return {
             "layer": layer, "dim": dim, "expert": self.b.expert_of(dim), "mined": mined, "lens": self.b.lens, "top": top,
             "model": self.b.model_id, "corpus_sha256": self.b.corpus_sha, "negative": self.b.negative,
+            "dominant": dominant_sign(self.b, layer, dim),
             "triggers": triggers, "n_triggers": {"+": int(sum(1 for r in trig if r["sign"] == 1)),
                                                  "-": int(sum(1 for r in trig if r["sign"] == -1))},
             "values": vals, "vocab_views": views, "agreement": agreement,
@@ -167,6 +170,7 @@ class Pages:
                 lo, hi = min(occ + ([zero] if zero is not None else [])), max(occ + ([zero] if zero is not None else []))
                 out["hist"] = {"counts": counts, "labels": [label(b) for b in range(n)],
                                "sign": lay["sign"] if lay else None, "shown": [lo, hi], "total": sum(counts)}
+                self._per_sign(out["stats"], counts)
         if self.b.key_samples is not None:
             rows = self.b.key_samples.rows(layer, dim)
             order = sorted(range(len(rows)), key=lambda j: (-(rows[j].get("sign") or 0),
@@ -187,6 +191,21 @@ class Pages:
                                        "prefix": self.b.prefix(srow, int(r["position"])),
                                        "permalink": self.b.permalink(r["sentence_id"], r["position"])})
         return out
+
+    def _per_sign(self, stats: list[dict], counts: list[int]) -> None:
+        """Each side's own mean and std (of m among its tokens, sign·m > 0) as side_mean, side_std
+        and side_n on its row, estimated from the key's histogram (`ffkv.web.measures.side_moments`,
+        the top bin capped at the row's exact max): `key_stats` holds mean and std over all tokens
+        only (the same on both rows; kept as they are, exact)."""
+        lay = self.b._lazy("_stats_layout", lambda: query.stats_layout(self.b.run) or {})
+        if not lay.get("lo") or len(counts) != len(lay["lo"]):
+            return
+        top = {r["sign"]: abs(r["max"]) for r in stats if r.get("sign") in (1, -1) and r.get("max") is not None}
+        mom = side_moments(counts, lay, top)
+        for r in stats:
+            if r.get("sign") in mom:
+                m = mom[r["sign"]]
+                r.update(side_mean=m["mean"], side_std=m["std"], side_n=m["n"], side_source="key_hist")
 
     def sentence(self, sid: int, pos: int | None = None, top: int = 200) -> dict:
         row = self.b.sentence_row(sid)
@@ -214,7 +233,9 @@ class Pages:
         if self.b.compose_layers is not None:
             for v in self.b.compose_layers.to_pylist():
                 if v.get("lens", self.b.lens) == self.b.lens and 0 <= v["layer"] < self.b.L:
-                    rows[v["layer"]]["active"] = {"mean": v.get("active_mean"), "eps": v.get("active_eps_mean")}
+                    rows[v["layer"]]["active"] = {"mean": v.get("active_mean"), "eps": v.get("active_eps_mean"),
+                                                  "eps_share": v.get("active_eps_mean"), "eps_value": v.get("eps"),
+                                                  "eps_source": "compose"}
         elif self.b.key_stats is not None and ({"frac_active", "frac_pos"} & set(self.b.key_stats.table.column_names)):
             # the density of m > 0 per key (key_stats of `ffkv mine`), averaged over the layer's keys
             ks = self.b.key_stats.table
@@ -227,6 +248,12 @@ class Pages:
                 x = fp[lay == l]
                 if len(x):
                     rows[l]["active"] = {"mean": float(np.nanmean(x)), "eps": None, "source": "key_stats"}
+            # the headline: share of tokens with |m| ≥ ε per key, from key_hist, averaged over the layer's keys
+            es = eps_shares(self.b).reshape(self.b.L, self.b.d_m)
+            for l in range(self.b.L):
+                x = es[l][~np.isnan(es[l])]
+                if len(x) and "active" in rows[l]:
+                    rows[l]["active"].update(eps_share=float(x.mean()), eps_value=EPS_HIST, eps_source="key_hist")
         if self.b.patterns_fig2 is not None:
             f2 = self.b.patterns_fig2.to_pylist()
             scopes = {r["scope"] for r in f2}

@@ -147,8 +147,10 @@ class Search:
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
         meas = self.b.memories
-        mp = meas.column("max_prob").to_numpy(zero_copy_only=False)
-        prec = meas.column("precision").to_numpy(zero_copy_only=False)
+        sign = 1 if direction == "promote" else -1  # every number of a row is of s·v: −v when suppressing
+        suffix = "" if sign == 1 else "_neg"
+        mp = meas.column("max_prob" + suffix).to_numpy(zero_copy_only=False)
+        prec = meas.column("precision" + suffix).to_numpy(zero_copy_only=False)
         cols = {"layer": mem // self.b.d_m, "dim": mem % self.b.d_m, "token": hit["token"], "rank": hit["rank"],
                 "prob": hit["prob"], "max_prob": mp[mem] if len(mem) else np.zeros(0),
                 "precision": prec[mem] if len(mem) else np.zeros(0)}
@@ -161,20 +163,21 @@ class Search:
         results = [{"layer": int(cols["layer"][i]), "dim": int(cols["dim"][i]), "token": int(cols["token"][i]),
                     "token_text": self.b.tok(cols["token"][i]), "rank": int(cols["rank"][i]),
                     "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
-                    "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]])} for i in sel]
-        for r in results:  # each row's example: its memory's top trigger (the page colours it by m)
-            r["sentence_id"], r["position"] = self.top_trigger(r["layer"], r["dim"])
+                    "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]]), "sign": sign}
+                   for i in sel]
+        for r in results:  # each row's example: its memory's top trigger of that sign (coloured by m)
+            r["sentence_id"], r["position"] = self.top_trigger(r["layer"], r["dim"], sign)
         return {**base, "status": "ready", "total": total, "memories": int(len(np.unique(mem))),
                 "results": results, "index_k": idx.k,
                 "index_source": idx.source}
 
-    def top_trigger(self, layer: int, dim: int) -> tuple[int | None, int | None]:
-        """(sentence_id, position) of a memory's best trigger: rank 1 of its top list, else of its
-        most negative one; (None, None) for a memory not mined."""
+    def top_trigger(self, layer: int, dim: int, sign: int = 1) -> tuple[int | None, int | None]:
+        """(sentence_id, position) of a memory's best trigger: rank 1 of its list of `sign`, else of
+        its other list; (None, None) for a memory not mined."""
         rows = self.b.trig.indices(layer, dim)
         if not len(rows):
             return None, None
-        best = min(rows.tolist(), key=lambda i: (-int(self.b.trig_sign[i]), int(self.b.trig_rank[i])))
+        best = min(rows.tolist(), key=lambda i: (int(self.b.trig_sign[i]) != sign, int(self.b.trig_rank[i])))
         t = self.b.trig.table
         return int(t.column("sentence_id")[best].as_py()), int(t.column("position")[best].as_py())
 

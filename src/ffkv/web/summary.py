@@ -3,11 +3,14 @@
 `summary_line(parts)` is THE function that writes the line; `Summaries(browser)` gathers its
 parts for every memory once (lazily, on first use) from the run's tables:
 
-- the strongest automatic pattern (`patterns`, the top list first): the one covering the most
-  of the key's top prefixes, then the smallest p-value;
-- the top trigger tokens: the tokens its top `TRIGGER_TOP` positive trigger prefixes end in,
+- every part is of the memory's dominant side s (`ffkv.web.measures.dominant_signs`: the side with
+  more activation mass), so a memory whose − side dominates is described by −v and its most
+  negative prefixes, and its line says so ("− side:");
+- the strongest automatic pattern of side s's list (`patterns`): the one covering the most of
+  the key's top prefixes, then the smallest p-value;
+- the top trigger tokens: the tokens its top `TRIGGER_TOP` trigger prefixes of side s end in,
   the most frequent first (shown with their count when a token recurs);
-- the value's top tokens (`values`, kind `value`, the run's lens) and its max probability;
+- the top tokens of s·v (`values`, kind `value` or `neg_value`, the run's lens) and its max probability;
 - the human annotations (`annotations.sqlite`): the first pattern's description, else the
   note, read when the line is asked for (annotations change while the server runs).
 
@@ -31,8 +34,8 @@ def _clip(s: str, n: int = MAX_DESCRIPTION) -> str:
 
 
 def summary_line(pattern: dict | None = None, triggers: list[tuple[str, int]] | None = None, n_triggers: int = 0,
-                 value: dict | None = None, annotation: dict | None = None) -> str:
-    """The one-line summary of a memory, from its parts (each may be missing):
+                 value: dict | None = None, annotation: dict | None = None, sign: int = 1) -> str:
+    """The one-line summary of a memory, from its parts (each may be missing), all of side `sign`:
     pattern {kind, description, n_covered, n}; triggers [(token text, count)] of n_triggers
     prefixes; value {tokens: [text], max_prob}; annotation {annotator, text}."""
     out = []
@@ -48,20 +51,25 @@ def summary_line(pattern: dict | None = None, triggers: list[tuple[str, int]] | 
                    + (f" (top p {p:.2g})" if p is not None and p == p else ""))
     if annotation:
         out.append(f"annotated by {_clip(annotation['annotator'], 30)}: “{_clip(annotation['text'])}”")
-    return " · ".join(out) if out else "nothing measured yet"
+    if not out:
+        return "nothing measured yet"
+    return ("− side: " if sign == -1 else "") + " · ".join(out)
 
 
 class Summaries:
     """The parts of every memory's line, gathered once from the browser's tables."""
 
     def __init__(self, b):
+        from ffkv.web.measures import dominant_signs
+
         self.b = b
         N = b.L * b.d_m
+        self.sign = dominant_signs(b)
         self.triggers: dict[int, tuple[list[tuple[str, int]], int]] = {}
         self.value: dict[int, dict] = {}
         self.pattern: dict[int, dict] = {}
-        # top trigger tokens: counts of (memory, token) among the top positive prefixes
-        sel = np.nonzero((b.trig_sign == 1) & (b.trig_rank <= TRIGGER_TOP))[0]
+        # top trigger tokens: counts of (memory, token) among the top prefixes of its dominant side
+        sel = np.nonzero((b.trig_sign == self.sign[b.trig.code]) & (b.trig_rank <= TRIGGER_TOP))[0]
         if len(sel):
             code = b.trig.code[sel].astype(np.int64)
             tok = b.trig_token[sel].astype(np.int64)
@@ -78,11 +86,13 @@ class Summaries:
                 self.triggers[c] = ([(b.tok(int(t)), int(k)) for t, k in zip(pt[a:e], count[a:e])], int(n_per[c]))
         if b.values is not None:
             vt = b.values.table
-            sub = vt.filter(pc.equal(vt.column("kind"), "value"))
-            codes = (sub.column("layer").to_numpy().astype(np.int64) * b.d_m + sub.column("dim").to_numpy())
-            for c, toks, mp in zip(codes.tolist(), sub.column("top_tokens").to_pylist(),
-                                   sub.column("max_prob").to_pylist()):
-                self.value[c] = {"tokens": [b.tok(t) for t in (toks or [])[:TOKENS_SHOWN]], "max_prob": mp}
+            for kind, s in (("value", 1), ("neg_value", -1)):
+                sub = vt.filter(pc.equal(vt.column("kind"), kind))
+                codes = (sub.column("layer").to_numpy().astype(np.int64) * b.d_m + sub.column("dim").to_numpy())
+                for c, toks, mp in zip(codes.tolist(), sub.column("top_tokens").to_pylist(),
+                                       sub.column("max_prob").to_pylist()):
+                    if self.sign[c] == s:
+                        self.value[c] = {"tokens": [b.tok(t) for t in (toks or [])[:TOKENS_SHOWN]], "max_prob": mp}
         if b.patterns is not None:
             pt_ = b.patterns.table
             n_of = {}
@@ -95,7 +105,9 @@ class Summaries:
                                                           "n_covered", "p_value")]
             for l, d, s, kind, desc, nc, pv in zip(*cols):
                 c = l * b.d_m + d
-                key = (s != 1, -(nc or 0), pv if pv is not None else 1.0)  # top list, coverage, p-value
+                if s != self.sign[c]:  # a pattern of the other side's prefixes describes the weak side
+                    continue
+                key = (-(nc or 0), pv if pv is not None else 1.0)  # coverage, then p-value
                 if c not in best or key < best[c][0]:
                     best[c] = (key, {"kind": kind, "description": desc, "n_covered": nc,
                                      "n": n_of.get((c, s), TRIGGER_TOP), "sign": s})
@@ -104,7 +116,7 @@ class Summaries:
     def parts(self, code: int, annotation: dict | None = None) -> dict:
         trig, n = self.triggers.get(code, ([], 0))
         return {"pattern": self.pattern.get(code), "triggers": trig, "n_triggers": n,
-                "value": self.value.get(code), "annotation": annotation}
+                "value": self.value.get(code), "annotation": annotation, "sign": int(self.sign[code])}
 
     def line(self, code: int, annotation: dict | None = None) -> str:
         return summary_line(**self.parts(code, annotation))

@@ -28,14 +28,16 @@ def layer_page(request: Request, layer: int, page: str | None = None, per_page: 
     fmt = export.check_format(format)
     if fmt:
         state(request).check_key(layer, 0)
-        return export.download(layer_memories(state(request), layer), list(MEMORY_COLUMNS),
+        rows = layer_memories(state(request), layer)
+        return export.download(rows, export.one_based(rows, list(MEMORY_COLUMNS), ("rank",)),
                                f"ffkv-layer-{layer}-memories", fmt)
     d = layer_context(request, layer, page, per_page)
     hist = None
     if d["density"] and d["density"]["hist"]:
         h = d["density"]["hist"]
         hist = plots.histogram(h["counts"], h["labels"], None, axis=("0", "density", "1"),
-                               label=f"keys of layer {layer} by the share of tokens with m > 0 ({h['total']:,} keys)",
+                               label=f"keys of layer {layer} by the share of tokens with {h.get('measure', 'm > 0')} "
+                               f"({h['total']:,} keys)",
                                log=False)
     fig2 = []
     for r in (d["patterns"] or {}).get("fig2") or []:

@@ -108,18 +108,20 @@ def build_index(request: Request):
 # ---- downloads (CSV and JSON of a table page: `ffkv.web.export`) -----------------------------------
 DOWNLOAD_MAX = 10_000  # rows of a search download (every page of the results, up to this)
 SEARCH_COLUMNS = {
-    "token": ("layer", "dim", "token", "token_text", "rank", "prob", "max_prob", "precision", "mined", "summary"),
+    "token": ("layer", "dim", "sign", "token", "token_text", "rank", "prob", "max_prob", "precision", "mined",
+              "summary"),
     "text": ("layer", "dim", "sign", "n", "best_rank", "best_coef", "sentence_id", "position", "prefix", "summary"),
     "summary": ("layer", "dim", "summary"),
     "measure": ("layer", "dim", "mined", "n_triggers", "top_coef", "max_prob", "entropy", "top_token",
                 "top_token_text", "max_prob_neg", "top_token_neg", "top_token_neg_text", "precision",
-                "precision_neg", "rank", "target_prob", "agree", "label", "n_patterns", "coverage", "summary"),
+                "precision_neg", "rank", "target_prob", "direction", "agree", "label", "n_patterns", "coverage",
+                "summary"),
 }
 
 
 def search_download(request: Request, p: dict, fmt: str):
-    """Every row of a search's results (up to DOWNLOAD_MAX) as CSV or JSON; ranks as in the JSON
-    API (0 = the value's top token)."""
+    """Every row of a search's results (up to DOWNLOAD_MAX) as CSV or JSON; a value's ranks 1-based
+    (1 = its top token), 0-based in `rank_0` (`export.one_based`)."""
     from ffkv.web import export
 
     q = {**p, "page": "1", "per_page": "500"}
@@ -144,5 +146,6 @@ def search_download(request: Request, p: dict, fmt: str):
             r["expert"], r["expert_dim"], r["shared_expert"] = ex["expert"], ex["dim"], ex["shared"]
     if state(request).moe is not None:
         columns[2:2] = ["expert", "expert_dim", "shared_expert"]
+    columns = export.one_based(rows, columns, ("rank",))
     what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
     return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)

@@ -68,9 +68,12 @@ def overview_rows(ov: dict) -> list[dict]:
     max_ag = max([r["agreement"]["ci_high"] or 0 for r in ov["rows"] if r.get("agreement")] + [1e-9])
     for r in ov["rows"]:
         ag, act, pat = r.get("agreement"), r.get("active"), r.get("patterns")
+        share = "eps_share" if act and act.get("eps_share") is not None else "mean"
         rows.append({**r,
-                     "active_plot": plots.bar(act["mean"], label=f"active share {act['mean']:.3f}")
-                     if act and act.get("mean") is not None else None,
+                     # the headline density: |m| > ε (m > 0 sits near 50% on a gated FFN); m > 0 where no ε share
+                     "active_share": act.get(share) if act else None,
+                     "active_plot": plots.bar(act[share], label=f"active share {act[share]:.3f}")
+                     if act and act.get(share) is not None else None,
                      "agreement_plot": plots.interval(ag["agreement"], ag["ci_low"], ag["ci_high"], ag["shuffled"],
                                                       vmax=max_ag, label="agreement with 95% interval; "
                                                       "tick: shuffled pairing") if ag else None,
@@ -91,10 +94,20 @@ def overview(request: Request, format: str | None = None):  # noqa: A002 - the U
     if fmt:
         extra = [f"{c['step']}.{c['title']}" for c in ov.get("step_columns", ())]
         return export.download(overview_table(ov), [*OVERVIEW_COLUMNS, *extra], "ffkv-layers", fmt)
-    return render(request, "overview.html", ov=ov, rows=overview_rows(ov))
+    return render(request, "overview.html", ov=ov, rows=overview_rows(ov), density=density_measure(ov))
 
 
-OVERVIEW_COLUMNS = ("layer", "mined", "active_mean", "agreement", "agreement_ci_low", "agreement_ci_high",
+def density_measure(ov: dict) -> str:
+    """What the overview's active share counts: |m| ≥ ε from key_hist, |m| > ε from compose, else m > 0."""
+    for r in ov["rows"]:
+        a = r.get("active") or {}
+        if a.get("eps_share") is not None and a.get("eps_value") is not None:
+            return f"|m| {'≥' if a.get('eps_source') == 'key_hist' else '>'} {a['eps_value']:g}"
+    return "m > 0"
+
+
+OVERVIEW_COLUMNS = ("layer", "mined", "active_mean", "active_eps_share", "active_eps", "agreement", "agreement_ci_low",
+                    "agreement_ci_high",
                     "agreement_shuffled", "agreement_n", "shallow", "semantic", "both", "not_covered",
                     "patterns_per_key", "annotated")
 
@@ -106,6 +119,7 @@ def overview_table(ov: dict) -> list[dict]:
         steps = {f"{k}.{t}": v for k, cols in (r.get("steps") or {}).items() for t, v in cols.items()}
         ag, act, pat = r.get("agreement") or {}, r.get("active") or {}, r.get("patterns") or {}
         out.append({"layer": r["layer"], "mined": r["mined"], "active_mean": act.get("mean"),
+                    "active_eps_share": act.get("eps_share"), "active_eps": act.get("eps_value"),
                     "agreement": ag.get("agreement"), "agreement_ci_low": ag.get("ci_low"),
                     "agreement_ci_high": ag.get("ci_high"), "agreement_shuffled": ag.get("shuffled"),
                     "agreement_n": ag.get("n"), **{k: pat.get(k) for k in ("shallow", "semantic", "both",

@@ -85,9 +85,10 @@
 // ---- Per-token coefficients (issue 26; ffkv.web.activations) -------------------------------------
 // A page with an element [data-act-src] (a memory page, a sentence page opened with ?memory=L/D,
 // a search page) fetches that JSON and tints every token `.ex[data-sid] .tk[data-i]` by the
-// memory's coefficient m there: classes mp1..mp8 (positive) and mn1..mn8 (negative), relative to
-// the largest |m| shown of that memory. One memory's JSON has {scale, examples}; a search page's
-// has {memories: {"L/D": {scale, examples}}}, and each example names its memory (data-memory).
+// memory's coefficient m there: classes mp1..mp8 (positive) and mn1..mn8 (negative), each sign
+// relative to its own largest |m| shown of that memory (scale_pos, scale_neg; `scale`, the larger,
+// where they are absent). One memory's JSON has {scale, scale_pos, scale_neg, examples}; a search
+// page's has {memories: {"L/D": {...}}}, and each example names its memory (data-memory).
 // The value goes into data-m and the token's title (hover); a focused token shows it (style.css),
 // and the arrow keys move between an example's tokens. Without this script the page shows the
 // same examples, uncoloured.
@@ -109,13 +110,15 @@
       var g = many ? j.memories[ex.dataset.memory] : j;
       var e = g && g.examples[ex.dataset.sid];
       if (!e) return;
-      var scale = g.scale || 0;
+      var sp = g.scale_pos === undefined ? (g.scale || 0) : g.scale_pos;
+      var sn = g.scale_neg === undefined ? (g.scale || 0) : g.scale_neg;
       var first = null, anchor = null;
       ex.querySelectorAll(".tk[data-i]").forEach(function (t) {
         var i = parseInt(t.dataset.i, 10), k = i - e.start;
         if (k < 0 || k >= e.m.length || e.m[k] === null) return;
         var m = e.m[k];
         t.dataset.m = String(m);
+        var scale = m > 0 ? sp : sn;
         var level = scale > 0 ? Math.min(LEVELS, Math.round(LEVELS * Math.abs(m) / scale)) : 0;
         if (level > 0) t.classList.add((m > 0 ? "mp" : "mn") + level);
         if (t.dataset.title0 === undefined) t.dataset.title0 = t.getAttribute("title") || "";
@@ -133,12 +136,13 @@
     var what = many ? " example" : " sentence";
     var how = j.computed ? "computed now for " + j.computed + what + (j.computed === 1 ? "" : "s") +
       " in " + j.seconds + " s" : "from the cache";
-    var scale = j.scale || 0;
-    status.append(many ? "Tokens tinted by m of each row's memory, relative to its largest |m| shown (" + n +
+    var sp = j.scale_pos === undefined ? (j.scale || 0) : j.scale_pos;
+    var sn = j.scale_neg === undefined ? (j.scale || 0) : j.scale_neg;
+    status.append(many ? "Tokens tinted by m of each row's memory, each sign relative to its largest |m| shown (" + n +
                   " tokens, " + how + "): " : "Tokens tinted by m of memory " + j.layer + "/" + j.dim + " (" + n +
-                  " tokens, " + how + "): ");
-    [["mp" + LEVELS, many ? "+ largest" : "+" + show(scale)],
-     ["mn" + LEVELS, many ? "− largest" : "−" + show(scale)]].forEach(function (p) {
+                  " tokens, " + how + "; each sign on its own scale): ");
+    [["mp" + LEVELS, many ? "+ largest" : "+" + show(sp)],
+     ["mn" + LEVELS, many ? "− largest" : "−" + show(sn)]].forEach(function (p) {
       var s = document.createElement("span");
       s.className = "act-key " + p[0];
       s.textContent = p[1];
