@@ -34,6 +34,9 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 from ffkv.model import identity
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import limit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FFKV_SHARED", ROOT.parent / "shared"))
 WT2_VALID = SHARED / "corpora" / "wikitext-2" / "wiki.valid.tokens"
@@ -201,6 +204,16 @@ def main():
     lens = res.mutations.column("n_tokens").to_numpy()
     full = int(lens.sum()) * mm.n_layers
     print(f"  naive work would be {full:,} layer-tokens: {full / st['layer_tokens']:.1f}× more")
+
+    # the limit: every block's linears on the layer-tokens the engine runs (unpadded; prefix sharing
+    # and the stop at the deepest layer a batch needs included), at the engine's mean batch rows
+    rows = max(1, round(st["tokens_run"] / max(st["batches"], 1)))
+    calls = max(1, round(st["layer_tokens"] / rows))
+    shapes = [limit.Gemm(rows, i, o, calls) for i, o in limit.block_linears(mm)]
+    limit.report("mutate", shapes, wall,
+                 note=f"{st['layer_tokens']:,} layer-tokens × the block's linears "
+                      f"(2·{sum(i * o for i, o in limit.block_linears(mm)):,} FLOP each), {calls:,} calls of "
+                      f"{rows} rows; attention not counted (short prefixes)")
 
     per, err = naive_seconds(mm, run, res.mutations, a.naive_sample, a.seed)
     naive = per * V
