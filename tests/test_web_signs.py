@@ -248,3 +248,22 @@ def test_colour_scale_per_sign(flipped, client):
     assert j["scale_neg"] == pytest.approx(max([-x for x in vals if x < 0] + [0.0]))
     assert j["scale"] == max(j["scale_pos"], j["scale_neg"])
     assert j["scale_pos"] > 0 and j["scale_neg"] > j["scale_pos"]
+
+
+def test_suppressing_search_rows_read_minus_v(flipped, client):
+    dim = flipped["dim"]
+    p = _probs(flipped["model"], LAYER, dim, -1)
+    top = int(np.argmax(p))
+    params = {"token": f"#{top}", "dir": "suppress", "per_page": 500}
+    res = client.get("/api/search", params=params).json()
+    r = next(x for x in res["results"] if (x["layer"], x["dim"]) == (LAYER, dim))
+    assert r["sign"] == -1 and r["rank"] == 0
+    assert r["prob"] == pytest.approx(float(p[top]), rel=1e-3)
+    assert r["max_prob"] == pytest.approx(float(p.max()), rel=1e-3)  # of −v, as the row's rank and p
+    t = _triggers(flipped["run"])
+    neg = t[(t.layer == LAYER) & (t.dim == dim) & (t.sign == -1) & (t["rank"] == 1)].iloc[0]
+    assert (r["sentence_id"], r["position"]) == (int(neg.sentence_id), int(neg.position))
+    rows = list(csv.DictReader(io.StringIO(client.get("/search", params={**params, "format": "csv"}).text)))
+    got = next(x for x in rows if (int(x["layer"]), int(x["dim"])) == (LAYER, dim))
+    assert (got["sign"], got["rank"], got["rank_0"]) == ("-1", "1", "0")
+    assert "−v max p" in client.get("/search", params=params).text
