@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -267,3 +268,28 @@ def test_suppressing_search_rows_read_minus_v(flipped, client):
     got = next(x for x in rows if (int(x["layer"]), int(x["dim"])) == (LAYER, dim))
     assert (got["sign"], got["rank"], got["rank_0"]) == ("-1", "1", "0")
     assert "−v max p" in client.get("/search", params=params).text
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium")
+def test_page_tints_each_sign_on_its_own_scale(flipped, client):
+    """In chromium: the largest positive and the most negative coefficient shown both get the
+    darkest tint of their hue (one symmetric ±max scale left the weak side nearly uncoloured)."""
+    from playwright.sync_api import sync_playwright
+
+    from conftest import serving
+    from ffkv.report.screenshot import BROWSER_ARGS
+
+    with serving(client.app) as url, sync_playwright() as p:
+        br = p.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        try:
+            page = br.new_page()
+            page.goto(f"{url}/memory/{LAYER}/{flipped['dim']}?top=5")
+            page.wait_for_selector(".act-status[data-state=done]", timeout=60_000)
+            toks = page.eval_on_selector_all(".tk[data-m]", "els => els.map(e => [parseFloat(e.dataset.m), e.className])")
+        finally:
+            br.close()
+    top = max(toks, key=lambda x: x[0])
+    bottom = min(toks, key=lambda x: x[0])
+    assert 0 < top[0] < -bottom[0]
+    assert "mp8" in top[1] and "mn8" in bottom[1]
