@@ -18,6 +18,7 @@ import argparse
 import os
 import time
 
+import limit
 from _common import load_default, out, peak_rss_mb  # noqa: F401  (imports ffkv first)
 
 GOAL_MIN, REPRODUCE_MIN = 15.0, 2.0
@@ -38,10 +39,47 @@ def plain_forward(mm, seqs, batch_tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def times(shapes, k: int):
+    return [g._replace(count=g.count * k) for g in shapes]
+
+
+def normalize_shapes(mm, ev, fi, info) -> list:
+    """The products of the main measures (every layer × softmax and scaled ReLU), unpadded, batched
+    as the step packs: fit, two passes over the fit tokens (all blocks), per layer the ReLU's
+    coefficients from x (x·K, and x·U when gated), a·V, and a·V for each τ of the grid; evaluate, one
+    pass over the evaluation tokens, per layer the ReLU's coefficients and each variant's m'·V, for
+    each layer and variant the blocks above it, and the head on every predicted position, once
+    intact and once per substitution. The capacity sweep and the variance are not counted."""
+    from ffkv.corpus.batching import tight_ratio
+    from ffkv.steps.normalize.passes import batches_of
+    from ffkv.steps.normalize.variants import TAU_GRID
+
+    L, d, dm, V = mm.n_layers, mm.d, mm.d_m, mm.vocab_size
+    n_k = 1 + (mm.up_keys(0) is not None)
+    layers = list(range(L))
+    shapes = []
+    for seqs, fit in ((fi, True), (ev, False)):
+        idx = batches_of(seqs, info["batch_tokens"], max_rows=info["max_rows"], ratio=tight_ratio(mm.device))
+        bl = [[len(seqs[i]) for i in b] for b in idx]
+        lengths = [n for b in bl for n in b]
+        shapes += times(limit.forward_shapes(mm, lengths, bl), 2 if fit else 1)
+        for b in bl:
+            tok = sum(b)
+            if fit:
+                shapes += [limit.Gemm(tok, d, dm, n_k * L), limit.Gemm(tok, dm, d, (1 + len(TAU_GRID)) * L)]
+            else:
+                shapes += [limit.Gemm(tok, d, dm, n_k * L), limit.Gemm(tok, dm, d, 2 * L)]
+                shapes += [limit.Gemm(sum(n - 1 for n in b), d, V, 1 + 2 * L)]
+        if not fit:  # the blocks above each substituted layer, for both variants
+            tails = [k for l in layers for k in range(l + 1, L)] * 2
+            shapes += limit.block_shapes(mm, lengths, tails, bl)
+    return limit.merge(shapes)
+
+
 def measure(mm, name: str, s, goal_min: float | None, baseline: bool) -> None:
     from ffkv.steps.normalize.compute import normalize, split
 
-    ev = split(mm, s, warn=lambda m: out(f"note: {m}"))[0]
+    ev, fi = split(mm, s, warn=lambda m: out(f"note: {m}"))[:2]
     n_tok = sum(map(len, ev))
     base1 = plain_forward(mm, ev, s.batch_tokens) if baseline else None
     if baseline:
@@ -69,6 +107,11 @@ def measure(mm, name: str, s, goal_min: float | None, baseline: bool) -> None:
                f"{jobs * base / info['seconds_substitute']:.1f}x saved"))
         out(f"[{name}] at the {QUIET_TOK_S} tok/s of a plain pass on a quiet machine (../shared/NOTES.md) the "
             f"step would take {wall / base * n_tok / QUIET_TOK_S / 60:.2f} min")
+    if info["layers"] == mm.n_layers:
+        limit.report(f"normalize {name}", normalize_shapes(mm, ev, fi, info), wall,
+                     note=f"{info['fit_tokens']:,} fit and {info['eval_tokens']:,} evaluation tokens, {mm.n_layers} "
+                          f"layers × 2 variants" + ("; the capacity sweep and the variance not counted"
+                                                    if info["capacity_substitutions"] else ""), out=out)
     lay = res["tables"]["normalize_layers"].to_pandas()
     for v in ("softmax", "scaled_relu"):
         d = lay[lay["variant"] == v]
