@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 TABLES = ("patterns", "pattern_keys", "patterns_fig2")
 
 
@@ -60,6 +61,14 @@ def main() -> None:
                        for t in TABLES)
             med = statistics.median(times[name])
             print(f"{name:<18}{med:>10.1f}{med / base:>8.2f}  {same}")
+    # the limit: the shallow patterns run no model and multiply no matrices (token counts, prefix
+    # matches, binomial tails), so their essential products are 0 FLOP and no GEMM ratio exists;
+    # the machine's GEMM rate still goes beside the absolute times
+    import limit
+
+    print(f"\nlimit [patterns --no-semantic]: 0 TFLOP of products (no model, no matrix products): "
+          f"the times above are all bookkeeping, step / GEMM undefined")
+    print(f"  {limit.machine_line()}")
 
 
 if __name__ == "__main__":
