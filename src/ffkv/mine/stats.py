@@ -120,6 +120,20 @@ def _bounds(maxabs: np.ndarray):
     return lo, hi
 
 
+def bin_moments(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """E|m| and E m² of the tokens in bins [lo, hi), under the model the quantiles read them by:
+    log-uniform within an octave, uniform from 0 in a tiny bin (lo < 2^-100), a point where a bin
+    was cut to its lower edge. Callers cap unbounded bins first (the histogram keeps no sums)."""
+    lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+    e1, e2 = lo.copy(), lo ** 2
+    tiny = lo < 2.0 ** -100
+    e1[tiny], e2[tiny] = hi[tiny] / 2, hi[tiny] ** 2 / 3
+    octv = ~tiny & (hi > lo)
+    r = np.log(hi[octv] / lo[octv])
+    e1[octv], e2[octv] = (hi[octv] - lo[octv]) / r, (hi[octv] ** 2 - lo[octv] ** 2) / (2 * r)
+    return e1, e2
+
+
 def hist_quantiles(counts: np.ndarray, maxabs: np.ndarray, qs=QUANTILES) -> np.ndarray:
     """(n, SIDE) side counts -> (n, len(qs)) quantiles of |m| on that side (nan: empty side)."""
     counts = counts.astype(np.float64)

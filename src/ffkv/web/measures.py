@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ffkv.mine import stats
 from ffkv.store import query
 from ffkv.web.tables import PRECISION_K
 
@@ -107,24 +108,18 @@ def precision_at_k(b, top_tok: dict, N: int) -> dict:
 
 # ---- a memory's sides: activation mass, dominant sign, per-sign moments -------------------------------
 def bin_moments(lay: dict, top: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per `key_hist` bin, E|m| and E m² of the tokens in it, as the quantiles read the bins
-    (`ffkv.mine.stats`): log-uniform within an octave, uniform within the tiny bin, 0 in the zero
-    bin; an unbounded bin (and, given `top` = the side's exact max |m|, any bin reaching past it)
-    runs up to `top` (its lower edge when unknown). An estimate: the histogram keeps no sums per side."""
+    """Per `key_hist` bin of a run's layout, E|m| and E m² of the tokens in it (the bin model of
+    `ffkv.mine.stats.bin_moments`; 0 in the zero bin). An unbounded bin (and, given `top` = the
+    side's exact max |m|, any bin reaching past it) runs up to `top` (its lower edge when unknown)."""
     sign = np.asarray(lay["sign"], np.int64)
     lo = np.asarray(lay["lo"], np.float64)
     hi = np.array([np.inf if h is None else float(h) for h in lay["hi"]])
     if top is not None and np.isfinite(top) and top > 0:
         hi = np.where((hi > top) & (lo < top), top, hi)
     hi = np.where(np.isinf(hi), lo, hi)
-    e1, e2 = np.zeros(len(sign)), np.zeros(len(sign))
-    tiny = (sign != 0) & (lo < 2.0 ** -100)
-    e1[tiny], e2[tiny] = hi[tiny] / 2, hi[tiny] ** 2 / 3
-    octv = (sign != 0) & ~tiny & (hi > lo)
-    r = np.log(hi[octv] / lo[octv])
-    e1[octv], e2[octv] = (hi[octv] - lo[octv]) / r, (hi[octv] ** 2 - lo[octv] ** 2) / (2 * r)
-    flat = (sign != 0) & ~tiny & ~octv  # a bin cut to a point (the max at its lower edge)
-    e1[flat], e2[flat] = lo[flat], lo[flat] ** 2
+    e1, e2 = stats.bin_moments(lo, hi)
+    zero = sign == 0
+    e1[zero], e2[zero] = 0.0, 0.0
     return e1, e2
 
 
