@@ -438,13 +438,7 @@ class MemoryModel:
             e = per_layer.setdefault(int(layer), {"scale": ([], []), "set": ([], [])})
             e[op][0].append(int(dim))
             e[op][1].append(float(value))
-        shape: list[int] = [0, 0]  # (B, T) of the running forward pass
-
-        def on_model(mod, args, kwargs):
-            x = kwargs.get("input_ids", args[0] if args else None)
-            if x is None:
-                x = kwargs["inputs_embeds"]
-            shape[:] = x.shape[:2]
+        shape: list[int] = [0, 0]  # (B, T) of the running forward pass, set by `editing`
 
         def make(spec):
             sd, sv = (torch.tensor(spec["scale"][0], device=self.device, dtype=torch.long),
@@ -467,10 +461,27 @@ class MemoryModel:
                 return m3
             return edit
 
+        with self.editing({l: make(spec) for l, spec in per_layer.items()}, shape):
+            yield self
+
+    @contextmanager
+    def editing(self, fns: dict, shape: list | None = None):
+        """Within the block, every forward pass runs with layer l's coefficients replaced by
+        fns[l](m) ((B, T, d_m) -> the same, or None to keep m), where `intervene` edits them:
+        what interventions, and gradients with respect to m (`ffkv.steps.facts.locate`), share.
+        `shape`, if given, is kept as the running pass's (B, T)."""
+        shape = [0, 0] if shape is None else shape
+
+        def on_model(mod, args, kwargs):
+            x = kwargs.get("input_ids", args[0] if args else None)
+            if x is None:
+                x = kwargs["inputs_embeds"]
+            shape[:] = x.shape[:2]
+
         hooks = [self.hf.register_forward_pre_hook(on_model, with_kwargs=True)]
         try:
-            for l, spec in per_layer.items():
-                hooks += self.arch.hook_m(self.blocks[l], make(spec), shape, self._state[l])
+            for l, fn in fns.items():
+                hooks += self.arch.hook_m(self.blocks[l], fn, shape, self._state[l])
             yield self
         finally:
             for h in hooks:

@@ -44,6 +44,7 @@ import torch
 
 from ffkv.defs import LENSES
 from ffkv.errors import FfkvError
+from ffkv.memories.attribution import direct_effects
 from ffkv.model.memories import Lens, lens_for, rank_of
 from ffkv.parse import Intervention
 
@@ -185,8 +186,7 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
     if scale is None:
         scale = base["_scale"] if base is not None else lens.logit_scale(cap[L - 1]["o"][0, -1])
     m = torch.stack([cap[l]["m"][0, -1] for l in new])  # (L, d_m)
-    dirs = torch.stack([lens.contribution_logits(mm.values(l), targets) for l in new]) * scale
-    contrib = (m.unsqueeze(-1) * dirs.to(m.dtype)).float()
+    contrib = direct_effects(mm, lens, m, new, targets, scale)
     if first:
         m, contrib = torch.cat([base["_m"][:first], m]), torch.cat([base["_contrib"][:first], contrib])
     # memories are chosen first (as (layer, dim) keys), then their values read in one batch
