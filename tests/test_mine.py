@@ -316,7 +316,7 @@ def test_rebuild_flags_type_back_the_record():
 
 def test_resume_after_sigkill(tmp_path, tiny_dirs):
     args = ["--model", tiny_dirs["gpt2"], "--corpus", WT2 / "wiki.valid.tokens", "--max-sentences", 300,
-            "--top-k", 5, "--batch-tokens", 64, "--checkpoint-every", 0]
+            "--top-k", 5, "--batch-tokens", 64, "--checkpoint-every", 0, "--covariance", "0,1"]
     ref = tmp_path / "ref"
     assert run_cli("mine", "--out", ref, *args).returncode == 0
     out = tmp_path / "killed"
@@ -328,6 +328,12 @@ def test_resume_after_sigkill(tmp_path, tiny_dirs):
     assert res.returncode == 0, res.stderr
     assert "resuming from checkpoint" in res.stdout
     _assert_same_mine(out, ref)  # the top-k and the key statistics resume to the same rows
+    from ffkv.store import query  # and the keys' second moment to the same C (issue 47)
+    for l in (0, 1):
+        (m0, c0, n0), (m1, c1, n1) = (query.key_covariance(Run(d), l) for d in (out, ref))
+        assert n0 == n1 > 0
+        np.testing.assert_allclose(c0, c1, rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(m0, m1, rtol=1e-5, atol=1e-9)
     assert not ck.exists()
     assert not list(out.glob(".*.tmp*")), "a killed run's half-written checkpoint was left behind"
 

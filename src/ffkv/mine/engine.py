@@ -41,7 +41,8 @@ def group_for(mm, s: MineSettings) -> int:
 
 
 def new_state(mm, s: MineSettings) -> MineState:
-    """The trackers of one mining pass, on the model's device: top-k, and key statistics unless off."""
+    """The trackers of one mining pass, on the model's device: top-k, key statistics unless off, and
+    the keys' second moment of the --covariance layers."""
     from ffkv.mine.stats import KeyStats
 
     layers = s.layers if s.layers is not None else list(range(mm.n_layers))
@@ -54,6 +55,10 @@ def new_state(mm, s: MineSettings) -> MineState:
                                      samples=s.samples_per_bin, device=dev,
                                      max_position=int(getattr(mm, "max_length", 1 << 15) or 1 << 15),
                                      group=group)
+    if getattr(s, "covariance", None):
+        from ffkv.mine.covariance import KeyCovariance
+
+        trackers["covariance"] = KeyCovariance(layers, s.covariance, mm.d_m, device=dev, group=group)
     return MineState(trackers, layers, s.dims, device=dev)
 
 

@@ -337,6 +337,27 @@ def key_samples(run, layer: int, dim: int, sign: int | None = None) -> list[dict
     return out
 
 
+def covariance_layers(run) -> list[int]:
+    """The layers whose keys' second moment the run keeps (`ffkv mine --covariance`), else []."""
+    info = run.step("mine").get("covariance") or {}
+    return list(info.get("layers", ())) if run.has_table("key_covariance") else []
+
+
+def key_covariance(run, layer: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Layer `layer`'s (E[m] (d_m,), C = E[m mᵀ] (d_m, d_m) float64, tokens) from the mined pass;
+    one line naming the command that makes it when the run has none for that layer."""
+    have = covariance_layers(run)
+    if layer not in have:
+        kept = f" (it keeps layers {', '.join(map(str, have))})" if have else ""
+        raise FfkvError(f"the run {run.path} has no key covariance of layer {layer}{kept}; it comes from "
+                        f"`ffkv mine ... --covariance {layer}` (a run keeps its mine settings: into a new --out, "
+                        f"or --overwrite this one)")
+    t = table(run, "key_covariance", filters=[("layer", "=", layer)]).sort_by("dim")
+    n = t.num_rows
+    C = np.asarray(t.column("moment").combine_chunks().flatten().to_numpy(), np.float64).reshape(n, n)
+    return t.column("mean").to_numpy().astype(np.float64), C, int(t.column("tokens")[0].as_py()) if n else 0
+
+
 def key_stats_by_layer(run) -> pa.Table | None:
     """Per layer and sign over its keys: keys, the mean, quartiles and max of frac_active, the mean
     frac_strong, and the share of keys whose best sits on the first token in over half of the

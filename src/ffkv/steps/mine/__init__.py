@@ -32,6 +32,10 @@ def _layers(text: str) -> list[int] | None:
     return parse_int_list(text, None, "layers")  # bounds: `fit` once the model is known
 
 
+def _cov_layers(text: str) -> list[int] | None:
+    return parse_int_list(text, None, "covariance")
+
+
 def _dims(text: str) -> list[int] | None:
     return parse_int_list(text, None, "dims")
 
@@ -80,6 +84,10 @@ class MineSettings:
                                       recorded=False)
     stats: bool = setting(True, "Also keep every key's activation statistics (histogram, density, quantile "
                                 "samples, positions) from the same pass.", flag="--stats/--no-stats")
+    covariance: list[int] | None = setting(None, "Layers whose keys' second moment C = E[m mᵀ] over the mined "
+                                                 "tokens is kept too (table key_covariance; the preconditioner of "
+                                                 "`ffkv facts edit`), e.g. 8 or 6-10; 24·d_m² bytes of state a "
+                                                 "layer. Needs every dim mined.", parse=_cov_layers)
     samples_per_bin: int = setting(5, "Quantile samples kept per key, sign and histogram bin.",
                                    check=between(0, 1000))
     checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
@@ -122,7 +130,7 @@ class MineSettings:
     # the field existed has the same record as the same command typed today: it resumes, or is
     # skipped when done, instead of being refused as "other settings". Whether such a run has
     # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
-    ADDED = {"stats": True, "samples_per_bin": 5, "context": CORPUS_CONTEXT}
+    ADDED = {"stats": True, "samples_per_bin": 5, "context": CORPUS_CONTEXT, "covariance": None}
 
     def record(self) -> dict:
         """The settings that decide the tables (the recorded fields). `batch_tokens` is not among
@@ -151,6 +159,15 @@ def fit(s: MineSettings, mm) -> None:
         bad = [v for v in vals or () if not 0 <= v < upper]
         if bad:
             raise FfkvError(f"--{what} {bad[0]} out of range 0..{upper - 1}")
+    if s.covariance:
+        bad = [v for v in s.covariance if not 0 <= v < mm.n_layers]
+        if bad:
+            raise FfkvError(f"--covariance {bad[0]} out of range 0..{mm.n_layers - 1}")
+        if s.layers is not None and not set(s.covariance) <= set(s.layers):
+            raise FfkvError(f"--covariance {sorted(set(s.covariance) - set(s.layers))[0]} is not among --layers: "
+                            "the second moment comes from the layers this pass mines")
+        if s.dims is not None:
+            raise FfkvError("--covariance needs every dim of its layers: leave out --dims")
 
 
 @dataclass(frozen=True)
@@ -164,9 +181,11 @@ class TrackerSpec:
 TRACKERS = (
     TrackerSpec("topk", ("triggers",), lambda s: True),
     TrackerSpec("stats", ("key_stats", "key_hist", "key_samples"), lambda s: s.stats),
+    TrackerSpec("covariance", ("key_covariance",), lambda s: bool(s.covariance)),
 )
 TABLES = ("sentences", "triggers", "vocab")  # always written: the topk tracker's and the corpus
 STATS_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "stats")
+COVARIANCE_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "covariance")
 
 
 def _lens(v):
@@ -215,8 +234,9 @@ def record(run, s: MineSettings) -> dict:
 
 def done_info(run, st: dict) -> bool:
     """Done also needs the tables of the optional trackers that the step says it wrote."""
-    stats = st.get("stats")
-    return not stats or all(run.table_problem(t) is None for t in stats.get("tables", STATS_TABLES))
+    tables = [*((st.get("stats") or {}).get("tables", STATS_TABLES) if st.get("stats") else ()),
+              *((st.get("covariance") or {}).get("tables", ()))]
+    return all(run.table_problem(t) is None for t in tables)
 
 
 def rebuild(run) -> list[str]:
@@ -274,7 +294,7 @@ def reproduce(r, mm) -> MineSettings:
 HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).\n\n"
         "One forward pass per batch yields every prefix's coefficient (causal masking). "
         "Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and "
-        "(unless --no-stats) key_stats, key_hist, key_samples. --out must be a new or empty folder, "
+        "(unless --no-stats) key_stats, key_hist, key_samples; with --covariance, key_covariance. --out must be a new or empty folder, "
         "or a run of this model.\n\n"
         "Faster paths, the same tables: --pack (FFKV_PACK), --fused-kernels (FFKV_TRITON) and --compile "
         "(FFKV_COMPILE); a flag wins over its variable. On CUDA, packing and the fused kernels default "
@@ -291,5 +311,5 @@ STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES,
             rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"),
             report_before_done=True)
 
-__all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "TRACKERS", "check_batch_tokens",
+__all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "COVARIANCE_TABLES", "TRACKERS", "check_batch_tokens",
            "fit"]

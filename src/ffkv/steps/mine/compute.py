@@ -19,7 +19,7 @@ from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, la
                               mine_batches, new_state, save_checkpoint, save_npz)
 from ffkv.model import identity
 from ffkv.steps.lifecycle import execute
-from ffkv.steps.mine import STATS_TABLES, MineSettings, check_batch_tokens, fit
+from ffkv.steps.mine import COVARIANCE_TABLES, STATS_TABLES, MineSettings, check_batch_tokens, fit
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -315,6 +315,8 @@ def _compute(ctx) -> dict:
         info["stats"] = {**layout(), "tables": list(STATS_TABLES), "samples_per_bin": s.samples_per_bin}
     else:
         info["stats"] = None
+    if "covariance" in state.trackers:
+        info["covariance"] = {"layers": state.trackers["covariance"].cov, "tables": list(COVARIANCE_TABLES)}
     return info
 
 
