@@ -6,7 +6,9 @@ families, in one place:
   the memory view cannot read exactly);
 - how coefficients m and values v are read from the weights (`keys`, `up_keys`, `values`,
   `coefficients`) and how the FFN's output is rebuilt from them (`rebuild`);
-- where capture and intervention hooks sit (`hook_x`, `hook_m`, `hook_y`, `replace_y`);
+- where capture and intervention hooks sit (`hook_x`, `hook_m`, `hook_y`, `replace_y`), and where
+  causal tracing restores what the FFN and the attention add (`edit_y`, `edit_attn`; `attn` the
+  attention module's path);
 - how the final norm's gain and the model's own head read a residual state (`norm_gain`, `head`).
 
 A simple family is one line of data (attribute paths, weight layout). A family with real
@@ -63,6 +65,7 @@ class Architecture:
     gain_offset: float = 0.0  # an RMSNorm's gain is offset + weight (Gemma: 1 + w)
     softcap: str | None = None  # config attribute of the final logits' tanh soft-cap (Gemma 2)
     flat: bool = False  # the FFN runs on (B·T, d) rows (OPT)
+    attn: str = "self_attn"  # path inside the block to the attention module (`edit_attn`)
 
     # ---- checks ------------------------------------------------------------------------------
     def check(self, cfg) -> None:
@@ -229,6 +232,34 @@ class Architecture:
         return [self.y_site(blk).register_forward_hook(
             lambda mod, args, out: fn(self._tokens(self.read_y(blk, out), shape)))]
 
+    def edit_y(self, blk, fn: Callable, shape) -> list:
+        """fn(y) on what the FFN adds to the residual stream, y (B, T, d); a tensor it returns is
+        added in y's place (None keeps y). Causal tracing restores a clean y so."""
+        def swap(mod, args, out):
+            new = fn(self._tokens(self.read_y(blk, out), shape))
+            return None if new is None else self.write_y(blk, new).reshape(out.shape).to(out.dtype)
+        return [self.y_site(blk).register_forward_hook(swap)]
+
+    def read_attn(self, args, kwargs, out) -> torch.Tensor:
+        """The attention module's output a (B, T, d), from its hook's arguments and output: what
+        the block adds to the residual stream for it, up to a map per token that follows (a
+        post-attention norm, a residual multiplier), so that a restored a at a token restores what
+        is added there."""
+        return out[0] if isinstance(out, tuple) else out
+
+    def write_attn(self, args, kwargs, out, a: torch.Tensor):
+        """The attention module's output that makes it give a (the inverse of `read_attn`)."""
+        a = a.to((out[0] if isinstance(out, tuple) else out).dtype)
+        return (a, *out[1:]) if isinstance(out, tuple) else a
+
+    def edit_attn(self, blk, fn: Callable, shape) -> list:
+        """fn(a) on the attention block's output a (B, T, d) (`read_attn`); a tensor it returns
+        takes a's place (None keeps it)."""
+        def swap(mod, args, kwargs, out):
+            new = fn(self.read_attn(args, kwargs, out))
+            return None if new is None else self.write_attn(args, kwargs, out, new)
+        return [self.module(blk, self.attn).register_forward_hook(swap, with_kwargs=True)]
+
     def replace_y(self, blk, replace: Callable, shape, state: dict) -> list:
         """The FFN adds replace(x, m) (B, T, d) instead of its own y (None keeps y)."""
         seen: dict = {}
@@ -391,6 +422,17 @@ class Bloom(Architecture):
         if getattr(cfg, "pretraining_tp", 1) > 1 and getattr(cfg, "slow_but_exact", False):
             raise FfkvError("BLOOM with slow_but_exact and pretraining_tp > 1 is not supported: its "
                             "FFN output is computed in slices outside the value projection")
+
+    # BLOOM's attention module adds the residual it is given (its second argument) to its output
+    @staticmethod
+    def _residual(args, kwargs):
+        return args[1] if len(args) > 1 else kwargs["residual"]
+
+    def read_attn(self, args, kwargs, out):
+        return super().read_attn(args, kwargs, out) - self._residual(args, kwargs)
+
+    def write_attn(self, args, kwargs, out, a):
+        return super().write_attn(args, kwargs, out, a + self._residual(args, kwargs))
 
 
 @dataclass(frozen=True)
@@ -642,10 +684,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture(
         "gpt2", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
         key="mlp.c_fc", value="mlp.c_proj", act="mlp.act", layout="conv1d",
-        act_config="activation_function"),
+        act_config="activation_function", attn="attn"),
     "gpt_neox": Architecture(
         "gpt_neox", layers="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
-        unembed="lm_head", key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act"),
+        unembed="lm_head", key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act",
+        attn="attention"),
     "opt": OPT(
         "opt", layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm",
         unembed="lm_head", key="fc1", value="fc2", act="activation_fn",
@@ -671,15 +714,16 @@ ARCHITECTURES: dict[str, Architecture] = {
                         key="mlp.fc1", value="mlp.fc2", act="mlp.activation_fn"),
     "gptj": Architecture("gptj", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
                          key="mlp.fc_in", value="mlp.fc_out", act="mlp.act",
-                         act_config="activation_function"),
+                         act_config="activation_function", attn="attn"),
     "starcoder2": Architecture("starcoder2", layers="model.layers", final_norm="model.norm", unembed="lm_head",
                                key="mlp.c_fc", value="mlp.c_proj", act="mlp.act"),
     "granite": ScaledResidual("granite", **_LLAMA),
     "falcon": Falcon("falcon", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
                      key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.act",
-                     act_config="activation"),
+                     act_config="activation", attn="self_attention"),
     "bloom": Bloom("bloom", layers="transformer.h", final_norm="transformer.ln_f", unembed="lm_head",
-                   key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.gelu_impl"),
+                   key="mlp.dense_h_to_4h", value="mlp.dense_4h_to_h", act="mlp.gelu_impl",
+                   attn="self_attention"),
     # mixture of experts: memories (expert, dim) flattened, dim = expert·d_expert + i (`MoE`)
     "mixtral": MoE("mixtral", **_MODEL),  # top-k weights always renormalised
     "qwen2_moe": MoE("qwen2_moe", **_MODEL, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate",
