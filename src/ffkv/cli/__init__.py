@@ -28,7 +28,8 @@ def _add_step_commands() -> None:
     and leaves the other commands working. Adding twice adds nothing."""
     from ffkv.steps.cli import register_all
 
-    taken = {c.name or c.callback.__name__ for c in app.registered_commands}
+    taken = {c.name or c.callback.__name__ for c in app.registered_commands} | \
+        {g.name for g in app.registered_groups if g.name}
     try:
         register_all(app, taken)
     except FfkvError as e:

@@ -109,6 +109,19 @@ class Architecture:
         """b (d,) added to the residual stream whatever the coefficients, or None."""
         return getattr(self.module(blk, self.value), "bias", None)
 
+    def value_param(self, blk) -> torch.Tensor:
+        """The value projection's weight parameter itself (what an edit changes and restores)."""
+        return self.module(blk, self.value).weight
+
+    def add_values(self, blk, delta: torch.Tensor) -> None:
+        """V += delta (d_m, d) in the weights (a fact edit, `ffkv.steps.facts.edit`): the raw
+        weight moves by what makes `values` move by delta."""
+        self.value_weight(blk).add_(self.raw_values(blk, delta).to(self.value_param(blk).dtype))
+
+    def raw_values(self, blk, delta: torch.Tensor) -> torch.Tensor:
+        """A change of V as the change of the value projection's rows that gives it."""
+        return delta
+
     def act_fn(self, blk):
         return self.module(blk, self.act)
 
@@ -348,6 +361,10 @@ class PostNorm(Architecture):
         w = self.value_weight(blk)
         return w if g is None else w * g.to(w.dtype)
 
+    def raw_values(self, blk, delta):
+        g = self.norm_gain(self.module(blk, self.post_norm))
+        return delta if g is None else delta / g.to(delta.dtype)
+
     def inv_scale(self, blk, u: torch.Tensor) -> torch.Tensor:
         """1/s (..., 1) for the FFN's raw output u (..., d), as the post-FFN RMSNorm computes it."""
         import torch
@@ -392,6 +409,9 @@ class ScaledResidual(Architecture):
 
     def values(self, blk):
         return self.value_weight(blk) * self._c(blk)
+
+    def raw_values(self, blk, delta):
+        return delta / self._c(blk)
 
     def value_bias(self, blk):
         b = super().value_bias(blk)

@@ -179,7 +179,10 @@ def register_all(app: typer.Typer, taken: set[str]) -> None:
             failed = failed or e
             continue
         cmd = step.name.replace("_", "-")
-        if step.cli and cmd not in taken:
+        if step.group is not None and cmd not in taken:
+            app.add_typer(step.group(), name=cmd, help=step.help or None)
+            taken.add(cmd)
+        elif step.cli and cmd not in taken:
             app.command(name=cmd, help=step.help or None)(command(step))
             taken.add(cmd)
     if failed is not None:

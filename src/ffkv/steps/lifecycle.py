@@ -41,6 +41,10 @@ class Step:
     help: str = ""  # one paragraph: the generated command's --help, `reproduce`'s listing
     command: str | None = None  # "ffkv NAME {run}" by default; the "run `...` first" hint
     cli: bool = False  # generate `ffkv NAME` from `settings` (ffkv.steps.cli)
+    # () -> typer.Typer: the step's own command group `ffkv NAME SUBCOMMAND` (facts: trace, locate,
+    # edit, evaluate) instead of one generated command; `ffkv.steps.cli.command(step)` makes a
+    # generated subcommand of it. Called when the CLI is built: name it by "module:attr" (`lazy`)
+    group: Callable[[], Any] | None = None
     summary: Callable[[Any, "Outcome", Any, bool], None] | None = None  # (run, outcome, settings, as_json): what the command prints
     reproduce: Callable[[Any, Any], Any] | None = None  # (ReproduceSettings, model) -> settings, or None: skip
     preflight: Callable[[Any], None] | None = None  # (ReproduceSettings): raise FfkvError before reproduce opens anything
