@@ -73,6 +73,15 @@ def base_args(name: str, run: Path, model: Path, corpus: Path, out: Path) -> lis
         "corpus": [corpus, "--model", model, "--max-sentences", "3"],
         "info": [model],
         "verdicts": [run],
+        "facts trace": [run, "--prompt", "{} is", "--subject", "The cat", "--samples", "1", "--kinds", "ffn",
+                        "--window", "1"],
+        "facts locate": [run, "--prompt", "{} is", "--subject", "The cat", "--top", "2", "--ablate", "1",
+                         "--draws", "1"],
+        "facts edit": [run, "--prompt", "{} is", "--subject", "The cat", "--new", " a", "--method", "values",
+                       "--layer", "0", "--top", "2", "--steps", "1", "--prefixes", "0", "--tokens", "0"],
+        "facts evaluate": [run, "--facts", "countries", "--relation", "capital", "--all", "--limit", "1",
+                           "--methods", "values", "--layer", "0", "--span", "1", "--steps", "1", "--prefixes",
+                           "0", "--tokens", "0"],
     }
     if name in small:
         return small[name]

@@ -28,6 +28,8 @@ BUILTIN: dict[str, str] = {
     "patterns": "ffkv.steps.patterns:STEP",
     "normalize": "ffkv.steps.normalize:STEP",
     "census": "ffkv.steps.census:STEP",
+    "facts": "ffkv.steps.facts:STEP",
+    "facts_evaluate": "ffkv.steps.facts:EVALUATE",
 }
 
 _registered: dict = {}  # name -> Step, from register()

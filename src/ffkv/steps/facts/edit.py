@@ -1,0 +1,405 @@
+"""Change a fact in the FFN's values: ROME, MEMIT, and the key-value baseline no editor has.
+
+All three write a low-rank change to the values of the layers they edit, ΔV_l = U_l R_lᵀ
+(U_l (d_m, r) on the memory axis, R_l (d, r) in the residual stream; rank 1 for one fact), and an
+`Edit` keeps only those factors: applied to the model's weights within a block (`applied`) or saved
+into a Hugging Face folder (`export`). In ffkv's terms the FFN writes y = Σ_i m_i v_i = Vᵀ m, so a
+change ΔV adds (U Rᵀ)ᵀ m = R (Uᵀ m) to y wherever the keys m point along U.
+
+- **ROME** (Meng et al. 2022): the key k̄ is m at the subject's last token averaged over the prompt
+  behind short prefixes (ROME samples them from the model; here they are the starts of the run's
+  own corpus sentences, seeded, the text C was measured on); the target v* is the FFN output there
+  that makes the new object likely (`target_output`: Adam on a δ added to y, ROME's loss: the new
+  object's NLL, KL to the unedited "{subject} is a" next-token distribution, a norm penalty and
+  clamp); u = C⁻¹k̄/‖C⁻¹k̄‖, r = (v* − y₀)/(u·k₀) (k₀, y₀: key and output at the bare prompt), so
+  the edited output at k₀ is exactly v*. C = E[m mᵀ] from `ffkv mine --covariance`.
+- **MEMIT** (Meng et al. 2023): the target is the residual stream after the last layer of the range
+  (`target_hidden`); each layer l of the range in turn takes its share of what is still missing,
+  ΔV_l = K (λC + Kᵀ K)⁻¹... in closed form per layer (`memit`), a batch of facts at once.
+- **values**: the located memories of one layer alone (the top k at the subject's last token by a
+  `locate` method): Δv_i = m_i(k₀)·(v* − y₀)/Σ_j m_j(k₀)² for i among them, the least change to
+  those values that gives v* at k₀. No covariance: what it disturbs elsewhere is what their keys
+  fire on (their triggers, in the browser).
+
+Post-FFN norm families (Gemma 2/3, OLMo 2) get ΔV through the norm's gain, with the token's norm
+scale as the model then computes it (exact where the scale does not move; `Edit.check` measures
+the rewrite as applied). A mixture of experts is refused.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ffkv.errors import FfkvError
+
+METHODS = ("rome", "memit", "values")
+# ROME's published hyperparameters (GPT-2 XL / GPT-J): Adam steps, rate, KL weight, norm penalty,
+# clamp of ‖δ‖ at this many times ‖y₀‖, and prefixes (ROME: 10 of 5 and 10 of 10 tokens)
+ROME_HP = dict(steps=20, lr=0.5, kl_factor=0.0625, weight_decay=0.5, clamp=4.0)
+PREFIXES, PREFIX_TOKENS = 10, 10
+MEMIT_LAMBDA = 15000.0  # MEMIT's mom2_update_weight: C's weight against the edited keys
+
+
+@dataclass
+class Edit:
+    """A low-rank change to the values of some layers: ΔV_l = U_l R_lᵀ."""
+    method: str
+    factors: dict  # layer -> (U (d_m, r), R (d, r)) float32 numpy
+    facts: list = field(default_factory=list)  # the requests, as dicts
+    settings: dict = field(default_factory=dict)
+    targets: dict = field(default_factory=dict)  # layer -> the output the edit was solved for (d,)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.factors)
+
+    def delta(self, layer: int) -> torch.Tensor:
+        U, R = self.factors[layer]
+        return torch.from_numpy(U) @ torch.from_numpy(R).T  # (d_m, d)
+
+    def rank(self, layer: int) -> int:
+        """ΔV's numerical rank, from the factors in float64 (products of float32 are exact there)."""
+        U, R = self.factors[layer]
+        return int(torch.linalg.matrix_rank(torch.from_numpy(U).double() @ torch.from_numpy(R).double().T))
+
+    def save(self, path: Path) -> None:
+        """Into `path` (a folder): factors.npz and edit.json, written whole or not at all."""
+        from ffkv.atomic import staged
+
+        with staged(Path(path)) as tmp:
+            tmp.mkdir(parents=True, exist_ok=True)
+            arrs = {}
+            for l, (U, R) in self.factors.items():
+                arrs[f"U_{l}"], arrs[f"R_{l}"] = U, R
+            for l, t in self.targets.items():
+                arrs[f"target_{l}"] = t
+            np.savez(tmp / "factors.npz", **arrs)
+            (tmp / "edit.json").write_text(json.dumps(
+                {"method": self.method, "layers": self.layers, "facts": self.facts, "settings": self.settings},
+                indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "Edit":
+        path = Path(path)
+        try:
+            meta = json.loads((path / "edit.json").read_text())
+            z = np.load(path / "factors.npz")
+            factors = {int(l): (z[f"U_{l}"], z[f"R_{l}"]) for l in meta["layers"]}
+            targets = {int(k[7:]): z[k] for k in z.files if k.startswith("target_")}
+        except (OSError, ValueError, KeyError) as e:
+            raise FfkvError(f"{path} is not a readable edit ({type(e).__name__}: {str(e)[:120]})") from None
+        return cls(meta["method"], factors, meta.get("facts", []), meta.get("settings", {}), targets)
+
+
+# ---- where an edit goes ---------------------------------------------------------------------------------------------
+def _refuse_moe(mm) -> None:
+    if mm.arch.moe_info(mm.blocks[0]):
+        raise FfkvError("facts edit: a mixture of experts is not supported (its values live in fused expert weights)")
+
+
+def check_layer(mm, layer: int) -> int:
+    if not 0 <= int(layer) < mm.n_layers:
+        raise FfkvError(f"--layer {layer} out of range 0..{mm.n_layers - 1}")
+    return int(layer)
+
+
+@contextmanager
+def applied(mm, edit: Edit):
+    """Within the block the model runs with the edit in its weights; after it, the weights are
+    restored bit for bit (a copy of each edited value matrix is kept meanwhile)."""
+    _refuse_moe(mm)
+    saved = {}
+    try:
+        with torch.no_grad():
+            for l in edit.layers:
+                blk = mm.blocks[check_layer(mm, l)]
+                w = mm.arch.value_param(blk)
+                saved[l] = w.detach().clone()
+                mm.arch.add_values(blk, edit.delta(l).to(w.device))
+        yield mm
+    finally:
+        with torch.no_grad():
+            for l, w0 in saved.items():
+                mm.arch.value_param(mm.blocks[l]).copy_(w0)
+
+
+def export(mm, edit: Edit, out: Path) -> Path:
+    """The edited model as a Hugging Face folder (weights and tokenizer) that `transformers`
+    loads with no ffkv code; written whole or not at all."""
+    from ffkv.atomic import staged
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FfkvError(f"--export {out} exists and is not empty")
+    with applied(mm, edit), staged(out) as tmp:
+        mm.hf.save_pretrained(tmp)
+        mm.tok.save_pretrained(tmp)
+    return out
+
+
+# ---- the request's token positions ------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One fact to write: prompt template with "{}", subject, new object (and the true one)."""
+    prompt: str
+    subject: str
+    target_new: str
+    target_true: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.prompt.replace("{}", self.subject, 1)
+
+    def as_dict(self) -> dict:
+        return {"prompt": self.prompt, "subject": self.subject, "target_new": self.target_new,
+                "target_true": self.target_true}
+
+
+def _encode(mm, texts: list[str], subject: str):
+    """Right-padded ids (B, T), lengths and each text's subject's last token."""
+    from ffkv.steps.facts.data import prompt_ids
+    from ffkv.steps.facts.trace import subject_span
+
+    seqs, last = [], []
+    for t in texts:
+        ids = prompt_ids(mm.tok, t)
+        seqs.append(ids)
+        last.append(subject_span(mm.tok, t, subject, ids)[1] - 1)
+    ids, mask = mm.batch(seqs)
+    return ids, mask, torch.tensor([len(s) for s in seqs]), torch.tensor(last)
+
+
+def prefixes_from(run, tok, n: int = PREFIXES, tokens: int = PREFIX_TOKENS, seed: int = 0) -> list[str]:
+    """Context templates: the bare prompt ("{}"), and the first `tokens` tokens of `n` of the
+    run's sentences (seeded) before it, ending in ". {}" as ROME's do."""
+    from ffkv.store import query
+
+    col = query.table(run, "sentences", columns=["token_ids"]).column("token_ids")
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(len(col), size=min(n, len(col)), replace=False) if len(col) else []
+    out = ["{}"]
+    for i in sorted(int(i) for i in rows):
+        text = tok.decode(col[i].as_py()[:tokens], skip_special_tokens=True).strip()
+        out.append(text + ". {}")
+    return out
+
+
+def fill(template: str, prompt: str) -> str:
+    """A context template's slot (its last "{}": a prefix may hold braces) filled with `prompt`."""
+    pre, post = template.rsplit("{}", 1)
+    return pre + prompt + post
+
+
+def keys_at(mm, layer: int, texts: list[str], subject: str) -> torch.Tensor:
+    """(len(texts), d_m) m at the subject's last token of each text."""
+    ids, mask, _, last = _encode(mm, texts, subject)
+    m = mm.capture(ids, mask, layers=[layer])[layer]["m"]
+    return m[torch.arange(len(texts)), last].float()
+
+
+def output_at(mm, layer: int, text: str, subject: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k₀ (d_m), y₀ (d)): key and FFN output at the subject's last token of one text."""
+    ids, mask, _, last = _encode(mm, [text], subject)
+    cap = mm.capture(ids, mask, layers=[layer], what=("m", "y"))[layer]
+    return cap["m"][0, last[0]].float(), cap["y"][0, last[0]].float()
+
+
+# ---- targets ---------------------------------------------------------------------------------------------------------------
+def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, init: torch.Tensor) -> torch.Tensor:
+    """ROME's objective over δ (d,) that `add(layer_block_hooks, delta, positions)` places at
+    `site`: the new object's mean NLL over every template (teacher-forced over its tokens), KL of
+    "{subject} is a"'s next token at the subject to the unedited one, ‖δ‖/‖init‖² penalty, ‖δ‖
+    clamped at clamp·‖init‖. Returns δ."""
+    from ffkv.steps.facts.data import target_ids
+
+    new = target_ids(mm.tok, req.target_new)
+    if not new:
+        raise FfkvError(f"--new {req.target_new!r} has no token")
+    texts, targets, where = [], [], []
+    for t in templates:
+        base = fill(t, req.text)
+        for i in range(len(new)):
+            texts.append(base + mm.tok.decode(new[:i]))
+            targets.append(new[i])
+    kl_text = f"{req.subject} is a"
+    ids, mask, lens, last = _encode(mm, texts + [kl_text], req.subject)
+    ends = lens - 1
+    tgt = torch.tensor(targets)
+    n = len(texts)
+    delta = torch.zeros(mm.d, requires_grad=True, device=mm.device)
+    opt = torch.optim.Adam([delta], lr=hp["lr"])
+    kl0 = None
+    rows = torch.arange(n + 1)
+    for it in range(hp["steps"]):
+        opt.zero_grad()
+        with torch.enable_grad(), add(delta, last, list(ids.shape)):
+            logits = mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False).logits
+            lp = torch.log_softmax(logits[rows, torch.where(rows < n, ends, last)].float(), -1)
+            kl_lp = lp[n:]
+            if kl0 is None:
+                kl0 = kl_lp.detach().clone()
+            nll = -lp[torch.arange(n), tgt.to(lp.device)].mean()
+            kl = hp["kl_factor"] * torch.nn.functional.kl_div(kl0, kl_lp, log_target=True, reduction="batchmean")
+            loss = nll + kl + hp["weight_decay"] * delta.norm() / init.norm() ** 2
+            if loss.item() < 5e-2 or it == hp["steps"] - 1:
+                break
+            loss.backward()
+        opt.step()
+        with torch.no_grad():
+            cap = hp["clamp"] * init.norm()
+            if delta.norm() > cap:
+                delta.mul_(cap / delta.norm())
+    return delta.detach()
+
+
+def target_output(mm, layer: int, req: Request, templates: list[str], hp: dict | None = None):
+    """(v*, k₀, y₀): the FFN output at the subject's last token that makes the new object likely."""
+    hp = {**ROME_HP, **(hp or {})}
+    k0, y0 = output_at(mm, layer, req.text, req.subject)
+
+    @contextmanager
+    def add(delta, last, shape):
+        def fn(y):
+            rows = torch.arange(y.shape[0], device=y.device)
+            out = y.clone()
+            out[rows, last.to(y.device)] = y[rows, last.to(y.device)] + delta.to(y.dtype)
+            return out
+        hooks = mm.arch.edit_y(mm.blocks[layer], fn, shape)
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    delta = _optimize(mm, req, templates, layer, add, hp, y0)
+    return y0 + delta, k0, y0
+
+
+def _inv(C: torch.Tensor) -> torch.Tensor:
+    """C⁻¹ where C is well conditioned, else its pseudo-inverse (a dead memory's row is zero)."""
+    return torch.linalg.pinv(C, hermitian=True)
+
+
+def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: dict | None = None) -> Edit:
+    """ROME's rank-one edit of one fact at `layer`, preconditioned by C = E[m mᵀ] of that layer."""
+    _refuse_moe(mm)
+    layer = check_layer(mm, layer)
+    C = torch.as_tensor(C, dtype=torch.float64)
+    if C.shape != (mm.d_m, mm.d_m):
+        raise FfkvError(f"the covariance of layer {layer} is {tuple(C.shape)}, not ({mm.d_m}, {mm.d_m})")
+    kbar = keys_at(mm, layer, [fill(t, req.text) for t in templates], req.subject).mean(0)
+    vstar, k0, y0 = target_output(mm, layer, req, templates, hp)
+    u, r = rome_factors(C, kbar, k0, vstar, y0)
+    return Edit("rome", {layer: (u[:, None], r[:, None])}, [req.as_dict()],
+                {**ROME_HP, **(hp or {}), "templates": templates}, {layer: vstar.float().numpy()})
+
+
+def rome_factors(C, kbar, k0, vstar, y0) -> tuple[np.ndarray, np.ndarray]:
+    """ROME's closed form: u = C⁻¹k̄/‖C⁻¹k̄‖, r = (v* − y₀)/(u·k₀), ΔV = u rᵀ."""
+    left = _inv(torch.as_tensor(C, dtype=torch.float64)) @ torch.as_tensor(kbar, dtype=torch.float64)
+    u = left / left.norm()
+    r = (torch.as_tensor(vstar, dtype=torch.float64) - torch.as_tensor(y0, dtype=torch.float64)) / \
+        (u @ torch.as_tensor(k0, dtype=torch.float64))
+    return u.float().numpy(), r.float().numpy()
+
+
+def values_edit(mm, layer: int, req: Request, templates: list[str], top: int = 10, method: str = "grad",
+                hp: dict | None = None) -> Edit:
+    """Rewrite only the values of the `top` memories of `layer` that `locate` ranks first at the
+    subject's last token (by `method`), so that the FFN gives v* at k₀."""
+    from ffkv.steps.facts.data import prompt_ids, target_ids
+    from ffkv.steps.facts.locate import rank
+
+    _refuse_moe(mm)
+    layer = check_layer(mm, layer)
+    text = req.text
+    vstar, k0, y0 = target_output(mm, layer, req, templates, hp)
+    from ffkv.steps.facts.trace import subject_span
+
+    ids = prompt_ids(mm.tok, text)
+    pos = subject_span(mm.tok, text, req.subject, ids)[1] - 1
+    true = target_ids(mm.tok, req.target_true or req.target_new)[0]
+    scores = rank(mm, ids, true, pos, method, layers=[layer]).scores[layer]
+    dims = np.argsort(-scores, kind="stable")[:top]
+    u = torch.zeros(mm.d_m, dtype=torch.float64)
+    k = k0.double()
+    u[dims] = k[dims] / k[dims].pow(2).sum().clamp_min(1e-30)
+    r = (vstar - y0).double()
+    return Edit("values", {layer: (u.float().numpy()[:, None], r.float().numpy()[:, None])}, [req.as_dict()],
+                {**ROME_HP, **(hp or {}), "top": int(top), "locate": method, "dims": dims.tolist(),
+                 "templates": templates}, {layer: vstar.float().numpy()})
+
+
+# ---- MEMIT ---------------------------------------------------------------------------------------------------------------
+@contextmanager
+def _residual_edit(mm, layer: int, fn):
+    """fn(h) (B, T, d) -> h' on the residual stream after block `layer`."""
+    def hook(mod, args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        new = fn(h)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+    handle = mm.blocks[layer].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def hidden_at(mm, layer: int, text: str, subject: str) -> torch.Tensor:
+    """The residual stream after block `layer` at the subject's last token of `text`."""
+    ids, mask, _, last = _encode(mm, [text], subject)
+    return mm.capture(ids, mask, layers=[layer], what=("o",))[layer]["o"][0, last[0]].float()
+
+
+def target_hidden(mm, layer: int, req: Request, templates: list[str], hp: dict | None = None) -> torch.Tensor:
+    """MEMIT's z: the residual stream after block `layer` at the subject's last token that makes
+    the new object likely (ROME's objective, δ added to the residual instead of the FFN output)."""
+    hp = {**ROME_HP, **(hp or {})}
+    h0 = hidden_at(mm, layer, req.text, req.subject)
+
+    @contextmanager
+    def add(delta, last, shape):
+        def fn(h):
+            rows = torch.arange(h.shape[0], device=h.device)
+            out = h.clone()
+            out[rows, last.to(h.device)] = h[rows, last.to(h.device)] + delta.to(h.dtype)
+            return out
+        with _residual_edit(mm, layer, fn):
+            yield
+
+    return h0 + _optimize(mm, req, templates, layer, add, hp, h0)
+
+
+def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp: dict | None = None,
+          lam: float = MEMIT_LAMBDA) -> Edit:
+    """MEMIT's batch edit over `layers` (a range, e.g. 4-8): the targets z at the last of them, then
+    layer by layer ΔV_l = (λC_l + K Kᵀ)⁻¹ K Rᵀ, K the facts' keys (d_m, n) averaged over the
+    templates, R = (z − h_L)/(layers left) what the residual still lacks, h_L read with the
+    layers before already edited. C_l = E[m mᵀ] of each layer (`covs`)."""
+    _refuse_moe(mm)
+    layers = sorted({check_layer(mm, l) for l in layers})
+    if not reqs:
+        raise FfkvError("facts edit --method memit: no fact to edit")
+    missing = [l for l in layers if l not in covs]
+    if missing:
+        raise FfkvError(f"facts edit --method memit: no key covariance of layer {missing[0]}")
+    top = layers[-1]
+    Z = torch.stack([target_hidden(mm, top, r, templates, hp) for r in reqs]).double()  # (n, d)
+    edit = Edit("memit", {}, [r.as_dict() for r in reqs],
+                {**ROME_HP, **(hp or {}), "lambda": lam, "layers": layers, "templates": templates},
+                {top: Z.float().numpy()})
+    for i, l in enumerate(layers):
+        with applied(mm, edit):
+            K = torch.stack([keys_at(mm, l, [fill(t, r.text) for t in templates], r.subject).mean(0)
+                             for r in reqs]).double().T  # (d_m, n)
+            H = torch.stack([hidden_at(mm, top, r.text, r.subject) for r in reqs]).double()  # (n, d)
+        R = (Z - H) / (len(layers) - i)  # (n, d)
+        A = lam * torch.as_tensor(covs[l], dtype=torch.float64) + K @ K.T
+        U = torch.linalg.solve(A, K)  # (d_m, n)
+        edit.factors[l] = (U.float().numpy(), R.T.float().numpy())
+    return edit

@@ -1,0 +1,139 @@
+"""`facts edit`: ROME's closed form against an independent computation, the rank of an update, the
+exported folder through plain `transformers`, and the weights restored after an edit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import mine_tiny
+from ffkv.steps.facts.edit import Edit, Request, applied, export, rome, rome_factors, values_edit
+
+# The subject ends the prompt: in a random tiny model an earlier token barely reaches the last one,
+# so a rewrite there could not be told from no rewrite. Real models: `facts evaluate`.
+REQ = Request("{}", "The tower is in", " the", " of")
+HP = dict(steps=20, clamp=8.0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_dirs):
+    from ffkv.store.run import Run
+
+    return Run(mine_tiny(tmp_path_factory.mktemp("edit") / "run", tiny_dirs["llama"], 40, 3, "--covariance", "0,1"))
+
+
+@pytest.fixture(scope="module")
+def mm(tiny_dirs):
+    from ffkv.model.memories import open_model
+
+    return open_model(str(tiny_dirs["llama"]), device="cpu")
+
+
+def _p(hf, tok, text, target):
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return torch.softmax(hf(input_ids=ids).logits[0, -1].float(), -1)[target].item()
+
+
+def test_rome_factors_are_its_closed_form():
+    """u = C⁻¹k̄/‖C⁻¹k̄‖ and r = (v* − y₀)/(u·k₀) in numpy, and the edited output at k₀ is v*."""
+    g = np.random.default_rng(0)
+    A = g.normal(size=(40, 12))
+    C = A.T @ A / 40
+    kbar, k0, vstar, y0 = g.normal(size=12), g.normal(size=12), g.normal(size=5), g.normal(size=5)
+    u, r = rome_factors(C, kbar, k0, vstar, y0)
+    left = np.linalg.solve(C, kbar)
+    np.testing.assert_allclose(u, left / np.linalg.norm(left), rtol=1e-5)
+    np.testing.assert_allclose(r, (vstar - y0) / (u @ k0), rtol=1e-4)
+    V = g.normal(size=(12, 5))
+    np.testing.assert_allclose((V + np.outer(u, r)).T @ k0, V.T @ k0 + (vstar - y0), rtol=1e-4, atol=1e-5)
+
+
+def test_rome_edit_writes_the_new_object_and_exports(run, mm, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ffkv.steps.facts.data import target_ids
+    from ffkv.steps.facts.edit import prefixes_from
+    from ffkv.store import query
+
+    new = target_ids(mm.tok, REQ.target_new)[0]
+    text = REQ.text
+    p_before = _p(mm.hf, mm.tok, text, new)
+    w0 = mm.arch.value_param(mm.blocks[1]).detach().clone()
+    _, C, _ = query.key_covariance(run, 1)
+    templates = prefixes_from(run, mm.tok, n=4)
+    assert templates[0] == "{}" and all(t.endswith(". {}") for t in templates[1:])
+    e = rome(mm, 1, REQ, C, templates, HP)
+    assert e.layers == [1] and e.rank(1) == 1
+    assert torch.equal(mm.arch.value_param(mm.blocks[1]), w0)  # computing an edit changes nothing
+    with applied(mm, e):
+        p_edit = _p(mm.hf, mm.tok, text, new)
+        top = int(torch.argmax(mm.hf(input_ids=mm.tok(text, return_tensors="pt")["input_ids"]).logits[0, -1]))
+        ids = mm.tok(text, return_tensors="pt")["input_ids"]
+        y = mm.capture(ids, layers=[1], what=("y",))[1]["y"][0, -1]
+    assert torch.equal(mm.arch.value_param(mm.blocks[1]), w0)  # restored bit for bit
+    np.testing.assert_allclose(y.numpy(), e.targets[1], rtol=1e-4, atol=1e-4)  # the FFN now gives v* at k₀
+    assert p_edit > 10 * p_before and top == new
+    # the change in the weights is exactly U Rᵀ on the value rows
+    with applied(mm, e):
+        dw = mm.arch.value_weight(mm.blocks[1]).detach() - w0.T
+    np.testing.assert_allclose(dw.numpy(), e.delta(1).numpy(), atol=1e-6)
+
+    out = export(mm, e, tmp_path / "edited")
+    hf = AutoModelForCausalLM.from_pretrained(out)  # plain transformers: no ffkv hook anywhere
+    tok = AutoTokenizer.from_pretrained(out)
+    assert _p(hf, tok, text, new) == pytest.approx(p_edit, rel=1e-4)
+    e.save(tmp_path / "saved")
+    back = Edit.load(tmp_path / "saved")
+    assert back.method == "rome" and np.array_equal(back.delta(1).numpy(), e.delta(1).numpy())
+
+
+def test_values_edit_touches_only_the_located_rows(run, mm):
+    from ffkv.steps.facts.edit import prefixes_from
+
+    e = values_edit(mm, 1, REQ, prefixes_from(run, mm.tok, n=2), top=5, hp=HP)
+    d = e.delta(1).numpy()
+    rows = np.nonzero(np.abs(d).sum(1))[0]
+    assert sorted(rows) == sorted(e.settings["dims"]) and len(rows) == 5 and e.rank(1) == 1
+
+
+def test_memit_edits_a_batch_over_layers(run, mm):
+    from ffkv.steps.facts.data import target_ids
+    from ffkv.steps.facts.edit import memit
+    from ffkv.store import query
+
+    reqs = [REQ, Request("{}", "In the year", " of", " the")]
+    covs = {l: query.key_covariance(run, l)[1] for l in (0, 1)}
+    before = [_p(mm.hf, mm.tok, r.text, target_ids(mm.tok, r.target_new)[0]) for r in reqs]
+    e = memit(mm, [0, 1], reqs, covs, ["{}"], HP, lam=1.0)
+    assert e.layers == [0, 1] and all(e.rank(l) == 2 for l in e.layers)  # one direction a fact, a layer
+    with applied(mm, e):
+        after = [_p(mm.hf, mm.tok, r.text, target_ids(mm.tok, r.target_new)[0]) for r in reqs]
+    assert all(a > 5 * b for a, b in zip(after, before)), (before, after)
+    # the last layer's share in closed form: U = (λC + K Kᵀ)⁻¹ K, K its keys (m at each subject's
+    # last token, read by a capture here) with the first layer's share already in the weights
+    from ffkv.steps.facts.edit import Edit
+
+    with applied(mm, Edit("memit", {0: e.factors[0]})):
+        K = []
+        for r in reqs:
+            ids = mm.tok(r.text, return_tensors="pt")["input_ids"]
+            K.append(mm.capture(ids, layers=[1])[1]["m"][0, -1].double().numpy())
+    K = np.stack(K, 1)
+    U = e.factors[1][0].astype(np.float64)
+    np.testing.assert_allclose((covs[1] + K @ K.T) @ U, K, rtol=1e-3, atol=1e-4)
+
+
+def test_refusals_are_one_line(run, mm, tmp_path):
+    from ffkv.errors import FfkvError
+    from ffkv.store import query
+
+    _, C, _ = query.key_covariance(run, 1)
+    with pytest.raises(FfkvError, match="--layer 7 out of range 0..2"):
+        rome(mm, 7, REQ, C, ["{}"])
+    with pytest.raises(FfkvError, match="not in the prompt"):
+        rome(mm, 1, Request("{} is in", "Rome", " Italy").__class__("is in {}", "", " Italy"), C, ["{}"])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(FfkvError, match="not empty"):
+        export(mm, Edit("rome", {}), tmp_path / "full")
