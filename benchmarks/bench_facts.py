@@ -1,0 +1,119 @@
+"""Benchmark of the facts tools on SmolLM2 (issue 47's targets), each as a ratio measured in one run:
+
+    .venv/bin/python benchmarks/bench_facts.py [--sentences 60] [--layers 7] [--skip-mine]
+
+1. The covariance tracker: `ffkv mine` of the same sentences with and without `--covariance LAYERS`,
+   side by side (alternating, best of `--rounds`); goal: ≤ 1.10× (≤ 10% of mining time).
+2. One ROME edit of SmolLM2 once C exists (`ffkv.steps.facts.edit.rome`: the key over the context
+   prefixes, the target's 20 Adam steps, the closed form), wall seconds against the 10 s goal, with
+   the machine's GEMM rate beside it (an absolute time names the machine).
+3. Causal tracing of one fact against the forward passes it needs: `trace()` against plain forwards
+   of the same rows (the same batches, no hooks, no restoration); goal ≤ 1.5×.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (ffkv before torch; offline)
+from _common import WT2, load_default, out
+
+
+def mine(out_dir: Path, sentences: int, extra: list[str]) -> float:
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "ffkv.cli", "mine", "--out", str(out_dir), "--corpus",
+                    str(WT2 / "wiki.valid.tokens"), "--max-sentences", str(sentences), "--top-k", "5", *extra],
+                   check=True, capture_output=True)
+    return time.time() - t0
+
+
+def covariance_cost(tmp: Path, sentences: int, layers: str, rounds: int) -> Path:
+    best = {"plain": float("inf"), "covariance": float("inf")}
+    keep = None
+    for r in range(rounds):
+        for name, extra in (("plain", []), ("covariance", ["--covariance", layers])):
+            d = tmp / f"{name}{r}"
+            best[name] = min(best[name], mine(d, sentences, extra))
+            if name == "covariance":
+                keep = d
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+    ratio = best["covariance"] / best["plain"]
+    out(f"[1] mine {sentences} sentences (SmolLM2, CPU): plain {best['plain']:.1f} s, with --covariance {layers} "
+        f"{best['covariance']:.1f} s -> {ratio:.3f}x ({(ratio - 1) * 100:+.1f}% of mining; goal ≤ +10%), "
+        f"best of {rounds}, whole commands")
+    return keep
+
+
+def rome_time(run_dir: Path, layer: int) -> None:
+    from limit import machine_line
+
+    from ffkv.model import identity
+    from ffkv.steps.facts.edit import Request, prefixes_from, rome
+    from ffkv.store import query
+    from ffkv.store.run import Run
+
+    run = Run(run_dir)
+    mm = identity.open_model(run, device="cpu")
+    _, C, _ = query.key_covariance(run, layer)
+    req = Request("{} is located in the city of", "The Eiffel Tower", " Rome", " Paris")
+    templates = prefixes_from(run, mm.tok)
+    rome(mm, layer, req, C, templates[:2], {"steps": 1})  # warm: first-call allocations
+    t0 = time.time()
+    e = rome(mm, layer, req, C, templates)
+    s = time.time() - t0
+    out(f"[2] one ROME edit of SmolLM2 at layer {layer} (C of {mm.d_m}², {len(templates)} prefixes, 20 steps): "
+        f"{s:.1f} s -> {s / 10:.2f}x the 10 s goal (rank {e.rank(layer)}); {machine_line()}")
+    return mm
+
+
+def trace_ratio(mm) -> None:
+    import numpy as np
+    import torch
+
+    from ffkv.steps.facts import trace as T
+
+    prompt, subject, target = "The Eiffel Tower is located in the city of", "The Eiffel Tower", " Paris"
+    kw = dict(samples=3, kinds=("ffn",), batch=256)
+    T.trace(mm, prompt, subject, target, samples=1, kinds=("ffn",))  # warm
+    t0 = time.time()
+    r = T.trace(mm, prompt, subject, target, **kw)
+    traced = time.time() - t0
+    ids = torch.tensor([list(mm.tok(prompt)["input_ids"])])
+    rows, B = r.rows, kw["batch"]
+    t0 = time.time()
+    with torch.no_grad():
+        mm.hf(input_ids=ids, use_cache=False)  # the clean pass
+        for a in range(0, rows, B):
+            mm.hf(input_ids=ids.expand(min(B, rows - a), -1), use_cache=False)
+    plain = time.time() - t0
+    out(f"[3] causal trace of one fact ({len(r.tokens)} tokens × {mm.n_layers} layers × ffn × {kw['samples']} "
+        f"samples = {rows} rows in {r.forwards} forwards): {traced:.1f} s against {plain:.1f} s of plain forwards "
+        f"of the same rows -> {traced / plain:.2f}x (goal ≤ 1.5x); peak ffn effect at the last subject token "
+        f"{float(np.max(r.effect['ffn'][r.last_subject])):+.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sentences", type=int, default=60)
+    ap.add_argument("--layers", default="7", help="--covariance layers of the mining comparison")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-trace", action="store_true")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_facts_"))
+    try:
+        run_dir = covariance_cost(tmp, a.sentences, a.layers, a.rounds)
+        mm = rome_time(run_dir, int(a.layers.split(",")[0].split("-")[0]))
+        if not a.skip_trace:
+            trace_ratio(mm)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
