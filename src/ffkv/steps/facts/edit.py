@@ -257,6 +257,17 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
     return delta.detach()
 
 
+def _added_at(delta: torch.Tensor, last: torch.Tensor):
+    """x (B, T, d) -> x with delta added at each row's position last[row] (the subject's last token)."""
+    def fn(x):
+        rows = torch.arange(x.shape[0], device=x.device)
+        at = last.to(x.device)
+        out = x.clone()
+        out[rows, at] = x[rows, at] + delta.to(x.dtype)
+        return out
+    return fn
+
+
 def target_output(mm, layer: int, req: Request, templates: list[str], hp: dict | None = None):
     """(v*, k₀, y₀): the FFN output at the subject's last token that makes the new object likely."""
     hp = {**ROME_HP, **(hp or {})}
@@ -264,12 +275,7 @@ def target_output(mm, layer: int, req: Request, templates: list[str], hp: dict |
 
     @contextmanager
     def add(delta, last, shape):
-        def fn(y):
-            rows = torch.arange(y.shape[0], device=y.device)
-            out = y.clone()
-            out[rows, last.to(y.device)] = y[rows, last.to(y.device)] + delta.to(y.dtype)
-            return out
-        hooks = mm.arch.edit_y(mm.blocks[layer], fn, shape)
+        hooks = mm.arch.edit_y(mm.blocks[layer], _added_at(delta, last), shape)
         try:
             yield
         finally:
@@ -364,12 +370,7 @@ def target_hidden(mm, layer: int, req: Request, templates: list[str], hp: dict |
 
     @contextmanager
     def add(delta, last, shape):
-        def fn(h):
-            rows = torch.arange(h.shape[0], device=h.device)
-            out = h.clone()
-            out[rows, last.to(h.device)] = h[rows, last.to(h.device)] + delta.to(h.dtype)
-            return out
-        with _residual_edit(mm, layer, fn):
+        with _residual_edit(mm, layer, _added_at(delta, last)):
             yield
 
     return h0 + _optimize(mm, req, templates, layer, add, hp, h0)

@@ -103,7 +103,9 @@ def target_id(tok, target: int | str) -> int:
     """A token id, or the first token of a string (e.g. " Paris")."""
     if isinstance(target, (int, np.integer)):
         return int(target)
-    ids = tok(target, add_special_tokens=False)["input_ids"]
+    from ffkv.steps.facts.data import target_ids
+
+    ids = target_ids(tok, target)
     if not ids:
         raise FfkvError(f"target {target!r} has no token")
     return int(ids[0])
