@@ -221,19 +221,39 @@ def _finite(x) -> bool:
 
 
 # ---- running the engine ---------------------------------------------------------------------------
-def _compute(request: Request, q: Query, ex: Explorer) -> dict:
-    from ffkv.web.explain import explain
-
+def using_model(request: Request, ex: Explorer, fn):
+    """fn(mm) with the model to itself: the explorer's lock, the browser's foreground mark and its
+    model lock (its re-verification runs the same model). In a worker thread."""
     b = _browser(request)
     fg = getattr(b, "foreground", None)
     with ex.run_lock, (fg.busy() if fg is not None else nullcontext()):
         mm = _model(request)
-        # the browser's lock too: its re-verification runs the same model
         with getattr(b, "model_lock", None) or nullcontext():
-            res = explain(mm, q.text, q.top, q.edits, at=q.at,
-                          contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
-                          lens=q.lens or None, max_tokens=MAX_TOKENS)
-            res["continuation"] = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
+            return fn(mm)
+
+
+async def with_model(request: Request, fn):
+    """fn(mm) when the gate admits the request (`Busy` beyond its queue): what any page that runs
+    the model (the explorer, the facts page) goes through."""
+    ex = explorer(request)
+    ex.admit()
+    try:
+        return await run_in_threadpool(using_model, request, ex, fn)
+    finally:
+        ex.release()
+
+
+def _compute(request: Request, q: Query, ex: Explorer) -> dict:
+    from ffkv.web.explain import explain
+
+    def go(mm):
+        res = explain(mm, q.text, q.top, q.edits, at=q.at,
+                      contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
+                      lens=q.lens or None, max_tokens=MAX_TOKENS)
+        res["continuation"] = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
+        return res
+
+    res = using_model(request, ex, go)
     if not _finite(res):
         raise FfkvError("these edits overflow the model's numbers (the result holds inf or nan); "
                         "use a smaller scale or value")

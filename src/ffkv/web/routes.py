@@ -18,6 +18,8 @@ Public URLs (links get shared; keep them):
   coefficient m at every token of the examples its page shows (`ffkv.web.activations`; the pages'
   script tints the tokens with it); `/api/activations?examples=L/D/SID/POS,…`: the same for
   several memories at once (a search page's rows, each its own memory).
+- `/facts`, `/facts/locate?…`, `/facts/edit/{name}` and their `/api/…` twins: traced facts, a
+  fact's memories, an edit before and after (`routers.facts`, `ffkv.web.facts`).
 More: `/sentence/{id}` (a trigger's provenance; permalink; `?memory=L/D` tints it by that memory), `/annotations` (who annotated what;
 the human Fig 2), `/memory/{layer}/{dim}/reverify` (recompute a stored coefficient with the
 model), `/random`, `/report/`, and their `/api/…` twins; writes are POSTs checked by
@@ -34,8 +36,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ffkv.web.routers import annotation, downloads, layers, memory, search, site
+from ffkv.web.routers import annotation, downloads, facts, layers, memory, search, site
 
 router = APIRouter()
-for _feature in (site, memory, annotation, search, downloads, layers):
+for _feature in (site, memory, annotation, search, downloads, layers, facts):
     router.include_router(_feature.router)
