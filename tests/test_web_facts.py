@@ -71,6 +71,20 @@ def test_edit_before_and_after(client, tiny_models):
     assert d["method"] == "values" and d["layers"] == [1]
 
 
+def test_the_explorer_applies_a_kept_edit(client):
+    c, _ = client
+    d = c.get("/api/explore", params={"text": "The tower is in", "edit": "tower", "continue": "6"}).json()
+    page = c.get("/api/facts/edit/tower", params={"tokens": "6"}).json()["rows"][0]
+    assert d["fact_edit"]["name"] == "tower" and d["fact_edit"]["method"] == "values"
+    assert d["continuation"]["original"]["text"] == page["before"]
+    assert d["continuation"]["edited"]["text"] == page["after"]
+    plain = c.get("/api/explore", params={"text": "The tower is in", "continue": "6"}).json()
+    assert plain["fact_edit"] is None and plain["continuation"]["original"]["text"] == page["before"]
+    html = c.get("/explore", params={"text": "The tower is in", "edit": "tower", "continue": "6"}).text
+    assert 'id="fact-edit"' in html and "without the fact edit" in html
+    assert c.get("/api/explore", params={"text": "x", "edit": "nope"}).status_code == 422
+
+
 @pytest.mark.parametrize("url, status", [("/facts/edit/nope", 404), ("/api/facts/edit/.hidden", 404),
                                          ("/api/facts/locate?prompt=no+slot&subject=x", 422),
                                          ("/api/facts/locate?prompt=%7B%7D&subject=x&top=0", 422),

@@ -130,13 +130,15 @@ class Query:
     top: int = 3
     cont: int = 0  # `continue=`: tokens of greedy continuation (0: none)
     edits: list = field(default_factory=list)
+    fact_edit: str = ""  # `edit=NAME`: a fact edit kept in the run (`ffkv facts edit`), in the weights
+    edit_stamp: int = 0  # its folder's mtime: a remade edit is not answered from the cache
 
     def params(self, **changes) -> dict:
         p = {"text": self.text, "suppress": self.suppress, "scale": self.scale_raw,
              "at": "" if self.at == "last" else self.at, "contrast": self.contrast,
              "contrast_id": "" if self.contrast_id is None else self.contrast_id,
              "lens": self.lens, "top": "" if self.top == 3 else self.top,
-             "continue": self.cont or ""}
+             "continue": self.cont or "", "edit": self.fact_edit}
         p.update(changes)
         return p
 
@@ -146,7 +148,7 @@ class Query:
 
     def key(self) -> tuple:
         return (self.text, tuple(self.edits), self.at, self.contrast, self.contrast_id, self.lens, self.top,
-                self.cont)
+                self.cont, self.fact_edit, self.edit_stamp)
 
 
 def _items(suppress: str) -> list[str]:
@@ -188,6 +190,14 @@ def parse_query(request: Request) -> Query:
     cont = (g.get("continue") or "").strip()
     if cont:
         q.cont = parse_int(cont, "continue (tokens to continue)", 0, MAX_CONTINUE)
+    name = (g.get("edit") or "").strip()
+    if name:
+        from ffkv.web.facts import edit_path
+
+        b = _browser(request)
+        if b is None:
+            raise FfkvError("edit= needs a run (its edits are kept there)")
+        q.fact_edit, q.edit_stamp = name, edit_path(b.run, name).stat().st_mtime_ns
     if q.suppress:
         L, d_m = _shape(request)
         q.edits = parse_interventions(q.suppress, L, d_m, scale=q.scale, what="suppress")
@@ -247,10 +257,25 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
     from ffkv.web.explain import explain
 
     def go(mm):
-        res = explain(mm, q.text, q.top, q.edits, at=q.at,
-                      contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
-                      lens=q.lens or None, max_tokens=MAX_TOKENS)
-        res["continuation"] = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
+        fe, base = None, None
+        if q.fact_edit:  # the run's fact edit in the weights; the unedited model's continuation beside
+            from ffkv.steps.facts.edit import Edit, applied
+            from ffkv.web.facts import edit_path
+
+            fe = Edit.load(edit_path(_browser(request).run, q.fact_edit))
+            base = continuation(mm, q.text, q.cont) if q.cont else None
+        with applied(mm, fe) if fe is not None else nullcontext():
+            res = explain(mm, q.text, q.top, q.edits, at=q.at,
+                          contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
+                          lens=q.lens or None, max_tokens=MAX_TOKENS)
+            cont = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
+        if base is not None:  # without = the unedited model; with = the fact edit (and any memory edits)
+            edited = cont["edited"] or cont["original"]
+            cont = {**cont, "original": base["original"], "edited": edited,
+                    "diverges_at": _diverges(base["original"]["ids"], edited["ids"])}
+        res["continuation"] = cont
+        res["fact_edit"] = None if fe is None else {"name": q.fact_edit, "method": fe.method, "layers": fe.layers,
+                                                    "facts": fe.facts}
         return res
 
     res = using_model(request, ex, go)
@@ -295,9 +320,13 @@ def continuation(mm, text: str, n: int, edits=(), at: str = "last") -> dict:
     if edits:
         with mm.intervene(list(edits), at=at):
             edited = read(greedy(mm, ids, n))
-        a, b = original["ids"], edited["ids"]
-        diverges = next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
+        diverges = _diverges(original["ids"], edited["ids"])
     return {"n": n, "at": at, "original": original, "edited": edited, "diverges_at": diverges}
+
+
+def _diverges(a: list, b: list) -> int | None:
+    """The index of the first token where two continuations differ (None: none does)."""
+    return next((i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]), None)
 
 
 async def run_query(request: Request, q: Query) -> dict:

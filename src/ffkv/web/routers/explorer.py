@@ -8,7 +8,9 @@ Public URLs (links get shared; keep them):
   it wins over `contrast_id=N`, a token id), `lens=naive|norm` (of the contributions; both
   lenses are always read), `top=K` (memories per layer), `continue=N` (a greedy continuation of
   N ≤ `MAX_CONTINUE` tokens, with and without the edits, side by side; 0 or absent: none; the
-  form sends `CONTINUE` = 20 unless changed, memory pages link with it).
+  form sends `CONTINUE` = 20 unless changed, memory pages link with it), `edit=NAME` (a fact edit kept
+  in the run by `ffkv facts edit`, in the weights while the page is computed; the continuation then
+  shows the unedited model beside it).
 - `/api/explore?…`: what the page shows, as JSON: `ffkv.web.explain`'s result (its
   docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
