@@ -295,7 +295,7 @@ def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: 
     """ROME's rank-one edit of one fact at `layer`, preconditioned by C = E[m mᵀ] of that layer."""
     _refuse_moe(mm)
     layer = check_layer(mm, layer)
-    C = torch.as_tensor(C, dtype=torch.float64)
+    C = torch.tensor(np.asarray(C), dtype=torch.float64)  # a copy: the table's array is read-only
     if C.shape != (mm.d_m, mm.d_m):
         raise FfkvError(f"the covariance of layer {layer} is {tuple(C.shape)}, not ({mm.d_m}, {mm.d_m})")
     kbar = keys_at(mm, layer, [fill(t, req.text) for t in templates], req.subject).mean(0)
@@ -307,7 +307,7 @@ def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: 
 
 def rome_factors(C, kbar, k0, vstar, y0) -> tuple[np.ndarray, np.ndarray]:
     """ROME's closed form: u = C⁻¹k̄/‖C⁻¹k̄‖, r = (v* − y₀)/(u·k₀), ΔV = u rᵀ."""
-    left = _inv(torch.as_tensor(C, dtype=torch.float64)) @ torch.as_tensor(kbar, dtype=torch.float64)
+    left = _inv(torch.tensor(np.asarray(C), dtype=torch.float64)) @ torch.as_tensor(kbar, dtype=torch.float64)
     u = left / left.norm()
     r = (torch.as_tensor(vstar, dtype=torch.float64) - torch.as_tensor(y0, dtype=torch.float64)) / \
         (u @ torch.as_tensor(k0, dtype=torch.float64))
@@ -400,7 +400,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
                              for r in reqs]).double().T  # (d_m, n)
             H = torch.stack([hidden_at(mm, top, r.text, r.subject) for r in reqs]).double()  # (n, d)
         R = (Z - H) / (len(layers) - i)  # (n, d)
-        A = lam * torch.as_tensor(covs[l], dtype=torch.float64) + K @ K.T
+        A = lam * torch.tensor(np.asarray(covs[l]), dtype=torch.float64) + K @ K.T
         U = torch.linalg.solve(A, K)  # (d_m, n)
         edit.factors[l] = (U.float().numpy(), R.T.float().numpy())
     return edit
