@@ -236,7 +236,6 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
     kl0 = None
     rows = torch.arange(n + 1)
     for it in range(hp["steps"]):
-        opt.zero_grad()
         with torch.enable_grad(), add(delta, last, list(ids.shape)):
             logits = mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False).logits
             lp = torch.log_softmax(logits[rows, torch.where(rows < n, ends, last)].float(), -1)
@@ -248,7 +247,9 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
             loss = nll + kl + hp["weight_decay"] * delta.norm() / init.norm() ** 2
             if loss.item() < 5e-2 or it == hp["steps"] - 1:
                 break
-            loss.backward()
+            # δ's gradient alone: no weight gradients (the weights require grad in a loaded HF model,
+            # and backward() would compute and keep them all, about half the step's work)
+            (delta.grad,) = torch.autograd.grad(loss, [delta])
         opt.step()
         with torch.no_grad():
             cap = hp["clamp"] * init.norm()
