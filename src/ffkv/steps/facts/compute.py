@@ -10,7 +10,7 @@ none), effect float32 (the indirect effect P_restored − P_corrupt), p_clean an
 ``fact_scores``: one row per method (unedited, rome, memit, values) and fact: method string, fact
 int32, case_id string, relation string, subject string, target_true string, target_new string,
 efficacy, generalization, specificity, fluency float32 (`ffkv.steps.facts.evaluate`), seconds
-float32 (the edit's computation).
+float32 (the edit's computation; ROME and values share the target v*, counted for the first).
 """
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def evaluate_step(ctx) -> dict:
         raise FfkvError("facts evaluate: no known fact with a new object to write (try --all or another set)")
     templates = E.prefixes_from(run, mm.tok, n=s.prefixes, seed=s.seed)
     hp = {"steps": s.steps}
-    rows, agg = [], {}
+    rows, agg, targets = [], {}, {}
 
     def score(method, f, i, secs):
         sc = fact_scores(mm, f, fluency=s.tokens > 0, tokens=s.tokens)
@@ -209,8 +209,11 @@ def evaluate_step(ctx) -> dict:
             else:
                 for i, (f, r) in enumerate(zip(facts, reqs)):
                     t0 = time.time()
-                    e = (None if method == "unedited" else E.rome(mm, layer, r, covs[layer], templates, hp)
-                         if method == "rome" else E.values_edit(mm, layer, r, templates, top=s.top, hp=hp))
+                    if method != "unedited" and i not in targets:  # ROME's and the values' shared v*
+                        targets[i] = E.target_output(mm, layer, r, templates, hp)
+                    e = (None if method == "unedited" else
+                         E.rome(mm, layer, r, covs[layer], templates, hp, target=targets[i]) if method == "rome"
+                         else E.values_edit(mm, layer, r, templates, top=s.top, hp=hp, target=targets[i]))
                     secs = time.time() - t0
                     if e is None:
                         got.append(score(method, f, i, 0.0))

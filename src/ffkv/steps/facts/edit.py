@@ -292,15 +292,17 @@ def _inv(C: torch.Tensor) -> torch.Tensor:
     return torch.linalg.pinv(C, hermitian=True)
 
 
-def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: dict | None = None) -> Edit:
-    """ROME's rank-one edit of one fact at `layer`, preconditioned by C = E[m mᵀ] of that layer."""
+def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: dict | None = None,
+         target=None) -> Edit:
+    """ROME's rank-one edit of one fact at `layer`, preconditioned by C = E[m mᵀ] of that layer.
+    `target`: (v*, k₀, y₀) from `target_output` when already computed (the values edit shares it)."""
     _refuse_moe(mm)
     layer = check_layer(mm, layer)
     C = torch.tensor(np.asarray(C), dtype=torch.float64)  # a copy: the table's array is read-only
     if C.shape != (mm.d_m, mm.d_m):
         raise FfkvError(f"the covariance of layer {layer} is {tuple(C.shape)}, not ({mm.d_m}, {mm.d_m})")
     kbar = keys_at(mm, layer, [fill(t, req.text) for t in templates], req.subject).mean(0)
-    vstar, k0, y0 = target_output(mm, layer, req, templates, hp)
+    vstar, k0, y0 = target if target is not None else target_output(mm, layer, req, templates, hp)
     u, r = rome_factors(C, kbar, k0, vstar, y0)
     return Edit("rome", {layer: (u[:, None], r[:, None])}, [req.as_dict()],
                 {**ROME_HP, **(hp or {}), "templates": templates}, {layer: vstar.float().numpy()})
@@ -316,7 +318,7 @@ def rome_factors(C, kbar, k0, vstar, y0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def values_edit(mm, layer: int, req: Request, templates: list[str], top: int = 10, method: str = "grad",
-                hp: dict | None = None) -> Edit:
+                hp: dict | None = None, target=None) -> Edit:
     """Rewrite only the values of the `top` memories of `layer` that `locate` ranks first at the
     subject's last token (by `method`), so that the FFN gives v* at k₀."""
     from ffkv.steps.facts.data import prompt_ids, target_ids
@@ -325,7 +327,7 @@ def values_edit(mm, layer: int, req: Request, templates: list[str], top: int = 1
     _refuse_moe(mm)
     layer = check_layer(mm, layer)
     text = req.text
-    vstar, k0, y0 = target_output(mm, layer, req, templates, hp)
+    vstar, k0, y0 = target if target is not None else target_output(mm, layer, req, templates, hp)
     from ffkv.steps.facts.trace import subject_span
 
     ids = prompt_ids(mm.tok, text)
