@@ -370,3 +370,79 @@ def test_layer_census_on_a_mixture_of_experts(name, tmp_path_factory, tok_dir):
         assert row.io_class == _io_class(*want, 0.1, True)
         np.testing.assert_allclose([row["skew"], row["kurtosis"], row["variance"]], _moments_brute(W_U, [v])[0],
                                    rtol=1e-3, atol=2e-4)
+
+
+# ---- token and n-gram detectors, self-suppression, position (issue 46, item 1) --------------------
+def test_detector_shares_equal_a_brute_force_from_triggers_and_sentences(census_run):
+    from collections import Counter
+
+    run, hf = census_run
+    df = _table(run).set_index(["layer", "dim"])
+    tr = _table(run, "triggers")
+    tr = tr[tr.sign == 1]
+    sents = dict(zip(*[pq.read_table(run / "sentences.parquet").column(c).to_pylist()
+                       for c in ("sentence_id", "token_ids")]))
+    for (l, d), g in tr.groupby(["layer", "dim"]):
+        toks = [sents[s][p] for s, p in zip(g.sentence_id, g.position)]
+        grams = [((sents[s][p - 1] if p > 0 else -1), sents[s][p]) for s, p in zip(g.sentence_id, g.position)]
+        tc = Counter(toks)
+        best = max(tc.values())
+        row = df.loc[(l, d)]
+        assert row.n_triggers == len(g)
+        assert row.top_token == min(t for t, c in tc.items() if c == best)
+        assert row.token_share == pytest.approx(best / len(g))
+        assert row.ngram_share == pytest.approx(max(Counter(grams).values()) / len(g))
+        assert row.token_detector == (len(g) >= 5 and best / len(g) >= 0.5)
+        assert row.ngram_detector == (len(g) >= 5 and row.ngram_share >= 0.5)
+    assert (~df.ngram_detector | df.token_detector).all()
+
+
+def test_self_rank_equals_the_low_end_position_in_the_value_logits(census_run):
+    run, hf = census_run
+    df = _table(run)
+    det = df[df.token_detector.fillna(False).astype(bool)]
+    assert df[~df.token_detector.fillna(False).astype(bool)].self_rank.isna().all()
+    assert len(det), "no token detector in the tiny run"
+    E = (hf.lm_head.weight * hf.model.norm.weight).detach().double()  # the run's lens: norm
+    for _, r in det.head(30).iterrows():
+        v = hf.model.layers[int(r.layer)].mlp.down_proj.weight[:, int(r.dim)].detach().double()
+        lg = (E @ v).numpy()
+        want = int((lg < lg[int(r.top_token)]).sum())  # its place in an ascending argsort, ties aside
+        assert r.self_rank == want
+        assert r.self_suppressing == (want < 0.01 * len(lg))
+
+
+def test_position_baseline_and_tv_equal_a_direct_computation(census_run):
+    from ffkv.mine.rules import pos_bucket
+    from ffkv.steps.census.compute import position_baseline
+
+    run, _ = census_run
+    lengths = [len(x) for x in pq.read_table(run / "sentences.parquet").column("token_ids").to_pylist()]
+    brute = np.zeros(16)
+    for n in lengths:
+        for p in range(n):
+            brute[pos_bucket(p)] += 1 / n
+    brute /= len(lengths)
+    base = position_baseline(np.array(lengths), 16)
+    np.testing.assert_allclose(base, brute, atol=1e-12)
+    assert position_baseline(np.array([40000]), 16)[15] == pytest.approx((40000 - 2 ** 14) / 40000)
+    ks = _table(run, "key_stats")
+    ks = ks[ks.sign == 1].set_index(["layer", "dim"])
+    df = _table(run).set_index(["layer", "dim"])
+    for key in list(ks.index)[::7]:
+        h = np.asarray(ks.loc[key].pos_hist, float)
+        tv = 0.5 * np.abs(h / h.sum() - brute).sum()
+        row = df.loc[key]
+        assert row.pos_tv == pytest.approx(tv, abs=1e-5)
+        assert 0 <= row.pos_tv_chance <= 1
+        assert row.positional == (row.pos_tv >= 0.5 and row.pos_tv > 2 * row.pos_tv_chance)
+    lay = _table(run, "census_layers")
+    for _, r in lay.iterrows():
+        part = df.loc[int(r.layer)]
+        assert r.positional == pytest.approx(part.positional.astype(float).mean())
+        assert r.token_detector == pytest.approx(part.token_detector.astype(float).mean())
+
+
+@pytest.mark.parametrize("args, flag", [(("--detector", "1.5"), "--detector"), (("--positional", "-1"), "--positional")])
+def test_detector_settings_out_of_range_are_refused(census_run, monkeypatch, args, flag):
+    test_settings_out_of_range_are_one_line_before_the_model_loads(census_run, monkeypatch, args, flag)

@@ -35,6 +35,11 @@ class CensusSettings:
                                     "1/d (a random direction's).", check=at_least(0.0))
     cos: float = setting(0.1, "Input-output classes: a cosine counts as positive above this, negative below its "
                               "negative, else as zero (Gerstner & Schütze).", check=between(0.0, 1.0))
+    detector: float = setting(0.5, "Token (n-gram) detector: at least this share of its positive top triggers end in "
+                                   "its most common token (bigram), with at least 5 triggers (after Voita et al.).",
+                              check=between(0.0, 1.0))
+    positional: float = setting(0.5, "Positional: total-variation distance of pos_hist from chance positions at least "
+                                     "this, and above twice a shuffled draw's.", check=between(0.0, 1.0))
     lens: str | None = setting(None, "naive: W_U as it is; norm: W_U's rows times the final norm's gain (as "
                                      "folded in by Gurnee et al.). Default: the run's lens.", check=_lens)
     chunk: int = setting(512, "Values compared with the vocabulary at a time (memory ≈ chunk × |V| × 4 B × 2).",

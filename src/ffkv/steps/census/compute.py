@@ -50,17 +50,44 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
   count); dead ⇔ active = 0; rare ⇔ not dead and active < `rare` · tokens. Memories that were not
   mined (mine --layers/--dims) have null tokens, active, dead and rare.
 
+- Token and n-gram detectors (Voita et al. 2024), from the positive side's top triggers (`triggers`,
+  sign +1; a trigger's last token is `sentences.token_ids[position]`, its bigram that token with the
+  one before, the sentence's start counting as token −1). Voita's measure is the share of a
+  neuron's activations on its top token type; without a second pass, the share of its top triggers
+  stands in for it: `top_token` = the most common last token (ties: the smallest id), `token_share`
+  = its share of the triggers, `ngram_share` = the most common bigram's share. token_detector when
+  token_share ≥ `detector` and the memory has at least `MIN_TRIGGERS` triggers (`n_triggers`);
+  ngram_detector likewise from ngram_share (an n-gram detector is also a token detector).
+  Self-suppression (Voita: detectors suppress the token they detect): `self_rank` = the rank of
+  top_token in the value's logits through the census's lens (`Lens.direction_logits`), counted from
+  the low end (0 = the most suppressed; `rank_of` on the negated logits), for token detectors only;
+  self_suppressing when self_rank < `SELF_SUPPRESS` · |V| (|V| the logits' length).
+- Positional (after Voita et al.): `key_stats.pos_hist` (sign +1: where each sentence's best
+  coefficient sits, buckets 0, 1, 2-3, 4-7, …, `ffkv.mine.rules.pos_bucket`) against chance, the
+  buckets of a uniformly random position of each sentence of `sentences` (the mean of each
+  sentence's uniform bucket distribution, `position_baseline`). `pos_tv` = the total-variation
+  distance between the memory's normalised pos_hist and chance; `pos_tv_chance` = the same for a
+  multinomial draw of the memory's own sentence count from chance (shuffled positions;
+  `numpy.random.default_rng(POS_SEED)`, memories in table order). positional when pos_tv ≥
+  `positional` and pos_tv > 2 · pos_tv_chance.
+
 Tables written (public contract; layers 0-based)
 - `census`: one row per memory, by layer then dim. layer int16, dim int32, for a mixture of experts
   also expert int16, expert_dim int32 (`MemoryModel.expert_of`; the shared expert is expert E,
   after the E routed ones) and shared_expert bool (true on the shared expert's memories), then
   skew float32, kurtosis float32, variance float32, cos_gate_in float32, cos_gate_out float32,
   cos_in_out float32, tokens int64, active int64, dead bool, rare bool,
-  prediction bool, suppression bool, partition bool, io_class string (one of `IO_CLASSES`).
+  prediction bool, suppression bool, partition bool, io_class string (one of `IO_CLASSES`),
+  n_triggers int32, top_token int32, token_share float32, ngram_share float32, token_detector bool,
+  ngram_detector bool, self_rank int32, self_suppressing bool (null unless a token detector), pos_tv
+  float32, pos_tv_chance float32, positional bool (the detector columns null without positive
+  triggers, the positional ones where not mined).
 - `census_layers`: one row per layer. layer int16, memories int32, mined int32 (memories with key
   statistics), tokens int64, then float64 shares: dead and rare (of the mined memories; null when
   none was mined), prediction, suppression, partition and one column per class of `IO_CLASSES` (of
-  all memories), then kurtosis_median, skew_median, cos_in_out_mean float64.
+  all memories), then kurtosis_median, skew_median, cos_in_out_mean float64, then float64 shares:
+  token_detector, ngram_detector (of the memories with triggers), self_suppressing (of the token
+  detectors; null when none), positional (of the mined memories).
 
 `layer_census(mm, layer)` gives the weight columns and their classes for one layer (or some of
 its memories) of any model, without a run.
@@ -81,7 +108,7 @@ IO_CLASSES = ("enrichment", "depletion", "conditional_enrichment", "conditional_
               "proportional_change", "orthogonal_output")
 VOCAB_CLASSES = ("prediction", "suppression", "partition")
 WEIGHT_COLUMNS = ("skew", "kurtosis", "variance", "cos_gate_in", "cos_gate_out", "cos_in_out")
-DEFAULTS = {"kurtosis": 10.0, "partition": 2.0, "cos": 0.1}  # CensusSettings' defaults (a test holds them equal)
+DEFAULTS = {"kurtosis": 10.0, "partition": 2.0, "cos": 0.1, "detector": 0.5, "positional": 0.5}  # CensusSettings' defaults (a test holds them equal)
 
 
 # ---- the weights ------------------------------------------------------------------------------------
@@ -103,6 +130,12 @@ def _unit(X):
     X = X.detach().float()
     return X / X.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
+
+MIN_TRIGGERS = 5  # a detector needs at least this many positive triggers
+SELF_SUPPRESS = 0.01  # self_suppressing: top token in the lowest 1% of the value's logits
+POS_SEED = 0  # the shuffled-positions draw (pos_tv_chance)
+DETECTOR_COLUMNS = ("n_triggers", "top_token", "token_share", "ngram_share", "token_detector", "ngram_detector",
+                    "self_rank", "self_suppressing", "pos_tv", "pos_tv_chance", "positional")
 
 WORKERS = 2  # threads running scipy's moments (numpy lets go of the GIL), beside torch's own
 # rows per scipy call: its temporaries (a few × 16 × |V| float32, 3 MB each for SmolLM2) stay below glibc's mmap
@@ -281,6 +314,160 @@ def active_counts(run, eps_edge: float, L: int, d_m: int) -> tuple[np.ndarray, n
     return tokens, active
 
 
+# ---- detectors and position (the triggers, the sentences, pos_hist) -------------------------------
+def _sentence_tokens(run):
+    """(sentence_ids sorted, their row order, flat token ids, row offsets, lengths) of `sentences`."""
+    from ffkv.corpus.tokens import flat_lists
+    from ffkv.store import query
+
+    st = query.table(run, "sentences", columns=["sentence_id", "token_ids"])
+    sid = st.column("sentence_id").to_numpy()
+    flat, offs = flat_lists(st.column("token_ids"))
+    order = np.argsort(sid, kind="stable")
+    return sid[order], order, flat.astype(np.int64), offs, np.diff(offs)
+
+
+def _modes(key: np.ndarray, *cols: np.ndarray):
+    """Per distinct key: (key, total, the most common tuple's count, that tuple), ties to the smallest tuple."""
+    order = np.lexsort((*reversed(cols), key))
+    k, c = key[order], [x[order] for x in cols]
+    n = len(k)
+    new = np.ones(n, bool)
+    new[1:] = k[1:] != k[:-1]
+    for x in c:
+        new[1:] |= x[1:] != x[:-1]
+    starts = np.flatnonzero(new)
+    sizes = np.diff(np.append(starts, n))
+    gk = k[starts]
+    o = np.lexsort((starts, -sizes, gk))
+    first = np.ones(len(o), bool)
+    first[1:] = gk[o][1:] != gk[o][:-1]
+    best = o[first]
+    keys, total = np.unique(k, return_counts=True)
+    return keys, total, sizes[best], [x[starts[best]] for x in c]
+
+
+def detector_stats(run, L: int, d_m: int, sents=None) -> dict[str, np.ndarray]:
+    """n_triggers, top_token, token_share, ngram_share (L·d_m,) from the positive side's triggers
+    (module docstring); n_triggers 0 and the rest -1/NaN where a memory has none."""
+    from ffkv.store import query
+
+    ss, order, flat, offs, _ = sents if sents is not None else _sentence_tokens(run)
+    tr = query.table(run, "triggers", columns=["layer", "dim", "sign", "sentence_id", "position"])
+    pos_side = tr.column("sign").to_numpy() == 1
+    key = tr.column("layer").to_numpy()[pos_side].astype(np.int64) * d_m + tr.column("dim").to_numpy()[pos_side]
+    sid = tr.column("sentence_id").to_numpy()[pos_side]
+    p = tr.column("position").to_numpy()[pos_side].astype(np.int64)
+    at = np.searchsorted(ss, sid)
+    if len(sid) and ((at >= len(ss)) | (ss[np.minimum(at, len(ss) - 1)] != sid)).any():
+        raise FfkvError("the triggers name sentences the run's `sentences` table does not hold")
+    start = offs[order[at]] if len(at) else np.zeros(0, np.int64)
+    tok = flat[start + p]
+    prev = np.where(p > 0, flat[np.maximum(start + p - 1, 0)], -1)
+    out = {"n_triggers": np.zeros(L * d_m, np.int32), "top_token": np.full(L * d_m, -1, np.int64),
+           "token_share": np.full(L * d_m, np.nan, np.float32), "ngram_share": np.full(L * d_m, np.nan, np.float32)}
+    if not len(key):
+        return out
+    keys, total, top, (tt,) = _modes(key, tok)
+    out["n_triggers"][keys] = total
+    out["top_token"][keys] = tt
+    out["token_share"][keys] = top / total
+    keys2, total2, top2, _ = _modes(key, prev, tok)
+    out["ngram_share"][keys2] = top2 / total2
+    return out
+
+
+def self_ranks(mm, lens: str, key: np.ndarray, token: np.ndarray, chunk: int = 512) -> tuple[np.ndarray, int]:
+    """The rank of `token` in each memory's value logits (memory = layer·d_m + dim) from the low end,
+    and the vocabulary's length; logits only for these memories."""
+    import torch
+
+    from ffkv.model.memories import lens_for, rank_of
+
+    ln = lens_for(mm, check_lens(lens))
+    out = np.zeros(len(key), np.int64)
+    vocab = int(ln.E.shape[0])
+    for l in np.unique(key // mm.d_m):
+        idx = np.flatnonzero(key // mm.d_m == l)
+        V = mm.values(int(l))
+        for a in range(0, len(idx), chunk):
+            i = idx[a:a + chunk]
+            rows = V[torch.as_tensor(key[i] % mm.d_m, device=V.device)]
+            lg = ln.direction_logits(rows)
+            out[i] = rank_of(-lg, torch.as_tensor(token[i], device=lg.device)).cpu().numpy()
+    return out, vocab
+
+
+def pos_edges(npos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position bucket's [lo, hi): 0, 1, 2-3, 4-7, …, the last one open (`ffkv.mine.rules.pos_bucket`)."""
+    lo = np.array([0] + [1 << (b - 1) for b in range(1, npos)], np.int64)
+    hi = np.append(lo[1:], np.iinfo(np.int64).max)
+    return lo, hi
+
+
+def position_baseline(lengths: np.ndarray, npos: int) -> np.ndarray:
+    """(npos,) where a uniformly random position of each sentence falls, averaged over the sentences."""
+    n = np.asarray(lengths, np.int64)
+    n = n[n > 0]
+    lo, hi = pos_edges(npos)
+    counts = np.clip(n[:, None], lo, hi) - lo
+    return (counts / n[:, None]).mean(0) if len(n) else np.full(npos, np.nan)
+
+
+def _tv(h: np.ndarray, base: np.ndarray) -> np.ndarray:
+    tot = h.sum(1, keepdims=True)
+    return 0.5 * np.abs(h / np.where(tot > 0, tot, 1) - base).sum(1)
+
+
+def position_stats(run, L: int, d_m: int, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pos_tv, pos_tv_chance) (L·d_m,) float32, NaN where not mined (module docstring)."""
+    from ffkv.store import query
+
+    ks = query.table(run, "key_stats", columns=["layer", "dim", "sign", "pos_hist"])
+    plus = ks.column("sign").to_numpy() == 1
+    ks = ks.filter(pa.array(plus))
+    tv, chance = np.full(L * d_m, np.nan, np.float32), np.full(L * d_m, np.nan, np.float32)
+    if not ks.num_rows:
+        return tv, chance
+    key = ks.column("layer").to_numpy().astype(np.int64) * d_m + ks.column("dim").to_numpy()
+    h = np.stack(ks.column("pos_hist").to_pylist()).astype(np.int64)
+    base = position_baseline(lengths, h.shape[1])
+    n = h.sum(1)
+    ok = n > 0
+    o = np.argsort(key, kind="stable")  # the draws in table order, whatever key_stats's order
+    draw = np.zeros_like(h)
+    draw[o[ok[o]]] = np.random.default_rng(POS_SEED).multinomial(n[o][ok[o]], base / base.sum())
+    tv[key[ok]] = _tv(h[ok], base)
+    chance[key[ok]] = _tv(draw[ok], base)
+    return tv, chance
+
+
+def detector_columns(run, mm, rec: dict) -> dict[str, pa.Array]:
+    """The census's `DETECTOR_COLUMNS` for every memory, in table order."""
+    L, d_m = mm.n_layers, mm.d_m
+    sents = _sentence_tokens(run)
+    ds = detector_stats(run, L, d_m, sents)
+    has = ds["n_triggers"] > 0
+    enough = ds["n_triggers"] >= MIN_TRIGGERS
+    tok_det = enough & (ds["token_share"] >= rec["detector"])
+    ngram_det = enough & (ds["ngram_share"] >= rec["detector"])
+    key = np.flatnonzero(tok_det)
+    rank = np.full(L * d_m, -1, np.int64)
+    vocab = 1
+    if len(key):
+        rank[key], vocab = self_ranks(mm, rec["lens"], key, ds["top_token"][key])
+    tv, chance = position_stats(run, L, d_m, sents[4])
+    mined = ~np.isnan(tv)
+    return {"n_triggers": pa.array(ds["n_triggers"], pa.int32()),
+            "top_token": pa.array(ds["top_token"], pa.int32(), mask=~has),
+            "token_share": _f32(ds["token_share"]), "ngram_share": _f32(ds["ngram_share"]),
+            "token_detector": pa.array(tok_det, mask=~has), "ngram_detector": pa.array(ngram_det, mask=~has),
+            "self_rank": pa.array(rank, pa.int32(), mask=~tok_det),
+            "self_suppressing": pa.array(rank < SELF_SUPPRESS * vocab, mask=~tok_det),
+            "pos_tv": _f32(tv), "pos_tv_chance": _f32(chance),
+            "positional": pa.array((tv >= rec["positional"]) & (tv > 2 * chance), mask=~mined)}
+
+
 # ---- the step -----------------------------------------------------------------------------------------
 def record(run, s) -> dict:
     """The manifest's record (what the results depend on; not chunk), after the checks that need the
@@ -293,6 +480,8 @@ def record(run, s) -> dict:
                         f"for dead and rare memories; mine it again without --no-stats")
     return {"eps": float(s.eps), "eps_used": eps_used(float(s.eps), lay), "rare": float(s.rare),
             "kurtosis": float(s.kurtosis), "partition": float(s.partition), "cos": float(s.cos),
+            "detector": float(s.detector), "min_triggers": MIN_TRIGGERS, "self_suppress": SELF_SUPPRESS,
+            "positional": float(s.positional), "pos_seed": POS_SEED,
             "lens": check_lens(s.lens or run.lens), "dtype": canonical_dtype(s.dtype),
             "mine_finished": run.step("mine").get("finished")}
 
@@ -339,6 +528,8 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
                       ("active", pa.array(act, pa.int64(), mask=~mined)),
                       ("tokens", pa.array(tok, pa.int64(), mask=~mined))):
         t = t.add_column(at, name, arr)
+    for name, arr in detector_columns(run, mm, rec).items():
+        t = t.append_column(name, arr)
     lt = _layer_table(t, L)
     run.write_table("census", t)
     run.write_table("census_layers", lt)
@@ -353,6 +544,12 @@ def _layer_table(t: pa.Table, L: int) -> pa.Table:
             for c in ("dead", "rare", *VOCAB_CLASSES)}
     io = t.column("io_class").to_numpy(zero_copy_only=False)
     num = {c: t.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in ("kurtosis", "skew", "cos_in_out")}
+    def valid(c):
+        return t.column(c).is_valid().to_numpy(zero_copy_only=False)
+
+    extra = {c: t.column(c).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+             for c in ("token_detector", "ngram_detector", "self_suppressing", "positional")}
+    has, det, pmined = valid("token_detector"), extra["token_detector"], valid("positional")
     rows = []
     for l in range(L):
         at = layer == l
@@ -365,10 +562,15 @@ def _layer_table(t: pa.Table, L: int) -> pa.Table:
         for c, name in (("kurtosis", "kurtosis_median"), ("skew", "skew_median")):
             row[name] = float(np.nanmedian(num[c][at])) if n else None
         row["cos_in_out_mean"] = float(np.nanmean(num["cos_in_out"][at])) if n else None
+        for c, base in (("token_detector", has[at]), ("ngram_detector", has[at]),
+                        ("self_suppressing", det[at]), ("positional", pmined[at])):
+            row[c] = float(extra[c][at][base].mean()) if base.any() else None
         rows.append(row)
     schema = pa.schema([("layer", pa.int16()), ("memories", pa.int32()), ("mined", pa.int32()), ("tokens", pa.int64()),
                         *[(c, pa.float64()) for c in ("dead", "rare", *VOCAB_CLASSES, *IO_CLASSES,
-                                                      "kurtosis_median", "skew_median", "cos_in_out_mean")]])
+                                                      "kurtosis_median", "skew_median", "cos_in_out_mean",
+                                                      "token_detector", "ngram_detector", "self_suppressing",
+                                                      "positional")]])
     return pa.Table.from_pylist(rows, schema=schema)
 
 
@@ -381,10 +583,14 @@ def _summary(rec: dict, mm, t: pa.Table, lt: pa.Table, seconds: float) -> dict:
     return {"layers": mm.n_layers, "d_m": mm.d_m, "memories": t.num_rows, "mined": t.num_rows - mined,
             "tokens": int(pc.max(t.column("tokens")).as_py() or 0), "lens": rec["lens"],
             "gated": bool(mm.gated), "eps": rec["eps"], "eps_used": rec["eps_used"],
-            **{c: count(c) for c in ("dead", "rare", *VOCAB_CLASSES)},
+            **{c: count(c) for c in ("dead", "rare", *VOCAB_CLASSES, "token_detector", "ngram_detector",
+                                     "self_suppressing", "positional")},
+            "with_triggers": t.num_rows - t.column("token_detector").null_count,
+            "detector": rec["detector"], "positional_tv": rec["positional"],
             "io_classes": {c: int((io == c).sum()) for c in IO_CLASSES},
             "by_layer": {c: lt.column(c).to_pylist() for c in ("dead", "prediction", "suppression", "partition",
-                                                               "enrichment", "depletion")},
+                                                               "enrichment", "depletion", "token_detector",
+                                                               "positional")},
             "seconds": round(seconds, 2)}
 
 

@@ -9,7 +9,9 @@ from ffkv.steps.census.compute import IO_CLASSES, VOCAB_CLASSES
 # what the figure draws, each a share of the layer's memories (dead and rare: of its mined ones)
 LINES = (("dead", "dead", "C7", "-"), ("rare", "rare", "C7", ":"), ("prediction", "prediction", "C2", "-"),
          ("suppression", "suppression", "C3", "-"), ("partition", "partition", "C4", "-"),
-         ("enrichment", "enrichment", "C0", "--"), ("depletion", "depletion", "C1", "--"))
+         ("enrichment", "enrichment", "C0", "--"), ("depletion", "depletion", "C1", "--"),
+         ("token_detector", "token detector", "C5", "-."), ("positional", "positional", "C8", "-."))
+DETECTOR_SHARES = ("token_detector", "ngram_detector", "self_suppressing", "positional")
 
 
 def figure(df):
@@ -34,7 +36,7 @@ def sections(run, fig_dir) -> list:
     t = query.table(run, "census_layers")
     df = t.to_pandas()
     rec = (run.manifest.get("settings") or {}).get("census") or {}
-    cols = ["dead", "rare", *VOCAB_CLASSES, *IO_CLASSES]
+    cols = ["dead", "rare", *VOCAB_CLASSES, *IO_CLASSES, *[c for c in DETECTOR_SHARES if c in df.columns]]
     rows = [[r["layer"], r["memories"], *[("n/a" if r[c] is None else f"{100 * r[c]:.1f}%") for c in cols]]
             for r in t.to_pylist()]
     note = (f"<p>Shares of each layer's memories (dead and rare: of its mined memories; enrichment and "
@@ -42,6 +44,11 @@ def sections(run, fig_dir) -> list:
             f"|m| ≥ {rec.get('eps_used', 0):g}, the key histogram's edge), rare below {rec.get('rare', 1e-4):g} "
             f"of the tokens, excess kurtosis &gt; {rec.get('kurtosis', 10):g}, variance · d &gt; "
             f"{rec.get('partition', 2):g}, |cos| &gt; {rec.get('cos', 0.1):g}, {rec.get('lens', 'norm')} lens; "
+            f"detectors: top-token (bigram) share of the positive triggers ≥ {rec.get('detector', 0.5):g} with "
+            f"≥ {rec.get('min_triggers', 5)} triggers (of the memories with triggers), self-suppressing: the "
+            f"token in the value's lowest {100 * rec.get('self_suppress', 0.01):g}% (of the detectors); "
+            f"positional: pos_hist's TV from chance ≥ {rec.get('positional', 0.5):g} and above twice a shuffled "
+            f"draw's (of the mined); "
             f"definitions in <code>ffkv.steps.census.compute</code>.</p>")
     fig = figure_html(save(figure(df), fig_dir, "census_depth"), "Memory census by depth") if len(df) else ""
     html = fig + note + table(["layer", "memories", *[c.replace("_", " ") for c in cols]], rows,

@@ -39,6 +39,11 @@ def format_summary(s: dict) -> str:
         f"  prediction {_share(s['prediction'], n)}, suppression {_share(s['suppression'], n)}, "
         f"partition {_share(s['partition'], n)}",
         f"  input-output classes: {io}",
+        *([f"  token detectors (top-token share ≥ {s['detector']:g}): {_share(s['token_detector'], s['with_triggers'])}, "
+           f"n-gram {_share(s['ngram_detector'], s['with_triggers'])} of {s['with_triggers']:,} with triggers; "
+           f"self-suppressing {_share(s['self_suppressing'], s['token_detector'])} of the token detectors",
+           f"  positional (TV from chance ≥ {s['positional_tv']:g}, > 2× shuffled): {_share(s['positional'], nm)}"]
+          if "token_detector" in s else []),
         "  by layer thirds: prediction " + _thirds(s["by_layer"]["prediction"]) + "; suppression "
         + _thirds(s["by_layer"]["suppression"]) + "; dead " + _thirds(s["by_layer"]["dead"]),
         f"  tables: {', '.join(TABLES)}  ({s['seconds']:.1f} s)",
