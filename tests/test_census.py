@@ -435,7 +435,9 @@ def test_position_baseline_and_tv_equal_a_direct_computation(census_run):
         row = df.loc[key]
         assert row.pos_tv == pytest.approx(tv, abs=1e-5)
         assert 0 <= row.pos_tv_chance <= 1
-        assert row.positional == (row.pos_tv >= 0.5 and row.pos_tv > 2 * row.pos_tv_chance)
+        assert row.positional == (row.pos_tv >= 0.5 and row.pos_tv > 2 * row.pos_tv_chance and not row.dead)
+    dead = df.loc[DEAD]  # all ties at 0: every sentence's best at position 0, far from chance, yet not positional
+    assert dead.pos_tv > 0.9 and not dead.positional
     lay = _table(run, "census_layers")
     for _, r in lay.iterrows():
         part = df.loc[int(r.layer)]

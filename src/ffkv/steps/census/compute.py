@@ -69,7 +69,8 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
   distance between the memory's normalised pos_hist and chance; `pos_tv_chance` = the same for a
   multinomial draw of the memory's own sentence count from chance (shuffled positions;
   `numpy.random.default_rng(POS_SEED)`, memories in table order). positional when pos_tv ≥
-  `positional` and pos_tv > 2 · pos_tv_chance.
+  `positional` and pos_tv > 2 · pos_tv_chance, and not dead (a dead memory's ties put every
+  sentence's best at position 0: a pos_tv near 1 that says nothing of position).
 
 Tables written (public contract; layers 0-based)
 - `census`: one row per memory, by layer then dim. layer int16, dim int32, for a mixture of experts
@@ -442,8 +443,8 @@ def position_stats(run, L: int, d_m: int, lengths: np.ndarray) -> tuple[np.ndarr
     return tv, chance
 
 
-def detector_columns(run, mm, rec: dict) -> dict[str, pa.Array]:
-    """The census's `DETECTOR_COLUMNS` for every memory, in table order."""
+def detector_columns(run, mm, rec: dict, dead: np.ndarray) -> dict[str, pa.Array]:
+    """The census's `DETECTOR_COLUMNS` for every memory, in table order; `dead` (L·d_m,) bool."""
     L, d_m = mm.n_layers, mm.d_m
     sents = _sentence_tokens(run)
     ds = detector_stats(run, L, d_m, sents)
@@ -465,7 +466,7 @@ def detector_columns(run, mm, rec: dict) -> dict[str, pa.Array]:
             "self_rank": pa.array(rank, pa.int32(), mask=~tok_det),
             "self_suppressing": pa.array(rank < SELF_SUPPRESS * vocab, mask=~tok_det),
             "pos_tv": _f32(tv), "pos_tv_chance": _f32(chance),
-            "positional": pa.array((tv >= rec["positional"]) & (tv > 2 * chance), mask=~mined)}
+            "positional": pa.array((tv >= rec["positional"]) & (tv > 2 * chance) & ~dead, mask=~mined)}
 
 
 # ---- the step -----------------------------------------------------------------------------------------
@@ -528,7 +529,7 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
                       ("active", pa.array(act, pa.int64(), mask=~mined)),
                       ("tokens", pa.array(tok, pa.int64(), mask=~mined))):
         t = t.add_column(at, name, arr)
-    for name, arr in detector_columns(run, mm, rec).items():
+    for name, arr in detector_columns(run, mm, rec, dead).items():
         t = t.append_column(name, arr)
     lt = _layer_table(t, L)
     run.write_table("census", t)
