@@ -313,6 +313,7 @@ def test_report_section_and_memory_panel(census_run, tmp_path):
     assert len(panels) == 1 and panels[0]["rows"][0][1] == "dead"
     row = _table(run).set_index(["layer", "dim"]).loc[DEAD]
     assert panels[0]["rows"][2][1] == row.io_class.replace("_", " ")
+    assert [x[0] for x in panels[0]["rows"][3:]] == ["detector", "position"]
     alive = [p for p in step_panels(Run(run), 0, 0) if p["step"] == "census"]
     assert alive[0]["rows"][0][1] in ("alive", "rare")
 
@@ -438,6 +439,11 @@ def test_position_baseline_and_tv_equal_a_direct_computation(census_run):
         assert row.positional == (row.pos_tv >= 0.5 and row.pos_tv > 2 * row.pos_tv_chance and not row.dead)
     dead = df.loc[DEAD]  # all ties at 0: every sentence's best at position 0, far from chance, yet not positional
     assert dead.pos_tv > 0.9 and not dead.positional
+    # the shuffled draw: one seeded multinomial of each memory's sentence count, memories in table order
+    n = np.array([sum(h) for h in ks.pos_hist])
+    draw = np.random.default_rng(0).multinomial(n, brute / brute.sum())
+    chance = 0.5 * np.abs(draw / n[:, None] - brute).sum(1)
+    np.testing.assert_allclose(df.loc[ks.index].pos_tv_chance.to_numpy(), chance, atol=1e-5)
     lay = _table(run, "census_layers")
     for _, r in lay.iterrows():
         part = df.loc[int(r.layer)]

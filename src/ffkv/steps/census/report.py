@@ -78,9 +78,27 @@ def panels(run, layer: int, dim: int) -> list:
          activity),
         ("vocabulary moments", ", ".join(vocab),
          f"skew {r['skew']:+.3f}, excess kurtosis {r['kurtosis']:.3f}, variance {r['variance']:.3g}"),
-        ("input-output", r["io_class"].replace("_", " "), cos)),
+        ("input-output", r["io_class"].replace("_", " "), cos),
+        *_detector_rows(r)),
         note="cos(W_U, v) over the vocabulary (Gurnee et al.), key-value cosines (after Gerstner & Schütze); "
              "definitions in ffkv.steps.census.compute.")]
+
+
+def _detector_rows(r: dict) -> list:
+    """The panel's token-detector and position rows (absent in a census from before them)."""
+    out = []
+    if r.get("token_detector") is not None:
+        kind = "n-gram detector" if r["ngram_detector"] else "token detector" if r["token_detector"] else "none"
+        nums = (f"top token {r['top_token']} on {100 * r['token_share']:.0f}% of {r['n_triggers']} positive "
+                f"triggers, top bigram on {100 * r['ngram_share']:.0f}%")
+        if r["self_rank"] is not None:
+            nums += f"; the token's rank from the value's low end {r['self_rank']:,}"
+            kind += ", self-suppressing" if r["self_suppressing"] else ""
+        out.append(("detector", kind, nums))
+    if r.get("pos_tv") is not None:
+        out.append(("position", "positional" if r["positional"] else "none",
+                    f"TV from chance positions {r['pos_tv']:.3f} (shuffled: {r['pos_tv_chance']:.3f})"))
+    return out
 
 
 OVERVIEW = ("dead", "prediction", "suppression", "partition", "enrichment", "depletion")
