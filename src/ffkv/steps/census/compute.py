@@ -431,7 +431,10 @@ def position_stats(run, L: int, d_m: int, lengths: np.ndarray) -> tuple[np.ndarr
     if not ks.num_rows:
         return tv, chance
     key = ks.column("layer").to_numpy().astype(np.int64) * d_m + ks.column("dim").to_numpy()
-    h = np.stack(ks.column("pos_hist").to_pylist()).astype(np.int64)
+    from ffkv.corpus.tokens import flat_lists
+
+    flat, _ = flat_lists(ks.column("pos_hist"))
+    h = flat.astype(np.int64).reshape(ks.num_rows, -1)  # every row holds NPOS buckets
     base = position_baseline(lengths, h.shape[1])
     n = h.sum(1)
     ok = n > 0
