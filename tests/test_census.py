@@ -8,6 +8,10 @@
   definitions written out again here; an ungated family (GPT-2, Conv1D weights) too;
 - `active` and `dead` equal a hooked forward of the raw model over the run's own sentences,
   counting |m| at down_proj's input; a memory made dead by zeroing its gate row is found dead;
+- top_token, token_share and ngram_share equal counts over the positive triggers' last tokens read
+  from the sentences; self_rank equals the token's place in the value's float64 logits (E times the
+  final norm's gain); the chance positions equal a brute force over every position of every
+  sentence, pos_tv and the seeded shuffled draw's a direct computation;
 - settings out of range are one line and exit 2, before any model loads.
 """
 from __future__ import annotations

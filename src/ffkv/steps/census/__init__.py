@@ -54,4 +54,5 @@ STEP = Step("census", CensusSettings, requires=("mine",), tables=TABLES,
             overview=lazy("ffkv.steps.census.report:overview"),
             help="A census of the memories: dead and rare (from the mined key statistics), prediction, "
                  "suppression and partition (vocabulary moments of the values), enrichment and depletion "
-                 "(cosines of keys with values).")
+                 "(cosines of keys with values), token and n-gram detectors and their self-suppression (from the "
+                 "top triggers), positional memories (from the key statistics' positions).")
