@@ -17,20 +17,18 @@ KINDS = ("hidden", "ffn", "attn")
 METHODS = ("rome", "memit", "values")
 
 
-def _kinds(text: str) -> str:
-    ks = [k.strip() for k in str(text).split(",") if k.strip()]
-    bad = [k for k in ks if k not in KINDS]
-    if bad or not ks:
-        raise FfkvError(f"--kinds {text!r}: a comma list of {', '.join(KINDS)}")
-    return ",".join(ks)
+def _choices(flag: str, allowed: tuple[str, ...]):
+    """A parser of a comma list drawn from `allowed` (--kinds, --methods), kept as text."""
+    def parse(text: str) -> str:
+        items = [k.strip() for k in str(text).split(",") if k.strip()]
+        if not items or any(k not in allowed for k in items):
+            raise FfkvError(f"{flag} {text!r}: a comma list of {', '.join(allowed)}")
+        return ",".join(items)
+    return parse
 
 
-def _methods(text: str) -> str:
-    ms = [m.strip() for m in str(text).split(",") if m.strip()]
-    bad = [m for m in ms if m not in METHODS]
-    if bad or not ms:
-        raise FfkvError(f"--methods {text!r}: a comma list of {', '.join(METHODS)}")
-    return ",".join(ms)
+_kinds = _choices("--kinds", KINDS)
+_methods = _choices("--methods", METHODS)
 
 
 def _template(v):
