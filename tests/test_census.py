@@ -458,3 +458,92 @@ def test_position_baseline_and_tv_equal_a_direct_computation(census_run):
 @pytest.mark.parametrize("args, flag", [(("--detector", "1.5"), "--detector"), (("--positional", "-1"), "--positional")])
 def test_detector_settings_out_of_range_are_refused(census_run, monkeypatch, args, flag):
     test_settings_out_of_range_are_one_line_before_the_model_loads(census_run, monkeypatch, args, flag)
+
+
+# ---- chance baselines and verdicts ---------------------------------------------------------------------
+def test_chance_baselines_equal_a_brute_force(census_run):
+    """Random directions' vocabulary classes (the seeded draw, moments by scipy over float64 cosines
+    with the raw lm_head times the final norm's gain) and each layer's shuffled-pairing input-output
+    classes (the seeded permutation, cosines from the raw gate, up and down weights)."""
+    from ffkv.steps.census.compute import CHANCE_DIRECTIONS, CHANCE_SEED
+
+    run, hf = census_run
+    lay = _table(run, "census_layers")
+    d = hf.config.hidden_size
+    W_U = hf.lm_head.weight.detach() * hf.model.norm.weight.detach()
+    R = torch.randn(CHANCE_DIRECTIONS, d, generator=torch.Generator().manual_seed(CHANCE_SEED))
+    m = _moments_brute(W_U, R[:CHANCE_DIRECTIONS])
+    pred = ((m[:, 1] > 10) & (m[:, 0] > 0)).mean()
+    supp = ((m[:, 1] > 10) & (m[:, 0] < 0)).mean()
+    part = (m[:, 2] * d > 2).mean()
+    assert lay.prediction_chance.tolist() == pytest.approx([pred] * len(lay), abs=2 / CHANCE_DIRECTIONS)
+    assert lay.suppression_chance.tolist() == pytest.approx([supp] * len(lay), abs=2 / CHANCE_DIRECTIONS)
+    assert lay.partition_chance.tolist() == pytest.approx([part] * len(lay), abs=2 / CHANCE_DIRECTIONS)
+    d_m = hf.config.intermediate_size
+    for l in range(hf.config.num_hidden_layers):
+        mlp = hf.model.layers[l].mlp
+        perm = np.random.default_rng([CHANCE_SEED, l]).permutation(d_m)
+        got = [_io_class(_cos(mlp.gate_proj.weight[i], mlp.up_proj.weight[i]),
+                         _cos(mlp.gate_proj.weight[i], mlp.down_proj.weight[:, perm[i]]),
+                         _cos(mlp.up_proj.weight[i], mlp.down_proj.weight[:, perm[i]]), 0.1, True)
+               if not (l == DEAD[0] and i == DEAD[1]) else "proportional_change" for i in range(d_m)]
+        for c in ("enrichment", "depletion"):
+            assert lay.loc[l, f"{c}_chance"] == pytest.approx(np.mean([g == c for g in got]), abs=1.5 / d_m)
+
+
+def _layers(**cols):
+    import pandas as pd
+
+    n = len(next(iter(cols.values()), [0] * 6))
+    base = {"layer": list(range(n)), "memories": [1000] * n, "mined": [1000] * n}
+    for c in ("dead", "prediction", "suppression", "enrichment", "depletion"):
+        base[c] = [0.0] * n
+    for c in ("prediction_chance", "suppression_chance", "enrichment_chance", "depletion_chance"):
+        base[c] = [0.001] * n
+    return pd.DataFrame({**base, **cols})
+
+
+def test_verdicts_follow_each_papers_trend_on_hand_built_tables():
+    """Each verdict on hand-made census_layers: the trend, its reverse, no effect, at chance."""
+    from ffkv.report.stats import DIFFERS, INCONCLUSIVE, NA, SAME
+    from ffkv.steps.census import verdicts as V
+
+    ramp = [0.0, 0.0, 0.01, 0.02, 0.05, 0.1]
+    assert V.dead(_layers(dead=ramp[::-1]), 6).verdict == SAME
+    assert V.dead(_layers(dead=ramp), 6).verdict == DIFFERS
+    assert V.dead(_layers(), 6, "silu").verdict == NA and "silu" in V.dead(_layers(), 6, "silu").measured
+    assert V.prediction(_layers(prediction=ramp), 6).verdict == SAME
+    assert V.prediction(_layers(prediction=ramp[::-1]), 6).verdict == DIFFERS
+    flat = [0.02] * 6
+    assert V.prediction(_layers(prediction=flat), 6).verdict == INCONCLUSIVE
+    # rising, but not above its chance share
+    at_chance = _layers(prediction=ramp, prediction_chance=[0.2] * 6)
+    assert V.prediction(at_chance, 6).verdict == INCONCLUSIVE and "not above it" in V.prediction(at_chance, 6).measured
+    assert V.suppression(_layers(suppression=[0, 0, 0, 0, 0.01, 0.2]), 6).verdict == SAME
+    assert V.suppression(_layers(suppression=[0.2, 0.1, 0.1, 0.1, 0.0, 0.0]), 6).verdict == DIFFERS
+    io = _layers(enrichment=[0.3, 0.3, 0.3, 0.3, 0.1, 0.05], depletion=[0.05, 0.05, 0.05, 0.1, 0.2, 0.3])
+    assert V.io(io, 6).verdict == SAME
+    assert V.io(_layers(enrichment=[0.1] * 6, depletion=[0.05, 0.05, 0.05, 0.1, 0.2, 0.3]), 6).verdict == INCONCLUSIVE
+    assert V.io(_layers(enrichment=[0.0] * 4 + [0.3] * 2, depletion=[0.05] * 6), 6).verdict == DIFFERS
+    # the pooled difference is the one computed here: layers 4-5 vs 0-1 of 6 (thirds by relative depth)
+    v = V.prediction(_layers(prediction=ramp), 6)
+    assert f"{100 * (0.075 - 0.0):+.2f} points" in v.measured
+
+
+def test_census_verdicts_reach_verdicts_json_and_the_comparison(census_run, tmp_path):
+    """The report's verdicts.json carries the census's four verdicts (ids, titles), so `ffkv
+    verdicts A B` sets them side by side; each one equals the verdict function on the run's table."""
+    from ffkv.steps.census import verdicts as V
+
+    run, hf = census_run
+    r = run_cli("report", run)
+    assert r.returncode == 0, r.stderr
+    recs = {x["id"]: x for x in json.loads((run / "report" / "verdicts.json").read_text())}
+    lay = _table(run, "census_layers")
+    for vid, v in V.records(lay, hf.config.num_hidden_layers, "silu"):
+        assert recs[vid]["verdict"] == v.verdict and recs[vid]["measured"] == v.measured
+        assert recs[vid]["title"] == V.TITLES[vid]
+    r = run_cli("verdicts", run, run)
+    assert r.returncode == 0, r.stderr
+    for vid in V.TITLES:
+        assert V.TITLES[vid].split(" (")[0] in r.stdout or vid in r.stdout

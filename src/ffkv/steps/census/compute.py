@@ -72,6 +72,16 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
   `positional` and pos_tv > 2 · pos_tv_chance, and not dead (a dead memory's ties put every
   sentence's best at position 0: a pos_tv near 1 that says nothing of position).
 
+- Chance baselines (what each share is read against in the report's verdicts):
+  vocabulary moments: `CHANCE_DIRECTIONS` isotropic Gaussian directions of R^d (seeded
+  `CHANCE_SEED`; a cosine does not depend on the norm, so "of the same norm" is implied), their
+  cos(W_U, r) moments classed with the same thresholds: `prediction_chance`, `suppression_chance`,
+  `partition_chance` (W_U is shared by the layers, so one draw serves every layer). Input-output
+  classes: each layer's values shuffled among its memories (a seeded permutation per layer), the
+  classes of (g_i, u_i, v_π(i)) (ungated: (k_i, v_π(i))): `enrichment_chance`, `depletion_chance` —
+  stricter than independent random directions, since it keeps whatever direction the layer's keys
+  and values share. Positional: `pos_tv_chance` (above).
+
 Tables written (public contract; layers 0-based)
 - `census`: one row per memory, by layer then dim. layer int16, dim int32, for a mixture of experts
   also expert int16, expert_dim int32 (`MemoryModel.expert_of`; the shared expert is expert E,
@@ -88,7 +98,9 @@ Tables written (public contract; layers 0-based)
   none was mined), prediction, suppression, partition and one column per class of `IO_CLASSES` (of
   all memories), then kurtosis_median, skew_median, cos_in_out_mean float64, then float64 shares:
   token_detector, ngram_detector (of the memories with triggers), self_suppressing (of the token
-  detectors; null when none), positional (of the mined memories).
+  detectors; null when none), positional (of the mined memories), then the chance baselines
+  (float64 shares of all memories): prediction_chance, suppression_chance, partition_chance,
+  enrichment_chance, depletion_chance.
 
 `layer_census(mm, layer)` gives the weight columns and their classes for one layer (or some of
 its memories) of any model, without a run.
@@ -135,6 +147,10 @@ def _unit(X):
 MIN_TRIGGERS = 5  # a detector needs at least this many positive triggers
 SELF_SUPPRESS = 0.01  # self_suppressing: top token in the lowest 1% of the value's logits
 POS_SEED = 0  # the shuffled-positions draw (pos_tv_chance)
+CHANCE_SEED = 0  # the random directions and the shuffled pairings of the chance baselines
+CHANCE_DIRECTIONS = 1024  # random directions whose vocabulary moments give the chance shares
+CHANCE_COLUMNS = ("prediction_chance", "suppression_chance", "partition_chance", "enrichment_chance",
+                  "depletion_chance")
 DETECTOR_COLUMNS = ("n_triggers", "top_token", "token_share", "ngram_share", "token_detector", "ngram_detector",
                     "self_rank", "self_suppressing", "pos_tv", "pos_tv_chance", "positional")
 
@@ -250,6 +266,35 @@ def layer_census(mm, layer: int, dims=None, *, lens: str | None = None, kurtosis
         raise FfkvError(f"dims out of range 0..{mm.d_m - 1}")
     st = weight_stats(mm, int(layer), unembedding_rows(mm, lens or mm.lens.name), chunk, dims=dims)
     return _weight_table(mm, np.full(len(dims), int(layer)), dims, st, kurtosis, partition, cos)
+
+
+def vocab_chance(mm, W, kurtosis: float, partition: float, n: int = CHANCE_DIRECTIONS,
+                 seed: int = CHANCE_SEED) -> dict[str, float]:
+    """The vocabulary classes' chance shares: those of `n` seeded isotropic random directions."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    R = _unit(torch.randn(n, mm.d, generator=g)).to(W.device)
+    sk, ku, va = (np.concatenate(x) for x in zip(*(_moments((R[a:a + 128] @ W.T).cpu().numpy())
+                                                   for a in range(0, n, 128))))
+    cl = vocab_classes({"skew": sk, "kurtosis": ku, "variance": va}, mm.d, kurtosis, partition)
+    return {f"{c}_chance": float(v.mean()) for c, v in cl.items()}
+
+
+def io_chance(mm, layer: int, tau: float, seed: int = CHANCE_SEED) -> dict[str, float]:
+    """The enrichment and depletion shares of `layer` with its values shuffled among its memories."""
+    import torch
+
+    V, K, U = mm.values(layer), mm.keys(layer), mm.up_keys(layer)
+    perm = torch.from_numpy(np.random.default_rng([seed, int(layer)]).permutation(len(V))).to(V.device)
+    Vn, Kn = _unit(V[perm]), _unit(K)
+    if U is None:
+        io = io_classes(None, None, (Kn * Vn).sum(1).cpu().numpy(), tau, False)
+    else:
+        Un = _unit(U)
+        io = io_classes((Kn * Un).sum(1).cpu().numpy(), (Kn * Vn).sum(1).cpu().numpy(),
+                        (Un * Vn).sum(1).cpu().numpy(), tau, True)
+    return {f"{c}_chance": float((io == c).mean()) for c in ("enrichment", "depletion")}
 
 
 def _expert_columns(mm, dims: np.ndarray) -> dict:
@@ -485,7 +530,8 @@ def record(run, s) -> dict:
     return {"eps": float(s.eps), "eps_used": eps_used(float(s.eps), lay), "rare": float(s.rare),
             "kurtosis": float(s.kurtosis), "partition": float(s.partition), "cos": float(s.cos),
             "detector": float(s.detector), "min_triggers": MIN_TRIGGERS, "self_suppress": SELF_SUPPRESS,
-            "positional": float(s.positional), "pos_seed": POS_SEED,
+            "positional": float(s.positional), "pos_seed": POS_SEED, "chance_seed": CHANCE_SEED,
+            "chance_directions": CHANCE_DIRECTIONS,
             "lens": check_lens(s.lens or run.lens), "dtype": canonical_dtype(s.dtype),
             "mine_finished": run.step("mine").get("finished")}
 
@@ -519,6 +565,9 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
                             total=L * math.ceil(d_m / chunk))
         for l in range(L):
             per.append(weight_stats(mm, l, W, chunk, advance=lambda: bar.advance(task)))
+    vc = vocab_chance(mm, W, rec["kurtosis"], rec["partition"], rec.get("chance_directions", CHANCE_DIRECTIONS),
+                      rec.get("chance_seed", CHANCE_SEED))
+    chance = [{**vc, **io_chance(mm, l, rec["cos"], rec.get("chance_seed", CHANCE_SEED))} for l in range(L)]
     st = {c: np.concatenate([p[c] for p in per]) for c in WEIGHT_COLUMNS}
     layers, dims = np.repeat(np.arange(L), d_m), np.tile(np.arange(d_m), L)
     t = _weight_table(mm, layers, dims, st, rec["kurtosis"], rec["partition"], rec["cos"])
@@ -534,13 +583,13 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
         t = t.add_column(at, name, arr)
     for name, arr in detector_columns(run, mm, rec, dead).items():
         t = t.append_column(name, arr)
-    lt = _layer_table(t, L)
+    lt = _layer_table(t, L, chance)
     run.write_table("census", t)
     run.write_table("census_layers", lt)
     return _summary(rec, mm, t, lt, time.time() - t0)
 
 
-def _layer_table(t: pa.Table, L: int) -> pa.Table:
+def _layer_table(t: pa.Table, L: int, chance: list[dict] | None = None) -> pa.Table:
     layer = t.column("layer").to_numpy()
     mined = t.column("tokens").is_valid().to_numpy(zero_copy_only=False)
     tokens = t.column("tokens").fill_null(0).to_numpy()
@@ -569,12 +618,13 @@ def _layer_table(t: pa.Table, L: int) -> pa.Table:
         for c, base in (("token_detector", has[at]), ("ngram_detector", has[at]),
                         ("self_suppressing", det[at]), ("positional", pmined[at])):
             row[c] = float(extra[c][at][base].mean()) if base.any() else None
+        row.update({c: (chance[l][c] if chance else None) for c in CHANCE_COLUMNS})
         rows.append(row)
     schema = pa.schema([("layer", pa.int16()), ("memories", pa.int32()), ("mined", pa.int32()), ("tokens", pa.int64()),
                         *[(c, pa.float64()) for c in ("dead", "rare", *VOCAB_CLASSES, *IO_CLASSES,
                                                       "kurtosis_median", "skew_median", "cos_in_out_mean",
                                                       "token_detector", "ngram_detector", "self_suppressing",
-                                                      "positional")]])
+                                                      "positional", *CHANCE_COLUMNS)]])
     return pa.Table.from_pylist(rows, schema=schema)
 
 

@@ -53,7 +53,39 @@ def sections(run, fig_dir) -> list:
     fig = figure_html(save(figure(df), fig_dir, "census_depth"), "Memory census by depth") if len(df) else ""
     html = fig + note + table(["layer", "memories", *[c.replace("_", " ") for c in cols]], rows,
                               num=set(range(2 + len(cols))))
-    return [ReportSection("census", "Memory census by depth", html, short="Census")]
+    recs = verdict_records(df, run)
+    html += chance_note(df) + verdicts_html(recs)
+    return [ReportSection("census", "Memory census by depth", html, recs, short="Census")]
+
+
+def verdict_records(df, run) -> tuple:
+    """The census's verdicts (`ffkv.steps.census.verdicts`) as verdicts.json records."""
+    from ffkv.steps.census import verdicts as V
+
+    m = run.manifest.get("model") or {}
+    return tuple({"id": vid, "title": V.TITLES[vid], "verdict": v.verdict, "criterion": v.criterion,
+                  "measured": v.measured, "other_lens": None, "lenses": None,
+                  "figure": "census_depth.png" if len(df) else None, "missing": None, "error": None}
+                 for vid, v in V.records(df, m.get("layers"), m.get("activation")))
+
+
+def chance_note(df) -> str:
+    """The chance shares the verdicts compare with (absent in a census from before them)."""
+    from ffkv.steps.census.compute import CHANCE_COLUMNS
+
+    have = [c for c in CHANCE_COLUMNS if c in df.columns and df[c].notna().any()]
+    if not have:
+        return ""
+    parts = [f"{c.removesuffix('_chance')} {100 * df[c].mean():.2f}%" for c in have]
+    return ("<p>Chance shares (mean over the layers): " + ", ".join(parts) + " — the vocabulary classes of "
+            "random directions, the input-output classes of each layer's values shuffled among its memories.</p>")
+
+
+def verdicts_html(recs) -> str:
+    from ffkv.report.html import chip, esc
+
+    return "".join(f'<div class="claim" id="{esc(r["id"])}"><h3>{esc(r["title"])} {chip(r["verdict"])}</h3>'
+                   f'<p>{esc(r["measured"])}</p><p class="criterion">{esc(r["criterion"])}</p></div>' for r in recs)
 
 
 def panels(run, layer: int, dim: int) -> list:
