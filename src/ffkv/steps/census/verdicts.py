@@ -52,6 +52,17 @@ def _rise(df, low, high, col: str, base: str = "memories") -> tuple[str, str, fl
     return by_interval(lo, hi), meas, k1 / n1 if n1 else float("nan")
 
 
+def _rise_above_chance(df, low, high, col: str) -> tuple[str, str]:
+    """`_rise`, made inconclusive unless `high`'s pooled share is above its random-direction chance."""
+    verdict, meas, _ = _rise(df, low, high, col)
+    k, n = _pooled(df, high, col)
+    ch = _chance(df, high, col)
+    above = _above(k, n, ch)
+    if verdict == SAME and above is not True:
+        verdict = INCONCLUSIVE
+    return verdict, meas + f"; chance (random directions) {pct_na(ch, 2)}" + ("" if above else " (not above it)")
+
+
 @judged
 def dead(census_layers, n_layers: int | None = None, activation: str | None = None) -> Verdict:
     """Voita et al.: in OPT (ReLU) models, most dead neurons sit in the early layers."""
@@ -80,14 +91,8 @@ def prediction(census_layers, n_layers: int | None = None) -> Verdict:
             f"interval above it); differs when the interval lies below 0; inconclusive otherwise")
     n_layers = n_layers or n_layers_of(df, None)
     _, bottom, _, top = layer_thirds(df, n_layers, "census_layers")
-    verdict, meas, share = _rise(df, bottom, top, "prediction")
-    k, n = _pooled(df, top, "prediction")
-    ch = _chance(df, top, "prediction")
-    above = _above(k, n, ch)
-    if verdict == SAME and above is not True:
-        verdict = INCONCLUSIVE
-    return Verdict(verdict, crit, meas + f"; chance (random directions) {pct_na(ch, 2)}"
-                   + ("" if above else " (not above it)"))
+    verdict, meas = _rise_above_chance(df, bottom, top, "prediction")
+    return Verdict(verdict, crit, meas)
 
 
 @judged
@@ -101,14 +106,9 @@ def suppression(census_layers, n_layers: int | None = None) -> Verdict:
             f"beside it (Gurnee et al.: suppression outnumbers prediction there)")
     n_layers = n_layers or n_layers_of(df, None)
     _, bottom, middle, top = layer_thirds(df, n_layers, "census_layers")
-    verdict, meas, _ = _rise(df, bottom + middle, top, "suppression")
-    k, n = _pooled(df, top, "suppression")
-    ch = _chance(df, top, "suppression")
-    above = _above(k, n, ch)
-    if verdict == SAME and above is not True:
-        verdict = INCONCLUSIVE
+    verdict, meas = _rise_above_chance(df, bottom + middle, top, "suppression")
     last = df.loc[df["layer"].idxmax()]
-    return Verdict(verdict, crit, meas + f"; chance {pct_na(ch, 2)}{'' if above else ' (not above it)'}; last layer "
+    return Verdict(verdict, crit, meas + f"; last layer "
                    f"{int(last['layer'])}: suppression {pct_na(float(last['suppression']), 1)} vs prediction "
                    f"{pct_na(float(last['prediction']), 1)}")
 
