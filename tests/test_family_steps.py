@@ -1,11 +1,13 @@
 """Every step on every family: mine, values (both lenses), compose, mutate, patterns, normalize,
-explain and the memory page, through the CLI on each tiny model of `test_families.FAMILIES` and of
+census, explain and the memory page, through the CLI on each tiny model of `test_families.FAMILIES` and of
 `test_moe.MOE` (Mixtral's and Qwen2-MoE's compose, mutate, patterns and page: `test_moe_steps`).
 
 One number per step, each held to a computation of its own on the model, each prefix run alone
 (`test_families._brute_m`: m from hooks on the model's own value projection; for a mixture of
 experts `test_moe._brute_coefficients` from the raw fused weights):
 - mine: the top trigger's coefficient, both signs;
+- census: one row per memory (expert columns for a mixture of experts), two memories a layer's
+  vocabulary moments by scipy and input-output class from the cosines;
 - values: each layer's mean max-probability of v_i under both lenses, projected here (v_i and the
   final norm's gain are ffkv's, which `test_families` holds to the model's residual stream);
 - compose: top(y) under both lenses and the final prediction, y read from the model's residual
@@ -99,6 +101,7 @@ def _run_steps(mm, run, steps):
         "patterns": ("patterns", run, "--keys-per-layer", "2", "--no-semantic", "--background", "50"),
         "normalize": ("normalize", run, "--corpus", WT2 / "wiki.test.tokens", "--tokens", "120",
                       "--fit-tokens", "60", "--sweep-tokens", "0", "--synthetic-draws", "10"),
+        "census": ("census", run),
     }
     for s in steps:
         res = run_cli(*args[s])
@@ -130,6 +133,43 @@ def check_values(mm, run, label):
         for ln, v in (("naive", V), ("norm", V * gain)):
             p = torch.softmax(v @ E.T, -1).max(-1).values.mean()
             assert _close(lay.loc[(ln, l), "value_max_prob_mean"], p, rel=1e-4), (label, ln, l)
+
+
+def check_census(mm, run, label):
+    """One row per memory ((layer, expert, dim) for a mixture of experts, its shared expert named);
+    two memories a layer: the vocabulary moments are scipy's over cos(W_U, v) in float64 (W_U the
+    model's own unembedding, times the final norm's gain under the norm lens) and the input-output
+    class follows from the key-value cosines."""
+    from scipy import stats
+
+    from ffkv.steps.census.compute import io_classes
+
+    t = run.read_table("census").to_pandas().set_index(["layer", "dim"])
+    assert len(t) == mm.n_layers * mm.d_m, label
+    if mm.expert_of(0) is not None:
+        routed = int(mm.arch.n_experts(mm.blocks[0]))
+        assert (t["shared_expert"] == (t["expert"] == routed)).all(), label
+        assert [mm.expert_of(i) for i in (0, mm.d_m - 1)] == [tuple(t.loc[(0, i), ["expert", "expert_dim"]])
+                                                           for i in (0, mm.d_m - 1)], label
+    rec = run.manifest["settings"]["census"]
+    W = mm.hf.get_output_embeddings().weight.double()
+    if rec["lens"] == "norm":
+        W = W * mm.lens.gain.double()
+    Wn = W / W.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    for l in range(mm.n_layers):
+        V, K, U = mm.values(l).double(), mm.keys(l).double(), mm.up_keys(l)
+        for i in (0, mm.d_m // 2):
+            c = (Wn @ (V[i] / V[i].norm())).numpy()
+            row = t.loc[(l, i)]
+            assert _close(row["skew"], stats.skew(c), rel=1e-3, atol=1e-3), (label, l, i)
+            assert _close(row["kurtosis"], stats.kurtosis(c), rel=1e-3, atol=1e-3), (label, l, i)
+            cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))  # noqa: E731
+            if U is None:
+                want = io_classes(None, None, [cos(K[i], V[i])], rec["cos"], False)[0]
+            else:
+                u = U[i].double()
+                want = io_classes([cos(K[i], u)], [cos(K[i], V[i])], [cos(u, V[i])], rec["cos"], True)[0]
+            assert row.io_class == want, (label, l, i)
 
 
 def check_compose(mm, run, label, fam):
@@ -229,8 +269,9 @@ def check_memory_page(mm, run, coefs, label):
 def test_every_step_on_a_dense_family(family_model, tmp_path):
     name, mm = family_model
     fam, coefs = FAMILIES[name], _coefs_dense(name)
-    run = _run_steps(mm, tmp_path / "run", ("mine", "values", "compose", "mutate", "patterns", "normalize"))
+    run = _run_steps(mm, tmp_path / "run", ("mine", "values", "compose", "mutate", "patterns", "normalize", "census"))
     check_mine(mm, run, coefs, name)
+    check_census(mm, run, name)
     check_values(mm, run, name)
     check_compose(mm, run, name, fam)
     check_mutate(mm, run, coefs, name)
@@ -250,8 +291,9 @@ def test_every_step_on_a_mixture_of_experts(moe_model, tmp_path):
     coefs = _coefs_moe(name)
     every = name not in IN_MOE_STEPS
     steps = ("mine", "values", "compose", "mutate", "patterns", "normalize") if every else ("mine", "values", "normalize")
-    run = _run_steps(mm, tmp_path / "run", steps)
+    run = _run_steps(mm, tmp_path / "run", (*steps, "census"))
     check_mine(mm, run, coefs, name)
+    check_census(mm, run, name)
     check_values(mm, run, name)
     if every:
         check_compose(mm, run, name, MOE_FAM)
