@@ -176,7 +176,7 @@ def test_reproduce_plans_it_after_the_steps_it_requires_with_its_option(tiny_mod
     from ffkv.reproduce import ReproduceSettings, options, plan_steps, preset
 
     plan = [name for name, _ in plan_steps(ReproduceSettings(), tiny_models["llama"])]
-    assert plan == ["mine", "values", "compose", "mutate", "patterns", "normalize", NAME]
+    assert plan == ["mine", "values", "compose", "mutate", "patterns", "normalize", "census", NAME]
     own = [o for o in options() if o.dest == "distinct_top"]
     assert [o.decls for o in own] == [("--distinct-top",)] and own[0].default == 25
     mine = dict(plan_steps(preset("full", distinct_top=3), tiny_models["llama"]))
