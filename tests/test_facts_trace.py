@@ -236,7 +236,19 @@ def test_rome_verdict():
     assert differs["verdict"] == "differs" and differs["high"] < 0
     assert rome_verdict([_fake((1, 4), 8, 6, 0.0, rng) for _ in range(3)])["verdict"] in ("inconclusive", "differs",
                                                                                          "same trend")
-    assert rome_verdict([_fake((1, 2), 8, 6, 0.3, rng)])["verdict"] == "inconclusive"  # no other subject token
+    assert rome_verdict([_fake((1, 2), 8, 6, 0.3, rng)])["verdict"] == "inconclusive"  # one fact: no interval
+    # a one-token subject is judged against the tokens after it (not the last, not those before it)
+    one = rome_verdict([_fake((1, 2), 8, 6, 0.3, rng) for _ in range(20)])
+    assert one["verdict"] == "same trend" and one["facts_judged"] == 20
+    r = _fake((1, 2), 8, 6, 0.0, rng)
+    r.effect["ffn"][:] = 0.0
+    r.effect["ffn"][1] = 1.0  # the last subject token
+    r.effect["ffn"][0] = 5.0  # before the subject: left out
+    r.effect["ffn"][7] = 5.0  # the last token: left out
+    r.effect["ffn"][2:7] = 0.5
+    assert rome_verdict([r, r])["difference"] == pytest.approx(0.5)
+    assert rome_verdict([_fake((5, 7), 8, 6, 0.3, rng)] * 2)["facts_judged"] == 2  # its first subject token
+    assert rome_verdict([_fake((6, 7), 8, 6, 0.3, rng)] * 2)["facts_judged"] == 0  # nothing but the last token
 
 
 def test_trace_many(tiny_models):

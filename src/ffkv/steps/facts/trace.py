@@ -351,10 +351,13 @@ def summary(results: Sequence[TraceResult]) -> dict:
 
 def rome_verdict(results: Sequence[TraceResult], kind: str = "ffn", draws: int = 2000, seed: int = 0) -> dict:
     """ROME's finding, tested: the FFN's indirect effect is larger at the last subject token than at
-    the subject's other tokens (the baseline), and it peaks in middle layers.
+    the prompt's other tokens from the subject on (the baseline), and it peaks in middle layers.
 
-    Per fact with two or more subject tokens, d = mean over layers of IE(last subject token) −
-    the same mean over its other subject tokens; a 95% percentile bootstrap interval of mean d
+    Per fact, d = mean over layers of IE(last subject token) − the same mean over ROME's other rows
+    but the last token (`groups`: the first and middle subject tokens, the first subsequent and
+    further tokens; the last token is left out, as its effect is the whole prediction's, and tokens
+    before the subject are left out, as the noise cannot reach them), for every fact that has such a
+    token; a 95% percentile bootstrap interval of mean d
     over facts (scipy, `draws` resamples, seeded) gives the verdict (`ffkv.report.stats.by_interval`:
     above 0 same trend, below differs, else inconclusive). `peak_layer` is the argmax over layers of
     the mean IE at the last subject token, `peak_depth` its relative depth (ℓ + ½)/L, `middle`
@@ -369,9 +372,11 @@ def rome_verdict(results: Sequence[TraceResult], kind: str = "ffn", draws: int =
     for r in results:
         e = r.effect[kind]
         last.append(e[r.last_subject])
-        s0, s1 = r.subject
-        if s1 - s0 >= 2:
-            d.append(float(e[r.last_subject].mean() - e[s0:s1 - 1].mean()))
+        g = groups(r)
+        other = g[0] + g[1] + g[3] + g[4]
+        other = [t for t in other if t != r.last_subject]
+        if other:
+            d.append(float(e[r.last_subject].mean() - e[other].mean()))
     L = results[0].effect[kind].shape[1]
     curve = np.mean(last, 0)
     peak = int(np.argmax(curve))
@@ -386,7 +391,7 @@ def rome_verdict(results: Sequence[TraceResult], kind: str = "ffn", draws: int =
     verdict = by_interval(lo, hi) if lo == lo else INCONCLUSIVE
     return {"verdict": verdict, "kind": kind, "facts": len(results), "facts_judged": int(len(d)),
             "difference": float(d.mean()) if len(d) else float("nan"), "low": lo, "high": hi,
-            "baseline": "the same fact's other subject tokens", "peak_layer": peak,
+            "baseline": "the same fact's other tokens from the subject on, but the last", "peak_layer": peak,
             "peak_depth": float(depth(peak, L)), "middle": peak in thirds(range(L), L)[1],
-            "criterion": (f"mean over layers of IE_{kind}(last subject token) − IE_{kind}(other subject "
-                          f"tokens), 95% bootstrap interval over facts ({draws} resamples, seed {seed})")}
+            "criterion": (f"mean over layers of IE_{kind}(last subject token) − IE_{kind}(the other tokens "
+                          f"from the subject on, but the last), 95% bootstrap interval over facts ({draws} resamples, seed {seed})")}
