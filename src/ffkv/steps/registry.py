@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "patterns": "ffkv.steps.patterns:STEP",
     "normalize": "ffkv.steps.normalize:STEP",
     "census": "ffkv.steps.census:STEP",
+    "worth": "ffkv.steps.worth:STEP",
     "facts": "ffkv.steps.facts:STEP",
     "facts_evaluate": "ffkv.steps.facts:EVALUATE",
 }
