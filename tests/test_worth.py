@@ -19,18 +19,20 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import build_tiny, mine_tiny, run_cli
+from conftest import run_cli
 
-ARGS = ("--tokens", "400", "--check", "8", "--check-tokens", "150")
+ARGS = ("--tokens", "240", "--check", "6", "--check-tokens", "100")
 
 
 @pytest.fixture(scope="module")
-def worth_run(tmp_path_factory, tok_dir):
+def worth_run(tmp_path_factory, tiny_dirs, reference_mine):
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("worth")
-    path = build_tiny("llama", root / "llama", tok_dir)
-    run = mine_tiny(root / "run", path, 30, 3)
+    path = tiny_dirs["llama"]
+    run = tmp_path_factory.mktemp("worth") / "run"
+    shutil.copytree(reference_mine(path, 30, 3), run)
     r = run_cli("worth", run, *ARGS, "--json")
     assert r.returncode == 0, r.stderr
     return run, AutoModelForCausalLM.from_pretrained(path).eval(), json.loads(r.stdout)
@@ -68,7 +70,7 @@ def _loss(hf, rows, zero=None):
 
 def test_worth_equals_a_hand_written_backward(worth_run):
     run, hf, summ = worth_run
-    rows = _rows(run, 400)
+    rows = _rows(run, 240)
     L, d_m = hf.config.num_hidden_layers, hf.config.intermediate_size
     sums, n = np.zeros((L, d_m)), 0
     for r in rows:
@@ -92,7 +94,7 @@ def test_worth_equals_a_hand_written_backward(worth_run):
         n += len(r) - 1
     want = sums / n
     t = pq.read_table(run / "memory_worth.parquet").to_pandas().sort_values(["layer", "dim"])
-    assert summ["tokens"] == n == 400 and (t["tokens"] == n).all()
+    assert summ["tokens"] == n == 240 and (t["tokens"] == n).all()
     got = t["worth"].to_numpy().reshape(L, d_m)
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-7 * np.abs(want).max())
     # rank 1 is each layer's largest worth
@@ -104,13 +106,13 @@ def test_the_check_is_a_real_removal(worth_run):
     from ffkv.steps.worth.compute import check_rows
 
     run, hf, summ = worth_run
-    rows = _rows(run, 400)
-    rows = rows[:check_rows(rows, 150)]
+    rows = _rows(run, 240)
+    rows = rows[:check_rows(rows, 100)]
     base = _loss(hf, rows)
     c = summ["check"]
-    assert len(c["memories"]) == 8 and c["loss"] == pytest.approx(base, rel=1e-5)
+    assert len(c["memories"]) == 6 and c["loss"] == pytest.approx(base, rel=1e-5)
     t = pq.read_table(run / "memory_worth.parquet").to_pandas().set_index(["layer", "dim"])
-    assert t["ablated"].notna().sum() == 8
+    assert t["ablated"].notna().sum() == 6
     for (l, i), real in zip(c["memories"], c["real"]):
         assert real == pytest.approx(_loss(hf, rows, (l, i)) - base, abs=1e-6)
         assert t.loc[(l, i), "ablated"] == pytest.approx(real)
