@@ -218,6 +218,24 @@ class Architecture:
         return [self.module(blk, self.key).register_forward_pre_hook(
             lambda mod, args: fn(self._tokens(args[0], shape)))]
 
+    def gate_refusal(self) -> str | None:
+        """Why `hook_g` cannot read this family's gate pre-activations (None: it can)."""
+        return None if self.up else "needs a gated FFN (its memories have no gate)"
+
+    def gate_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The gate pre-activations (..., d_m) from the gate projection's output."""
+        return out
+
+    def hook_g(self, blk, fn: Callable, shape) -> list:
+        """fn(g) on a gated FFN's gate pre-activations g (B, T, d_m), g_i = x·g_i (+ bias), as the
+        model computes them and hands them to its activation: the gate projection's output
+        (`ffkv.mine.regimes` reads their signs)."""
+        why = self.gate_refusal()
+        if why:
+            raise FfkvError(f"{self.name}: {why}")
+        return [self.module(blk, self.key).register_forward_hook(
+            lambda mod, args, out: fn(self._tokens(self.gate_out(out), shape)))]
+
     def hook_m(self, blk, fn: Callable, shape, state: dict) -> list:
         """fn(m) on the coefficients m (B, T, d_m) as the model computes them; when fn returns a
         tensor, the model goes on with it in place of m. Here: the value projection's input."""
@@ -325,6 +343,9 @@ class FusedGateUp(Architecture):
     def up_bias(self, blk):
         return self._half(getattr(self.module(blk, self.key), "bias", None), 1)
 
+    def gate_out(self, out):
+        return out[..., :out.shape[-1] // 2]  # gate, up = gate_up_proj(x).chunk(2, dim=-1)
+
 
 @dataclass(frozen=True)
 class PostNorm(Architecture):
@@ -362,8 +383,16 @@ class PostNorm(Architecture):
         return w if g is None else w * g.to(w.dtype)
 
     def raw_values(self, blk, delta):
+        """delta / g, and 0 where the gain is 0 (Gemma 3 270M's layer 4 has 7 such dims): every value
+        is 0 there, so no change of the weights can move them (a division made them inf, and the
+        edited model's logits NaN)."""
+        import torch
+
         g = self.norm_gain(self.module(blk, self.post_norm))
-        return delta if g is None else delta / g.to(delta.dtype)
+        if g is None:
+            return delta
+        g = g.to(delta.dtype)
+        return torch.where(g != 0, delta / torch.where(g != 0, g, 1), torch.zeros((), dtype=delta.dtype))
 
     def inv_scale(self, blk, u: torch.Tensor) -> torch.Tensor:
         """1/s (..., 1) for the FFN's raw output u (..., d), as the post-FFN RMSNorm computes it."""
@@ -523,6 +552,9 @@ class MoE(Architecture):
         if len(shapes) > 1:
             raise FfkvError(f"{self.name} with layers of different expert shapes {sorted(shapes)} is not "
                             "supported: every layer must have the same memories")
+
+    def gate_refusal(self) -> str | None:
+        return "is a mixture of experts: its gate pre-activations are not read yet"
 
     # ---- the experts' layout -----------------------------------------------------------------
     def experts(self, blk):

@@ -7,7 +7,8 @@ Definitions owned here (everything else calls them):
   through the final norm.
 - `rank_of`: a target's rank, by counting logits above it.
 
-Capabilities: `capture` reads r, x, m, y, o in one forward pass; `intervene` edits chosen
+Capabilities: `capture` reads r, x, m, y, o (and g, a gated FFN's gate pre-activations) in one
+forward pass; `intervene` edits chosen
 coefficients m_i (scale, suppress, set) where the model computes them; `replace_ffn` makes a
 layer's FFN add something else. Where the hooks sit, and how m and v are read from the weights,
 is the family's entry in `ffkv.model.arch`: nothing here names a family.
@@ -24,7 +25,7 @@ from ffkv.defs import LENSES, check_lens
 from ffkv.errors import FfkvError
 from ffkv.model.arch import Architecture, find, get_path, text_config
 
-QUANTITIES = ("r", "x", "m", "y", "o")
+QUANTITIES = ("r", "x", "m", "y", "o", "g")  # g: a gated FFN's gate pre-activations (`Architecture.hook_g`)
 
 
 class _Stop(Exception):
@@ -48,7 +49,7 @@ def pad_rows(flat: np.ndarray, lens: np.ndarray, pad_id: int, device) -> tuple[t
 
 @dataclass
 class Captures:
-    """Per requested layer, the captured tensors (B, T, ·) by name: r, x, m, y, o."""
+    """Per requested layer, the captured tensors (B, T, ·) by name: r, x, m, y, o, g."""
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     logits: torch.Tensor | None = None
 
@@ -339,7 +340,8 @@ class MemoryModel:
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 layers=None, what=("m",), logits: bool = False, callback=None, **forward) -> Captures:
-        """One forward pass capturing `what` (subset of r, x, m, y, o) at `layers`.
+        """One forward pass capturing `what` (subset of r, x, m, y, o, g) at `layers`; g (a gated
+        FFN's gate pre-activations) comes before m in a layer.
 
         `forward` is passed on to the model's forward (e.g. position_ids, past_key_values with
         use_cache=True, to continue cached prefixes; `ffkv.memories.rescore` does).
@@ -376,6 +378,8 @@ class MemoryModel:
             blk = self.blocks[l]
             if "x" in what:
                 hooks += arch.hook_x(blk, lambda x, l=l: emit(l, "x", x.detach()), shape)
+            if "g" in what:
+                hooks += arch.hook_g(blk, lambda g, l=l: emit(l, "g", g.detach()), shape)
             if "m" in what:
                 hooks += arch.hook_m(blk, lambda m, l=l: emit(l, "m", m.detach()), shape, self._state[l])
             if need_y:
