@@ -41,8 +41,8 @@ def group_for(mm, s: MineSettings) -> int:
 
 
 def new_state(mm, s: MineSettings) -> MineState:
-    """The trackers of one mining pass, on the model's device: top-k, key statistics unless off, and
-    the keys' second moment of the --covariance layers."""
+    """The trackers of one mining pass, on the model's device: top-k, key statistics unless off,
+    the keys' second moment of the --covariance layers, and the sign regimes with --regimes."""
     from ffkv.mine.stats import KeyStats
 
     layers = s.layers if s.layers is not None else list(range(mm.n_layers))
@@ -59,6 +59,10 @@ def new_state(mm, s: MineSettings) -> MineState:
         from ffkv.mine.covariance import KeyCovariance
 
         trackers["covariance"] = KeyCovariance(layers, s.covariance, mm.d_m, device=dev, group=group)
+    if getattr(s, "regimes", False):
+        from ffkv.mine.regimes import SignRegimes
+
+        trackers["regimes"] = SignRegimes(layers, s.dims, mm.d_m, device=dev, group=group)
     return MineState(trackers, layers, s.dims, device=dev)
 
 
@@ -97,20 +101,30 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
     from ffkv.model.onednn import products_of
 
     cap0 = cap_for(mm) if tuner is None else None
-    own = compiled is None
+    needs = tuple(getattr(state, "needs", ()))  # captures beside m (the gate's for --regimes)
+    own = compiled is None and not needs
     if own:
         compiled = compiled_for(mm, state.layers)
+    if needs:  # the compiled blocks tap m only: such a pass runs eagerly
+        compiled = None
 
     blocks = [None if compiled is None or compiled.failed else compiled]  # this batch's (None: eager)
     broke = [False]  # the compiled forward failed in this batch (`CompiledBlocks.broke`)
 
     def forward(ids, batch, unpack=None, **fw):
         handed = set()  # layers whose coefficients the trackers have
+        aux: dict = {}  # layer -> {name: capture} that came before its m
 
         def update(l, m):
             if l not in handed:
                 handed.add(l)
-                state.update(l, m if unpack is None else unpack(m), batch)
+                state.update(l, m if unpack is None else unpack(m), batch, aux.pop(l, None))
+
+        def on_capture(l, name, t):
+            if name == "m":
+                update(l, t)
+            else:
+                aux.setdefault(l, {})[name] = t if unpack is None else unpack(t)
 
         if blocks[0] is not None:
             try:
@@ -121,7 +135,7 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
                     raise
                 blocks[0], broke[0] = None, True  # the rest of the batch eagerly: no layer twice
         with products_of(mm):
-            mm.capture(ids, None, layers=state.layers, what=("m",), callback=lambda l, name, m: update(l, m), **fw)
+            mm.capture(ids, None, layers=state.layers, what=(*needs, "m"), callback=on_capture, **fw)
 
     batches = list(batches)
     first = batches[0][0] - chunk[0] if chunk and batches else 0
@@ -129,7 +143,9 @@ def mine_batches(mm, state: MineState, token_lists, sids, batches, on_batch=None
     try:
         for j, (bi, idx) in enumerate(batches):
             arm, timed, trial = tuner.take(slots[j]) if tuner is not None else (None, False, False)
-            if tuner is not None and tuner.compiles:  # FFKV_COMPILE=auto: the tuner's blocks, in or out
+            if tuner is not None and needs and arm is not None and arm.compiled:
+                arm = tuner.broke(arm)  # no compiled arm for a pass that captures more than m
+            if tuner is not None and tuner.compiles and not needs:  # FFKV_COMPILE=auto: the tuner's blocks, in or out
                 ran, blocks[0] = tuner.forward_for(arm, mm, state.layers)
                 timed, arm = timed and ran == arm, ran  # a refused compiled arm: its twin's batch, untimed
             cap = cap0 if arm is None else arm.pack

@@ -109,9 +109,13 @@ class LayerCapture:
     CUDA, `ffkv.mine.fused_cuda`; numba on a CPU, `ffkv.mine.stats_cpu`), one read of m answers
     all of it at the first question."""
 
-    def __init__(self, layers, m: torch.Tensor, batch: Batch, signs=(1,), stats: bool = False):
+    def __init__(self, layers, m: torch.Tensor, batch: Batch, signs=(1,), stats: bool = False,
+                 aux: dict | None = None):
         self.layers = tuple(layers) if isinstance(layers, (tuple, list)) else (int(layers),)
         self.layer, self.raw, self.batch = self.layers[0], m, batch
+        # other captures that trackers `need` (`MineState.needs`), name -> one (B, T, n) per layer
+        # of the group, the mined dims kept: g, the gate pre-activations (`ffkv.mine.regimes`)
+        self.aux = dict(aux or {})
         self.n = m.shape[-1]
         self._m = m if m.dtype == torch.float32 else None
         self._best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -189,6 +193,10 @@ class MineState:
                                    reverse=True)) or (1,)
         self._stats = "stats" in self.trackers
         self._held: list[tuple[int, torch.Tensor]] = []
+        self._aux_held: dict[str, list[torch.Tensor]] = {}
+        # captures beside m that some tracker needs (e.g. "g": `ffkv.mine.regimes`), in
+        # `ffkv.model.memories.QUANTITIES` names
+        self.needs = tuple(sorted({q for t in self.trackers.values() for q in getattr(t, "needs", ())}))
         self._buf: torch.Tensor | None = None  # the groups' captures side by side, reused batch to batch
 
     @property
@@ -200,14 +208,21 @@ class MineState:
         return self.trackers.get("stats")
 
     @torch.no_grad()
-    def update(self, layer: int, m: torch.Tensor, batch: Batch) -> None:
+    def update(self, layer: int, m: torch.Tensor, batch: Batch, aux: dict | None = None) -> None:
+        """`aux`: the layer's other captures (B, T, d_m) by name, one for each of `needs`."""
         if self._dim_idx is not None:
             m = m.index_select(-1, self._dim_idx)
         self._held.append((layer, m))
+        for q in self.needs:
+            t = (aux or {}).get(q)
+            if t is None:
+                raise RuntimeError(f"layer {layer}: the trackers need capture {q!r} beside m")
+            self._aux_held.setdefault(q, []).append(t if self._dim_idx is None else t.index_select(-1, self._dim_idx))
         g = self._last.get(layer)
         if g is None:
             return
         held, self._held = self._held, []
+        aux_held, self._aux_held = self._aux_held, {}
         if tuple(l for l, _ in held) != g:
             raise RuntimeError(f"layers {[l for l, _ in held]} captured where the trackers expect {list(g)}")
         xs = [x for _, x in held]
@@ -224,7 +239,7 @@ class MineState:
                 self._buf = buf = None
                 self._buf = buf = torch.empty(need, dtype=dtype, device=xs[0].device)
             m = torch.cat(xs, -1, out=buf[:need].view(shape))
-        cap = LayerCapture(g, m, batch, self._signs, self._stats)
+        cap = LayerCapture(g, m, batch, self._signs, self._stats, aux_held)
         for t in self.trackers.values():
             t.update(batch, cap)
 

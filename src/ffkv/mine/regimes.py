@@ -1,0 +1,249 @@
+"""Sign regimes of a gated FFN's memories, from the mining pass (`ffkv mine --regimes`).
+
+A gated memory's coefficient is m_i = f(x·g_i)·(x·u_i). Each token falls in one of four regimes
+by the sign of its gate pre-activation x·g_i and of its input x·u_i, in this order throughout
+(gate, input):
+
+    pp (+, +)    pn (+, −)    np (−, +)    nn (−, −)
+
+and this tracker sums, per mined memory, the activation mass Σ|m_i| and the tokens with m_i ≠ 0
+in each (GLUScope's four combinations, Gerstner & Schütze 2025; issue 46's census).
+
+Only the gate's sign is captured beside m (`ffkv.model.arch.Architecture.hook_g`: the gate
+projection's output, the first half of a fused gate_up): the input's sign follows, since
+sign(x·u) = sign(m)·sign(f(x·g)) wherever m ≠ 0, and f(z) has z's sign or is 0 (SiLU, GELU, ReLU:
+`refusal` checks the model's own activation on a grid and refuses one that does not). A token
+with m_i = 0 adds nothing (its input's sign is not read); so does padding.
+
+Per batch and layer the sums run in float64 (numba on a CPU, one read of m and g; torch
+elsewhere) for up to `FLUSH` batches and are then carried in exact integer limbs
+(`ffkv.mine.rules.to_limbs`), as `ffkv.mine.covariance` does: merging states (Ray shards) adds
+integers, associative and order-free bit for bit; the counts are integers. A resumed pass
+differs from an unbroken one by float rounding only. State: 4·(24 + 8 + 8)·n bytes a layer.
+
+Passes with --regimes run the eager forward (FFKV_COMPILE / --compile is held at 0: the compiled
+blocks tap m only); packed rows and the fused kernels of the other trackers work as ever.
+
+Table ``sign_regimes`` (a public contract), one row per mined memory, sorted by layer and dim:
+layer int16, dim int32, tokens int64 (valid tokens seen), tokens_pp, tokens_pn, tokens_np,
+tokens_nn int64 (tokens with m ≠ 0 in each regime), mass_pp, mass_pn, mass_np, mass_nn float64
+(Σ|m| in each regime), share_pp, share_pn, share_np, share_nn float64 (mass / total mass: they
+sum to 1; null where the total mass is 0). Read it with `ffkv.store.query.sign_regimes(run)`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ffkv.mine.groups import layer_groups
+from ffkv.mine.rules import from_limbs, to_limbs
+
+TABLE = "sign_regimes"
+REGIMES = {"pp": "(+,+)", "pn": "(+,-)", "np": "(-,+)", "nn": "(-,-)"}  # name: (gate sign, input sign), in order
+FLUSH = 32  # batches summed in float64 before they join the exact limbs
+KEYS = 256  # keys per numba thread's block
+
+
+def keeps_sign(act, dtypes=(torch.float32,)) -> bool:
+    """Whether f(z) has z's sign or is 0, on a grid of z (tiny to huge, both signs)."""
+    mags = torch.cat([torch.logspace(-30, 4, 300, dtype=torch.float64), torch.linspace(0.01, 20, 400,
+                                                                                        dtype=torch.float64)])
+    z = torch.cat([mags, -mags, torch.zeros(1, dtype=torch.float64)])
+    for dt in dtypes:
+        with torch.no_grad():
+            f = act(z.to(dt)).double()
+        zz = z.to(dt).double()
+        if not bool(((f == 0) | (torch.sign(f) == torch.sign(zz))).all()):
+            return False
+    return True
+
+
+def refusal(mm, layers=None) -> str | None:
+    """Why `mm`'s memories have no sign regimes here (one line), or None."""
+    why = mm.arch.gate_refusal()
+    if why:
+        return f"{mm.arch.name} {why}"
+    for l in sorted(set(range(mm.n_layers) if layers is None else layers)):
+        act = mm.act(l)
+        dev_dt = getattr(mm, "dtype", torch.float32)
+        dts = (torch.float32,) if dev_dt == torch.float32 else (torch.float32, dev_dt)
+        try:
+            ok = keeps_sign(act, dts)
+        except Exception:  # noqa: BLE001  (an activation that takes no plain tensor)
+            ok = False
+        if not ok:
+            return (f"{mm.arch.name}'s activation {mm.act_name} (layer {l}) does not keep its input's sign, "
+                    "so the input's sign cannot be read from m")
+    return None
+
+
+_kernel = None
+
+
+def _compile():
+    global _kernel
+    if _kernel is None:
+        from numba import njit, prange
+
+        @njit(parallel=True, cache=True, nogil=True)
+        def regimes(m, off, g, valid, mass, count):  # pragma: no cover
+            B, T, W = g.shape
+            for blk in prange((W + KEYS - 1) // KEYS):
+                k0 = blk * KEYS
+                w = min(W, k0 + KEYS) - k0
+                for b in range(B):
+                    for t in range(T):
+                        if not valid[b, t]:
+                            continue
+                        for j in range(w):
+                            v = m[b, t, off + k0 + j]
+                            if v == 0:
+                                continue
+                            gp = g[b, t, k0 + j] > 0
+                            r = (0 if gp else 2) + (0 if (v > 0) == gp else 1)
+                            mass[r, k0 + j] += abs(np.float64(v))
+                            count[r, k0 + j] += 1
+
+        _kernel = regimes
+    return _kernel
+
+
+def _numba_here(device) -> bool:
+    from ffkv.mine import stats_cpu
+
+    return stats_cpu.available(device)
+
+
+class SignRegimes:
+    name = "regimes"
+    needs = ("g",)  # what the capture hands in beside m (`ffkv.mine.trackers.LayerCapture.aux`)
+
+    def __init__(self, layers: list[int], dims: list[int] | None, d_m: int, device=None, group: int = 1):
+        self.layers = list(layers)
+        self.dims = None if dims is None else [int(d) for d in dims]
+        self.n = len(self.dims) if self.dims is not None else int(d_m)
+        self.group = int(group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.groups = layer_groups(self.layers, group)
+        self.tokens = 0
+        self.mass = {l: torch.zeros((3, 4, self.n), dtype=torch.long, device=self.device) for l in self.layers}
+        self.count = {l: torch.zeros((4, self.n), dtype=torch.long, device=self.device) for l in self.layers}
+        self._acc = {l: torch.zeros((4, self.n), dtype=torch.float64, device=self.device) for l in self.layers}
+        self._pending = 0
+
+    def flush(self) -> None:
+        """The float64 sums into the exact limbs."""
+        if self._pending:
+            for l in self.layers:
+                self.mass[l] += to_limbs(self._acc[l])
+                self._acc[l].zero_()
+            self._pending = 0
+
+    @torch.no_grad()
+    def update(self, batch, cap) -> None:
+        if cap.layers == self.groups[0]:
+            self.tokens += batch.tokens
+        gs = cap.aux.get("g")
+        if gs is None:
+            raise RuntimeError("the sign regimes need the gate pre-activations in the capture (what=g)")
+        n = self.n
+        if _numba_here(cap.m.device):
+            kernel = _compile()
+            from ffkv.mine.stats_cpu import _threads
+
+            _threads()
+            m = cap.m.detach().contiguous().numpy()
+            valid = batch.mask.detach().contiguous().numpy()
+            for i, l in enumerate(cap.layers):
+                g = gs[i] if gs[i].dtype == torch.float32 else gs[i].float()
+                acc = self._acc[l].numpy()
+                cnt = self.count[l].numpy()
+                kernel(m, i * n, g.detach().contiguous().numpy(), valid, acc, cnt)
+        else:
+            self._update_torch(batch, cap, gs)
+        if cap.layers == self.groups[-1]:  # a batch is counted once, at its last group
+            self._pending += 1
+            if self._pending >= FLUSH:
+                self.flush()
+
+    def _update_torch(self, batch, cap, gs) -> None:
+        n = self.n
+        for i, l in enumerate(cap.layers):
+            M, G = cap.m[..., i * n:(i + 1) * n], gs[i]
+            if batch.runs is not None:
+                parts = [(M[a:e, :L], G[a:e, :L]) for a, e, L in batch.runs]
+            else:  # padding to 0: it adds nothing
+                parts = [(M.masked_fill(~batch.mask.unsqueeze(-1), 0.0), G)]
+            for Mb, Gb in parts:
+                Mb, Gb = Mb.reshape(-1, n), Gb.reshape(-1, n)
+                Mg = torch.where(Gb > 0, Mb, 0.0)  # m where the gate is positive
+                Mo = Mb - Mg  # and where it is not (exact: m − m or m − 0)
+                # gate +: m > 0 is input + (pp), m < 0 input − (pn); gate −: m < 0 is input + (np)
+                for r, X, sign in ((0, Mg, 1), (1, Mg, -1), (2, Mo, -1), (3, Mo, 1)):
+                    part = (X * sign).clamp(min=0)
+                    self._acc[l][r] += part.sum(0, dtype=torch.float64)
+                    self.count[l][r] += (part > 0).sum(0)
+
+    def _check(self, other: "SignRegimes") -> None:
+        if (other.layers, other.dims, other.n) != (self.layers, self.dims, self.n):
+            raise ValueError("cannot merge sign-regime states of different layers or dims")
+
+    def merge(self, other: "SignRegimes") -> "SignRegimes":
+        self._check(other)
+        self.flush()
+        other.flush()
+        self.tokens += other.tokens
+        for l in self.layers:
+            self.mass[l] += other.mass[l].to(self.device)
+            self.count[l] += other.count[l].to(self.device)
+        return self
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        self.flush()
+        out = {"tokens": np.array([self.tokens], np.int64)}
+        for l in self.layers:
+            out[f"mass_{l}"] = self.mass[l].cpu().numpy()
+            out[f"count_{l}"] = self.count[l].cpu().numpy()
+        return out
+
+    def load_arrays(self, arrs) -> "SignRegimes":
+        new = {}
+        for l in self.layers:
+            for name, shape in (("mass", (3, 4, self.n)), ("count", (4, self.n))):
+                a = np.asarray(arrs[f"{name}_{l}"])
+                if a.shape != shape or a.dtype != np.int64:
+                    raise KeyError(f"sign-regime array {name}_{l} has shape {a.shape}, not {shape}")
+                new[(name, l)] = torch.from_numpy(a.copy()).to(self.device)
+        self.tokens = int(np.asarray(arrs["tokens"])[0])
+        for (name, l), t in new.items():
+            getattr(self, name)[l] = t
+        for l in self.layers:
+            self._acc[l].zero_()
+        self._pending = 0
+        return self
+
+    def masses(self, l: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer l's (mass (4, n) float64, tokens (4, n) int64) per regime, in `REGIMES` order."""
+        self.flush()
+        return from_limbs(self.mass[l].cpu().numpy()), self.count[l].cpu().numpy()
+
+    def finish(self, ctx=None) -> dict:
+        import pyarrow as pa
+
+        dims = np.asarray(self.dims if self.dims is not None else np.arange(self.n), np.int32)
+        parts = []
+        for l in self.layers:
+            mass, cnt = self.masses(l)
+            total = mass.sum(0)
+            none = total <= 0
+            cols = {"layer": pa.array(np.full(self.n, l, np.int16)), "dim": pa.array(dims),
+                    "tokens": pa.array(np.full(self.n, self.tokens, np.int64))}
+            for r, name in enumerate(REGIMES):
+                cols[f"tokens_{name}"] = pa.array(cnt[r])
+            for r, name in enumerate(REGIMES):
+                cols[f"mass_{name}"] = pa.array(mass[r])
+            with np.errstate(invalid="ignore", divide="ignore"):
+                for r, name in enumerate(REGIMES):
+                    cols[f"share_{name}"] = pa.array(mass[r] / np.where(none, 1.0, total), mask=none)
+            parts.append(pa.table(cols))
+        return {TABLE: pa.concat_tables(parts)}
