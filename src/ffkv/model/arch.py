@@ -554,7 +554,7 @@ class MoE(Architecture):
                             "supported: every layer must have the same memories")
 
     def gate_refusal(self) -> str | None:
-        return "is a mixture of experts: its gate pre-activations are not read yet"
+        return "is a mixture of experts: sign regimes are not supported for one yet"
 
     # ---- the experts' layout -----------------------------------------------------------------
     def experts(self, blk):

@@ -358,6 +358,16 @@ def key_covariance(run, layer: int) -> tuple[np.ndarray, np.ndarray, int]:
     return t.column("mean").to_numpy().astype(np.float64), C, int(t.column("tokens")[0].as_py()) if n else 0
 
 
+def sign_regimes(run, layer: int | None = None) -> pa.Table:
+    """The `sign_regimes` table (`ffkv mine --regimes`; columns: `ffkv.mine.regimes`), of one layer
+    or all, sorted by layer and dim; one line naming the command that makes it when the run has none."""
+    if not run.has_table("sign_regimes"):
+        raise FfkvError(f"the run {run.path} has no sign regimes; they come from `ffkv mine ... --regimes` "
+                        "(a run keeps its mine settings: into a new --out, or --overwrite this one)")
+    t = table(run, "sign_regimes", filters=None if layer is None else [("layer", "=", int(layer))])
+    return t.sort_by([("layer", "ascending"), ("dim", "ascending")])
+
+
 def key_stats_by_layer(run) -> pa.Table | None:
     """Per layer and sign over its keys: keys, the mean, quartiles and max of frac_active, the mean
     frac_strong, and the share of keys whose best sits on the first token in over half of the

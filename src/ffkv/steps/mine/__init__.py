@@ -6,7 +6,8 @@ place in `reproduce`, the command that rebuilds it, its summary and its report s
 by "module:attr" and imported only when the step runs, so that `ffkv --help` loads no torch.
 
 Tables: `sentences`, `triggers`, `vocab` always; `key_stats`, `key_hist`, `key_samples` unless
---no-stats (columns: DEVELOPING.md and `ffkv.mine.stats`).
+--no-stats (columns: DEVELOPING.md and `ffkv.mine.stats`); `key_covariance` with --covariance
+(`ffkv.mine.covariance`); `sign_regimes` with --regimes (`ffkv.mine.regimes`).
 """
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ class MineSettings:
                                                  "tokens is kept too (table key_covariance; the preconditioner of "
                                                  "`ffkv facts edit`), e.g. 8 or 6-10; 24·d_m² bytes of state a "
                                                  "layer. Needs every dim mined.", parse=_cov_layers)
+    regimes: bool = setting(False, "Also sum each memory's activation mass Σ|m| and its tokens in the four sign "
+                                   "regimes of a gated FFN, (gate, input) = (+,+), (+,−), (−,+), (−,−) (table "
+                                   "sign_regimes). Gated dense FFNs only; the pass runs the eager forward.")
     samples_per_bin: int = setting(5, "Quantile samples kept per key, sign and histogram bin.",
                                    check=between(0, 1000))
     checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
@@ -130,7 +134,8 @@ class MineSettings:
     # the field existed has the same record as the same command typed today: it resumes, or is
     # skipped when done, instead of being refused as "other settings". Whether such a run has
     # the stats tables is told by the step's info (`stats` in the manifest), not by the record.
-    ADDED = {"stats": True, "samples_per_bin": 5, "context": CORPUS_CONTEXT, "covariance": None}
+    ADDED = {"stats": True, "samples_per_bin": 5, "context": CORPUS_CONTEXT, "covariance": None,
+             "regimes": False}
 
     def record(self) -> dict:
         """The settings that decide the tables (the recorded fields). `batch_tokens` is not among
@@ -168,6 +173,12 @@ def fit(s: MineSettings, mm) -> None:
                             "the second moment comes from the layers this pass mines")
         if s.dims is not None:
             raise FfkvError("--covariance needs every dim of its layers: leave out --dims")
+    if s.regimes:
+        from ffkv.mine.regimes import refusal
+
+        why = refusal(mm, s.layers)
+        if why:
+            raise FfkvError(f"--regimes: {why}")
 
 
 @dataclass(frozen=True)
@@ -182,10 +193,12 @@ TRACKERS = (
     TrackerSpec("topk", ("triggers",), lambda s: True),
     TrackerSpec("stats", ("key_stats", "key_hist", "key_samples"), lambda s: s.stats),
     TrackerSpec("covariance", ("key_covariance",), lambda s: bool(s.covariance)),
+    TrackerSpec("regimes", ("sign_regimes",), lambda s: bool(s.regimes)),
 )
 TABLES = ("sentences", "triggers", "vocab")  # always written: the topk tracker's and the corpus
 STATS_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "stats")
 COVARIANCE_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "covariance")
+REGIMES_TABLES = next(spec.tables for spec in TRACKERS if spec.name == "regimes")
 
 
 def _lens(v):
@@ -235,7 +248,8 @@ def record(run, s: MineSettings) -> dict:
 def done_info(run, st: dict) -> bool:
     """Done also needs the tables of the optional trackers that the step says it wrote."""
     tables = [*((st.get("stats") or {}).get("tables", STATS_TABLES) if st.get("stats") else ()),
-              *((st.get("covariance") or {}).get("tables", ()))]
+              *((st.get("covariance") or {}).get("tables", ())),
+              *((st.get("regimes") or {}).get("tables", ()))]
     return all(run.table_problem(t) is None for t in tables)
 
 
@@ -294,7 +308,7 @@ def reproduce(r, mm) -> MineSettings:
 HELP = ("Find each key's top-t trigger prefixes in a corpus (the paper's §3.1).\n\n"
         "One forward pass per batch yields every prefix's coefficient (causal masking). "
         "Resumable: rerun the same command after a crash. Tables: sentences, triggers, vocab, and "
-        "(unless --no-stats) key_stats, key_hist, key_samples; with --covariance, key_covariance. --out must be a new or empty folder, "
+        "(unless --no-stats) key_stats, key_hist, key_samples; with --covariance, key_covariance; with --regimes, sign_regimes. --out must be a new or empty folder, "
         "or a run of this model.\n\n"
         "Faster paths, the same tables: --pack (FFKV_PACK), --fused-kernels (FFKV_TRITON) and --compile "
         "(FFKV_COMPILE); a flag wins over its variable. On CUDA, packing and the fused kernels default "
@@ -311,5 +325,6 @@ STEP = Step(name="mine", settings=MineSettings, requires=(), tables=TABLES,
             rebuild=rebuild, sections=lazy("ffkv.steps.mine.report:sections"),
             report_before_done=True)
 
-__all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "COVARIANCE_TABLES", "TRACKERS", "check_batch_tokens",
+__all__ = ["MineSettings", "MineCommand", "STEP", "TABLES", "STATS_TABLES", "COVARIANCE_TABLES", "REGIMES_TABLES",
+           "TRACKERS", "check_batch_tokens",
            "fit"]

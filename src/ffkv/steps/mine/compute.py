@@ -19,7 +19,7 @@ from ffkv.mine.engine import (FlatTokens, checkpoint_batch_tokens, group_for, la
                               mine_batches, new_state, save_checkpoint, save_npz)
 from ffkv.model import identity
 from ffkv.steps.lifecycle import execute
-from ffkv.steps.mine import COVARIANCE_TABLES, STATS_TABLES, MineSettings, check_batch_tokens, fit
+from ffkv.steps.mine import COVARIANCE_TABLES, REGIMES_TABLES, STATS_TABLES, MineSettings, check_batch_tokens, fit
 
 CKPT = ".mine_checkpoint.npz"
 
@@ -249,10 +249,12 @@ def compute(ctx) -> dict:
 
 def switched(s: MineSettings):
     """--pack, --fused-kernels and --compile over their environment variables while the pass runs,
-    in this thread (`ffkv.mine.switches`; Ray's actors get them in their environment)."""
+    in this thread (`ffkv.mine.switches`; Ray's actors get them in their environment). With
+    --regimes the forward stays eager (the compiled blocks tap m only: `ffkv.mine.regimes`)."""
     from ffkv.mine import switches
 
-    return switches.over({"FFKV_PACK": s.pack, "FFKV_TRITON": s.fused_kernels, "FFKV_COMPILE": s.compile_blocks})
+    return switches.over({"FFKV_PACK": s.pack, "FFKV_TRITON": s.fused_kernels,
+                          "FFKV_COMPILE": "0" if getattr(s, "regimes", False) else s.compile_blocks})
 
 
 def _compute(ctx) -> dict:
@@ -317,6 +319,10 @@ def _compute(ctx) -> dict:
         info["stats"] = None
     if "covariance" in state.trackers:
         info["covariance"] = {"layers": state.trackers["covariance"].cov, "tables": list(COVARIANCE_TABLES)}
+    if "regimes" in state.trackers:
+        from ffkv.mine.regimes import REGIMES
+
+        info["regimes"] = {"regimes": dict(REGIMES), "tables": list(REGIMES_TABLES)}
     return info
 
 
