@@ -137,3 +137,41 @@ def test_refusals_are_one_line(run, mm, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(FfkvError, match="not empty"):
         export(mm, Edit("rome", {}), tmp_path / "full")
+
+
+def test_rome_factors_of_a_singular_covariance_use_its_pseudo_inverse():
+    """A dead memory's zero row makes C singular: Cholesky fails and C⁺k̄ is taken, as numpy's pinv."""
+    g = np.random.default_rng(1)
+    A = g.normal(size=(40, 12))
+    A[:, 3] = 0
+    C = A.T @ A / 40
+    kbar, k0, vstar, y0 = g.normal(size=12), g.normal(size=12), g.normal(size=5), g.normal(size=5)
+    u, _ = rome_factors(C, kbar, k0, vstar, y0)
+    left = np.linalg.pinv(C, hermitian=True) @ kbar
+    np.testing.assert_allclose(u, left / np.linalg.norm(left), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "gpt_neox"])
+def test_the_target_from_the_cached_lower_blocks_is_the_full_forwards(tiny_dirs, name):
+    """v* found running only the blocks from the edited one on (their input recorded in the first
+    step) equals v* found running every block at every step."""
+    from ffkv.model.memories import open_model
+    from ffkv.steps.facts import edit as E
+
+    m = open_model(str(tiny_dirs[name]), device="cpu")
+    tpl = ["{}", "Once upon a time. {}"]
+    calls = []
+    real = E._from_block
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    E._from_block = counted
+    try:
+        cached, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0})
+    finally:
+        E._from_block = real
+    full, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0, "cache_below": False})
+    assert len(calls) >= 5  # the check, then every later step
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)

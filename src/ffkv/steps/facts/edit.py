@@ -242,10 +242,21 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
     # model takes it: the rest of the vocabulary product is a sixth of a step's work for SmolLM2
     keep = ({"logits_to_keep": want[:, None].to(mm.device)}
             if "logits_to_keep" in inspect.signature(mm.hf.forward).parameters else {})
+    # The blocks below `site` do not see δ: their output, the input of block `site`, is recorded in
+    # the first step and fed to the blocks from `site` on in the others (`_from_block`), once one
+    # forward that way has given the first step's logits again (else every step runs them all).
+    below = {}
+
+    def forward(upper: bool):
+        run = _from_block(mm, site, below["h"]) if upper else _input_of(mm, site, below)
+        with run:
+            return mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False,
+                         **keep).logits
+
+    upper = False
     for it in range(hp["steps"]):
         with torch.enable_grad(), add(delta, last, list(ids.shape)):
-            logits = mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False,
-                           **keep).logits
+            logits = forward(upper)
             lp = torch.log_softmax((logits[:, 0] if keep else logits[rows, want]).float(), -1)
             kl_lp = lp[n:]
             if kl0 is None:
@@ -258,12 +269,58 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
             # δ's gradient alone: no weight gradients (the weights require grad in a loaded HF model,
             # and backward() would compute and keep them all, about half the step's work)
             (delta.grad,) = torch.autograd.grad(loss, [delta])
+        if it == 0 and "h" in below and hp.get("cache_below", True):
+            with torch.no_grad(), add(delta, last, list(ids.shape)):
+                again = forward(True)
+            upper = bool(torch.allclose(again.float(), logits.detach().float(), rtol=1e-4, atol=1e-4))
         opt.step()
         with torch.no_grad():
             cap = hp["clamp"] * init.norm()
             if delta.norm() > cap:
                 delta.mul_(cap / delta.norm())
     return delta.detach()
+
+
+def _blocks_list(mm):
+    """(the module holding the decoder blocks' list, its attribute name)."""
+    from ffkv.model.arch import get_path
+
+    parent, _, attr = mm.arch.layers.rpartition(".")
+    return (get_path(mm.hf, parent) if parent else mm.hf), attr
+
+
+@contextmanager
+def _input_of(mm, layer: int, into: dict):
+    """Within the block, each forward records block `layer`'s input hidden states in into["h"]."""
+    def pre(mod, args, kwargs):
+        into["h"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+    h = mm.blocks[layer].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+@contextmanager
+def _from_block(mm, layer: int, hidden: torch.Tensor):
+    """Within the block, the model runs only its blocks from `layer` on, that block's input replaced
+    by `hidden` (the embeddings are still computed, and thrown away there)."""
+    parent, attr = _blocks_list(mm)
+    full = getattr(parent, attr)
+
+    def pre(mod, args, kwargs):
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    h = mm.blocks[layer].register_forward_pre_hook(pre, with_kwargs=True)
+    setattr(parent, attr, torch.nn.ModuleList(list(full)[layer:]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, full)
+        h.remove()
 
 
 def _added_at(delta: torch.Tensor, last: torch.Tensor):
@@ -300,6 +357,17 @@ def _inv(C: torch.Tensor) -> torch.Tensor:
     return torch.linalg.pinv(C, hermitian=True)
 
 
+def _solve(C: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """C⁻¹k by Cholesky (a twentieth of an eigendecomposition's work), or through the
+    pseudo-inverse where C is not positive definite (a dead memory's zero row)."""
+    L, info = torch.linalg.cholesky_ex(C)
+    if int(info) == 0:
+        x = torch.cholesky_solve(k.reshape(-1, 1), L).reshape(-1)
+        if torch.isfinite(x).all() and torch.allclose(C @ x, k, rtol=1e-6, atol=1e-9 * float(k.abs().max())):
+            return x
+    return _inv(C) @ k
+
+
 def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: dict | None = None,
          target=None) -> Edit:
     """ROME's rank-one edit of one fact at `layer`, preconditioned by C = E[m mᵀ] of that layer.
@@ -318,7 +386,7 @@ def rome(mm, layer: int, req: Request, C: np.ndarray, templates: list[str], hp: 
 
 def rome_factors(C, kbar, k0, vstar, y0) -> tuple[np.ndarray, np.ndarray]:
     """ROME's closed form: u = C⁻¹k̄/‖C⁻¹k̄‖, r = (v* − y₀)/(u·k₀), ΔV = u rᵀ."""
-    left = _inv(torch.tensor(np.asarray(C), dtype=torch.float64)) @ torch.as_tensor(kbar, dtype=torch.float64)
+    left = _solve(torch.tensor(np.asarray(C), dtype=torch.float64), torch.as_tensor(kbar, dtype=torch.float64))
     u = left / left.norm()
     r = (torch.as_tensor(vstar, dtype=torch.float64) - torch.as_tensor(y0, dtype=torch.float64)) / \
         (u @ torch.as_tensor(k0, dtype=torch.float64))
