@@ -85,24 +85,40 @@ def _compile():
     if _kernel is None:
         from numba import njit, prange
 
-        @njit(parallel=True, cache=True, nogil=True)
+        @njit(parallel=True, cache=True, nogil=True, fastmath=False)
         def regimes(m, off, g, valid, mass, count):  # pragma: no cover
             B, T, W = g.shape
             for blk in prange((W + KEYS - 1) // KEYS):
                 k0 = blk * KEYS
                 w = min(W, k0 + KEYS) - k0
+                a = np.zeros((4, KEYS), np.float64)
+                c = np.zeros((4, KEYS), np.int32)
                 for b in range(B):
                     for t in range(T):
                         if not valid[b, t]:
                             continue
+                        # branch-free, so that the loop over keys vectorises: gate + and m > 0 is
+                        # input + (pp), m < 0 input − (pn); gate − and m < 0 is input + (np)
                         for j in range(w):
-                            v = m[b, t, off + k0 + j]
-                            if v == 0:
-                                continue
+                            v = np.float64(m[b, t, off + k0 + j])
                             gp = g[b, t, k0 + j] > 0
-                            r = (0 if gp else 2) + (0 if (v > 0) == gp else 1)
-                            mass[r, k0 + j] += abs(np.float64(v))
-                            count[r, k0 + j] += 1
+                            pos = max(v, 0.0)
+                            neg = max(-v, 0.0)
+                            gpos = pos if gp else 0.0
+                            gneg = neg if gp else 0.0
+                            a[0, j] += gpos
+                            a[1, j] += gneg
+                            a[2, j] += neg - gneg
+                            a[3, j] += pos - gpos
+                            ip, ineg, ig = np.int32(v > 0), np.int32(v < 0), np.int32(gp)
+                            c[0, j] += ip * ig
+                            c[1, j] += ineg * ig
+                            c[2, j] += ineg - ineg * ig
+                            c[3, j] += ip - ip * ig
+                for r in range(4):
+                    for j in range(w):
+                        mass[r, k0 + j] += a[r, j]
+                        count[r, k0 + j] += c[r, j]
 
         _kernel = regimes
     return _kernel
