@@ -1,6 +1,7 @@
 """Benchmark of the facts tools on SmolLM2 (issue 47's targets), each as a ratio measured in one run:
 
-    .venv/bin/python benchmarks/bench_facts.py [--sentences 60] [--layers 7] [--skip-mine]
+    .venv/bin/python benchmarks/bench_facts.py [--sentences 60] [--layers 7] [--rounds 2] [--skip-trace]
+    .venv/bin/python benchmarks/bench_facts.py --only edit --run RUN [--layers 7] [--rounds 2]
 
 1. The covariance tracker: `ffkv mine` of the same sentences with and without `--covariance LAYERS`,
    side by side (alternating, best of `--rounds`); goal: ≤ 1.10× (≤ 10% of mining time).
@@ -54,25 +55,47 @@ def covariance_cost(tmp: Path, sentences: int, layers: str, rounds: int) -> Path
     return keep
 
 
-def rome_time(run_dir: Path, layer: int) -> None:
+def rome_time(run_dir: Path, layer: int, rounds: int = 1):
+    """One ROME edit timed whole, side by side with the same edit whose target runs every block at
+    every step (`cache_below` off: the path before the lower blocks' output was reused), alternating,
+    best of `rounds`; and the parts of the faster one (the key, the target, the closed form)."""
     from limit import machine_line
 
+    import numpy as np
+
     from ffkv.model import identity
-    from ffkv.steps.facts.edit import Request, prefixes_from, rome
+    from ffkv.steps.facts import edit as E
     from ffkv.store import query
     from ffkv.store.run import Run
 
     run = Run(run_dir)
     mm = identity.open_model(run, device="cpu")
     _, C, _ = query.key_covariance(run, layer)
-    req = Request("{} is located in the city of", "The Eiffel Tower", " Rome", " Paris")
-    templates = prefixes_from(run, mm.tok)
-    rome(mm, layer, req, C, templates[:2], {"steps": 1})  # warm: first-call allocations
+    req = E.Request("{} is located in the city of", "The Eiffel Tower", " Rome", " Paris")
+    templates = E.prefixes_from(run, mm.tok)
+    E.rome(mm, layer, req, C, templates[:2], {"steps": 1})  # warm: first-call allocations
+    best = {"every block": float("inf"), "cached below": float("inf")}
+    edits = {}
+    for _ in range(rounds):
+        for name, hp in (("every block", {"cache_below": False}), ("cached below", {})):
+            t0 = time.time()
+            edits[name] = E.rome(mm, layer, req, C, templates, hp)
+            best[name] = min(best[name], time.time() - t0)
+    a, b = (edits[k].delta(layer).numpy() for k in best)
+    diff = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
     t0 = time.time()
-    e = rome(mm, layer, req, C, templates)
-    s = time.time() - t0
-    out(f"[2] one ROME edit of SmolLM2 at layer {layer} (C of {mm.d_m}², {len(templates)} prefixes, 20 steps): "
-        f"{s:.1f} s -> {s / 10:.2f}x the 10 s goal (rank {e.rank(layer)}); {machine_line()}")
+    kbar = E.keys_at(mm, layer, [E.fill(t, req.text) for t in templates], req.subject).mean(0)
+    t1 = time.time()
+    vstar, k0, y0 = E.target_output(mm, layer, req, templates)
+    t2 = time.time()
+    E.rome_factors(np.asarray(C), kbar, k0, vstar, y0)
+    t3 = time.time()
+    s0, s1 = best["every block"], best["cached below"]
+    out(f"[2] one ROME edit of SmolLM2 at layer {layer} (C of {mm.d_m}², {len(templates)} prefixes, 20 steps), "
+        f"best of {rounds}, alternating: {s0:.1f} s with every block at every step, {s1:.1f} s with the blocks "
+        f"below reused ({s0 / s1:.2f}x faster; ΔV's largest relative difference {diff:.1e}) -> {s1 / 10:.2f}x "
+        f"the 10 s goal (rank {edits['cached below'].rank(layer)}); parts: key {t1 - t0:.1f} s, target "
+        f"{t2 - t1:.1f} s, closed form {t3 - t2:.2f} s; {machine_line()}")
     return mm
 
 
@@ -108,12 +131,28 @@ def main() -> None:
     ap.add_argument("--layers", default="7", help="--covariance layers of the mining comparison")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-trace", action="store_true")
+    ap.add_argument("--only", choices=("mine", "edit", "trace"),
+                    help="run only this part; edit and trace need --run (a mined run with the layer's covariance)")
+    ap.add_argument("--run", type=Path, help="an existing run to edit and trace in, instead of the one mined here")
     a = ap.parse_args()
+    if a.only in ("edit", "trace") and not a.run:
+        ap.error(f"--only {a.only} needs --run")
+    layer = int(a.layers.split(",")[0].split("-")[0])
     tmp = Path(tempfile.mkdtemp(prefix="bench_facts_"))
     try:
-        run_dir = covariance_cost(tmp, a.sentences, a.layers, a.rounds)
-        mm = rome_time(run_dir, int(a.layers.split(",")[0].split("-")[0]))
-        if not a.skip_trace:
+        run_dir = a.run
+        if a.only == "mine" or (a.only is None and not a.run):
+            run_dir = covariance_cost(tmp, a.sentences, a.layers, a.rounds)
+            if a.only == "mine":
+                return
+        if a.only == "trace":
+            from ffkv.model import identity
+            from ffkv.store.run import Run
+
+            trace_ratio(identity.open_model(Run(run_dir), device="cpu"))
+            return
+        mm = rome_time(run_dir, layer, a.rounds)
+        if not a.skip_trace and a.only is None:
             trace_ratio(mm)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
