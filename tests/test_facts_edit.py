@@ -175,3 +175,28 @@ def test_the_target_from_the_cached_lower_blocks_is_the_full_forwards(tiny_dirs,
     full, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0, "cache_below": False})
     assert len(calls) >= 5  # the check, then every later step
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
+
+
+def test_memit_relative_lambda_is_free_of_the_keys_scale():
+    """λ = λ_rel · mean kᵀC⁻¹k: scaling the keys by s (C by s²) gives the same λ and the same update
+    at the keys (U scales by 1/s, UᵀK not at all); a lone key gets 1/(1 + λ_rel) of its share; an
+    absolute λ is taken as given."""
+    from ffkv.steps.facts.edit import memit_factors
+
+    g = np.random.default_rng(2)
+    A = g.normal(size=(200, 16))
+    C = A.T @ A / 200
+    K = g.normal(size=(16, 3))
+    U, lam = memit_factors(C, K, lam_rel=0.5)
+    for s in (1e-3, 7.0, 1e4):
+        Us, lams = memit_factors(C * s * s, K * s, lam_rel=0.5)
+        assert lams == pytest.approx(lam, rel=1e-9)
+        np.testing.assert_allclose(Us.numpy() * s, U.numpy(), rtol=1e-7)
+        np.testing.assert_allclose(Us.numpy().T @ (K * s), U.numpy().T @ K, rtol=1e-7, atol=1e-12)
+    k = K[:, :1]
+    U1, lam1 = memit_factors(C, k, lam_rel=0.5)
+    assert float(U1.numpy()[:, 0] @ k[:, 0]) == pytest.approx(1 / 1.5, rel=1e-9)
+    assert lam1 == pytest.approx(0.5 * k[:, 0] @ np.linalg.solve(C, k[:, 0]), rel=1e-9)
+    U2, lam2 = memit_factors(C, K, lam=15000.0)
+    assert lam2 == 15000.0
+    np.testing.assert_allclose((15000.0 * C + K @ K.T) @ U2.numpy(), K, rtol=1e-6, atol=1e-9)

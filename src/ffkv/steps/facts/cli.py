@@ -120,6 +120,12 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
          layer: int = typer.Option(..., "--layer", help="The layer edited (MEMIT: the last of its range)."),
          span: int = typer.Option(5, "--span", min=1, max=64, help="MEMIT's layers."),
          top: int = typer.Option(10, "--top", min=1, help="values: memories rewritten."),
+         lam: Optional[float] = typer.Option(None, "--lambda", help="memit: C's weight λ, absolute (MEMIT's "
+                                             "published 15000 for GPT-J). Default: relative, λ = λ_rel · mean "
+                                             "kᵀC⁻¹k of the edited keys (--lambda-rel)."),
+         lam_rel: float = typer.Option(15000.0 / 16384, "--lambda-rel", min=0.0, help="memit: λ relative to the "
+                                       "edited keys' C-whitened squared norm (a lone fact gets 1/(1+λ_rel) of its "
+                                       "share at each layer; MEMIT's 15000 on GPT-J's typical keys)."),
          steps: int = typer.Option(20, "--steps", min=1, max=1000, help="Adam steps of the target (ROME: 20)."),
          prefixes: int = typer.Option(10, "--prefixes", min=0, max=100, help="Context prefixes from the run's sentences."),
          tokens: int = typer.Option(30, "--tokens", min=0, max=1000, help="Greedy tokens shown before and after."),
@@ -159,7 +165,8 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
     if method == "rome":
         e = E.rome(mm, layer, req, query.key_covariance(run, layer)[1], templates, hp)
     elif method == "memit":
-        e = E.memit(mm, layers, [req], {l: query.key_covariance(run, l)[1] for l in layers}, templates, hp)
+        e = E.memit(mm, layers, [req], {l: query.key_covariance(run, l)[1] for l in layers}, templates, hp,
+                   lam=lam, lam_rel=lam_rel)
     else:
         e = E.values_edit(mm, layer, req, templates, top=top, hp=hp)
     where = run.path / "edits" / name

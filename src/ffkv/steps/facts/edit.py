@@ -15,7 +15,10 @@ change ΔV adds (U Rᵀ)ᵀ m = R (Uᵀ m) to y wherever the keys m point along 
   the edited output at k₀ is exactly v*. C = E[m mᵀ] from `ffkv mine --covariance`.
 - **MEMIT** (Meng et al. 2023): the target is the residual stream after the last layer of the range
   (`target_hidden`); each layer l of the range in turn takes its share of what is still missing,
-  ΔV_l = K (λC + Kᵀ K)⁻¹... in closed form per layer (`memit`), a batch of facts at once.
+  ΔV_l = (λC + K Kᵀ)⁻¹ K Rᵀ in closed form per layer (`memit`), a batch of facts at once. λ is
+  relative by default (`memit_factors`): λ = λ_rel · mean_i k_iᵀC⁻¹k_i, so that one fact's key gets
+  the share 1/(1 + λ_rel) of what it asks of a layer whatever the keys' scale and C's size;
+  `lam=` (`--lambda`) gives an absolute λ instead (MEMIT's published 15000 for GPT-J).
 - **values**: the located memories of one layer alone (the top k at the subject's last token by a
   `locate` method): Δv_i = m_i(k₀)·(v* − y₀)/Σ_j m_j(k₀)² for i among them, the least change to
   those values that gives v* at k₀. No covariance: what it disturbs elsewhere is what their keys
@@ -42,7 +45,12 @@ METHODS = ("rome", "memit", "values")
 # clamp of ‖δ‖ at this many times ‖y₀‖, and prefixes (ROME: 10 of 5 and 10 of 10 tokens)
 ROME_HP = dict(steps=20, lr=0.5, kl_factor=0.0625, weight_decay=0.5, clamp=4.0)
 PREFIXES, PREFIX_TOKENS = 10, 10
-MEMIT_LAMBDA = 15000.0  # MEMIT's mom2_update_weight: C's weight against the edited keys
+MEMIT_LAMBDA = 15000.0  # MEMIT's mom2_update_weight: C's weight against the edited keys (absolute, GPT-J)
+# The default, scale- and size-free: λ = λ_rel · mean_i k_iᵀC⁻¹k_i (`memit_factors`). A key drawn from C's
+# own distribution has E[kᵀC⁻¹k] = tr(C⁻¹C) = d_m, so MEMIT's 15000 on GPT-J (d_m 16384) is λ_rel ≈ 0.92
+# for such keys; the same absolute 15000 on SmolLM2 (d_m 1536) would be λ_rel ≈ 10.
+GPTJ_D_M = 16384
+MEMIT_LAMBDA_REL = MEMIT_LAMBDA / GPTJ_D_M
 
 
 @dataclass
@@ -455,12 +463,30 @@ def target_hidden(mm, layer: int, req: Request, templates: list[str], hp: dict |
     return h0 + _optimize(mm, req, templates, layer, add, hp, h0)
 
 
+def memit_factors(C, K, lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_REL):
+    """(U (d_m, n), λ): MEMIT's left factor U = (λC + K Kᵀ)⁻¹ K of one layer, K the facts' keys
+    (d_m, n), C = E[m mᵀ]. λ is `lam` when given (absolute, as MEMIT's mom2_update_weight), else
+    λ_rel · q̄ with q̄ = mean_i k_iᵀC⁻¹k_i, the edited keys' mean squared norm whitened by C. By
+    Sherman-Morrison a lone fact's update gives Uᵀk = q/(λ + q) of its share at its key, i.e.
+    1/(1 + λ_rel): λ_rel is what C weighs against an edited key, in units of that key, and neither
+    the keys' scale (C → s²C, K → sK leaves q̄ and UᵀK as they are) nor d_m changes its meaning."""
+    C = torch.as_tensor(np.asarray(C), dtype=torch.float64)
+    K = torch.as_tensor(K, dtype=torch.float64)
+    if lam is None:
+        q = torch.stack([K[:, i] @ _solve(C, K[:, i]) for i in range(K.shape[1])])
+        lam = float(lam_rel) * float(q.mean())
+    U = torch.linalg.solve(float(lam) * C + K @ K.T, K)
+    return U, float(lam)
+
+
 def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp: dict | None = None,
-          lam: float = MEMIT_LAMBDA) -> Edit:
+          lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_REL) -> Edit:
     """MEMIT's batch edit over `layers` (a range, e.g. 4-8): the targets z at the last of them, then
     layer by layer ΔV_l = (λC_l + K Kᵀ)⁻¹ K Rᵀ, K the facts' keys (d_m, n) averaged over the
     templates, R = (z − h_L)/(layers left) what the residual still lacks, h_L read with the
-    layers before already edited. C_l = E[m mᵀ] of each layer (`covs`)."""
+    layers before already edited. C_l = E[m mᵀ] of each layer (`covs`). λ: `lam` absolute when
+    given (MEMIT's published MEMIT_LAMBDA = 15000), else relative, λ_rel · mean k_iᵀC_l⁻¹k_i per
+    layer (`memit_factors`); each layer's λ is recorded in the settings."""
     _refuse_moe(mm)
     layers = sorted({check_layer(mm, l) for l in layers})
     if not reqs:
@@ -468,10 +494,14 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
     missing = [l for l in layers if l not in covs]
     if missing:
         raise FfkvError(f"facts edit --method memit: no key covariance of layer {missing[0]}")
+    if lam is not None and not float(lam) > 0:
+        raise FfkvError(f"MEMIT's --lambda {lam}: give a positive number")
     top = layers[-1]
     Z = torch.stack([target_hidden(mm, top, r, templates, hp) for r in reqs]).double()  # (n, d)
+    rule = ({"lambda": float(lam), "lambda_rule": "absolute"} if lam is not None else
+            {"lambda_rel": float(lam_rel), "lambda_rule": "relative: lambda = lambda_rel * mean_i k_i' C^-1 k_i"})
     edit = Edit("memit", {}, [r.as_dict() for r in reqs],
-                {**ROME_HP, **(hp or {}), "lambda": lam, "layers": layers, "templates": templates},
+                {**ROME_HP, **(hp or {}), **rule, "lambda_by_layer": {}, "layers": layers, "templates": templates},
                 {top: Z.float().numpy()})
     for i, l in enumerate(layers):
         with applied(mm, edit):
@@ -479,7 +509,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
                              for r in reqs]).double().T  # (d_m, n)
             H = torch.stack([hidden_at(mm, top, r.text, r.subject) for r in reqs]).double()  # (n, d)
         R = (Z - H) / (len(layers) - i)  # (n, d)
-        A = lam * torch.tensor(np.asarray(covs[l]), dtype=torch.float64) + K @ K.T
-        U = torch.linalg.solve(A, K)  # (d_m, n)
+        U, lam_l = memit_factors(covs[l], K, lam, lam_rel)
+        edit.settings["lambda_by_layer"][str(l)] = lam_l
         edit.factors[l] = (U.float().numpy(), R.T.float().numpy())
     return edit
