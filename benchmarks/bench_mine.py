@@ -3,6 +3,7 @@
     python benchmarks/bench_mine.py                 # all three, default sizes
     python benchmarks/bench_mine.py --only memory --memory-base 1000   # 1,000 vs 10,000 sentences
     python benchmarks/bench_mine.py --only memory --memory-base 1000 --memory-layers 0-1   # the host side
+    python benchmarks/bench_mine.py --only regimes --sentences 200   # mine with and without --regimes
 
 Throughput: the same length-packed batches go through (a) a plain transformers forward
 with logits, (b) ffkv's mining pass without key statistics (captures of all 46,080
@@ -93,6 +94,53 @@ def throughput(n: int, batch_tokens: int) -> dict:
     return res
 
 
+def regimes(n: int, batch_tokens: int, rounds: int = 2) -> dict:
+    """`ffkv mine` as it runs by default (key statistics) with and without --regimes
+    (`ffkv.mine.regimes`: the gate's pre-activations captured beside m, four masses and counts per
+    memory), the same batches side by side, the order alternated batch by batch and round by
+    round; the first batch of each arm once untimed (numba compiles). Issue 46's target: the
+    added tracker costs <= 5% of mining time (ratio <= 1.05)."""
+    from ffkv.corpus.batching import pack
+    from ffkv.mine.engine import mine_batches, new_state
+    from ffkv.model.onednn import products_of
+    from ffkv.steps.mine import MineSettings
+
+    mm = load_default()
+    toks = wikitext_token_lists(mm, n)
+    batches = pack([len(t) for t in toks], batch_tokens)
+    sids = list(range(len(toks)))
+    ntok = sum(map(len, toks))
+    arms = {"mine": MineSettings(top_k=50), "mine --regimes": MineSettings(top_k=50, regimes=True)}
+    states = {k: new_state(mm, s) for k, s in arms.items()}
+    secs = {k: 0.0 for k in arms}
+    pairs = []  # each batch's time with --regimes over its time without, in one round
+    with products_of(mm):
+        for k, st in states.items():  # warm-up, untimed
+            mine_batches(mm, st, toks, sids, [(0, batches[0])])
+        states = {k: new_state(mm, s) for k, s in arms.items()}
+        for r in range(rounds):
+            for bi, idx in enumerate(batches):
+                order = list(arms) if (bi + r) % 2 == 0 else list(arms)[::-1]
+                took = {}
+                for k in order:
+                    t0 = time.perf_counter()
+                    mine_batches(mm, states[k], toks, sids, [(bi, idx)])
+                    took[k] = time.perf_counter() - t0
+                    secs[k] += took[k]
+                pairs.append(took["mine --regimes"] / took["mine"])
+    ratio = secs["mine --regimes"] / secs["mine"]
+    median = sorted(pairs)[len(pairs) // 2] if len(pairs) % 2 else sum(sorted(pairs)[len(pairs) // 2 - 1:][:2]) / 2
+    res = {"sentences": len(toks), "tokens": ntok, "rounds": rounds, "batches": len(batches),
+           "mine_s": secs["mine"], "regimes_s": secs["mine --regimes"], "ratio": ratio,
+           "median_pair_ratio": median, "pair_ratios": pairs,
+           "mine_tok_s": rounds * ntok / secs["mine"], "regimes_tok_s": rounds * ntok / secs["mine --regimes"]}
+    out(f"regimes: mine {res['mine_tok_s']:.0f} tok/s, mine --regimes {res['regimes_tok_s']:.0f} tok/s "
+        f"-> {ratio:.3f}x the time ({100 * (ratio - 1):+.1f}%; goal <= 1.05x; median over batch pairs "
+        f"{median:.3f}x, range {min(pairs):.3f}-{max(pairs):.3f}), {ntok} tokens x {rounds} rounds, "
+        f"{len(batches)} batches of <= {batch_tokens} tokens, interleaved")
+    return res
+
+
 def _mine_subprocess(n: int, tmp: str, layers: str | None = None) -> tuple[float, float]:
     extra = ["--layers", layers] if layers else []
     code = (
@@ -138,13 +186,14 @@ def scale(n: int) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["throughput", "memory", "scale"])
+    ap.add_argument("--only", choices=["throughput", "memory", "scale", "regimes"])
     ap.add_argument("--sentences", type=int, default=1000, help="throughput sentences")
     ap.add_argument("--memory-base", type=int, default=100, help="N for the N vs 10N memory check")
     ap.add_argument("--memory-layers", default=None, help="layers mined in the memory check (e.g. 0-1; "
                                                           "default all)")
     ap.add_argument("--scale-sentences", type=int, default=1000)
     ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--regimes-rounds", type=int, default=2, help="rounds over the batches for --only regimes")
     a = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     if a.only in (None, "throughput"):
@@ -153,3 +202,5 @@ if __name__ == "__main__":
         memory(a.memory_base, a.memory_layers)
     if a.only in (None, "scale"):
         scale(a.scale_sentences)
+    if a.only == "regimes":  # not among the defaults: its own run, side by side (issue 46)
+        regimes(a.sentences, a.batch_tokens, a.regimes_rounds)
