@@ -200,3 +200,28 @@ def test_memit_relative_lambda_is_free_of_the_keys_scale():
     U2, lam2 = memit_factors(C, K, lam=15000.0)
     assert lam2 == 15000.0
     np.testing.assert_allclose((15000.0 * C + K @ K.T) @ U2.numpy(), K, rtol=1e-6, atol=1e-9)
+
+
+def test_a_zero_post_norm_gain_takes_no_change(tmp_path_factory, tok_dir):
+    """Gemma 3's post-FFN norm gain (1 + w) is 0 in some dims of real checkpoints: the values are 0
+    there, the raw change is 0 there (not inf), and the rest is delta / gain."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    mm = open_tiny("gemma3_text", FAMILIES["gemma3_text"].config, lambda: tmp_path_factory.mktemp("g3"), tok_dir,
+                   _BUILT)[1]
+    blk = mm.blocks[0]
+    norm = blk.post_feedforward_layernorm
+    w0 = norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.weight[3] = -1.0  # gain 1 + w = 0
+        delta = torch.randn(mm.d_m, mm.d)
+        raw = mm.arch.raw_values(blk, delta)
+        g = 1.0 + norm.weight.detach()
+        assert torch.isfinite(raw).all() and (raw[:, 3] == 0).all()
+        keep = torch.arange(mm.d) != 3
+        torch.testing.assert_close(raw[:, keep], delta[:, keep] / g[keep])
+        assert (mm.values(0)[:, 3] == 0).all()
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(w0)
