@@ -225,3 +225,26 @@ def test_a_zero_post_norm_gain_takes_no_change(tmp_path_factory, tok_dir):
     finally:
         with torch.no_grad():
             norm.weight.copy_(w0)
+
+
+def test_saving_over_an_edit_replaces_it_whole(tmp_path, monkeypatch):
+    """--name over an existing edit: the new one replaces it; a write that fails midway leaves the
+    old one as it was and no staged folder behind."""
+    a = Edit("rome", {1: (np.ones((4, 1), np.float32), np.ones((3, 1), np.float32))})
+    b = Edit("values", {2: (np.full((4, 1), 2, np.float32), np.full((3, 1), 2, np.float32))})
+    where = tmp_path / "edits" / "x"
+    a.save(where)
+    b.save(where)
+    back = Edit.load(where)
+    assert back.method == "values" and back.layers == [2] and np.array_equal(back.delta(2).numpy(), b.delta(2).numpy())
+    assert sorted(p.name for p in where.parent.iterdir()) == ["x"]
+
+    def broken(*args, **kw):
+        raise OSError("disk full midway")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError):
+        a.save(where)
+    back = Edit.load(where)
+    assert back.method == "values" and np.array_equal(back.delta(2).numpy(), b.delta(2).numpy())
+    assert sorted(p.name for p in where.parent.iterdir()) == ["x"]

@@ -170,11 +170,7 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
     else:
         e = E.values_edit(mm, layer, req, templates, top=top, hp=hp)
     where = run.path / "edits" / name
-    if where.exists():
-        import shutil
-
-        shutil.rmtree(where)
-    e.save(where)
+    e.save(where)  # an edit of that name is replaced whole, once the new one is written
     before = (float(-target_nll(mm, [text], new)[0]), greedy(mm, text, tokens) if tokens else "")
     with E.applied(mm, e):
         after = (float(-target_nll(mm, [text], new)[0]), greedy(mm, text, tokens) if tokens else "")

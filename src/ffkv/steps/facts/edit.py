@@ -76,20 +76,44 @@ class Edit:
         return int(torch.linalg.matrix_rank(torch.from_numpy(U).double() @ torch.from_numpy(R).double().T))
 
     def save(self, path: Path) -> None:
-        """Into `path` (a folder): factors.npz and edit.json, written whole or not at all."""
+        """Into `path` (a folder): factors.npz and edit.json, written whole or not at all. An edit
+        already there is replaced only once the new one is whole beside it (two renames: the old
+        aside, the new in), so a failed or killed write leaves the old edit, never half of either."""
+        import os
+        import shutil
+
         from ffkv.atomic import staged
 
-        with staged(Path(path)) as tmp:
-            tmp.mkdir(parents=True, exist_ok=True)
-            arrs = {}
-            for l, (U, R) in self.factors.items():
-                arrs[f"U_{l}"], arrs[f"R_{l}"] = U, R
-            for l, t in self.targets.items():
-                arrs[f"target_{l}"] = t
-            np.savez(tmp / "factors.npz", **arrs)
-            (tmp / "edit.json").write_text(json.dumps(
-                {"method": self.method, "layers": self.layers, "facts": self.facts, "settings": self.settings},
-                indent=2))
+        path = Path(path)
+        if not (path.is_dir() and any(path.iterdir())):
+            with staged(path) as tmp:
+                self._write(tmp)
+            return
+        new = path.with_name(f".{path.name}.new.tmp{os.getpid()}")
+        aside = path.with_name(f".{path.name}.old.tmp{os.getpid()}")
+        with staged(new) as tmp:
+            self._write(tmp)
+        try:
+            os.replace(path, aside)
+            os.replace(new, path)
+        except BaseException:
+            if aside.exists() and not path.exists():
+                os.replace(aside, path)
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _write(self, tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        arrs = {}
+        for l, (U, R) in self.factors.items():
+            arrs[f"U_{l}"], arrs[f"R_{l}"] = U, R
+        for l, t in self.targets.items():
+            arrs[f"target_{l}"] = t
+        np.savez(tmp / "factors.npz", **arrs)
+        (tmp / "edit.json").write_text(json.dumps(
+            {"method": self.method, "layers": self.layers, "facts": self.facts, "settings": self.settings},
+            indent=2))
 
     @classmethod
     def load(cls, path: Path) -> "Edit":
@@ -470,7 +494,7 @@ def memit_factors(C, K, lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_
     Sherman-Morrison a lone fact's update gives Uᵀk = q/(λ + q) of its share at its key, i.e.
     1/(1 + λ_rel): λ_rel is what C weighs against an edited key, in units of that key, and neither
     the keys' scale (C → s²C, K → sK leaves q̄ and UᵀK as they are) nor d_m changes its meaning."""
-    C = torch.as_tensor(np.asarray(C), dtype=torch.float64)
+    C = torch.tensor(np.asarray(C), dtype=torch.float64)  # a copy: the table's array is read-only
     K = torch.as_tensor(K, dtype=torch.float64)
     if lam is None:
         q = torch.stack([K[:, i] @ _solve(C, K[:, i]) for i in range(K.shape[1])])
