@@ -547,3 +547,28 @@ def test_census_verdicts_reach_verdicts_json_and_the_comparison(census_run, tmp_
     assert r.returncode == 0, r.stderr
     for vid in V.TITLES:
         assert V.TITLES[vid].split(" (")[0] in r.stdout or vid in r.stdout
+
+
+def test_sign_regimes_join_the_census(tmp_path, tiny_dirs, reference_mine):
+    """A run mined with --regimes: the census's regime shares are sign_regimes' (which
+    test_regimes holds to a brute force), its regime the one with the most mass, the layer table
+    their mean, and the memory page's panel says it."""
+    from ffkv.steps.registry import get
+    from ffkv.store.run import Run
+
+    run = tmp_path / "run"
+    shutil.copytree(reference_mine(tiny_dirs["llama"], 30, 3, "--regimes"), run)
+    r = run_cli("census", run)
+    assert r.returncode == 0, r.stderr
+    df = _table(run).set_index(["layer", "dim"])
+    sr = pq.read_table(run / "sign_regimes.parquet").to_pandas().set_index(["layer", "dim"])
+    keys = ["pp", "pn", "np", "nn"]
+    for k in keys:
+        np.testing.assert_allclose(df[f"regime_{k}"], sr.loc[df.index, f"share_{k}"].astype(np.float32), rtol=1e-6)
+    best = sr[[f"share_{k}" for k in keys]].to_numpy().argmax(1)
+    assert (df["regime"].to_numpy() == np.array(keys)[best]).all()
+    lay = _table(run, "census_layers")
+    assert lay["regime_pp"].tolist() == pytest.approx(df.groupby("layer")["regime_pp"].mean().tolist(), rel=1e-5)
+    l, d = df.index[0]
+    rows = [p for p in get("census").panels(Run(run), l, d)][0].rows
+    assert rows[-1][0] == "sign regime" and rows[-1][1] in ("(+,+)", "(+,−)", "(−,+)", "(−,−)")

@@ -72,6 +72,10 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
   `positional` and pos_tv > 2 · pos_tv_chance, and not dead (a dead memory's ties put every
   sentence's best at position 0: a pos_tv near 1 that says nothing of position).
 
+- Sign regimes (gated FFNs mined with `ffkv mine --regimes`; `ffkv.mine.regimes`): the share of a
+  memory's activation mass Σ|m| in each (gate sign, input sign) combination, `regime_pp`,
+  `regime_pn`, `regime_np`, `regime_nn` (copied from `sign_regimes`' shares), and `regime` the one
+  with the most mass (pp, pn, np or nn; null without mass). Null for a run mined without --regimes.
 - Chance baselines (what each share is read against in the report's verdicts):
   vocabulary moments: `CHANCE_DIRECTIONS` isotropic Gaussian directions of R^d (seeded
   `CHANCE_SEED`; a cosine does not depend on the norm, so "of the same norm" is implied), their
@@ -92,7 +96,8 @@ Tables written (public contract; layers 0-based)
   n_triggers int32, top_token int32, token_share float32, ngram_share float32, token_detector bool,
   ngram_detector bool, self_rank int32, self_suppressing bool (null unless a token detector), pos_tv
   float32, pos_tv_chance float32, positional bool (the detector columns null without positive
-  triggers, the positional ones where not mined).
+  triggers, the positional ones where not mined), regime_pp, regime_pn, regime_np, regime_nn float32
+  and regime string (null unless mined with --regimes).
 - `census_layers`: one row per layer. layer int16, memories int32, mined int32 (memories with key
   statistics), tokens int64, then float64 shares: dead and rare (of the mined memories; null when
   none was mined), prediction, suppression, partition and one column per class of `IO_CLASSES` (of
@@ -100,7 +105,8 @@ Tables written (public contract; layers 0-based)
   token_detector, ngram_detector (of the memories with triggers), self_suppressing (of the token
   detectors; null when none), positional (of the mined memories), then the chance baselines
   (float64 shares of all memories): prediction_chance, suppression_chance, partition_chance,
-  enrichment_chance, depletion_chance.
+  enrichment_chance, depletion_chance, then the mean shares of the sign regimes over the layer's
+  memories with mass, regime_pp, regime_pn, regime_np, regime_nn (null without --regimes).
 
 `layer_census(mm, layer)` gives the weight columns and their classes for one layer (or some of
 its memories) of any model, without a run.
@@ -149,6 +155,7 @@ SELF_SUPPRESS = 0.01  # self_suppressing: top token in the lowest 1% of the valu
 POS_SEED = 0  # the shuffled-positions draw (pos_tv_chance)
 CHANCE_SEED = 0  # the random directions and the shuffled pairings of the chance baselines
 CHANCE_DIRECTIONS = 1024  # random directions whose vocabulary moments give the chance shares
+REGIME_COLUMNS = ("regime_pp", "regime_pn", "regime_np", "regime_nn")
 CHANCE_COLUMNS = ("prediction_chance", "suppression_chance", "partition_chance", "enrichment_chance",
                   "depletion_chance")
 DETECTOR_COLUMNS = ("n_triggers", "top_token", "token_share", "ngram_share", "token_detector", "ngram_detector",
@@ -518,6 +525,22 @@ def detector_columns(run, mm, rec: dict, dead: np.ndarray) -> dict[str, pa.Array
 
 
 # ---- the step -----------------------------------------------------------------------------------------
+def regime_columns(run, L: int, d_m: int) -> dict[str, pa.Array]:
+    """The sign regimes' shares per memory (module docstring), null where the run has none."""
+    shares = np.full((4, L * d_m), np.nan, np.float32)
+    if run.has_table("sign_regimes"):
+        from ffkv.store import query
+
+        t = query.sign_regimes(run)
+        at = t.column("layer").to_numpy().astype(np.int64) * d_m + t.column("dim").to_numpy().astype(np.int64)
+        for r, c in enumerate(REGIME_COLUMNS):
+            shares[r, at] = t.column(c.replace("regime", "share")).to_numpy(zero_copy_only=False).astype(np.float32)
+    ok = ~np.isnan(shares).any(0)
+    best = np.array(["pp", "pn", "np", "nn"], dtype=object)[np.nanargmax(np.where(ok, shares, 0), 0)]
+    return {**{c: _f32(shares[r]) for r, c in enumerate(REGIME_COLUMNS)},
+            "regime": pa.array(best, pa.string(), mask=~ok)}
+
+
 def record(run, s) -> dict:
     """The manifest's record (what the results depend on; not chunk), after the checks that need the
     run, before any model loads: the run's key statistics (for dead and rare) must be there."""
@@ -583,6 +606,8 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
         t = t.add_column(at, name, arr)
     for name, arr in detector_columns(run, mm, rec, dead).items():
         t = t.append_column(name, arr)
+    for name, arr in regime_columns(run, L, d_m).items():
+        t = t.append_column(name, arr)
     lt = _layer_table(t, L, chance)
     run.write_table("census", t)
     run.write_table("census_layers", lt)
@@ -603,6 +628,8 @@ def _layer_table(t: pa.Table, L: int, chance: list[dict] | None = None) -> pa.Ta
     extra = {c: t.column(c).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
              for c in ("token_detector", "ngram_detector", "self_suppressing", "positional")}
     has, det, pmined = valid("token_detector"), extra["token_detector"], valid("positional")
+    reg = {c: t.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in REGIME_COLUMNS
+           if c in t.column_names}
     rows = []
     for l in range(L):
         at = layer == l
@@ -619,12 +646,16 @@ def _layer_table(t: pa.Table, L: int, chance: list[dict] | None = None) -> pa.Ta
                         ("self_suppressing", det[at]), ("positional", pmined[at])):
             row[c] = float(extra[c][at][base].mean()) if base.any() else None
         row.update({c: (chance[l][c] if chance else None) for c in CHANCE_COLUMNS})
+        for c in REGIME_COLUMNS:
+            v = reg[c][at] if c in reg else np.array([])
+            v = v[~np.isnan(v)]
+            row[c] = float(v.mean()) if len(v) else None
         rows.append(row)
     schema = pa.schema([("layer", pa.int16()), ("memories", pa.int32()), ("mined", pa.int32()), ("tokens", pa.int64()),
                         *[(c, pa.float64()) for c in ("dead", "rare", *VOCAB_CLASSES, *IO_CLASSES,
                                                       "kurtosis_median", "skew_median", "cos_in_out_mean",
                                                       "token_detector", "ngram_detector", "self_suppressing",
-                                                      "positional", *CHANCE_COLUMNS)]])
+                                                      "positional", *CHANCE_COLUMNS, *REGIME_COLUMNS)]])
     return pa.Table.from_pylist(rows, schema=schema)
 
 

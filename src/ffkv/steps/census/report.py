@@ -130,7 +130,14 @@ def _detector_rows(r: dict) -> list:
     if r.get("pos_tv") is not None:
         out.append(("position", "positional" if r["positional"] else "none",
                     f"TV from chance positions {r['pos_tv']:.3f} (shuffled: {r['pos_tv_chance']:.3f})"))
+    if r.get("regime") is not None:
+        out.append(("sign regime", REGIME_NAMES[r["regime"]],
+                    "activation mass by (gate, input) sign: " + ", ".join(
+                        f"{REGIME_NAMES[k]} {100 * r['regime_' + k]:.0f}%" for k in REGIME_NAMES)))
     return out
+
+
+REGIME_NAMES = {"pp": "(+,+)", "pn": "(+,−)", "np": "(−,+)", "nn": "(−,−)"}
 
 
 OVERVIEW = ("dead", "prediction", "suppression", "partition", "enrichment", "depletion")
