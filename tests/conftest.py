@@ -338,3 +338,18 @@ def smollm2_cut(smollm2, tmp_path_factory):
     mm = open_model(str(path), device="cpu")
     assert mm.n_layers == SMOLLM2_CUT_LAYERS
     return mm
+
+
+def merges_bit_for_bit(fed, a, b, c) -> dict:
+    """A mergeable tracker's property: `fed(batches)` states of three batch lists merged in every
+    grouping and order give the same `arrays()`, bit for bit. Returns them."""
+    import numpy as np
+
+    first = fed(a).merge(fed(b)).merge(fed(c)).arrays()
+    for got in (fed(a).merge(fed(b).merge(fed(c))), fed(c).merge(fed(a)).merge(fed(b)),
+                fed(b).merge(fed(c).merge(fed(a)))):
+        arrs = got.arrays()
+        assert set(arrs) == set(first)
+        for k in first:
+            assert np.array_equal(arrs[k], first[k]), k
+    return first
