@@ -99,8 +99,6 @@ def split(mm, s: NormalizeSettings, warn=print) -> tuple[list, list, int, pa.Tab
     `fit_tokens`; the sweep is the first sentences of the evaluation split, up to `sweep_tokens`."""
     spec = s.corpus or DEFAULT_CORPUS
     src, sents, ids, n_cut = _sentences(mm, spec, s.seed, s.tokens + s.fit_tokens)
-    if note := sentences_note("normalize_sentences", n_cut, len(sents), mm.max_length):
-        warn(note)  # cut at their end, as every corpus's sentences (`ffkv.model.context.fit_sentences`)
     ev, fi, n_ev, n_fi, n_sw, n_sweep = [], [], 0, 0, 0, 0
     for i, t in enumerate(ids):
         if n_ev < s.tokens:
@@ -114,6 +112,9 @@ def split(mm, s: NormalizeSettings, warn=print) -> tuple[list, list, int, pa.Tab
             n_fi += len(t)
     if not ev or not fi:
         raise FfkvError(f"corpus {spec!r} is too small: it gives {n_ev} evaluation and {n_fi} fit tokens")
+    # after the refusal above, which must stay one line
+    if note := sentences_note("normalize_sentences", n_cut, len(sents), mm.max_length):
+        warn(note)  # cut at their end, as every corpus's sentences (`ffkv.model.context.fit_sentences`)
     if n_ev < s.tokens or n_fi < s.fit_tokens:
         warn(f"corpus {spec!r} has only {n_ev} evaluation and {n_fi} fit tokens "
              f"({s.tokens} and {s.fit_tokens} requested); using them all")
