@@ -194,18 +194,29 @@ def cache(app_state) -> Cache:
 
 # ---- which examples a page shows ----------------------------------------------------------------
 def page_examples(b, layer: int, dim: int, top: int = 25, samples: str = "first",
-                  sign: int | None = None) -> list[tuple[int, int]]:
+                  sign: int | None = None, hide_pos0: bool = False) -> list[tuple[int, int]]:
     """(sentence_id, position) of the memory page's trigger rows (rank ≤ top, of `sign` or both)
     and its quantile samples as the page shows them (`samples`: first, one per activation level
-    as by default; all, as with ?samples=all; none), so that no sentence is computed in vain."""
+    as by default; all, as with ?samples=all; none), so that no sentence is computed in vain.
+    `hide_pos0` (the page's ?pos0=hide): no example at position 0, and each list's `top` best
+    of the rest, as the page shows them."""
     out = []
-    for r in b.trig.rows(layer, dim):
-        if r["rank"] <= top and (sign is None or r["sign"] == sign):
+    kept = {1: 0, -1: 0}
+    rows = b.trig.rows(layer, dim)
+    for r in (sorted(rows, key=lambda r: (-r["sign"], r["rank"])) if hide_pos0 else rows):
+        if sign is not None and r["sign"] != sign:
+            continue
+        if hide_pos0:
+            if r["position"] != 0 and kept[r["sign"]] < top:
+                kept[r["sign"]] += 1
+                out.append((int(r["sentence_id"]), int(r["position"])))
+        elif r["rank"] <= top:
             out.append((int(r["sentence_id"]), int(r["position"])))
     if samples != "none" and sign is None and getattr(b, "key_samples", None) is not None:
         st = b.key_statistics(layer, dim, samples == "all") or {}
         for r in st.get("samples") or []:
-            out.append((int(r["sentence_id"]), int(r["position"])))
+            if not (hide_pos0 and int(r["position"]) == 0):
+                out.append((int(r["sentence_id"]), int(r["position"])))
     return out
 
 
@@ -259,10 +270,12 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
     return out
 
 
-def activations_many(b, app_state, items) -> dict:
+def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
     """m at the tokens of each example `items` names ((layer, dim, sentence_id, position), the
     position None for a whole sentence), from the cache or one batched computation; the JSON
-    of several memories (the module docstring lists its fields)."""
+    of several memories (the module docstring lists its fields). `skip_pos0`: a sentence's first
+    token sets no scale (?pos0=hide: a first-position memory's huge m there would leave every
+    other token untinted)."""
     t0 = time.time()
     asked: dict[tuple[int, int], list] = {}
     for layer, dim, sid, pos in items:
@@ -303,8 +316,9 @@ def activations_many(b, app_state, items) -> dict:
         ex, pos, neg = {}, 0.0, 0.0
         for sid, (s, e) in sp.items():
             vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in have[((layer, dim), sid)][s:e].tolist()]
-            pos = max([pos] + [x for x in vals if x is not None and x > 0])
-            neg = max([neg] + [-x for x in vals if x is not None and x < 0])
+            sc = vals[1:] if skip_pos0 and s == 0 else vals
+            pos = max([pos] + [x for x in sc if x is not None and x > 0])
+            neg = max([neg] + [-x for x in sc if x is not None and x < 0])
             ex[str(sid)] = {"start": s, "m": vals}
         # one scale per sign: a memory running from +0.9 to −6 shows its + examples tinted too
         memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": max(pos, neg), "scale_pos": pos,
@@ -312,10 +326,10 @@ def activations_many(b, app_state, items) -> dict:
     return {"memories": memories, "computed": computed, "seconds": round(time.time() - t0, 3)}
 
 
-def activations(b, app_state, layer: int, dim: int, examples) -> dict:
+def activations(b, app_state, layer: int, dim: int, examples, skip_pos0: bool = False) -> dict:
     """The JSON of one memory's page (the module docstring lists its fields)."""
     b.check_key(layer, dim)
-    j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples])
+    j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples], skip_pos0)
     one = j["memories"].get(f"{layer}/{dim}") or {"layer": layer, "dim": dim, "scale": 0.0, "scale_pos": 0.0,
                                                    "scale_neg": 0.0, "examples": {}}
     return {**one, "computed": j["computed"], "seconds": j["seconds"]}

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ffkv.store import query
-from ffkv.web.measures import EPS_HIST, eps_shares, row_signs
+from ffkv.web.measures import EPS_HIST, eps_shares, first_position, row_signs
 from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
@@ -47,13 +47,16 @@ def _col(t, name) -> np.ndarray:
     return t.column(name).to_numpy(zero_copy_only=False)
 
 
-def layer_memories(b, layer: int, summaries: bool = True) -> list[dict]:
+def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False) -> list[dict]:
     """Every memory of the layer that was mined or has a value row, by dim, with its measures and
     (unless `summaries` is off: the page adds them to the rows it shows) its one-line summary
-    (the rows of the layer page's list and of its CSV)."""
+    (the rows of the layer page's list and of its CSV); `hide_first` (?pos0=hide) leaves out the
+    first-position memories (`measures.first_position`)."""
     t = b.memories.slice(layer * b.d_m, b.d_m)
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
+    if hide_first:
+        keep &= ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]
     rows = t.filter(keep).to_pylist()
     signs = row_signs(b, [b.code(r["layer"], r["dim"]) for r in rows], [r["direction"] or 0 for r in rows])
     for r, s in zip(rows, signs.tolist()):
@@ -95,8 +98,9 @@ def _density(b, layer: int) -> dict | None:
     return {"rows": rows, "hist": hist, "eps": None}
 
 
-def _best(b, layer: int) -> dict:
+def _best(b, layer: int, hide_first: bool = False) -> dict:
     t = b.memories.slice(layer * b.d_m, b.d_m)
+    shown = ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m] if hide_first else np.ones(b.d_m, bool)
     out: dict = {"agreement": None, "sharpness": None}
     if b.values is None:
         return out
@@ -119,12 +123,12 @@ def _best(b, layer: int) -> dict:
                 "top_token": int(top[i]) if top[i] >= 0 else None,
                 "top_token_text": b.tok(top[i]) if top[i] >= 0 else None}
 
-    ok = np.nonzero(rank >= 0)[0]
+    ok = np.nonzero((rank >= 0) & shown)[0]
     if b.agreement is not None:
         # best: the top-1 trigger's next token ranked highest in the value (rank 1 = agrees), then its p
         o = ok[np.lexsort((dims[ok], -np.nan_to_num(tp[ok], nan=-1.0), rank[ok]))]
         out["agreement"] = b.add_summaries([row(i) for i in o[:BEST]])
-    ok = np.nonzero(~np.isnan(mp))[0]
+    ok = np.nonzero(~np.isnan(mp) & shown)[0]
     o = ok[np.lexsort((dims[ok], -mp[ok]))]
     out["sharpness"] = b.add_summaries([row(i) for i in o[:BEST]])
     return out
@@ -145,15 +149,16 @@ def _patterns(b, layer: int) -> dict | None:
     return {"fig2": fig2, "labels": labels, "keys": sum(labels.values())}
 
 
-def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
-    """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is)."""
+def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bool = False) -> dict:
+    """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is); with
+    `hide_first` (?pos0=hide) its lists leave out the first-position memories."""
     if not 0 <= layer < b.L:
         raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
     if not 1 <= per_page <= 1000:
         raise BadQuery("per_page must be in 1..1000")
     if page < 1:
         raise BadQuery("page must be ≥ 1")
-    mems = layer_memories(b, layer, summaries=False)
+    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first)
     last = max(1, -(-len(mems) // per_page))
     if page > last:
         raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
@@ -166,8 +171,11 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100) -> dict:
                if (k == "key_stats" and b.key_stats is None) or (k == "values" and b.values is None)
                or (k == "patterns" and b.pattern_keys is None and b.patterns_fig2 is None)}
     mined = int(np.count_nonzero(b.keys // b.d_m == layer))
+    first = (int(np.count_nonzero(first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]))
+             if b.key_stats is not None else None)  # unknown without key statistics
     return {"layer": layer, "layers": b.L, "d_m": b.d_m, "model": b.model_id, "lens": b.lens, "mined": mined,
-            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer),
+            "first_position": first, "pos0": "hide" if hide_first else "show",
+            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer, hide_first),
             "patterns": _patterns(b, layer), "missing": missing,
             "memories": {"total": len(mems), "page": page, "per_page": per_page, "pages": last,
                          "rows": b.add_summaries(mems[(page - 1) * per_page: page * per_page])}}

@@ -13,7 +13,8 @@ from ffkv.web.tables import PRECISION_K
 
 def memories_table(b) -> pa.Table:
     """One row per memory of the model (code = layer × d_m + dim): mined, triggers, top coefficient,
-    the value's max-probability, entropy and top token per direction, precision@50, agreement, label."""
+    the value's max-probability, entropy and top token per direction, precision@50, agreement, label,
+    and whether it is a first-position memory (`first_position`)."""
     N = b.L * b.d_m
     code = np.arange(N)
     nan = lambda: np.full(N, np.nan, np.float32)  # noqa: E731
@@ -87,6 +88,9 @@ def memories_table(b) -> pa.Table:
     arrays["coverage"] = pa.array(cov, mask=np.isnan(cov))
     for k in ("max_prob", "max_prob_neg", "entropy", "entropy_neg", "precision", "precision_neg", "top_coef"):
         arrays[k] = pa.array(cols[k], mask=np.isnan(cols[k]))
+    fs = first_shares(b)  # searched by `?pos0=hide`
+    arrays["first_share"] = pa.array(fs.astype(np.float32), mask=np.isnan(fs))
+    arrays["first_position"] = pa.array(first_position(b))
     return pa.table(arrays)
 
 def precision_at_k(b, top_tok: dict, N: int) -> dict:
@@ -220,3 +224,45 @@ def eps_shares(b) -> np.ndarray:
         return out
 
     return b._lazy("_eps_shares", make)
+
+
+# ---- first-position memories ------------------------------------------------------------------------
+FIRST_POSITION = 0.5  # a first-position memory: over half of the sentences peak at position 0
+
+
+def first_shares(b) -> np.ndarray:
+    """Per memory code, on its dominant side (`dominant_signs`), the share of corpus sentences whose
+    best coefficient sits at position 0: `key_stats.first_share` (= pos_hist bucket 0 / sentences,
+    `ffkv.mine.stats`). NaN for a key without key statistics (a run mined with --no-stats)."""
+    def make():
+        N = b.L * b.d_m
+        out = np.full(N, np.nan)
+        ks = b.key_stats
+        if ks is None:
+            return out
+        t, names = ks.table, ks.table.column_names
+        if "first_share" in names:
+            share = t.column("first_share").to_numpy(zero_copy_only=False).astype(np.float64)
+        elif "pos_hist" in names and "sentences" in names:  # a run written before first_share
+            first = pc.list_element(t.column("pos_hist"), 0).to_numpy(zero_copy_only=False).astype(np.float64)
+            sent = t.column("sentences").to_numpy(zero_copy_only=False).astype(np.float64)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                share = np.where(sent > 0, first / sent, np.nan)
+        else:
+            return out
+        code = ks.code.astype(np.int64)
+        sign = t.column("sign").to_numpy(zero_copy_only=False).astype(np.int64) if "sign" in names \
+            else np.ones(len(code), np.int64)
+        keep = (sign == dominant_signs(b)[code]) & (code < N)
+        out[code[keep]] = share[keep]
+        return out
+
+    return b._lazy("_first_shares", make)
+
+
+def first_position(b) -> np.ndarray:
+    """THE first-position memories (bool per code): those whose dominant side peaks at position 0
+    (the first token of a sentence) in more than FIRST_POSITION of the sentences (`first_shares`).
+    The badge, `?pos0=hide` on search and layer lists, and the memory page all read this; a key
+    without key statistics is never one."""
+    return b._lazy("_first_position", lambda: np.nan_to_num(first_shares(b), nan=0.0) > FIRST_POSITION)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from ffkv.web.tables import ANNOTATE_TOP
 
 
@@ -62,12 +64,18 @@ class Notes:
         return self.b.summaries.line(self.b.code(layer, dim), self.annotation_parts().get(self.b.code(layer, dim)))
 
     def add_summaries(self, rows: list[dict]) -> list[dict]:
-        """Set `summary` on rows that carry layer and dim (search results, layer lists), and `expert`
-        in a mixture of experts (`RunTables.expert_of`)."""
+        """Set `summary` on rows that carry layer and dim (search results, layer lists), their
+        first-position badge (`first_position`, `first_share`: `ffkv.web.measures.first_position`),
+        and `expert` in a mixture of experts (`RunTables.expert_of`)."""
+        from ffkv.web.measures import first_position, first_shares
+
         ann = self.annotation_parts() if rows else {}
+        fp, fs = (first_position(self.b), first_shares(self.b)) if rows else (None, None)
         for r in rows:
             c = self.b.code(r["layer"], r["dim"])
             r["summary"] = self.b.summaries.line(c, ann.get(c))
+            r["first_position"] = bool(fp[c])
+            r["first_share"] = None if np.isnan(fs[c]) else float(fs[c])
             if self.b.moe is not None:
                 r["expert"] = self.b.expert_of(r["dim"])
         return rows

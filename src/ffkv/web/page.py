@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ffkv.store import query
-from ffkv.web.measures import EPS_HIST, dominant_sign, eps_shares, side_moments
+from ffkv.web.measures import (EPS_HIST, FIRST_POSITION, dominant_sign, eps_shares, first_position, first_shares,
+                               side_moments)
 from ffkv.web.panels import step_columns
 from ffkv.web.tables import MAX_TOP, MUTATIONS, PRECISION_K, NotFound, _f, position_buckets
 
@@ -20,8 +21,10 @@ class Pages:
     def __init__(self, b):
         self.b = b
 
-    def memory(self, layer: int, dim: int, top: int = 25, all_samples: bool = True) -> dict:
-        """Everything a memory page shows, as plain data (the JSON API returns it as is)."""
+    def memory(self, layer: int, dim: int, top: int = 25, all_samples: bool = True, hide_pos0: bool = False) -> dict:
+        """Everything a memory page shows, as plain data (the JSON API returns it as is). With
+        `hide_pos0` (`?pos0=hide`) its trigger rows and samples at position 0 are left out, and
+        each list holds the `top` best of the rest."""
         self.b.check_key(layer, dim)
         top = max(1, min(int(top), MAX_TOP))
         mined = self.b.is_mined(layer, dim)
@@ -43,9 +46,14 @@ class Pages:
                 covered.setdefault((p["sign"], i + 1), []).append(p["pattern_id"])
         ranks = {s: self.value_ranks(layer, dim, s) for s in (1, -1)}
         triggers: dict[str, list[dict]] = {"+": [], "-": []}
+        n_pos0 = {"+": 0, "-": 0}  # stored trigger rows at position 0, per list
         for j in sorted(range(len(trig)), key=lambda j: (-trig[j]["sign"], trig[j]["rank"])):
             r, row = trig[j], srows[j]
             key = "+" if r["sign"] == 1 else "-"
+            if r["position"] == 0:
+                n_pos0[key] += 1
+                if hide_pos0:
+                    continue
             if len(triggers[key]) >= top:
                 continue
             nt = r["next_token"]
@@ -82,18 +90,28 @@ class Pages:
                     mut_summary.append({"mutation": kind, "n": int(len(xs)), "mean": float(xs.mean()),
                                         "median": float(np.median(xs)), "share_lower": float((xs < 0).mean())})
         c = self.b.code(layer, dim)
+        stats = self.key_statistics(layer, dim, all_samples)
+        samples_pos0 = 0
+        if hide_pos0 and stats:
+            kept = [r for r in stats["samples"] if int(r["position"]) != 0]
+            samples_pos0, stats["samples"] = len(stats["samples"]) - len(kept), kept
+        share = first_shares(self.b)[c]
         prec = {"k": PRECISION_K, "value": _f(self.b._precision[0][c]), "neg_value": _f(self.b._precision[1][c])}
         return {
             "layer": layer, "dim": dim, "expert": self.b.expert_of(dim), "mined": mined, "lens": self.b.lens, "top": top,
             "model": self.b.model_id, "corpus_sha256": self.b.corpus_sha, "negative": self.b.negative,
             "dominant": dominant_sign(self.b, layer, dim),
+            "first_position": {"first": bool(first_position(self.b)[c]),
+                               "share": None if math.isnan(share) else float(share),
+                               "threshold": FIRST_POSITION},
+            "pos0": {"hidden": bool(hide_pos0), "triggers": n_pos0, "samples_hidden": samples_pos0},
             "triggers": triggers, "n_triggers": {"+": int(sum(1 for r in trig if r["sign"] == 1)),
                                                  "-": int(sum(1 for r in trig if r["sign"] == -1))},
             "values": vals, "vocab_views": views, "agreement": agreement,
             "precision": prec,
             "patterns": pats, "pattern_keys": pk, "mutations": mut_summary,
             "annotations": self.b.annotations(layer, dim),
-            "stats": self.key_statistics(layer, dim, all_samples),
+            "stats": stats,
             "summary": self.b.summary(layer, dim),
             "similar": self.b.similar(layer, dim),
             "links": {**{k: {"layer": v[0], "dim": v[1]} for k, v in self.b.neighbours(layer, dim).items()}}

@@ -53,3 +53,15 @@ def opt_bool(v: str | None, name: str) -> bool | None:
 
 def opt_str(v: str | None) -> str | None:
     return None if v is None or str(v).strip() == "" else str(v)
+
+
+def hide_pos0(v: str | None) -> bool:
+    """`?pos0=hide`: hide position-0 examples (on a memory page its trigger rows and samples at
+    position 0; on search and layer lists the first-position memories, `measures.first_position`);
+    absent, '' or show: shown, so every URL without it reads as before."""
+    s = "" if v is None else str(v).strip()
+    if s in ("", "show"):
+        return False
+    if s == "hide":
+        return True
+    raise BadQuery(f"pos0 must be show or hide (got {shown(v)})")

@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from ffkv.defs import LENSES
 from ffkv.display import read_token
+from ffkv.web.measures import first_position
 from ffkv.web.tables import BadQuery, NotFound, _f
 
 # search orders: name -> (column, default direction)
@@ -111,9 +112,10 @@ class Search:
 
     def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
                      layer: int | None = None, sort: str | None = None, order: str | None = None,
-                     page: int = 1, per_page: int = 50, match: str = "merged") -> dict:
+                     page: int = 1, per_page: int = 50, match: str = "merged", hide_first: bool = False) -> dict:
         """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
-        the value's probability of the token first."""
+        the value's probability of the token first. `hide_first` (?pos0=hide): without the
+        first-position memories (`measures.first_position`), as every search takes it."""
         lens = lens or self.b.lens
         if lens not in LENSES:
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
@@ -144,6 +146,10 @@ class Search:
         mem = hit["mem"]
         if layer is not None:
             keep = (mem // self.b.d_m) == layer
+            hit = {c: v[keep] for c, v in hit.items()}
+            mem = hit["mem"]
+        if hide_first:
+            keep = ~first_position(self.b)[mem]
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
         meas = self.b.memories
@@ -183,12 +189,12 @@ class Search:
 
     def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
                     sort: str | None = None, order: str | None = None, page: int = 1,
-                    per_page: int = 50) -> dict:
+                    per_page: int = 50, hide_first: bool = False) -> dict:
         """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
         is a token (mode token: the decoded token, spaces ignored, case folded); mode summary:
         memories whose one-line summary contains the words (`search_summary`)."""
         if mode == "summary":
-            return self.search_summary(q, layer=layer, page=page, per_page=per_page)
+            return self.search_summary(q, layer=layer, page=page, per_page=per_page, hide_first=hide_first)
         if mode not in ("word", "token"):
             raise BadQuery(f"mode must be word, token or summary (got {mode!r})")
         if sign not in (None, 1, -1):
@@ -214,6 +220,8 @@ class Search:
             sel = sel[self.b.trig_sign[sel] == sign]
         if len(sel) and layer is not None:
             sel = sel[(self.b.trig.code[sel] // self.b.d_m) == layer]
+        if len(sel) and hide_first:
+            sel = sel[~first_position(self.b)[self.b.trig.code[sel]]]
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
@@ -280,7 +288,8 @@ class Search:
             hit |= np.isin(self.b.trig_row.astype(np.int64) * (1 << 32) + tpos, np.asarray(extra, np.int64))
         return np.nonzero(hit)[0]
 
-    def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50) -> dict:
+    def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50,
+                       hide_first: bool = False) -> dict:
         """Memories whose one-line summary contains every word of `q` (case folded), by memory."""
         words = (q or "").casefold().split()
         if not words:
@@ -295,8 +304,11 @@ class Search:
             int(c): sm.line(int(c)).casefold()
             for c in np.union1d(self.b.keys, np.asarray(sorted(sm.value), np.int64))})
         ann = self.b.notes.annotation_parts()
+        first = first_position(self.b) if hide_first else None
         hits = []
         for c, text in lines.items():
+            if first is not None and first[c]:
+                continue
             if c in ann:
                 text = sm.line(c, ann[c]).casefold()
             if (layer is None or c // self.b.d_m == layer) and all(w in text for w in words):
@@ -309,7 +321,7 @@ class Search:
 
     def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
                        label: str | None = None, agree: bool | None = None, mined_only: bool = True,
-                       page: int = 1, per_page: int = 50) -> dict:
+                       page: int = 1, per_page: int = 50, hide_first: bool = False) -> dict:
         """Memories ordered by a measure (value max-probability, precision@50, agreement, …)."""
         sort, col, how = self._order(MEASURE_SORTS, sort, order, "max_prob")
         page, per_page = self._page(page, per_page)
@@ -329,6 +341,8 @@ class Search:
         if agree is not None:
             where.append("agree = ?")
             params.append(bool(agree))
+        if hide_first:
+            where.append("NOT first_position")
         w = (" WHERE " + " AND ".join(where)) if where else ""
         total = self._sql(f"SELECT count(*) AS n FROM memories{w}", params).column("n")[0].as_py()
         rows = self._sql(f"SELECT * FROM memories{w} ORDER BY {col} {how.upper()} NULLS LAST, layer, dim "

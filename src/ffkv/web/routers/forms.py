@@ -27,9 +27,10 @@ def prefix_html(p: dict) -> Markup:
 
 
 def annotation_prefixes(request: Request, m: dict, sign: int) -> list[dict]:
-    """The top-25 prefixes of one sign (from `m` when it holds them)."""
+    """The top-25 prefixes of one sign (from `m` when it holds them: not when its page hides
+    position 0, since the annotation protocol reads the top 25 as they are)."""
     rows = m["triggers"]["+" if sign == 1 else "-"]
-    if m["top"] < ANNOTATE_TOP:
+    if m["top"] < ANNOTATE_TOP or (m.get("pos0") or {}).get("hidden"):
         rows = state(request).memory(m["layer"], m["dim"], ANNOTATE_TOP)["triggers"]["+" if sign == 1 else "-"]
     rows = [r for r in rows if r["rank"] <= ANNOTATE_TOP]
     for r in rows:  # only the rows the form shows

@@ -5,33 +5,36 @@ from fastapi import APIRouter, Request
 
 from ffkv.web import plots
 from ffkv.web.common import render, state
-from ffkv.web.params import api, req_int
+from ffkv.web.measures import FIRST_POSITION
+from ffkv.web.params import api, hide_pos0, req_int
 
 
 router = APIRouter()
 
 
 # ---- a layer page ---------------------------------------------------------------------------------
-def layer_context(request: Request, layer: int, page: str | None, per_page: str | None) -> dict:
+def layer_context(request: Request, layer: int, page: str | None, per_page: str | None,
+                  pos0: str | None = None) -> dict:
     from ffkv.web.layers import layer_data
 
     return layer_data(state(request), layer, req_int(page, "page", 1, 1, 10**6),
-                      req_int(per_page, "per_page", 100, 1, 1000))
+                      req_int(per_page, "per_page", 100, 1, 1000), hide_pos0(pos0))
 
 
 @router.get("/layer/{layer}", include_in_schema=False)
 def layer_page(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
-               format: str | None = None):  # noqa: A002 - the URL's parameter
+               format: str | None = None, pos0: str | None = None):  # noqa: A002 - the URL's parameter
     from ffkv.web import export
     from ffkv.web.layers import MEMORY_COLUMNS, layer_memories
 
     fmt = export.check_format(format)
+    hide = hide_pos0(pos0)
     if fmt:
         state(request).check_key(layer, 0)
-        rows = layer_memories(state(request), layer)
+        rows = layer_memories(state(request), layer, hide_first=hide)
         return export.download(rows, export.one_based(rows, list(MEMORY_COLUMNS), ("rank",)),
                                f"ffkv-layer-{layer}-memories", fmt)
-    d = layer_context(request, layer, page, per_page)
+    d = layer_context(request, layer, page, per_page, pos0)
     hist = None
     if d["density"] and d["density"]["hist"]:
         h = d["density"]["hist"]
@@ -46,9 +49,10 @@ def layer_page(request: Request, layer: int, page: str | None = None, per_page: 
                                                  (r.get("both"), "c-both", "both"),
                                                  (r.get("not_covered"), "c-none", "not covered")],
                                                 label=f"layer {layer} ({r['scope']}): prefixes by kind")})
-    return render(request, "layer.html", d=d, hist=hist, fig2=fig2)
+    return render(request, "layer.html", d=d, hist=hist, fig2=fig2, first_threshold=FIRST_POSITION)
 
 
 @router.get("/api/layer/{layer}")
-def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None):
-    return api(layer_context(request, layer, page, per_page))
+def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
+              pos0: str | None = None):
+    return api(layer_context(request, layer, page, per_page, pos0))

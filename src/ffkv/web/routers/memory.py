@@ -8,7 +8,7 @@ from fastapi.responses import RedirectResponse
 from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
 from ffkv.web.panels import panel_html, step_panels
-from ffkv.web.params import api, opt_int, opt_sign, req_int
+from ffkv.web.params import api, hide_pos0, opt_int, opt_sign, req_int
 from ffkv.web.tables import BadQuery, NotFound
 from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
 
@@ -16,9 +16,10 @@ from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
 router = APIRouter()
 
 
-def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True) -> dict:
+def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True,
+                hide0: bool = False) -> dict:
     b = state(request)
-    m = b.memory(layer, dim, top, all_samples)
+    m = b.memory(layer, dim, top, all_samples, hide0)
     m["panels"] = step_panels(b.run, layer, dim)
     return m
 
@@ -38,9 +39,9 @@ def stats_plot(st: dict | None):
 
 def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, slots: int | None,
                   form: dict | None = None, error: str | None = None, status_code: int = 200,
-                  all_samples: bool = False):
+                  all_samples: bool = False, hide0: bool = False):
     b = state(request)
-    m = memory_data(request, layer, dim, top, all_samples)
+    m = memory_data(request, layer, dim, top, all_samples, hide0)
     can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
     form = form or form_state(request, layer, dim, sign, slots)
     prefixes = annotation_prefixes(request, m, sign) if can_annotate else []
@@ -52,17 +53,17 @@ def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, s
 
 @router.get("/memory/{layer}/{dim}", include_in_schema=False)
 def memory_page(request: Request, layer: int, dim: int, top: str | None = None, annotate_sign: str | None = None,
-                slots: str | None = None, samples: str | None = None):
+                slots: str | None = None, samples: str | None = None, pos0: str | None = None):
     if samples not in (None, "", "all", "first"):
         raise BadQuery(f"samples must be all or first (got {samples!r})")
     return render_memory(request, layer, dim, req_int(top, "top", 25, 1, 200),
                          opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS),
-                         all_samples=samples == "all")
+                         all_samples=samples == "all", hide0=hide_pos0(pos0))
 
 
 @router.get("/api/memory/{layer}/{dim}")
-def api_memory(request: Request, layer: int, dim: int, top: str | None = None):
-    return api(memory_data(request, layer, dim, req_int(top, "top", 25, 1, 200)))
+def api_memory(request: Request, layer: int, dim: int, top: str | None = None, pos0: str | None = None):
+    return api(memory_data(request, layer, dim, req_int(top, "top", 25, 1, 200), hide0=hide_pos0(pos0)))
 
 
 @router.get("/random", include_in_schema=False)
@@ -130,22 +131,24 @@ def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: st
 # ---- per-token coefficients (the colours of examples: ffkv.web.activations) ---------------------------
 @router.get("/api/memory/{layer}/{dim}/activations", dependencies=[Depends(no_cross_site_fetch)])
 def api_activations(request: Request, layer: int, dim: int, top: str | None = None, samples: str | None = None,
-                    sign: str | None = None, sentence: str | None = None):
+                    sign: str | None = None, sentence: str | None = None, pos0: str | None = None):
     """m of memory layer/dim at every token of the examples its page shows (`top` trigger rows
     of each sign, or of `sign`; the quantile samples the page shows: one per level, or every one
-    with samples=all, or none), or of one `sentence`."""
+    with samples=all, or none; with pos0=hide, as the page with it: no example at position 0,
+    and position 0 sets no scale), or of one `sentence`."""
     b = state(request)
     b.check_key(layer, dim)
     if samples not in (None, "", "all", "first", "none"):
         raise BadQuery(f"samples must be all, first or none (got {samples[:20]!r})")
+    hide0 = hide_pos0(pos0)
     sid = opt_int(sentence, "sentence", 0, 2**62)
     if sid is not None:
         b.sentence_row(sid)  # 404 for a sentence not in the run
         examples = [(sid, None)]
     else:
         examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
-                                             samples or "first", opt_sign(sign))
-    return api(activations.activations(b, request.app.state, layer, dim, examples))
+                                             samples or "first", opt_sign(sign), hide_pos0=hide0)
+    return api(activations.activations(b, request.app.state, layer, dim, examples, skip_pos0=hide0))
 
 
 @router.get("/api/activations", dependencies=[Depends(no_cross_site_fetch)])

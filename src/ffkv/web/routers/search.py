@@ -7,8 +7,9 @@ from fastapi.responses import RedirectResponse
 
 from ffkv.errors import FfkvError
 from ffkv.web.common import no_cross_site_fetch, render, same_origin, state
+from ffkv.web.measures import FIRST_POSITION
 from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
-from ffkv.web.params import api, opt_bool, opt_int, opt_sign, opt_str, req_int
+from ffkv.web.params import api, hide_pos0, opt_bool, opt_int, opt_sign, opt_str, req_int
 from ffkv.web.tables import BadQuery, NotFound
 
 
@@ -23,17 +24,20 @@ def do_search(request: Request, p: dict) -> dict:
     layer = opt_int(p.get("layer"), "layer")
     sort, order = opt_str(p.get("sort")), opt_str(p.get("order"))
     token, text = p.get("token"), p.get("text")
+    hide = hide_pos0(p.get("pos0"))  # ?pos0=hide: no first-position memory in the results
     if token is not None and token != "":
         res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
                              order=order, page=page, per_page=per_page,
-                             match=opt_str(p.get("match")) or "merged")
+                             match=opt_str(p.get("match")) or "merged", hide_first=hide)
     elif text is not None and text != "":
         res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
-                            layer=layer, sort=sort, order=order, page=page, per_page=per_page)
+                            layer=layer, sort=sort, order=order, page=page, per_page=per_page, hide_first=hide)
     else:
         res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
-                               agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page)
+                               agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page,
+                               hide_first=hide)
+    res["pos0"] = "hide" if hide else "show"
     check_page(res)
     b.add_summaries(res.get("results") or [])
     return res
@@ -51,7 +55,7 @@ def check_page(res: dict) -> None:
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree", "match", "format")
+                 "sign", "label", "agree", "match", "format", "pos0")
 
 
 def search_params(request: Request) -> dict:
@@ -73,7 +77,7 @@ def search_page(request: Request):
     res = do_search(request, p)
     return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
                   measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
-                  refresh=res.get("status") == "building")
+                  refresh=res.get("status") == "building", first_threshold=FIRST_POSITION)
 
 
 @router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
