@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import run_cli
 from ffkv.defs import wilson
@@ -174,8 +176,9 @@ def test_summarize_logits_vs_full_softmax():
         lp = torch.log_softmax(zz.double(), -1)
         p = lp.exp()
         order = torch.argsort(zz, dim=-1, descending=True, stable=True)[:, :5]
-        ti, pr, mx, en, lse = s[name]
+        ti, pr, mx, en, lse, tv = s[name]
         assert torch.equal(ti, order)
+        assert torch.equal(tv, zz.gather(-1, order))  # the side's top logits, descending
         assert torch.allclose(pr.double(), p.gather(-1, order), rtol=1e-5, atol=1e-7)
         assert torch.allclose(mx.double(), p.max(-1).values, rtol=1e-5, atol=1e-7)
         assert torch.allclose(en.double(), -(p * lp).sum(-1), rtol=1e-4, atol=1e-5)
@@ -187,6 +190,40 @@ def test_summarize_logits_vs_full_softmax():
         assert all(torch.equal(a, b) for a, b in zip(s[name], blocks[name])), name
     one = summarize_logits(z, 5, negative=False, work=work)
     assert list(one) == ["pos"] and all(torch.equal(a, b) for a, b in zip(s["pos"], one["pos"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(C=st.integers(1, 9), V=st.integers(1, 300), J=st.integers(1, 3), levels=st.integers(1, 6),
+       seed=st.integers(0, 2 ** 16), numba=st.booleans())
+def test_signed_ranks_equal_rank_of_in_the_signed_row(C, V, J, levels, seed, numba):
+    """Every target's rank in s·z, counted in one visit of the row (numba on a CPU, else torch),
+    equals `rank_of` on the negated row where s = −1; few levels make ties everywhere."""
+    from ffkv.model.memories import rank_of
+    from ffkv.steps.values.ranks import signed_ranks
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(0, levels, (C, V), generator=g).float() * 0.5 - 1.0
+    tgt = torch.randint(0, V, (C, J), generator=g)
+    sgn = torch.randint(0, 2, (C, J), generator=g) * 2 - 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FFKV_NUMBA", "1" if numba else "0")
+        got = signed_ranks(z, tgt, sgn)
+    for j in range(J):
+        for s in (1, -1):
+            want = rank_of(s * z, tgt[:, j])
+            rows = sgn[:, j] == s
+            assert torch.equal(got[rows, j], want[rows]), (j, s)
+
+
+def test_extremes_take_the_first_index_on_ties():
+    """The value's argmax and argmin (the `value_tops` cache), read off the top-k, are torch's
+    first-index argmax/argmin, ties for first included."""
+    from ffkv.steps.values.compute import _extremes
+
+    z = torch.tensor([[3.0, 1.0, 3.0, -2.0, -2.0], [0.0, 5.0, 4.0, -1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    for k in (1, 2, 3):
+        got = _extremes(z, summarize_logits(z, k))
+        assert np.array_equal(got, np.stack([z.argmax(-1).numpy(), z.argmin(-1).numpy()], 1)), k
 
 
 def test_index_logsumexp_in_row_blocks_equals_one_block():

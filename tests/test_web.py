@@ -809,6 +809,11 @@ def test_top_rows_brute_force_with_ties(C, k, sign, seed):
                 want.add((r, w, rk, float(zz[r, w])))
     got = set(zip(row.tolist(), tok.tolist(), rank.tolist(), logit.tolist()))
     assert got == want and len(got) == len(row)
+    # from a longer top list the caller already has (the values step's top-k): the same rows
+    vals, idx = zz.topk(min(k + 3, 13), dim=-1)
+    row, tok, rank, logit = _top_rows(z, k, sign=sign, top=(vals, idx))
+    got = set(zip(row.tolist(), tok.tolist(), rank.tolist(), logit.tolist()))
+    assert got == want and len(got) == len(row)
 
 
 def test_token_index_same_from_a_shuffled_table(llama):

@@ -42,20 +42,25 @@ SCHEMA = pa.schema([("lens", pa.string()), ("sign", pa.int8()), ("token", pa.int
                     ("prob", pa.float32()), ("layer", pa.int16()), ("dim", pa.int32())])
 
 
-def _top_rows(z, k: int, sign: int = 1):
+def _top_rows(z, k: int, sign: int = 1, top=None):
     """Tokens of rank < k in each row of sign·z (C, V), with their ranks and logits (of sign·z).
 
     Returns (row, token, rank, logit) as 1-d tensors. Ranks count strictly larger logits.
-    sign = −1 reads −z without materializing it (the smallest logits of z).
+    sign = −1 reads −z without materializing it (the smallest logits of z). `top`: (logits of
+    sign·z descending, their tokens), at least k + 1 columns (all V where V ≤ k), when the caller
+    has them (the values step's top-k): the same rows come out, without a top-k of its own.
     """
     import torch
 
     C, V = z.shape
     k = min(k, V)
     extra = int(k < V)  # one more than k: a tie beyond the k-th shows as an equal (k+1)-th
-    vals, idx = z.topk(k + extra, dim=-1, largest=sign > 0)
-    if sign < 0:
-        vals = vals.neg_()  # descending in −z
+    if top is not None and top[0].shape[1] >= k + extra:
+        vals, idx = top[0][:, :k + extra], top[1][:, :k + extra]
+    else:
+        vals, idx = z.topk(k + extra, dim=-1, largest=sign > 0)
+        if sign < 0:
+            vals = vals.neg_()  # descending in −z
     beyond = vals[:, k] == vals[:, k - 1] if extra else torch.zeros(C, dtype=torch.bool, device=z.device)
     vals, idx = vals[:, :k], idx[:, :k]
     # rank of each kept logit = index of the first equal value in the descending list
@@ -105,10 +110,11 @@ class IndexBuilder:
         self.parts: dict[tuple[str, int], list] = {}
         self.lenses: list[str] = []
 
-    def add(self, lens: str, layer: int, start: int, z, lse=None) -> None:
+    def add(self, lens: str, layer: int, start: int, z, lse=None, tops=None) -> None:
         """Index the rows of z (C, V), the logits of values start..start+C-1 of `layer` under
         `lens`, for +v and −v. z is not modified. `lse`: the log-sum-exp of z and of −z per row,
-        when the caller has them already (the values step does)."""
+        `tops`: the top logits of z and of −z with their tokens (`_top_rows`' `top`), when the
+        caller has them already (the values step does)."""
         import torch
 
         if lens not in self.lenses:
@@ -116,7 +122,7 @@ class IndexBuilder:
         z = z.float()
         for j, s in enumerate((1, -1)):
             ls = lse[j] if lse is not None else _logsumexp_rows(z, s)
-            row, tok, rk, lv = _top_rows(z, self.k, sign=s)
+            row, tok, rk, lv = _top_rows(z, self.k, sign=s, top=tops[j] if tops is not None else None)
             prob = torch.exp(lv - ls[row])
             self.parts.setdefault((lens, s), []).append((
                 np.full(len(row), layer, np.int16),

@@ -135,7 +135,8 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
     """Top-k, probabilities, max probability and entropy of softmax(z) (and of softmax(−z)).
 
     z: (C, V) float32 logits. Returns {"pos": (...), "neg": (...)} where each is
-    (top_tokens (C,k) int64, top_probs (C,k) f32, max_prob (C,) f32, entropy (C,) f32, lse (C,) f32).
+    (top_tokens (C,k) int64, top_probs (C,k) f32, max_prob (C,) f32, entropy (C,) f32, lse (C,) f32,
+    top_logits (C,k) f32 of that side's logits, descending: what the index and the argmax reuse).
     Rows are independent, so the softmax work runs over blocks of rows in two (rows, V) float32
     buffers: `work`, a pair of tensors reused across chunks (to save page faults) whose row count
     is the block size, or fresh ones of `WORK_ROWS` rows. Why blocks: with Gemma 3's 262,144
@@ -151,7 +152,7 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
     parts = [_summarize_rows(z[a:a + step], k, negative, work) for a in range(0, len(z), step)]
     if len(parts) == 1:
         return parts[0]
-    return {name: tuple(torch.cat([p[name][j] for p in parts]) for j in range(5)) for name in parts[0]}
+    return {name: tuple(torch.cat([p[name][j] for p in parts]) for j in range(6)) for name in parts[0]}
 
 
 def _summarize_rows(z, k: int, negative: bool, work) -> dict:
@@ -178,7 +179,7 @@ def _summarize_rows(z, k: int, negative: bool, work) -> dict:
         lse = m[:, 0] + logS
         ent = logS - T / S
         probs = torch.exp(tv - lse[:, None])
-        out[name] = (ti, probs, probs[:, 0].clone(), ent, lse)
+        out[name] = (ti, probs, probs[:, 0].clone(), ent, lse, tv)
     return out
 
 
@@ -197,32 +198,6 @@ class _Projector:
 
     def logits(self, W):
         return self.lens.direction_logits(W, out=self.zbuf[: len(W)])
-
-
-def _ranks(z, tgt):
-    """`rank_of` over row blocks: its (rows, V) comparison stays small."""
-    import torch
-
-    from ffkv.model.memories import rank_of
-
-    return torch.cat([rank_of(z[r:r + 128], tgt[r:r + 128]) for r in range(0, len(z), 128)])
-
-
-def _signed_ranks(z, direction, target):
-    """Per row: rank and logit of its target in s·z (s = −1 where direction < 0, else +1).
-
-    Rows are flipped in place (×−1 is exact and undone after), so no chunk-sized copy is made.
-    Returns (ranks, target logits, s).
-    """
-    import torch
-
-    sgn = torch.where(direction < 0, -1.0, 1.0).to(z.device, z.dtype)
-    tgt = target.clamp(min=0).to(z.device)
-    z.mul_(sgn[:, None])
-    rk = _ranks(z, tgt)
-    zt = z.gather(-1, tgt[:, None])[:, 0]
-    z.mul_(sgn[:, None])
-    return rk, zt, sgn
 
 
 # ---- triggers ----------------------------------------------------------------------------------
@@ -383,7 +358,7 @@ class Projections:
 
     def put(self, l: int, a: int, b: int, kind: int, summary) -> None:
         """Store one `summarize_logits` result for rows a:b of layer l."""
-        ti, pr, mx, en, _ = summary
+        ti, pr, mx, en = summary[:4]
         self.top_tok[l, a:b, kind] = ti.cpu().numpy()
         self.top_p[l, a:b, kind] = pr.cpu().numpy()
         self.maxp[l, a:b, kind] = mx.cpu().numpy()
@@ -425,43 +400,62 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
         z = proj.logits(Vw[a:b])
         s = summarize_logits(z, top_k, work=proj.work)
         if index is not None:
-            index.add(lens, l, a, z, lse=(s["pos"][4], s["neg"][4]))
-        out.vtop[l, a:b, 0] = z.argmax(-1).cpu().numpy()
-        out.vtop[l, a:b, 1] = z.argmin(-1).cpu().numpy()
+            index.add(lens, l, a, z, lse=(s["pos"][4], s["neg"][4]), tops=((s["pos"][5], s["pos"][0]), (s["neg"][5], s["neg"][0])))
+        out.vtop[l, a:b] = _extremes(z, s)
         out.put(l, a, b, 0, s["pos"])
         out.put(l, a, b, 1, s["neg"])
-        _target_ranks(z, s, direction[a:b], target[a:b], valid[a:b], out.rank[l], out.tprob[l], a)
-        if inv0 is not None:
-            _shuffled_ranks(z, inv0[a:b], valid, direction, target, out.sh_rank[l])
+        _ranks_of_targets(z, s, a, direction, target, valid, inv0, out.rank[l], out.tprob[l], out.sh_rank[l])
         del z, s
         if keys:
             out.put(l, a, b, 2, summarize_logits(proj.logits(Kw[a:b]), top_k, negative=False, work=proj.work)["pos"])
         advance()
 
 
-def _target_ranks(z, s: dict, direction, target, valid, rank, tprob, a: int) -> None:
-    """The top-1 trigger's next token in the distribution of s_i·v_i, for the valid rows of a chunk
-    starting at row a: its rank into `rank` and its probability into `tprob` (per-layer rows)."""
+def _extremes(z, s: dict) -> np.ndarray:
+    """(C, 2) argmax and argmin of each row of z (first index on ties), read off the top-k where
+    the top two differ (no pass over the row), else from the row."""
     import torch
 
-    rows = np.nonzero(valid)[0]
+    cols = []
+    for name in ("pos", "neg"):
+        ti, tv = s[name][0], s[name][5]
+        if ti.shape[1] < 2:
+            cols.append(z.argmax(-1) if name == "pos" else z.argmin(-1))
+            continue
+        got = ti[:, 0].clone()
+        tie = ~(tv[:, 0] > tv[:, 1])  # a tie for first (or a NaN): the first index, from the row
+        if bool(tie.any()):
+            got[tie] = z[tie].argmax(-1) if name == "pos" else z[tie].argmin(-1)
+        cols.append(got)
+    return torch.stack(cols, 1).cpu().numpy()
+
+
+def _ranks_of_targets(z, s: dict, a: int, direction, target, valid, inv0, rank, tprob, sh_rank) -> None:
+    """The ranks of a chunk (values a..a+C-1 of a layer) in one visit of its logits: into `rank` and
+    `tprob`, the top-1 trigger's next token in s_i·v_i for the valid rows; into `sh_rank`, under
+    the shuffled pairing (permutation 0: value j read by key inv0[j], in that key's direction), the
+    reading key's target (`ffkv.steps.values.ranks.signed_ranks`)."""
+    import torch
+
+    from ffkv.steps.values.ranks import signed_ranks
+
+    C = len(z)
+    own = np.arange(a, a + C)
+    readers = [own] + ([inv0[a:a + C]] if inv0 is not None else [])
+    tgt = torch.stack([target[torch.as_tensor(r)].clamp(min=0) for r in readers], 1)
+    sgn = torch.stack([torch.where(direction[torch.as_tensor(r)] < 0, -1, 1) for r in readers], 1)
+    rk = signed_ranks(z, tgt, sgn).cpu().numpy()
+    rows = np.nonzero(valid[own])[0]
     if len(rows):
-        rk, zt, sgn = _signed_ranks(z, direction, target)
-        lse = torch.where(sgn > 0, s["pos"][4], s["neg"][4])
-        rank[a + rows] = rk.cpu().numpy()[rows]
-        tprob[a + rows] = torch.exp(zt - lse).cpu().numpy()[rows]
-
-
-def _shuffled_ranks(z, readers: np.ndarray, valid, direction, target, sh_rank) -> None:
-    """Shuffled pairing (permutation 0): value j of the chunk is read by key readers[j], in that
-    key's direction; its target's rank goes to sh_rank[readers[j]]."""
-    import torch
-
-    ok = np.nonzero(valid[readers])[0]
-    if len(ok):
-        rd = torch.as_tensor(readers, dtype=torch.long)
-        rk, _, _ = _signed_ranks(z, direction[rd], target[rd])
-        sh_rank[readers[ok]] = rk.cpu().numpy()[ok]
+        pos = sgn[:, 0] > 0
+        zt = z.gather(1, tgt[:, :1].to(z.device))[:, 0]
+        lse = torch.where(pos.to(z.device), s["pos"][4], s["neg"][4])
+        p = torch.exp(torch.where(pos.to(z.device), zt, -zt) - lse).cpu().numpy()
+        rank[a + rows] = rk[rows, 0]
+        tprob[a + rows] = p[rows]
+    if inv0 is not None:
+        ok = np.nonzero(valid[readers[1]])[0]
+        sh_rank[readers[1][ok]] = rk[ok, 1]
 
 
 # ---- agreement and baselines ---------------------------------------------------------------
