@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_values.py            # synthetic, schema-valid triggers
     .venv/bin/python benchmarks/bench_values.py --run RUN  # a real run (its tables are linked
                                                            # into a temp copy; RUN is not written)
+    .venv/bin/python benchmarks/bench_values.py --model gemma3 --layers 1   # Gemma 3's 262,144 tokens
 
 Goals (issue 4): ≤ 2 minutes and ≤ 2 GB peak RSS above the loaded model, for all 46,080 values
 (and their negations and the keys) × 49,152 tokens. The paper's released code needs ≈ 150 GB of
@@ -103,6 +104,9 @@ def main():
     ap.add_argument("--permutations", type=int, default=100)
     ap.add_argument("--layers", type=int, default=None,
                     help="only the model's first N layers (synthetic triggers only; a quick look)")
+    ap.add_argument("--model", default=None,
+                    help="synthetic triggers on this model (`ffkv info` names it: gemma3, a folder, ...); "
+                         "default SmolLM2")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,7 +130,7 @@ def main():
         else:
             from ffkv.model.memories import open_model
 
-            mm = first_layers(open_model(None, device="cpu"), args.layers)
+            mm = first_layers(open_model(args.model, device="cpu"), args.layers)
             n_rows = synthetic_run(tmp / "run", mm, args.triggers_k)
             run = Run(tmp / "run")
         page_in(mm)
@@ -150,7 +154,7 @@ def main():
     print(format_summary(s))
     print()
     print(f"bench_values: {'run ' + args.run if args.run else 'synthetic triggers'} "
-          f"({n_rows:,} trigger rows), SmolLM2 {L}×{d_m} = {L * d_m:,} values × {V:,} tokens, "
+          f"({n_rows:,} trigger rows), {args.model or 'SmolLM2'} {L}×{d_m} = {L * d_m:,} values × {V:,} tokens, "
           f"chunk {args.chunk}, torch threads {torch.get_num_threads()}, "
           f"load avg {load0[0]:.1f} → {load1[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"  model + inputs loaded: {model_mb:,.0f} MB RSS")

@@ -176,20 +176,25 @@ def test_summarize_logits_vs_full_softmax():
         lp = torch.log_softmax(zz.double(), -1)
         p = lp.exp()
         order = torch.argsort(zz, dim=-1, descending=True, stable=True)[:, :5]
-        ti, pr, mx, en, lse, tv = s[name]
-        assert torch.equal(ti, order)
+        ti, pr, mx, en, lse, (tv, tt) = s[name]
+        assert torch.equal(ti, order) and torch.equal(tt, order)
         assert torch.equal(tv, zz.gather(-1, order))  # the side's top logits, descending
         assert torch.allclose(pr.double(), p.gather(-1, order), rtol=1e-5, atol=1e-7)
         assert torch.allclose(mx.double(), p.max(-1).values, rtol=1e-5, atol=1e-7)
         assert torch.allclose(en.double(), -(p * lp).sum(-1), rtol=1e-4, atol=1e-5)
         assert torch.allclose(lse.double(), torch.logsumexp(zz.double(), -1), rtol=1e-6, atol=1e-5)
-    # in blocks of 4 rows (the work buffers' size, not the chunk's): the same numbers, bit for bit
+    # in blocks of 4 rows (the work buffers' size, not the chunk's): the same numbers, bit for bit;
+    # a longer tail (the value index's) leaves the top 5 as they were
     work = (torch.empty(4, 700), torch.empty(4, 700))
-    blocks = summarize_logits(z, 5, work=work)
+    blocks = summarize_logits(z, 5, work=work, tail=21)
     for name in ("pos", "neg"):
-        assert all(torch.equal(a, b) for a, b in zip(s[name], blocks[name])), name
+        assert all(torch.equal(a, b) for a, b in zip(s[name][:5], blocks[name][:5])), name
+        tv, tt = blocks[name][5]
+        assert tt.shape == (9, 21) and torch.equal(tt[:, :5], s[name][0])
+        assert torch.equal(tt, torch.argsort(zz := (z if name == "pos" else -z), dim=-1, descending=True, stable=True)[:, :21])
+        assert torch.equal(tv, zz.gather(-1, tt))
     one = summarize_logits(z, 5, negative=False, work=work)
-    assert list(one) == ["pos"] and all(torch.equal(a, b) for a, b in zip(s["pos"], one["pos"]))
+    assert list(one) == ["pos"] and all(torch.equal(a, b) for a, b in zip(s["pos"][:5], one["pos"][:5]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -199,7 +204,7 @@ def test_signed_ranks_equal_rank_of_in_the_signed_row(C, V, J, levels, seed, num
     """Every target's rank in s·z, counted in one visit of the row (numba on a CPU, else torch),
     equals `rank_of` on the negated row where s = −1; few levels make ties everywhere."""
     from ffkv.model.memories import rank_of
-    from ffkv.steps.values.ranks import signed_ranks
+    from ffkv.steps.values.rows import signed_ranks
 
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(0, levels, (C, V), generator=g).float() * 0.5 - 1.0
@@ -224,6 +229,26 @@ def test_extremes_take_the_first_index_on_ties():
     for k in (1, 2, 3):
         got = _extremes(z, summarize_logits(z, k))
         assert np.array_equal(got, np.stack([z.argmax(-1).numpy(), z.argmin(-1).numpy()], 1)), k
+
+
+@settings(max_examples=60, deadline=None)
+@given(C=st.integers(0, 7), V=st.integers(1, 200), k=st.integers(1, 12), levels=st.integers(1, 5),
+       seed=st.integers(0, 2 ** 16), numba=st.booleans())
+def test_tails_are_a_stable_sort_cut_at_k(C, V, k, levels, seed, numba):
+    """Both tails of each row equal a stable sort (ties: the lower token id first) cut at k, from
+    the CPU kernel and from torch's top-k alike; few levels make ties everywhere."""
+    from ffkv.steps.values.rows import tails
+
+    k = min(k, V)
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(0, levels, (C, V), generator=g).float() - 2.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FFKV_NUMBA", "1" if numba else "0")
+        (tv, ti), (bv, bi) = tails(z, k)
+    up = torch.argsort(-z, dim=-1, stable=True)[:, :k]
+    down = torch.argsort(z, dim=-1, stable=True)[:, :k]
+    assert torch.equal(ti, up) and torch.equal(tv, z.gather(-1, up))
+    assert torch.equal(bi, down) and torch.equal(bv, z.gather(-1, down))
 
 
 def test_index_logsumexp_in_row_blocks_equals_one_block():

@@ -74,11 +74,13 @@ def _top_rows(z, k: int, sign: int = 1, top=None):
     keep[tied] = False
     rows = torch.arange(C, device=z.device)[:, None].expand(C, k)[keep]
     out = [(rows.flatten(), idx[keep].flatten(), rank[keep].flatten(), vals[keep].flatten())]
-    for r in tied.tolist():  # rare: every token ≥ the k-th logit, ranked by counting
+    for r in tied.tolist():  # every token ≥ the k-th logit (Gemma 3's unused tokens tie in hundreds)
         row = z[r] if sign > 0 else -z[r]
         toks = torch.nonzero(row >= thr[r, 0]).flatten()
         lv = row[toks]
-        rk = (row[None, :] > lv[:, None]).sum(-1)
+        # every larger logit is among them: a token's rank is the count of larger ones there
+        desc = torch.sort(lv, descending=True).values
+        rk = len(desc) - torch.searchsorted(desc.flip(0), lv, right=True)
         out.append((torch.full_like(toks, r), toks, rk, lv))
     return tuple(torch.cat([o[j] for o in out]) for j in range(4))
 

@@ -14,9 +14,9 @@ Definitions used here
 - direction s_i: +1 when that trigger's coef ≥ 0 (the memory writes v_i; a zero coef keeps the
   paper's v_i), −1 when coef < 0 (it writes −v_i). The value distribution compared is that of
   s_i·v_i.
-- agreement: top(s_i·v_i) == next_token of the top-1 trigger. top = argmax of the logits
-  (`torch.topk`); rank = `rank_of` (number of logits strictly above the target), so rank 0 ⇔
-  agreement except for exact float ties.
+- agreement: top(s_i·v_i) == next_token of the top-1 trigger. top = the largest logit (ties:
+  the lower token id; `ffkv.steps.values.rows.tails`); rank = `rank_of` (number of logits
+  strictly above the target), so rank 0 ⇔ agreement except for exact float ties.
 - shuffled-pairing baseline: per layer, R seeded permutations π of the values (key i paired
   with value π(i), same direction s_i and target); `shuffled` is the mean agreement over the R
   permutations, its interval the 2.5/97.5 percentiles over them, `shuffled_p` the permutation
@@ -131,12 +131,12 @@ WORK_ROWS = 128  # rows of softmax work at a time: (128 × |V|) float32 buffers,
 MAX_LOGIT_BYTES = 512 * 2 ** 20
 
 
-def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
+def summarize_logits(z, k: int, negative: bool = True, work=None, tail: int = 0) -> dict:
     """Top-k, probabilities, max probability and entropy of softmax(z) (and of softmax(−z)).
 
     z: (C, V) float32 logits. Returns {"pos": (...), "neg": (...)} where each is
     (top_tokens (C,k) int64, top_probs (C,k) f32, max_prob (C,) f32, entropy (C,) f32, lse (C,) f32,
-    top_logits (C,k) f32 of that side's logits, descending: what the index and the argmax reuse).
+    (logits, tokens) (C, max(k, tail)) of that side's top, descending: what the value index reuses).
     Rows are independent, so the softmax work runs over blocks of rows in two (rows, V) float32
     buffers: `work`, a pair of tensors reused across chunks (to save page faults) whose row count
     is the block size, or fresh ones of `WORK_ROWS` rows. Why blocks: with Gemma 3's 262,144
@@ -149,27 +149,33 @@ def summarize_logits(z, k: int, negative: bool = True, work=None) -> dict:
         work = (torch.empty(n, z.shape[1], dtype=z.dtype, device=z.device),
                 torch.empty(n, z.shape[1], dtype=z.dtype, device=z.device))
     step = max(1, len(work[0]))
-    parts = [_summarize_rows(z[a:a + step], k, negative, work) for a in range(0, len(z), step)]
+    parts = [_summarize_rows(z[a:a + step], k, negative, work, tail) for a in range(0, len(z), step)]
     if len(parts) == 1:
         return parts[0]
-    return {name: tuple(torch.cat([p[name][j] for p in parts]) for j in range(6)) for name in parts[0]}
+    return {name: (*(torch.cat([p[name][j] for p in parts]) for j in range(5)),
+                   tuple(torch.cat([p[name][5][j] for p in parts]) for j in range(2))) for name in parts[0]}
 
 
-def _summarize_rows(z, k: int, negative: bool, work) -> dict:
+def _summarize_rows(z, k: int, negative: bool, work, tail: int = 0) -> dict:
     """`summarize_logits` of at most len(work[0]) rows."""
     import torch
 
+    from ffkv.steps.values.rows import tails
+
     out = {}
     buf, ebuf = work[0][: len(z)], work[1][: len(z)]
+    n = min(max(k, tail), z.shape[1])
+    top, bottom = tails(z, n, both=negative)  # both tails in one visit of each row
     for name in (("pos", "neg") if negative else ("pos",)):
         if name == "pos":
-            tv, ti = z.topk(k, dim=-1)
-            m = tv[:, :1]
+            tv_all, ti_all = top
+        else:
+            tv_all, ti_all = -bottom[0], bottom[1]  # top of −z, descending
+        tv, ti = tv_all[:, :k], ti_all[:, :k]
+        m = tv[:, :1]
+        if name == "pos":
             torch.sub(z, m, out=buf)             # z − max(z) ≤ 0
         else:
-            bv, ti = z.topk(k, dim=-1, largest=False)
-            tv = -bv                             # top-k of −z, descending
-            m = tv[:, :1]
             torch.sub(-m, z, out=buf)            # −z − max(−z) ≤ 0
         # buf = shifted logits d ≤ 0: lse = m + log S, S = Σ e^d; H = log S − Σ e^d·d / S
         torch.exp(buf, out=ebuf)
@@ -179,7 +185,7 @@ def _summarize_rows(z, k: int, negative: bool, work) -> dict:
         lse = m[:, 0] + logS
         ent = logS - T / S
         probs = torch.exp(tv - lse[:, None])
-        out[name] = (ti, probs, probs[:, 0].clone(), ent, lse, tv)
+        out[name] = (ti, probs, probs[:, 0].clone(), ent, lse, (tv_all, ti_all))
     return out
 
 
@@ -398,9 +404,9 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
     for a in range(0, mm.d_m, chunk):
         b = min(a + chunk, mm.d_m)
         z = proj.logits(Vw[a:b])
-        s = summarize_logits(z, top_k, work=proj.work)
+        s = summarize_logits(z, top_k, work=proj.work, tail=index.k + 1 if index is not None else 0)
         if index is not None:
-            index.add(lens, l, a, z, lse=(s["pos"][4], s["neg"][4]), tops=((s["pos"][5], s["pos"][0]), (s["neg"][5], s["neg"][0])))
+            index.add(lens, l, a, z, lse=(s["pos"][4], s["neg"][4]), tops=(s["pos"][5], s["neg"][5]))
         out.vtop[l, a:b] = _extremes(z, s)
         out.put(l, a, b, 0, s["pos"])
         out.put(l, a, b, 1, s["neg"])
@@ -412,32 +418,21 @@ def _project_layer(mm, l: int, proj: _Projector, out: Projections, trig: dict, p
 
 
 def _extremes(z, s: dict) -> np.ndarray:
-    """(C, 2) argmax and argmin of each row of z (first index on ties), read off the top-k where
-    the top two differ (no pass over the row), else from the row."""
+    """(C, 2) argmax and argmin of each row of z, first index on ties: the first of each tail
+    (`ffkv.steps.values.rows.tails` puts ties in token order), no pass of their own."""
     import torch
 
-    cols = []
-    for name in ("pos", "neg"):
-        ti, tv = s[name][0], s[name][5]
-        if ti.shape[1] < 2:
-            cols.append(z.argmax(-1) if name == "pos" else z.argmin(-1))
-            continue
-        got = ti[:, 0].clone()
-        tie = ~(tv[:, 0] > tv[:, 1])  # a tie for first (or a NaN): the first index, from the row
-        if bool(tie.any()):
-            got[tie] = z[tie].argmax(-1) if name == "pos" else z[tie].argmin(-1)
-        cols.append(got)
-    return torch.stack(cols, 1).cpu().numpy()
+    return torch.stack([s["pos"][0][:, 0], s["neg"][0][:, 0]], 1).cpu().numpy()
 
 
 def _ranks_of_targets(z, s: dict, a: int, direction, target, valid, inv0, rank, tprob, sh_rank) -> None:
     """The ranks of a chunk (values a..a+C-1 of a layer) in one visit of its logits: into `rank` and
     `tprob`, the top-1 trigger's next token in s_i·v_i for the valid rows; into `sh_rank`, under
     the shuffled pairing (permutation 0: value j read by key inv0[j], in that key's direction), the
-    reading key's target (`ffkv.steps.values.ranks.signed_ranks`)."""
+    reading key's target (`ffkv.steps.values.rows.signed_ranks`)."""
     import torch
 
-    from ffkv.steps.values.ranks import signed_ranks
+    from ffkv.steps.values.rows import signed_ranks
 
     C = len(z)
     own = np.arange(a, a + C)
