@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_compose.py            # the goal: 4,000 prefixes, ≤ 10 min
     .venv/bin/python benchmarks/bench_compose.py -n 200     # a quick look
+    .venv/bin/python benchmarks/bench_compose.py -n 100 --model gemma3 --layers 2   # 262,144 tokens
 
 Prints the wall time of each part, tokens/s, and the ratio to a plain transformers forward pass
 with logits over exactly the same length-packed batches, measured in the same process right
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--corpus", default=str(SHARED / "corpora" / "wikitext-2" / "wiki.valid.tokens"))
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--out", default=None, help="Run directory to keep (default: a temporary one).")
+    ap.add_argument("--model", default=None, help="Another model (`ffkv info` names it: gemma3, ...); default SmolLM2")
+    ap.add_argument("--layers", type=int, default=None, help="Only the model's first N layers (a quick look)")
     args = ap.parse_args()
 
     import warnings
@@ -83,13 +86,15 @@ def main() -> None:
     from ffkv.store.run import Run
 
     t0 = time.perf_counter()
-    mm = open_model(None, device="cpu")
+    from _common import first_layers
+
+    mm = first_layers(open_model(args.model, device="cpu"), args.layers)
     t_load = time.perf_counter() - t0
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="bench_compose_")
     run = Run(args.out or tmp.name, create=True)
     identity.record_model(run, mm)
     load0 = os.getloadavg()[0]
-    print(f"model SmolLM2-135M: {mm.n_layers} layers, d_m={mm.d_m}, V={mm.vocab_size}; "
+    print(f"model {args.model or 'SmolLM2-135M'}: {mm.n_layers} layers, d_m={mm.d_m}, V={mm.vocab_size}; "
           f"torch threads {torch.get_num_threads()}; load {t_load:.1f} s; "
           f"machine load average {load0:.2f} on {os.cpu_count()} cores", flush=True)
 
