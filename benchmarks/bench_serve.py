@@ -316,15 +316,21 @@ def colour_times(run: Path, pages: int, seed: int) -> None:
                     j = c.get(html_mod.unescape(src.group(1))).json()
                     total = time.perf_counter() - t
                     n = sum(len(e["m"]) for e in j["examples"].values())
-                    rows[kind].append((total, j["seconds"], j["computed"], n))
+                    rows[kind].append((total, j["seconds"], j["computed"], n, l))
     finally:
         p.terminate()
         p.wait(10)
+    L = int(man["model"]["layers"])
     for kind, r in rows.items():
-        tot, comp, sents, toks = (np.array(x, dtype=np.float64) for x in zip(*r))
+        tot, comp, sents, toks, lay = (np.array(x, dtype=np.float64) for x in zip(*r))
         out(f"{kind}: {len(r)} memory pages fully coloured in p50 {np.median(tot):.2f} s, max {tot.max():.2f} s "
             f"(goal ≤ 3 s cold; colours computed in p50 {np.median(comp):.2f} s for a median {np.median(sents):.0f} "
             f"sentences, {np.median(toks):.0f} tokens); within 3 s: {int((tot <= 3).sum())}/{len(r)}")
+        for a in range(0, L, 10):  # by depth: a deeper memory's forward runs more blocks
+            sel = (lay >= a) & (lay < a + 10)
+            if sel.any():
+                out(f"  layers {a}-{min(a + 9, L - 1)}: {int(sel.sum())} pages, p50 {np.median(tot[sel]):.2f} s, "
+                    f"max {tot[sel].max():.2f} s, within 3 s: {int((tot[sel] <= 3).sum())}/{int(sel.sum())}")
 
 
 def wait_first_page(client, url: str, p, t0: float) -> float:
