@@ -489,3 +489,65 @@ def test_memory_out_of_range_is_404(client):  # noqa: F811
         r = client.get(u)
         assert r.status_code in (404, 422), (u, r.status_code)
         one_line_4xx(r)
+
+
+# ---- issue 48 Deliver 4: your own text ----------------------------------------------------------
+TYPED = "The committee met in 1998 to discuss the new bridge, and it was opened two years later."
+
+
+def test_own_text_coefficients_equal_a_hooked_forward(client, web_run, hf):  # noqa: F811
+    """The memory's m at each token of a typed text (JSON and page) equals the hooked forward of
+    the text's own token ids; the tint steps follow each sign's largest m; the memory page links
+    the box there."""
+    import html as html_mod
+
+    model, tok = hf
+    ids = tok(TYPED)["input_ids"]
+    for layer, dim in some_keys(web_run, 2):
+        r = client.get(f"/api/memory/{layer}/{dim}/text", params={"text": TYPED})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert [t["token"] for t in j["tokens"]] == ids and j["cut"] is None
+        ref = hooked_m(model, layer, dim, ids)
+        got = np.array([t["m"] for t in j["tokens"]], dtype=np.float64)
+        np.testing.assert_allclose(got, ref, atol=ATOL, rtol=RTOL)
+        pos, neg = max([0.0, *got[got > 0]]), max([0.0, *(-got[got < 0])])
+        assert j["scale_pos"] == pytest.approx(pos) and j["scale_neg"] == pytest.approx(neg)
+        for t in j["tokens"]:  # 0..8 by |m| / the sign's scale, rounded half up, signed
+            s = pos if t["m"] > 0 else neg
+            want = 0 if not s or t["m"] == 0 else int(min(8, np.floor(8 * abs(t["m"]) / s + 0.5)))
+            assert t["level"] == (want if t["m"] > 0 else -want), t
+        assert j["top"] == [int(i) for i in np.argsort(-np.abs(got), kind="stable")[:10]]
+        page = client.get(f"/memory/{layer}/{dim}/text", params={"text": TYPED})
+        assert page.status_code == 200
+        spans = re.findall(r'<span class="tk( m[pn]\d)?" data-i="(\d+)"', page.text)
+        assert len(spans) == len(ids)
+        for (cls, i), t in zip(spans, j["tokens"]):
+            lv = t["level"]
+            assert cls.strip() == ("" if lv == 0 else f"mp{lv}" if lv > 0 else f"mn{-lv}"), (i, cls, lv)
+        assert html_mod.escape(TYPED, quote=False) in page.text  # the box keeps the text
+    layer, dim = some_keys(web_run, 1)[0]
+    mem = client.get(f"/memory/{layer}/{dim}").text
+    assert f'action="/memory/{layer}/{dim}/text"' in mem and 'name="text"' in mem
+    assert client.get(f"/memory/{layer}/{dim}/text").status_code == 200  # the empty form
+
+
+def test_own_text_long_is_cut_where_asked_and_bad_input_is_one_line(client, web_run, hf):  # noqa: F811
+    model, tok = hf
+    layer, dim = some_keys(web_run, 1)[0]
+    long = " ".join(f"word{i}" for i in range(400))
+    for u, p in ((f"/api/memory/{layer}/{dim}/text", {"text": long}),
+                 (f"/memory/{layer}/{dim}/text", {"text": long}),
+                 (f"/api/memory/{layer}/{dim}/text", {"text": "   "}),
+                 (f"/api/memory/{layer}/{dim}/text", {"text": "a", "truncate": "middle"}),
+                 ("/api/memory/99/0/text", {"text": "a"}),
+                 (f"/api/memory/{layer}/99999/text", {"text": "a"})):
+        r = client.get(u, params=p)
+        assert r.status_code in (404, 422), (u, r.status_code)
+        one_line_4xx(r)
+    ids = tok(long)["input_ids"]
+    n = min(256, model.config.max_position_embeddings)  # the browser's cap, then the model's context
+    for side, want in (("right", ids[:n]), ("left", ids[-n:])):
+        r = client.get(f"/api/memory/{layer}/{dim}/text", params={"text": long, "truncate": side}).json()
+        assert [t["token"] for t in r["tokens"]] == want
+        assert r["cut"] == {"side": side, "dropped_tokens": len(ids) - n, "text_tokens": len(ids)}

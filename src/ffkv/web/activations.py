@@ -326,6 +326,48 @@ def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
     return {"memories": memories, "computed": computed, "seconds": round(time.time() - t0, 3)}
 
 
+TEXT_TOKENS = 256  # tokens of a typed text (the explorer's cap); longer is cut at the side asked, or refused
+
+
+def level(m: float, scale: float) -> int:
+    """A coefficient's tint step, 0..LEVELS, against its sign's scale (static/app.js rounds alike)."""
+    if not scale or not np.isfinite(m):
+        return 0
+    return int(min(LEVELS, np.floor(LEVELS * abs(m) / scale + 0.5)))
+
+
+def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = None) -> dict:
+    """One memory's coefficient m at every token of a typed text (issue 48: your own text), the
+    forward stopped after its layer (`compute`, the examples' colouring). JSON: {layer, dim, text,
+    tokens: [{i, token, text, m, level}], scale_pos, scale_neg, cut, seconds}; `level` signed."""
+    from ffkv.errors import FfkvError
+    from ffkv.web.explain import fit_text
+
+    t0 = time.time()
+    b.check_key(layer, dim)
+    if not text or not text.strip():
+        raise BadQuery("type a text: the coefficient is read at each of its tokens")
+    if len(text) > 20 * TEXT_TOKENS * 8:
+        raise BadQuery(f"the text is {len(text):,} characters long; at most {20 * TEXT_TOKENS * 8:,}")
+    mm = b.model()
+    try:
+        ids, cut = fit_text(mm, text, TEXT_TOKENS, truncate)
+    except FfkvError as e:
+        raise BadQuery(str(e).replace("--truncate", "truncate")) from None
+    fg = getattr(b, "foreground", None)
+    with fg.busy() if fg is not None else nullcontext():
+        m = compute(mm, [ids], [[(layer, dim)]], b.model_lock)[0][(layer, dim)]
+    vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in m.tolist()]
+    pos = max([0.0] + [x for x in vals if x is not None and x > 0])
+    neg = max([0.0] + [-x for x in vals if x is not None and x < 0])
+    toks = [{"i": i, "token": int(t), "text": b.tok(t), "m": x,
+             "level": 0 if x is None else (level(x, pos) if x > 0 else -level(x, neg))}
+            for i, (t, x) in enumerate(zip(ids, vals))]
+    top = sorted((t for t in toks if t["m"] is not None), key=lambda t: -abs(t["m"]))[:10]
+    return {"layer": layer, "dim": dim, "text": text, "tokens": toks, "scale_pos": pos, "scale_neg": neg,
+            "top": [t["i"] for t in top], "cut": cut, "seconds": round(time.time() - t0, 3)}
+
+
 def activations(b, app_state, layer: int, dim: int, examples, skip_pos0: bool = False) -> dict:
     """The JSON of one memory's page (the module docstring lists its fields)."""
     b.check_key(layer, dim)

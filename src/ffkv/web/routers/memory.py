@@ -151,6 +151,27 @@ def api_activations(request: Request, layer: int, dim: int, top: str | None = No
     return api(activations.activations(b, request.app.state, layer, dim, examples, skip_pos0=hide0))
 
 
+def _truncate(v: str | None) -> str | None:
+    if v not in (None, "", "left", "right"):
+        raise BadQuery(f"truncate must be left (keep the end) or right (keep the start) (got {v!r})")
+    return v or None
+
+
+@router.get("/memory/{layer}/{dim}/text", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
+def memory_text_page(request: Request, layer: int, dim: int, text: str | None = None, truncate: str | None = None):
+    """A typed text's tokens tinted by this memory's coefficient (no JavaScript needed)."""
+    b = state(request)
+    b.check_key(layer, dim)
+    res = (activations.text_activations(b, layer, dim, text, _truncate(truncate)) if text
+           else {"layer": layer, "dim": dim, "text": "", "tokens": [], "cut": None})
+    return render(request, "memory_text.html", r=res, truncate=truncate or "", max_tokens=activations.TEXT_TOKENS)
+
+
+@router.get("/api/memory/{layer}/{dim}/text", dependencies=[Depends(no_cross_site_fetch)])
+def api_memory_text(request: Request, layer: int, dim: int, text: str | None = None, truncate: str | None = None):
+    return api(activations.text_activations(state(request), layer, dim, text or "", _truncate(truncate)))
+
+
 @router.get("/api/activations", dependencies=[Depends(no_cross_site_fetch)])
 def api_activations_many(request: Request, examples: str | None = None):
     """m of each example's memory at every token of its window (`examples`: LAYER/DIM/SENTENCE/
