@@ -76,34 +76,43 @@ def _tails_kernel():
     if _tails is None:
         from numba import njit, prange
 
+        def inserter(top: bool):
+            """x (token v) into row r's list of its n largest (top) or smallest values, kept in
+            order: behind every equal value, so the lower id comes first. Returns the new length.
+            `top` is a constant of the compiled function (the comparison is chosen once)."""
+            @njit(inline="always")
+            def before(a, b):  # pragma: no cover  (compiled)
+                return a > b if top else a < b
+
+            @njit(inline="always")
+            def insert(vals, idx, r, n, k, x, v):  # pragma: no cover  (compiled)
+                if n < k or before(x, vals[r, k - 1]):
+                    i = min(n, k - 1)
+                    while i > 0 and before(x, vals[r, i - 1]):
+                        vals[r, i] = vals[r, i - 1]
+                        idx[r, i] = idx[r, i - 1]
+                        i -= 1
+                    vals[r, i] = x
+                    idx[r, i] = v
+                    return min(n + 1, k)
+                return n
+            return insert
+
+        high, low = inserter(True), inserter(False)
+
         @njit(parallel=True, cache=True, nogil=True)
         def tails(z, k, both, hv, hi, lv, li, nan):  # pragma: no cover  (compiled)
             C, V = z.shape
             for r in prange(C):
                 nh = 0
                 nl = 0
-                for v in range(V):  # insertion behind every equal value: the lower id first
+                for v in range(V):
                     x = z[r, v]
                     if x != x:
                         nan[r] = True
-                    if nh < k or x > hv[r, k - 1]:
-                        i = min(nh, k - 1)
-                        while i > 0 and hv[r, i - 1] < x:
-                            hv[r, i] = hv[r, i - 1]
-                            hi[r, i] = hi[r, i - 1]
-                            i -= 1
-                        hv[r, i] = x
-                        hi[r, i] = v
-                        nh = min(nh + 1, k)
-                    if both and (nl < k or x < lv[r, k - 1]):
-                        i = min(nl, k - 1)
-                        while i > 0 and lv[r, i - 1] > x:
-                            lv[r, i] = lv[r, i - 1]
-                            li[r, i] = li[r, i - 1]
-                            i -= 1
-                        lv[r, i] = x
-                        li[r, i] = v
-                        nl = min(nl + 1, k)
+                    nh = high(hv, hi, r, nh, k, x, v)
+                    if both:
+                        nl = low(lv, li, r, nl, k, x, v)
 
         _tails = tails
     return _tails
