@@ -97,6 +97,30 @@ def test_evaluate_scores_equal_a_plain_forward_for_the_unedited_model(run, tiny_
         assert row["specificity"] == float(nll(nb, rw["target_true"]["str"]) < nll(nb, rw["target_new"]["str"]))
 
 
+def test_evaluate_takes_memits_lambda_as_edit_does(run, monkeypatch):
+    """--lambda and --lambda-rel reach MEMIT's solve (as `ffkv facts edit` passes them) and the
+    step's record; the default is the relative λ."""
+    from ffkv.steps.facts import MEMIT_LAMBDA_REL
+    from ffkv.steps.facts import edit as E
+    from ffkv.store.run import Run
+
+    seen = []
+    real = E.memit
+
+    def spy(*a, **kw):
+        seen.append((kw.get("lam"), kw.get("lam_rel")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(E, "memit", spy)
+    base = ["facts", "evaluate", run, "--facts", run.parent / "cf.json", "--all", "--layer", "2", "--span", "2",
+            "--steps", "1", "--prefixes", "0", "--tokens", "0", "--methods", "memit", "--limit", "1", "--force"]
+    assert run_cli(*base, "--lambda", "7.5").returncode == 0
+    assert run_cli(*base, "--lambda-rel", "3").returncode == 0
+    assert seen == [(7.5, MEMIT_LAMBDA_REL), (None, 3.0)]
+    rec = Run(run).settings("facts_evaluate")
+    assert rec["lam"] is None and rec["lam_rel"] == 3.0
+
+
 def test_locate_json_ranks_and_checks(run):
     res = run_cli("facts", "locate", run, "--prompt", "{} is in the city of", "--subject", "The tower",
                   "--target", " London", "--method", "grad", "--at", "last", "--top", "4", "--ablate", "1,2",
@@ -119,6 +143,8 @@ def test_locate_json_ranks_and_checks(run):
     (["edit", "--prompt", "{} is", "--subject", "x", "--new", " ", "--layer", "1"], "--new"),
     (["locate", "--prompt", "{} is", "--subject", "y z", "--method", "magic"], "--method"),
     (["evaluate", "--facts", "countries", "--methods", "rome,lora"], "--methods"),
+    (["evaluate", "--facts", "countries", "--lambda-rel", "-1"], "--lambda-rel"),
+    (["evaluate", "--facts", "countries", "--lambda", "-5"], "--lambda"),
 ])
 def test_refusals_are_one_line(run, args, says):
     res = run_cli("facts", args[0], run, *args[1:])

@@ -13,6 +13,13 @@ from ffkv.steps import lazy
 from ffkv.steps.lifecycle import Step
 from ffkv.steps.settings import a_seed, at_least, between, setting
 
+MEMIT_LAMBDA = 15000.0  # MEMIT's mom2_update_weight: C's weight against the edited keys (absolute, GPT-J)
+# The default, scale- and size-free: λ = λ_rel · mean_i k_iᵀC⁻¹k_i (`memit_factors`). A key drawn from C's
+# own distribution has E[kᵀC⁻¹k] = tr(C⁻¹C) = d_m, so MEMIT's 15000 on GPT-J (d_m 16384) is λ_rel ≈ 0.92
+# for such keys; the same absolute 15000 on SmolLM2 (d_m 1536) would be λ_rel ≈ 10.
+GPTJ_D_M = 16384
+MEMIT_LAMBDA_REL = MEMIT_LAMBDA / GPTJ_D_M
+
 KINDS = ("hidden", "ffn", "attn")
 METHODS = ("rome", "memit", "values")
 
@@ -83,6 +90,11 @@ class EvaluateSettings:
     span: int = setting(5, "MEMIT's range: this many layers ending at --layer.", check=between(1, 64))
     top: int = setting(10, "values: how many located memories of the layer are rewritten.", check=at_least(1))
     steps: int = setting(20, "Adam steps of the target's optimisation (ROME: 20).", check=between(1, 1000))
+    lam: float | None = setting(None, "memit: C's weight λ, absolute (MEMIT's published 15000 for GPT-J). Default: "
+                                "relative, λ = λ_rel · mean kᵀC⁻¹k of the edited keys (--lambda-rel), as "
+                                "`ffkv facts edit` has it.", flag="--lambda", check=at_least(0.0))
+    lam_rel: float = setting(MEMIT_LAMBDA_REL, "memit: λ relative to the edited keys' C-whitened squared norm "
+                             "(MEMIT's 15000 on GPT-J's typical keys).", flag="--lambda-rel", check=at_least(0.0))
     prefixes: int = setting(10, "Context prefixes (starts of the run's sentences) averaged over.", check=between(0, 100))
     tokens: int = setting(50, "Tokens of greedy generation per fact for fluency (0: no fluency).",
                           check=between(0, 1000))

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ffkv.errors import FfkvError
+from ffkv.steps.facts import MEMIT_LAMBDA_REL
 
 PromptOpt = typer.Option(..., "--prompt", help='A prompt template whose {} is the subject, e.g. "{} is located in the city of".')
 SubjectOpt = typer.Option(..., "--subject", help='The subject, e.g. "The Eiffel Tower".')
@@ -123,7 +124,7 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
          lam: Optional[float] = typer.Option(None, "--lambda", help="memit: C's weight λ, absolute (MEMIT's "
                                              "published 15000 for GPT-J). Default: relative, λ = λ_rel · mean "
                                              "kᵀC⁻¹k of the edited keys (--lambda-rel)."),
-         lam_rel: float = typer.Option(15000.0 / 16384, "--lambda-rel", min=0.0, help="memit: λ relative to the "
+         lam_rel: float = typer.Option(MEMIT_LAMBDA_REL, "--lambda-rel", min=0.0, help="memit: λ relative to the "
                                        "edited keys' C-whitened squared norm (a lone fact gets 1/(1+λ_rel) of its "
                                        "share at each layer; MEMIT's 15000 on GPT-J's typical keys)."),
          steps: int = typer.Option(20, "--steps", min=1, max=1000, help="Adam steps of the target (ROME: 20)."),

@@ -200,7 +200,7 @@ def evaluate_step(ctx) -> dict:
             got = []
             if method == "memit":
                 t0 = time.time()
-                e = E.memit(mm, span, reqs, covs, templates, hp)
+                e = E.memit(mm, span, reqs, covs, templates, hp, lam=s.lam, lam_rel=s.lam_rel)
                 secs = (time.time() - t0) / len(facts)
                 with E.applied(mm, e):
                     for i, f in enumerate(facts):

@@ -39,18 +39,13 @@ import numpy as np
 import torch
 
 from ffkv.errors import FfkvError
+from ffkv.steps.facts import GPTJ_D_M, MEMIT_LAMBDA, MEMIT_LAMBDA_REL  # noqa: F401  (MEMIT's λ, one place)
 
 METHODS = ("rome", "memit", "values")
 # ROME's published hyperparameters (GPT-2 XL / GPT-J): Adam steps, rate, KL weight, norm penalty,
 # clamp of ‖δ‖ at this many times ‖y₀‖, and prefixes (ROME: 10 of 5 and 10 of 10 tokens)
 ROME_HP = dict(steps=20, lr=0.5, kl_factor=0.0625, weight_decay=0.5, clamp=4.0)
 PREFIXES, PREFIX_TOKENS = 10, 10
-MEMIT_LAMBDA = 15000.0  # MEMIT's mom2_update_weight: C's weight against the edited keys (absolute, GPT-J)
-# The default, scale- and size-free: λ = λ_rel · mean_i k_iᵀC⁻¹k_i (`memit_factors`). A key drawn from C's
-# own distribution has E[kᵀC⁻¹k] = tr(C⁻¹C) = d_m, so MEMIT's 15000 on GPT-J (d_m 16384) is λ_rel ≈ 0.92
-# for such keys; the same absolute 15000 on SmolLM2 (d_m 1536) would be λ_rel ≈ 10.
-GPTJ_D_M = 16384
-MEMIT_LAMBDA_REL = MEMIT_LAMBDA / GPTJ_D_M
 
 
 @dataclass
