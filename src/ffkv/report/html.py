@@ -94,6 +94,14 @@ def table(headers: list[str], rows: list[list], num: set[int] | None = None, raw
             f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
+def mem(layer: int, dim: int, text: str | None = None) -> str:
+    """A memory id in the report: plain text offline (file://); `ffkv serve` turns it into a link
+    to the memory's page when it serves the report (`ffkv.web.routers.site.linked_report`)."""
+    layer, dim = int(layer), int(dim)
+    shown = f"{layer}/{dim}" if text is None else str(text)
+    return f'<span class="mem" data-memory="{layer}/{dim}">{esc(shown)}</span>'
+
+
 def kv(pairs: list[tuple[str, object]]) -> str:
     return table(["", ""], [[k, v] for k, v in pairs], cls="kv").replace("<thead><tr><th></th><th></th></tr></thead>", "")
 

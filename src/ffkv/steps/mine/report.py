@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ffkv.report import figures as F
-from ffkv.report.html import esc, table
+from ffkv.report.html import esc, mem, table
 from ffkv.store import query
 
 TITLE = "Key activation profiles (beyond the paper)"
@@ -182,7 +182,7 @@ def section(run, fig_dir: Path) -> dict | None:
     rows = []
     for k in c["keys"]:
         for sign, r in sorted(k["stats"].items(), key=lambda kv: -kv[0]):
-            rows.append([f"{k['layer']}/{k['dim']}", f"{sign:+d}", f"{r['frac_active']:.1%}", f"{r['frac_strong']:.2%}",
+            rows.append([mem(k["layer"], k["dim"]), f"{sign:+d}", f"{r['frac_active']:.1%}", f"{r['frac_strong']:.2%}",
                          f"{r['max']:+.3g}", "" if r["p50"] is None else f"{r['p50']:+.3g}",
                          "" if r["p99"] is None else f"{r['p99']:+.3g}", f"{r['first_share']:.0%}"])
     b = c["by_layer"]
@@ -194,7 +194,7 @@ def section(run, fig_dir: Path) -> dict | None:
             f"\"non-zero\" means nothing, so the share above 10% of the key's own extreme is shown too. "
             f"Quantiles are read from the log2-binned histogram. Keys whose best position is the first token "
             f"in over half of the sentences: {first:.1%} on average per layer.</p>"
-            + (table(["key", "sign", "density", "> 10% of max", "max", "p50", "p99", "best at token 0"], rows)
+            + (table(["key", "sign", "density", "> 10% of max", "max", "p50", "p99", "best at token 0"], rows, raw={0})
                if rows else "")
             + f"<p>{esc(c['layout'].get('rule', ''))}</p>")
     return {"id": "keystats", "title": TITLE, "figures": figs, "html": html}

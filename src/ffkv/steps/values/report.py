@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ffkv.report.build import Builder, Section, prefix_html
-from ffkv.report.html import esc, table, tok
+from ffkv.report.html import esc, mem, table, tok
 from ffkv.steps.values import figures as F
 from ffkv.steps.values import verdicts as V
 from ffkv.steps.values.paper import FIG4, FIG5, FIG6, TABLE2
@@ -72,11 +72,11 @@ def table2(b: Builder) -> Section:
             ex = prefix_html(*b.decoder.marked(ids, int(r.example_position)), chars=80)
         elif isinstance(r.example_text, str):
             ex = esc(r.example_text)
-        rows.append([int(r.position), int(r.layer), int(r.dim), r.kind, float(r.max_prob), tok(r.top_token_text),
-                     f"{int(r.n_agree)}/{int(r.n_examples)}", ex])
+        rows.append([int(r.position), int(r.layer), mem(r.layer, r.dim, int(r.dim)), r.kind, float(r.max_prob),
+                     tok(r.top_token_text), f"{int(r.n_agree)}/{int(r.n_examples)}", ex])
     s.html = (f"<p>The {len(d)} values with the highest max probability (of {len(df)} in "
               f"<code>values_table2</code>), the share of their key's top triggers whose next token is the "
               f"value's top token, and the best-ranked agreeing trigger.</p>"
               + table(["#", "layer", "dim", "kind", "max p", "top token", "agreeing triggers", "example"],
-                      rows, num={0, 1, 2, 4}, raw={5, 7}))
+                      rows, num={0, 1, 2, 4}, raw={2, 5, 7}))
     return s

@@ -42,12 +42,58 @@ def report_redirect():
     return RedirectResponse("/report/", status_code=308)
 
 
+MEM_SPAN = re.compile(r'<span class="mem" data-memory="(\d{1,6})/(\d{1,9})">(.*?)</span>')
+
+
+def linked_report(html: str, stale: str | None = None) -> str:
+    """The report as `ffkv serve` shows it: its memory ids (`ffkv.report.html.mem`) link to their
+    pages, and a report older than the run's annotations or steps says so at the top."""
+    html = MEM_SPAN.sub(lambda m: f'<a class="mem" href="/memory/{m[1]}/{m[2]}">{m[3]}</a>', html)
+    if stale:
+        note = f'<p class="stale" role="status" style="background:#fff3cd;padding:.5em 1em">{stale}</p>'
+        html = re.sub(r"(<body[^>]*>)", lambda m: m[1] + note, html, count=1)
+    return html
+
+
+def report_staleness(run_path, name: str) -> str | None:
+    """Why the built report is out of date, or None: a step finished or an annotation was saved
+    after it was written."""
+    import json
+    import os
+
+    built = os.stat(run_path / "report" / "index.html").st_mtime
+    why = []
+    try:
+        steps = json.loads((run_path / "manifest.json").read_text()).get("steps") or {}
+    except (OSError, ValueError):
+        steps = {}
+    later = sorted(k for k, v in steps.items() if isinstance(v, dict) and (v.get("finished") or 0) > built)
+    if later:
+        why.append("step" + ("s " if len(later) > 1 else " ") + ", ".join(later) + " finished")
+    for f in ("annotations.sqlite", "annotations.sqlite-wal"):
+        p = run_path / f
+        if p.exists() and os.stat(p).st_mtime > built:
+            why.append("annotations were saved")
+            break
+    if not why:
+        return None
+    return (f"This report is out of date: {' and '.join(why)} after it was built. "
+            f"Rebuild it with <code>ffkv report {name}</code>.")
+
+
 @router.get("/report/", include_in_schema=False)
 def report(request: Request):
-    p = state(request).path / "report" / "index.html"
+    from fastapi.responses import HTMLResponse
+
+    b = state(request)
+    p = b.path / "report" / "index.html"
     if not p.is_file():
-        raise NotFound(f"this run has no report yet; build it with `ffkv report {state(request).name}`")
-    return FileResponse(p, media_type="text/html; charset=utf-8", headers={"Content-Security-Policy": REPORT_CSP})
+        raise NotFound(f"this run has no report yet; build it with `ffkv report {b.name}`")
+    import html as html_mod
+
+    stale = report_staleness(b.path, html_mod.escape(str(b.name)))
+    return HTMLResponse(linked_report(p.read_text(encoding="utf-8"), stale),
+                        headers={"Content-Security-Policy": REPORT_CSP})
 
 
 @router.get("/report/figures/{name}", include_in_schema=False)
