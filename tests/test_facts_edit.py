@@ -227,6 +227,37 @@ def test_a_zero_post_norm_gain_takes_no_change(tmp_path_factory, tok_dir):
             norm.weight.copy_(w0)
 
 
+def test_a_post_norm_edit_gives_the_raw_output_it_optimised(tmp_path_factory, tok_dir):
+    """Gemma 3 (a post-FFN RMSNorm caps what the FFN adds): the target is sought on the raw output
+    u before the norm, and a ROME edit (any C) then gives exactly u₀ + δ at the prompt, so the
+    forward the optimiser scored is the edited model's; the new object is likelier after it."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    from ffkv.steps.facts import edit as E
+    from ffkv.steps.facts.evaluate import target_nll
+
+    mm = open_tiny("gemma3_text", FAMILIES["gemma3_text"].config, lambda: tmp_path_factory.mktemp("g3e"), tok_dir,
+                   _BUILT)[1]
+    layer, tpl = 1, ["{}", "Once upon a time. {}"]
+    blk = mm.blocks[layer]
+    vstar, k0, y0 = E.target_output(mm, layer, REQ, tpl, {"steps": 8, "clamp": 8.0})
+    u0 = E.raw_output_at(mm, layer, REQ.text, REQ.subject)
+    s0 = 1.0 / mm.arch.inv_scale(blk, u0[None])[0, 0]
+    g = mm.arch.norm_gain(blk.post_feedforward_layernorm).detach().float()
+    delta = (vstar - y0) * s0 / g  # the raw δ the optimiser found (no zero gain in a tiny model)
+    assert float(delta.norm()) > 0
+    kbar = E.keys_at(mm, layer, [E.fill(t, REQ.text) for t in tpl], REQ.subject).mean(0)
+    u, r = E.rome_factors(np.eye(mm.d_m), kbar, k0, vstar, y0)
+    e = E.Edit("rome", {layer: (u[:, None], r[:, None])}, [REQ.as_dict()], {}, {layer: vstar.numpy()})
+    text = REQ.text
+    before = float(-target_nll(mm, [text], REQ.target_new)[0])
+    with E.applied(mm, e):
+        torch.testing.assert_close(E.raw_output_at(mm, layer, REQ.text, REQ.subject), u0 + delta,
+                                   rtol=1e-4, atol=1e-4)
+        after = float(-target_nll(mm, [text], REQ.target_new)[0])
+    assert after > before
+
+
 def test_saving_over_an_edit_replaces_it_whole(tmp_path, monkeypatch):
     """--name over an existing edit: the new one replaces it; a write that fails midway leaves the
     old one as it was and no staged folder behind."""

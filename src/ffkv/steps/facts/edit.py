@@ -362,21 +362,54 @@ def _added_at(delta: torch.Tensor, last: torch.Tensor):
 
 
 def target_output(mm, layer: int, req: Request, templates: list[str], hp: dict | None = None):
-    """(v*, k₀, y₀): the FFN output at the subject's last token that makes the new object likely."""
+    """(v*, k₀, y₀): the FFN output at the subject's last token that makes the new object likely.
+
+    A post-FFN norm (Gemma 2/3, OLMo 2: y = g ⊙ u / rms(u)) caps what the FFN can add: a δ added
+    after it can ask for a y no change of the values gives, and the edit then falls short (Gemma
+    3's edits did not take). There δ is sought on the raw output u, before the norm, where any
+    target is reachable; v* = y₀ + g ⊙ δ / s₀ (s₀ the prompt's scale) is the change of the values
+    that adds δ to u at k₀, so the edited model's forward at the prompt is the one optimised."""
     hp = {**ROME_HP, **(hp or {})}
     k0, y0 = output_at(mm, layer, req.text, req.subject)
+    blk = mm.blocks[layer]
+    post = getattr(mm.arch, "post_norm", None)
 
     @contextmanager
     def add(delta, last, shape):
-        hooks = mm.arch.edit_y(mm.blocks[layer], _added_at(delta, last), shape)
+        if post is None:
+            hooks = mm.arch.edit_y(blk, _added_at(delta, last), shape)
+        else:
+            put = _added_at(delta, last)
+            hooks = [mm.arch.module(blk, mm.arch.value).register_forward_hook(lambda mod, args, out: put(out))]
         try:
             yield
         finally:
             for h in hooks:
                 h.remove()
 
-    delta = _optimize(mm, req, templates, layer, add, hp, y0)
-    return y0 + delta, k0, y0
+    if post is None:
+        return y0 + _optimize(mm, req, templates, layer, add, hp, y0), k0, y0
+    u0 = raw_output_at(mm, layer, req.text, req.subject)
+    s0 = 1.0 / mm.arch.inv_scale(blk, u0[None].float())[0, 0]
+    delta = _optimize(mm, req, templates, layer, add, hp, u0)
+    g = mm.arch.norm_gain(mm.arch.module(blk, post))
+    g = torch.ones_like(delta) if g is None else g.detach().to(delta.device, delta.dtype)
+    return y0 + g * delta / s0, k0, y0
+
+
+def raw_output_at(mm, layer: int, text: str, subject: str) -> torch.Tensor:
+    """(d,) the FFN's raw output u (the value projection's, before a post-FFN norm) at the
+    subject's last token of one text."""
+    ids, mask, _, last = _encode(mm, [text], subject)
+    got = {}
+    h = mm.arch.module(mm.blocks[layer], mm.arch.value).register_forward_hook(
+        lambda mod, args, out: got.__setitem__("u", out.detach()))
+    try:
+        with torch.no_grad():
+            mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False)
+    finally:
+        h.remove()
+    return got["u"].reshape(len(ids), -1, got["u"].shape[-1])[0, last[0]].float()
 
 
 def _inv(C: torch.Tensor) -> torch.Tensor:
