@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ffkv.store import query
-from ffkv.web.measures import EPS_HIST, eps_shares, first_position, row_signs
+from ffkv.web.measures import EPS_HIST, census_classes, class_members, eps_shares, first_position, row_signs
 from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
@@ -47,14 +47,18 @@ def _col(t, name) -> np.ndarray:
     return t.column(name).to_numpy(zero_copy_only=False)
 
 
-def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False) -> list[dict]:
+def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False, classes=None) -> list[dict]:
     """Every memory of the layer that was mined or has a value row, by dim, with its measures and
     (unless `summaries` is off: the page adds them to the rows it shows) its one-line summary
     (the rows of the layer page's list and of its CSV); `hide_first` (?pos0=hide) leaves out the
-    first-position memories (`measures.first_position`)."""
+    first-position memories (`measures.first_position`). With `classes` (?class=) the list is the
+    layer's memories in one of these census classes, mined or not (the census covers every memory),
+    so that it holds as many as the class mix counts."""
     t = b.memories.slice(layer * b.d_m, b.d_m)
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
+    if classes:
+        keep = class_members(b, classes)[layer * b.d_m:(layer + 1) * b.d_m]
     if hide_first:
         keep &= ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]
     rows = t.filter(keep).to_pylist()
@@ -98,9 +102,11 @@ def _density(b, layer: int) -> dict | None:
     return {"rows": rows, "hist": hist, "eps": None}
 
 
-def _best(b, layer: int, hide_first: bool = False) -> dict:
+def _best(b, layer: int, hide_first: bool = False, classes=None) -> dict:
     t = b.memories.slice(layer * b.d_m, b.d_m)
     shown = ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m] if hide_first else np.ones(b.d_m, bool)
+    if classes:
+        shown = shown & class_members(b, classes)[layer * b.d_m:(layer + 1) * b.d_m]
     out: dict = {"agreement": None, "sharpness": None}
     if b.values is None:
         return out
@@ -149,16 +155,37 @@ def _patterns(b, layer: int) -> dict | None:
     return {"fig2": fig2, "labels": labels, "keys": sum(labels.values())}
 
 
-def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bool = False) -> dict:
+def census_mix(b, layer: int) -> dict | None:
+    """The layer's class mix: per census class its memories (`measures.class_members`, the count a
+    `?class=` list holds) and its share as `census_layers` states it (dead, rare and positional of
+    the mined memories, the detectors of those with triggers, self-suppressing of the token
+    detectors, the rest of all memories); None without a census."""
+    names = census_classes(b)
+    if not names:
+        return None
+    shares = {}
+    if b.census_layers is not None:
+        rows = [r for r in b.census_layers.to_pylist() if r["layer"] == layer]
+        shares = rows[0] if rows else {}
+    lo, hi = layer * b.d_m, (layer + 1) * b.d_m
+    return {"classes": [{"class": c, "count": int(np.count_nonzero(class_members(b, [c])[lo:hi])),
+                         "share": _f(shares.get(c)), "href": f"/layer/{layer}?class={c}#memories"}
+                        for c in names],
+            "memories": b.d_m, "mined": shares.get("mined"), "tokens": shares.get("tokens")}
+
+
+def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bool = False,
+               classes=None) -> dict:
     """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is); with
-    `hide_first` (?pos0=hide) its lists leave out the first-position memories."""
+    `hide_first` (?pos0=hide) its lists leave out the first-position memories, with `classes`
+    (?class=) they hold only the memories of these census classes."""
     if not 0 <= layer < b.L:
         raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
     if not 1 <= per_page <= 1000:
         raise BadQuery("per_page must be in 1..1000")
     if page < 1:
         raise BadQuery("page must be ≥ 1")
-    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first)
+    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first, classes=classes)
     last = max(1, -(-len(mems) // per_page))
     if page > last:
         raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
@@ -174,8 +201,9 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bo
     first = (int(np.count_nonzero(first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]))
              if b.key_stats is not None else None)  # unknown without key statistics
     return {"layer": layer, "layers": b.L, "d_m": b.d_m, "model": b.model_id, "lens": b.lens, "mined": mined,
-            "first_position": first, "pos0": "hide" if hide_first else "show",
-            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer, hide_first),
+            "first_position": first, "pos0": "hide" if hide_first else "show", "class": list(classes or []),
+            "census": census_mix(b, layer),
+            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer, hide_first, classes),
             "patterns": _patterns(b, layer), "missing": missing,
             "memories": {"total": len(mems), "page": page, "per_page": per_page, "pages": last,
                          "rows": b.add_summaries(mems[(page - 1) * per_page: page * per_page])}}

@@ -266,3 +266,38 @@ def first_position(b) -> np.ndarray:
     The badge, `?pos0=hide` on search and layer lists, and the memory page all read this; a key
     without key statistics is never one."""
     return b._lazy("_first_position", lambda: np.nan_to_num(first_shares(b), nan=0.0) > FIRST_POSITION)
+
+
+# ---- census classes (`ffkv census`; who is in a class: `ffkv.steps.census.compute.in_class`) ------------
+NO_CENSUS = "this run has no census: run `ffkv census RUN`"
+
+
+def census_classes(b) -> tuple[str, ...]:
+    """The class names `?class=` accepts on this run: the census's classes its table has columns for
+    (a census from before the detector columns has fewer); () without a census."""
+    from ffkv.steps.census.compute import CLASSES, IO_CLASSES
+
+    if b.census is None:
+        return ()
+    cols = set(b.census.column_names)
+    return tuple(c for c in CLASSES if (c in IO_CLASSES and "io_class" in cols) or c in cols)
+
+
+def class_members(b, names) -> np.ndarray:
+    """Per memory code, whether it is in any of the census classes `names` (bool), each class by
+    `in_class`; cached per class."""
+    from ffkv.steps.census.compute import in_class
+
+    N = b.L * b.d_m
+    out = np.zeros(N, bool)
+    for name in names:
+        def make(name=name):
+            t = b.census
+            code = t.column("layer").to_numpy().astype(np.int64) * b.d_m + t.column("dim").to_numpy().astype(np.int64)
+            m = np.zeros(N, bool)
+            ok = code < N
+            m[code[ok]] = in_class(t, name)[ok]
+            return m
+        out |= b._lazy(f"_census_{name}", make)
+    return out
+

@@ -65,3 +65,20 @@ def hide_pos0(v: str | None) -> bool:
     if s == "hide":
         return True
     raise BadQuery(f"pos0 must be show or hide (got {shown(v)})")
+
+
+def census_filter(b, v: str | None) -> tuple[str, ...] | None:
+    """`?class=NAME[,NAME…]`: memories in any of these census classes (`measures.class_members`);
+    absent or '' is no filter. A run without a census, or a name it has no class of, is one line."""
+    from ffkv.web.measures import NO_CENSUS, census_classes
+
+    names = [x.strip() for x in ("" if v is None else str(v)).split(",") if x.strip()]
+    if not names:
+        return None
+    valid = census_classes(b)
+    if not valid:
+        raise BadQuery(f"class: {NO_CENSUS}")
+    bad = [x for x in names if x not in valid]
+    if bad:
+        raise BadQuery(f"class must be one of {', '.join(valid)} (got {shown(bad[0])})")
+    return tuple(c for c in valid if c in names)  # the census's order, each once

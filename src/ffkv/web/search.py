@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from ffkv.defs import LENSES
 from ffkv.display import read_token
-from ffkv.web.measures import first_position
+from ffkv.web.measures import class_members, first_position
 from ffkv.web.tables import BadQuery, NotFound, _f
 
 # search orders: name -> (column, default direction)
@@ -112,10 +112,12 @@ class Search:
 
     def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
                      layer: int | None = None, sort: str | None = None, order: str | None = None,
-                     page: int = 1, per_page: int = 50, match: str = "merged", hide_first: bool = False) -> dict:
+                     page: int = 1, per_page: int = 50, match: str = "merged", hide_first: bool = False,
+                     classes=None) -> dict:
         """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
         the value's probability of the token first. `hide_first` (?pos0=hide): without the
-        first-position memories (`measures.first_position`), as every search takes it."""
+        first-position memories (`measures.first_position`), as every search takes it; `classes`
+        (?class=): only memories in one of these census classes (`measures.class_members`), likewise."""
         lens = lens or self.b.lens
         if lens not in LENSES:
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
@@ -150,6 +152,10 @@ class Search:
             mem = hit["mem"]
         if hide_first:
             keep = ~first_position(self.b)[mem]
+            hit = {c: v[keep] for c, v in hit.items()}
+            mem = hit["mem"]
+        if classes:
+            keep = class_members(self.b, classes)[mem]
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
         meas = self.b.memories
@@ -189,12 +195,13 @@ class Search:
 
     def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
                     sort: str | None = None, order: str | None = None, page: int = 1,
-                    per_page: int = 50, hide_first: bool = False) -> dict:
+                    per_page: int = 50, hide_first: bool = False, classes=None) -> dict:
         """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
         is a token (mode token: the decoded token, spaces ignored, case folded); mode summary:
         memories whose one-line summary contains the words (`search_summary`)."""
         if mode == "summary":
-            return self.search_summary(q, layer=layer, page=page, per_page=per_page, hide_first=hide_first)
+            return self.search_summary(q, layer=layer, page=page, per_page=per_page, hide_first=hide_first,
+                                       classes=classes)
         if mode not in ("word", "token"):
             raise BadQuery(f"mode must be word, token or summary (got {mode!r})")
         if sign not in (None, 1, -1):
@@ -222,6 +229,8 @@ class Search:
             sel = sel[(self.b.trig.code[sel] // self.b.d_m) == layer]
         if len(sel) and hide_first:
             sel = sel[~first_position(self.b)[self.b.trig.code[sel]]]
+        if len(sel) and classes:
+            sel = sel[class_members(self.b, classes)[self.b.trig.code[sel]]]
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
@@ -289,7 +298,7 @@ class Search:
         return np.nonzero(hit)[0]
 
     def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50,
-                       hide_first: bool = False) -> dict:
+                       hide_first: bool = False, classes=None) -> dict:
         """Memories whose one-line summary contains every word of `q` (case folded), by memory."""
         words = (q or "").casefold().split()
         if not words:
@@ -305,9 +314,10 @@ class Search:
             for c in np.union1d(self.b.keys, np.asarray(sorted(sm.value), np.int64))})
         ann = self.b.notes.annotation_parts()
         first = first_position(self.b) if hide_first else None
+        member = class_members(self.b, classes) if classes else None
         hits = []
         for c, text in lines.items():
-            if first is not None and first[c]:
+            if (first is not None and first[c]) or (member is not None and not member[c]):
                 continue
             if c in ann:
                 text = sm.line(c, ann[c]).casefold()
@@ -321,8 +331,9 @@ class Search:
 
     def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
                        label: str | None = None, agree: bool | None = None, mined_only: bool = True,
-                       page: int = 1, per_page: int = 50, hide_first: bool = False) -> dict:
-        """Memories ordered by a measure (value max-probability, precision@50, agreement, …)."""
+                       page: int = 1, per_page: int = 50, hide_first: bool = False, classes=None) -> dict:
+        """Memories ordered by a measure (value max-probability, precision@50, agreement, …); with
+        `classes` (?class=) only those in one of these census classes."""
         sort, col, how = self._order(MEASURE_SORTS, sort, order, "max_prob")
         page, per_page = self._page(page, per_page)
         where, params = [], []
@@ -344,9 +355,20 @@ class Search:
         if hide_first:
             where.append("NOT first_position")
         w = (" WHERE " + " AND ".join(where)) if where else ""
-        total = self._sql(f"SELECT count(*) AS n FROM memories{w}", params).column("n")[0].as_py()
-        rows = self._sql(f"SELECT * FROM memories{w} ORDER BY {col} {how.upper()} NULLS LAST, layer, dim "
-                         f"LIMIT {int(per_page)} OFFSET {int((page - 1) * per_page)}", params).to_pylist()
+        src = self.b.memories.filter(class_members(self.b, classes)) if classes else None
+        with self.b._con_lock:  # the class's rows under a name of their own while both queries run
+            con, name = self.b._con, "memories" if src is None else "memories_in_class"
+            if src is not None:
+                con.register(name, src)
+            try:
+                total = con.sql(f"SELECT count(*) AS n FROM {name}{w}", params=params or None
+                                ).to_arrow_table().column("n")[0].as_py()
+                rows = con.sql(f"SELECT * FROM {name}{w} ORDER BY {col} {how.upper()} NULLS LAST, layer, dim "
+                               f"LIMIT {int(per_page)} OFFSET {int((page - 1) * per_page)}", params=params or None
+                               ).to_arrow_table().to_pylist()
+            finally:
+                if src is not None:
+                    con.unregister(name)
         for r in rows:
             r["top_token_text"] = self.b.tok(r["top_token"])
             r["top_token_neg_text"] = self.b.tok(r["top_token_neg"])

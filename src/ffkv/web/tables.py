@@ -213,6 +213,8 @@ class RunTables:
         self.values_layers = opt("values_layers", False)
         self.compose_layers = opt("compose_layers", False)
         self.patterns_fig2 = opt("patterns_fig2", False)
+        self.census = opt("census", False)  # `ffkv census`: the class filters and each layer's class mix
+        self.census_layers = opt("census_layers", False)
         self.values_top_k = int(vs.get("top_k") or 10)
 
     # ---- what is built on first use -----------------------------------------------------------

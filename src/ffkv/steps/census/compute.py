@@ -687,3 +687,20 @@ def compute_census(run, mm, settings=None, *, show_progress: bool | None = None,
     s = settings if settings is not None else CensusSettings()
     out = execute(run, "census", s, mm=mm, force=force, show_progress=show_progress)
     return out.info["summary"]
+
+
+# the classes a memory can be in, by the census's own names (flag columns, then `io_class`'s values)
+CLASSES = ("dead", "rare", *VOCAB_CLASSES, *IO_CLASSES, "token_detector", "ngram_detector", "self_suppressing",
+           "positional")
+
+
+def in_class(t: pa.Table, name: str) -> np.ndarray:
+    """THE members of census class `name` (one of `CLASSES`), a bool per row of a `census` table: its
+    flag is true (null, e.g. not mined, is not in it), or for an input-output class `io_class` is it.
+    Every filter and class count of the browser reads this, so a count and its list agree.
+    KeyError for a name that is no class or a column the table lacks (a census from before it)."""
+    if name in IO_CLASSES:
+        return pc.equal(t.column("io_class"), name).fill_null(False).to_numpy(zero_copy_only=False)
+    if name not in CLASSES:
+        raise KeyError(name)
+    return t.column(name).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)

@@ -1,12 +1,12 @@
 """A layer's page and its JSON twin (`ffkv.web.layers`)."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from ffkv.web import plots
 from ffkv.web.common import render, state
 from ffkv.web.measures import FIRST_POSITION
-from ffkv.web.params import api, hide_pos0, req_int
+from ffkv.web.params import api, census_filter, hide_pos0, req_int
 
 
 router = APIRouter()
@@ -14,27 +14,33 @@ router = APIRouter()
 
 # ---- a layer page ---------------------------------------------------------------------------------
 def layer_context(request: Request, layer: int, page: str | None, per_page: str | None,
-                  pos0: str | None = None) -> dict:
+                  pos0: str | None = None, klass: str | None = None) -> dict:
     from ffkv.web.layers import layer_data
 
-    return layer_data(state(request), layer, req_int(page, "page", 1, 1, 10**6),
-                      req_int(per_page, "per_page", 100, 1, 1000), hide_pos0(pos0))
+    b = state(request)
+    return layer_data(b, layer, req_int(page, "page", 1, 1, 10**6),
+                      req_int(per_page, "per_page", 100, 1, 1000), hide_pos0(pos0), census_filter(b, klass))
+
+
+CLASS = Query(None, alias="class")  # ?class=NAME[,NAME…]: the census classes a list keeps (`census_filter`)
 
 
 @router.get("/layer/{layer}", include_in_schema=False)
 def layer_page(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
-               format: str | None = None, pos0: str | None = None):  # noqa: A002 - the URL's parameter
+               format: str | None = None, pos0: str | None = None,  # noqa: A002 - the URL's parameter
+               klass: str | None = CLASS):
     from ffkv.web import export
     from ffkv.web.layers import MEMORY_COLUMNS, layer_memories
 
     fmt = export.check_format(format)
     hide = hide_pos0(pos0)
+    classes = census_filter(state(request), klass)
     if fmt:
         state(request).check_key(layer, 0)
-        rows = layer_memories(state(request), layer, hide_first=hide)
+        rows = layer_memories(state(request), layer, hide_first=hide, classes=classes)
         return export.download(rows, export.one_based(rows, list(MEMORY_COLUMNS), ("rank",)),
-                               f"ffkv-layer-{layer}-memories", fmt)
-    d = layer_context(request, layer, page, per_page, pos0)
+                               f"ffkv-layer-{layer}-memories" + "".join("-" + c for c in classes or ()), fmt)
+    d = layer_context(request, layer, page, per_page, pos0, klass)
     hist = None
     if d["density"] and d["density"]["hist"]:
         h = d["density"]["hist"]
@@ -54,5 +60,5 @@ def layer_page(request: Request, layer: int, page: str | None = None, per_page: 
 
 @router.get("/api/layer/{layer}")
 def api_layer(request: Request, layer: int, page: str | None = None, per_page: str | None = None,
-              pos0: str | None = None):
-    return api(layer_context(request, layer, page, per_page, pos0))
+              pos0: str | None = None, klass: str | None = CLASS):
+    return api(layer_context(request, layer, page, per_page, pos0, klass))

@@ -7,9 +7,9 @@ from fastapi.responses import RedirectResponse
 
 from ffkv.errors import FfkvError
 from ffkv.web.common import no_cross_site_fetch, render, same_origin, state
-from ffkv.web.measures import FIRST_POSITION
+from ffkv.web.measures import FIRST_POSITION, census_classes
 from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
-from ffkv.web.params import api, hide_pos0, opt_bool, opt_int, opt_sign, opt_str, req_int
+from ffkv.web.params import api, census_filter, hide_pos0, opt_bool, opt_int, opt_sign, opt_str, req_int
 from ffkv.web.tables import BadQuery, NotFound
 
 
@@ -25,19 +25,23 @@ def do_search(request: Request, p: dict) -> dict:
     sort, order = opt_str(p.get("sort")), opt_str(p.get("order"))
     token, text = p.get("token"), p.get("text")
     hide = hide_pos0(p.get("pos0"))  # ?pos0=hide: no first-position memory in the results
+    classes = census_filter(b, p.get("class"))  # ?class=dead,prediction: only memories of these census classes
     if token is not None and token != "":
         res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
                              order=order, page=page, per_page=per_page,
-                             match=opt_str(p.get("match")) or "merged", hide_first=hide)
+                             match=opt_str(p.get("match")) or "merged", hide_first=hide,
+                             classes=classes)
     elif text is not None and text != "":
         res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
-                            layer=layer, sort=sort, order=order, page=page, per_page=per_page, hide_first=hide)
+                            layer=layer, sort=sort, order=order, page=page, per_page=per_page, hide_first=hide,
+                            classes=classes)
     else:
         res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
                                agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page,
-                               hide_first=hide)
+                               hide_first=hide, classes=classes)
     res["pos0"] = "hide" if hide else "show"
+    res["class"] = list(classes or [])
     check_page(res)
     b.add_summaries(res.get("results") or [])
     return res
@@ -55,7 +59,7 @@ def check_page(res: dict) -> None:
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree", "match", "format", "pos0")
+                 "sign", "label", "agree", "match", "format", "pos0", "class")
 
 
 def search_params(request: Request) -> dict:
@@ -77,7 +81,8 @@ def search_page(request: Request):
     res = do_search(request, p)
     return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
                   measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
-                  refresh=res.get("status") == "building", first_threshold=FIRST_POSITION)
+                  refresh=res.get("status") == "building", first_threshold=FIRST_POSITION,
+                  census_classes=census_classes(state(request)))
 
 
 @router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
@@ -152,4 +157,6 @@ def search_download(request: Request, p: dict, fmt: str):
         columns[2:2] = ["expert", "expert_dim", "shared_expert"]
     columns = export.one_based(rows, columns, ("rank",))
     what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
+    if res["class"]:
+        what += "-" + "-".join(res["class"])
     return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
