@@ -198,6 +198,20 @@ def mine_tiny(out: Path, model: Path, sentences: int, top_k: int, *extra) -> Pat
 SWITCHES = ("FFKV_PACK", "FFKV_COMPILE", "FFKV_TRITON")
 
 
+def tiny_with_a_dead_memory(path: Path, tok_dir: Path, dead: tuple[int, int]):
+    """A tiny Llama whose memory `dead` (layer, dim) has its gate row zeroed: m = silu(0)·(x·u) = 0
+    on every token (the census's and the browser's census tests). Returns (path, the HF model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    build_tiny("llama", path, tok_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        hf.model.layers[dead[0]].mlp.gate_proj.weight[dead[1]] = 0
+    hf.save_pretrained(path)
+    return path, hf
+
+
 @pytest.fixture(scope="session")
 def reference_mine(tmp_path_factory):
     """`mine_tiny(model, sentences, top_k, *extra)` shared by the whole session: the plain pass

@@ -26,7 +26,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import build_tiny, mine_tiny, run_cli
+from conftest import mine_tiny, run_cli, tiny_with_a_dead_memory
 
 DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: m = silu(0)·(x·u) = 0 on every token
 
@@ -34,14 +34,8 @@ DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: m = silu(0)·(x·u) = 0 
 @pytest.fixture(scope="module")
 def census_run(tmp_path_factory, tok_dir):
     """A tiny Llama with one memory forced dead, mined on 40 WikiText-2 sentences, then censused."""
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("census")
-    path = build_tiny("llama", root / "llama", tok_dir)
-    hf = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        hf.model.layers[DEAD[0]].mlp.gate_proj.weight[DEAD[1]] = 0
-    hf.save_pretrained(path)
+    path, hf = tiny_with_a_dead_memory(root / "llama", tok_dir, DEAD)
     run = mine_tiny(root / "run", path, 40, 5)
     r = run_cli("census", run)
     assert r.returncode == 0, r.stderr

@@ -13,9 +13,8 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
-from conftest import build_tiny, mine_tiny, run_cli
+from conftest import mine_tiny, run_cli, tiny_with_a_dead_memory
 
 DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: dead on every token
 FLAGS = ("dead", "rare", "prediction", "suppression", "partition", "token_detector", "ngram_detector",
@@ -26,14 +25,8 @@ IO = ("enrichment", "depletion", "conditional_enrichment", "conditional_depletio
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tok_dir):
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("web-census")
-    path = build_tiny("llama", root / "llama", tok_dir)
-    hf = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        hf.model.layers[DEAD[0]].mlp.gate_proj.weight[DEAD[1]] = 0
-    hf.save_pretrained(path)
+    path, _ = tiny_with_a_dead_memory(root / "llama", tok_dir, DEAD)
     run = mine_tiny(root / "run", path, 40, 5, "--negative")
     bare = root / "bare"
     shutil.copytree(run, bare)
