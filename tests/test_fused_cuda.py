@@ -70,7 +70,10 @@ SCRIPT = PATCH + textwrap.dedent('''
         half = torch.where(m.abs() < 2.0 ** -126, 0.0, m).to(torch.bfloat16)
         bh = fused_cuda.capture(half, torch.tensor(lengths, dtype=torch.int32), lut, (1,), False)[0]
         assert torch.equal(bh[1][0], row_best(half.float(), mask, 1)[0])
-        for k, dtype in ((0, torch.float32), (1, torch.float32), (3, torch.float32), (3, torch.bfloat16)):
+        # every (k, dtype) on the two-offer-block shape (129 keys) and the first; k = 3 float32, the
+        # general case, on every shape; the other shapes one more each (3 s apiece in the interpreter)
+        combos = ((0, torch.float32), (1, torch.float32), (3, torch.float32), (3, torch.bfloat16))
+        for k, dtype in (combos if seed in (0, 1) else (combos[2], combos[3 if seed == 2 else 0])):
             layers = (0, 1) if n % 2 == 0 else (0,)                # two layers side by side, or one
             got = {}
             src = m if dtype == torch.float32 else half            # bf16 captures: read as they come

@@ -473,12 +473,12 @@ def test_ray_actors_prepare_their_own_rows_of_token_ids(tmp_path, tiny_dirs):
     from ffkv.corpus.tokens import write_parquet
 
     tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
-    lines = [l for l in (WT2 / "wiki.valid.tokens").read_text().split("\n") if len(l) > 40][:260]
+    lines = [l for l in (WT2 / "wiki.valid.tokens").read_text().split("\n") if len(l) > 40][:130]
     rows = [tok(l)["input_ids"] for l in lines] + [[]] * 3  # a few longer than the context; empty rows
     assert any(len(r) > 128 for r in rows)
     corpus = write_parquet(tmp_path / "ids.parquet", rows, tok)
-    args = ["--model", tiny_dirs["llama"], "--corpus", corpus, "--max-sentences", 250, "--top-k", 5,
-            "--negative", "--chunk-sentences", 40, "--batch-tokens", 512]
+    args = ["--model", tiny_dirs["llama"], "--corpus", corpus, "--max-sentences", 120, "--top-k", 5,
+            "--negative", "--chunk-sentences", 20, "--batch-tokens", 512]
     assert run_cli("mine", "--out", tmp_path / "single", *args).returncode == 0
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     ray_args = ["mine", "--out", tmp_path / "ray", *args, "--ray", "local", "--shards", 3]
