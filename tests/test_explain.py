@@ -122,9 +122,11 @@ def check_suppress_top_last(mm, arch, text, tol):
     new = ed["intervened"]
     assert new["prediction_id"] == int(ref.argmax())
     probs = torch.softmax(ref, -1)
+    logp = torch.log_softmax(ref.double(), -1)
     for row in new["top"]:
         assert row["logit"] == pytest.approx(float(ref[row["id"]]), rel=tol, abs=tol)
         assert row["p"] == pytest.approx(float(probs[row["id"]]), rel=tol, abs=tol)
+        assert row["logp"] == pytest.approx(float(logp[row["id"]]), rel=tol, abs=tol)
     assert new["p_original"] == pytest.approx(float(probs[res["prediction_id"]]), rel=tol, abs=tol)
     return res, ed
 
@@ -384,6 +386,12 @@ def test_page_links_and_escaping(client, explore_run):
     assert "<script>window.__x" not in r.text and "&lt;script&gt;" in r.text
     assert "Content-Security-Policy" in r.headers and client.get("/explore.css").status_code == 200
     assert re.search(r'href="/memory/\d+/\d+"', r.text)  # the memory pages (the browser's)
+    # the next-token table: rank, p and log p (from the logits: no underflow to log 0) per row
+    j = client.get("/api/explore", params={"text": 'The <script>window.__x=1</script> "cat" sat on the'}).json()
+    rows = re.findall(r'<tr data-id="(\d+)"><td class="num">(\d+)</td><td class="tok">.*?</td><td class="num">'
+                      r'([^<]+)</td><td class="num">([^<]+)</td>', r.text)
+    assert [(int(i), int(k)) for i, k, _, _ in rows] == [(t["id"], n + 1) for n, t in enumerate(j["top"])]
+    assert [float(lp) for _, _, _, lp in rows] == [round(t["logp"], 2) for t in j["top"]]
     # a suppress link adds that memory to the URL's edits, and the result has it zeroed
     link = re.search(r'<a class="small suppress" href="([^"]+)"', r.text).group(1).replace("&amp;", "&")
     api = client.get(link.replace("/explore?", "/api/explore?")).json()

@@ -178,7 +178,9 @@ def _read(mm, ids: list[int], w: int | None, contrast: int | None, lens_mode: st
     new = range(first, L)
 
     def token_row(i):
-        return {"token": dec(i), "id": int(i), "p": float(torch.exp(logits[i] - lse)), "logit": float(logits[i])}
+        # log p from the logits, not log(p): a p that underflows to 0 keeps its log-probability
+        return {"token": dec(i), "id": int(i), "p": float(torch.exp(logits[i] - lse)), "logit": float(logits[i]),
+                "logp": float(logits[i] - lse)}
 
     readings = _lens_readings(cap, new, lenses, targets)
     # the signed contribution of every memory to w (and the contrast), (L, d_m, n): its share of
