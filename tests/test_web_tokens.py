@@ -539,6 +539,7 @@ def test_own_text_long_is_cut_where_asked_and_bad_input_is_one_line(client, web_
     for u, p in ((f"/api/memory/{layer}/{dim}/text", {"text": long}),
                  (f"/memory/{layer}/{dim}/text", {"text": long}),
                  (f"/api/memory/{layer}/{dim}/text", {"text": "   "}),
+                 (f"/api/memory/{layer}/{dim}/text", {"text": "x" * 8001}),  # the explorer's character cap
                  (f"/api/memory/{layer}/{dim}/text", {"text": "a", "truncate": "middle"}),
                  ("/api/memory/99/0/text", {"text": "a"}),
                  (f"/api/memory/{layer}/99999/text", {"text": "a"})):

@@ -317,8 +317,8 @@ def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
         for sid, (s, e) in sp.items():
             vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in have[((layer, dim), sid)][s:e].tolist()]
             sc = vals[1:] if skip_pos0 and s == 0 else vals
-            pos = max([pos] + [x for x in sc if x is not None and x > 0])
-            neg = max([neg] + [-x for x in sc if x is not None and x < 0])
+            p, n = sign_scales(sc)
+            pos, neg = max(pos, p), max(neg, n)
             ex[str(sid)] = {"start": s, "m": vals}
         # one scale per sign: a memory running from +0.9 to −6 shows its + examples tinted too
         memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": max(pos, neg), "scale_pos": pos,
@@ -327,6 +327,14 @@ def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
 
 
 TEXT_TOKENS = 256  # tokens of a typed text (the explorer's cap); longer is cut at the side asked, or refused
+
+
+def sign_scales(vals) -> tuple[float, float]:
+    """(largest m > 0, largest −m of m < 0) of the values (None skipped), 0 where none: each sign's
+    tint is relative to its own, so a memory running from +0.9 to −6 shows its + side too."""
+    pos = max([0.0] + [x for x in vals if x is not None and x > 0])
+    neg = max([0.0] + [-x for x in vals if x is not None and x < 0])
+    return pos, neg
 
 
 def level(m: float, scale: float) -> int:
@@ -347,8 +355,10 @@ def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = 
     b.check_key(layer, dim)
     if not text or not text.strip():
         raise BadQuery("type a text: the coefficient is read at each of its tokens")
-    if len(text) > 20 * TEXT_TOKENS * 8:
-        raise BadQuery(f"the text is {len(text):,} characters long; at most {20 * TEXT_TOKENS * 8:,}")
+    from ffkv.web.explore import MAX_CHARS
+
+    if len(text) > MAX_CHARS:  # the explorer's cap, checked before tokenizing
+        raise BadQuery(f"the text is {len(text):,} characters long; at most {MAX_CHARS:,}")
     mm = b.model()
     try:
         ids, cut = fit_text(mm, text, TEXT_TOKENS, truncate)
@@ -358,8 +368,7 @@ def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = 
     with fg.busy() if fg is not None else nullcontext():
         m = compute(mm, [ids], [[(layer, dim)]], b.model_lock)[0][(layer, dim)]
     vals = [float(f"{x:.6g}") if np.isfinite(x) else None for x in m.tolist()]
-    pos = max([0.0] + [x for x in vals if x is not None and x > 0])
-    neg = max([0.0] + [-x for x in vals if x is not None and x < 0])
+    pos, neg = sign_scales(vals)
     toks = [{"i": i, "token": int(t), "text": b.tok(t), "m": x,
              "level": 0 if x is None else (level(x, pos) if x > 0 else -level(x, neg))}
             for i, (t, x) in enumerate(zip(ids, vals))]
