@@ -104,6 +104,20 @@ def test_rank_of_counts_logits_above():
     assert r.tolist() == ref
 
 
+def test_rank_of_below_is_the_rank_in_the_negated_row():
+    """`below` counts from the low end without negating: rank_of(−z) exactly, ties included."""
+    from ffkv.model.memories import rank_of
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (6, 50), generator=g).float()  # ties everywhere
+    target = torch.randint(0, 50, (6,), generator=g)
+    below = torch.tensor([True, False, True, True, False, False])
+    r = rank_of(logits, target, below=below)
+    for i in range(6):
+        z = -logits[i] if below[i] else logits[i]
+        assert int(r[i]) == int((z > z[target[i]]).sum())
+
+
 @pytest.mark.slow
 def test_exact_smollm2(smollm2):
     mm = smollm2

@@ -55,10 +55,14 @@ def test_available_only_on_a_cpu_and_when_not_turned_off(monkeypatch):
         assert not stats_cpu.available("cpu")
     import sys
 
-    monkeypatch.setattr(stats_cpu, "_numba_ok", None)
+    from ffkv.mine import switches
+
+    with switches.over({"FFKV_NUMBA": "0"}):  # a pass's own switch, not only the environment's
+        assert not stats_cpu.available("cpu")
+    monkeypatch.setattr(switches, "_numba_ok", None)
     monkeypatch.setitem(sys.modules, "numba", None)  # not importable: the portable path
     assert not stats_cpu.available("cpu")
-    monkeypatch.setattr(stats_cpu, "_numba_ok", None)
+    monkeypatch.setattr(switches, "_numba_ok", None)
 
 
 @st.composite

@@ -19,34 +19,18 @@ Used for CPU tensors when numba imports (FFKV_NUMBA=0 turns it off).
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
-from ffkv.mine import rules
+from ffkv.mine import rules, switches
 
 KEYS = 1024  # keys per thread's block: one 4 KB row read per token, its counts in L2
 
 _kernels = None
 
 
-_numba_ok: bool | None = None
-
-
-def available(device) -> bool:
-    """This path runs here: a CPU device, numba importable (a missing or broken one falls back to
-    the portable path), not turned off."""
-    global _numba_ok
-    if os.environ.get("FFKV_NUMBA", "1") == "0" or torch.device(device).type != "cpu":
-        return False
-    if _numba_ok is None:
-        try:
-            import numba  # noqa: F401
-            _numba_ok = True
-        except Exception:  # noqa: BLE001  (an install that does not match numpy, say)
-            _numba_ok = False
-    return _numba_ok
+available = switches.numba_here  # the one gate (kept under its old name for the trackers)
 
 
 def _same_code(fn, **bind):

@@ -55,3 +55,24 @@ def by_device(name: str, device, parse, off):
 def current() -> dict:
     """Every switch set here, flags over the environment: what a Ray actor's environment gets."""
     return {k: v for k in NAMES if (v := read(k, None)) is not None}
+
+
+_numba_ok: bool | None = None
+
+
+def numba_here(device) -> bool:
+    """The numba CPU kernels run here: a CPU device, numba importable (a missing or broken install
+    falls back to the portable torch path), FFKV_NUMBA not 0. One gate for the miner's trackers
+    and the steps' row kernels."""
+    global _numba_ok
+    import torch
+
+    if read("FFKV_NUMBA", "1").strip() == "0" or torch.device(device).type != "cpu":
+        return False
+    if _numba_ok is None:
+        try:
+            import numba  # noqa: F401
+            _numba_ok = True
+        except Exception:  # noqa: BLE001  (an install that does not match numpy, say)
+            _numba_ok = False
+    return _numba_ok

@@ -60,7 +60,7 @@ projections (Phi-3, the MoE experts) split by the family's adapter):
   ngram_detector likewise from ngram_share (an n-gram detector is also a token detector).
   Self-suppression (Voita: detectors suppress the token they detect): `self_rank` = the rank of
   top_token in the value's logits through the census's lens (`Lens.direction_logits`), counted from
-  the low end (0 = the most suppressed; `rank_of` on the negated logits), for token detectors only;
+  the low end (0 = the most suppressed; `rank_of` counting below), for token detectors only;
   self_suppressing when self_rank < `SELF_SUPPRESS` · |V| (|V| the logits' length).
 - Positional (after Voita et al.): `key_stats.pos_hist` (sign +1: where each sentence's best
   coefficient sits, buckets 0, 1, 2-3, 4-7, …, `ffkv.mine.rules.pos_bucket`) against chance, the
@@ -447,7 +447,8 @@ def self_ranks(mm, lens: str, key: np.ndarray, token: np.ndarray, chunk: int = 5
             i = idx[a:a + chunk]
             rows = V[torch.as_tensor(key[i] % mm.d_m, device=V.device)]
             lg = ln.direction_logits(rows)
-            out[i] = rank_of(-lg, torch.as_tensor(token[i], device=lg.device)).cpu().numpy()
+            low = torch.ones(len(i), dtype=torch.bool, device=lg.device)  # rank from the low end
+            out[i] = rank_of(lg, torch.as_tensor(token[i], device=lg.device), below=low).cpu().numpy()
     return out, vocab
 
 

@@ -51,23 +51,21 @@ def _compiled():
 
 def signed_ranks(z: torch.Tensor, targets: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """(C, J) int64 ranks of targets (C, J) in signs (C, J; > 0: +1, else −1) · z (C, V)."""
-    from ffkv.mine import stats_cpu
+    from ffkv.mine.switches import numba_here
+    from ffkv.model.memories import rank_of
 
     targets = targets.to(torch.long)
     thr = z.gather(1, targets.to(z.device))
     pos = (signs > 0).to(z.device)
-    if stats_cpu.available(z.device) and z.dtype == torch.float32 and z.is_contiguous():
+    if numba_here(z.device) and z.dtype == torch.float32 and z.is_contiguous():
         out = np.empty(tuple(targets.shape), np.int64)
         _compiled()(z.numpy(), thr.numpy(), pos.numpy().astype(np.int8), out)
         return torch.from_numpy(out)
     out = torch.empty(tuple(targets.shape), dtype=torch.long, device=z.device)
-    for a in range(0, len(z), 128):  # `rank_of`'s uint8 sums, over row blocks
-        zb = z[a:a + 128]
+    tg = targets.to(z.device)
+    for a in range(0, len(z), 128):  # row blocks: a (128, V) comparison at a time
         for j in range(targets.shape[1]):
-            t = thr[a:a + 128, j:j + 1]
-            above = (zb > t).view(torch.uint8).sum(-1, dtype=torch.int32)
-            below = (zb < t).view(torch.uint8).sum(-1, dtype=torch.int32)
-            out[a:a + 128, j] = torch.where(pos[a:a + 128, j], above, below).to(torch.long)
+            out[a:a + 128, j] = rank_of(z[a:a + 128], tg[a:a + 128, j], below=~pos[a:a + 128, j])
     return out
 
 
@@ -121,10 +119,10 @@ def _tails_kernel():
 def tails(z: torch.Tensor, k: int, both: bool = True):
     """((top logits, tokens), (bottom logits, tokens) or None): each (C, k), k ≤ V; the top
     descending, the bottom ascending; ties to the lower token id."""
-    from ffkv.mine import stats_cpu
+    from ffkv.mine.switches import numba_here
 
     C, V = z.shape
-    if stats_cpu.available(z.device) and z.dtype == torch.float32 and z.is_contiguous():
+    if numba_here(z.device) and z.dtype == torch.float32 and z.is_contiguous():
         hv, hi = np.empty((C, k), np.float32), np.empty((C, k), np.int64)
         lv, li = (np.empty((C, k), np.float32), np.empty((C, k), np.int64)) if both else (hv[:0], hi[:0])
         nan = np.zeros(C, np.bool_)
