@@ -8,6 +8,15 @@ once instead of a place in an unbounded queue. Identical requests are answered f
 cache. Texts are capped at `MAX_TOKENS` tokens, interventions are checked against the model's
 layers and dims: both give 422 with the reason, never a traceback.
 
+The explained position (`pos=`, 0-based; default the last token, negative from the end): its
+next-token prediction, the contributions, the lens tables and the edits "at last" are all of that
+position. A causal model computes position p from tokens 0..p alone, so `explain_at` reads the text's
+first p+1 tokens (the same ids, not a re-tokenized prefix) exactly as `explain` reads a whole text, and
+"at last" edits their last position, p; the continuation continues those p+1 tokens. A position
+outside the text is one line (422). `hardest`: the memories of all layers with the largest |m| at
+the position (m the capture's coefficient, `explain`'s, which tests hold equal to
+`MemoryModel.coefficients`), each with its contribution to the prediction.
+
 Continuation (`continuation`): the model's own `generate` (greedy, `do_sample=False`), once as
 it is and once inside `MemoryModel.intervene(edits, at)`: with `at=last` each forward of the
 generation edits its last position, so the text's last token and every generated token are
@@ -45,6 +54,8 @@ MAX_TOP = 20  # memories per layer
 MAX_EDIT = 1e6  # largest |F| of a scale and |V| of a set (see the module docstring)
 CONTINUE = 20  # tokens of continuation the form asks for
 MAX_CONTINUE = 100
+HARDEST = 20  # rows of "memories that fire hardest here"
+MAX_HARDEST = 200
 
 
 # ---- the gate: one model call at a time, a bounded queue ----------------------------------------
@@ -132,13 +143,16 @@ class Query:
     edits: list = field(default_factory=list)
     fact_edit: str = ""  # `edit=NAME`: a fact edit kept in the run (`ffkv facts edit`), in the weights
     edit_stamp: int = 0  # its folder's mtime: a remade edit is not answered from the cache
+    pos: int | None = None  # `pos=`: the explained position as typed (None: the last; negative: from the end)
+    hardest: int = HARDEST  # `hardest=`: rows of the memories firing hardest at the position
 
     def params(self, **changes) -> dict:
         p = {"text": self.text, "suppress": self.suppress, "scale": self.scale_raw,
              "at": "" if self.at == "last" else self.at, "contrast": self.contrast,
              "contrast_id": "" if self.contrast_id is None else self.contrast_id,
              "lens": self.lens, "top": "" if self.top == 3 else self.top,
-             "continue": self.cont or "", "edit": self.fact_edit}
+             "continue": self.cont or "", "edit": self.fact_edit, "pos": "" if self.pos is None else self.pos,
+             "hardest": "" if self.hardest == HARDEST else self.hardest}
         p.update(changes)
         return p
 
@@ -148,7 +162,7 @@ class Query:
 
     def key(self) -> tuple:
         return (self.text, tuple(self.edits), self.at, self.contrast, self.contrast_id, self.lens, self.top,
-                self.cont, self.fact_edit, self.edit_stamp)
+                self.cont, self.fact_edit, self.edit_stamp, self.pos, self.hardest)
 
 
 def _items(suppress: str) -> list[str]:
@@ -190,6 +204,12 @@ def parse_query(request: Request) -> Query:
     cont = (g.get("continue") or "").strip()
     if cont:
         q.cont = parse_int(cont, "continue (tokens to continue)", 0, MAX_CONTINUE)
+    pos = (g.get("pos") or "").strip()
+    if pos:  # within the text: checked once it is tokenized (`resolve_pos`)
+        q.pos = parse_int(pos, "pos (the token position explained)")
+    hardest = (g.get("hardest") or "").strip()
+    if hardest:
+        q.hardest = parse_int(hardest, "hardest (memories firing hardest)", 1, MAX_HARDEST)
     name = (g.get("edit") or "").strip()
     if name:
         from ffkv.web.facts import edit_path
@@ -253,22 +273,83 @@ async def with_model(request: Request, fn):
         ex.release()
 
 
+def resolve_pos(pos: int | None, n: int) -> int:
+    """The 0-based position `pos=` names in a text of `n` tokens: None the last, a negative one
+    counted from the end (-1 the last); outside the text, an FfkvError (422) saying its range."""
+    p = n - 1 if pos is None else pos + n if pos < 0 else pos
+    if not 0 <= p < n:
+        raise FfkvError(f"pos {pos} is outside the text: its {n} token{'s' if n != 1 else ''} are at positions "
+                        f"0..{n - 1} (or -{n}..-1 from the end)")
+    return p
+
+
+def hardest(m, contrib, k: int) -> list[dict]:
+    """The `k` memories of all layers with the largest |m| at one position, from the (L, d_m)
+    coefficients `m` and the (L, d_m) contributions to the prediction `contrib`: layer, dim, coef,
+    contrib. Ties: layer, then dim (a stable sort of the flat layer × d_m order)."""
+    import numpy as np
+
+    a = m.abs().flatten().double().cpu().numpy()
+    order = np.argsort(-a, kind="stable")[:k]
+    d_m = m.shape[1]
+    flat_m, flat_c = m.flatten().tolist(), contrib.flatten().tolist()
+    return [{"layer": int(j) // d_m, "dim": int(j) % d_m, "coef": float(flat_m[j]) + 0.0,
+             "contrib": float(flat_c[j]) + 0.0} for j in order]
+
+
+def explain_at(mm, ids: list[int], pos: int, top: int = 3, edits=(), at: str = "last", contrast=None,
+               lens: str | None = None, n_hardest: int = HARDEST) -> dict:
+    """`ffkv.web.explain.explain` of the prediction at position `pos` of the token ids `ids` (a text
+    as `fit_text` read it): the same result, read from the first pos+1 tokens (a causal model's
+    position pos sees nothing after it), with edits "at last" at pos, plus `pos`, `token` (the
+    token at pos), `hardest` (`hardest`, of the unedited pass) and `tokens`/`n_tokens` of the
+    whole text. With pos the last token it is `explain`'s result for the text, number for number."""
+    import torch
+
+    from ffkv.model.memories import lens_for
+    from ffkv.web.explain import _edit_rows, _public, _read, resolve_token
+
+    lens = lens or mm.lens.name
+    prefix = list(ids[:pos + 1])
+    c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
+    with torch.no_grad():
+        base = _read(mm, prefix, None, c, lens, top)
+        w = base["prediction_id"]
+        after = _read(mm, prefix, w, c, lens, top, edits, at, base=base) if edits else None
+    ln = lens_for(mm, lens)
+    tokens = [mm.tok.decode([i]) for i in ids]
+    res = {"tokens": tokens, "n_tokens": len(ids), "truncated": None, "pos": pos, "token": tokens[pos],
+           "lens": lens, "contrib_units": ln.units, "contrib_scale": float(base["_scale"]),
+           "at": at, **_public(base),
+           "interventions": _edit_rows(base, after, edits),
+           "intervened": None if after is None else _public(after),
+           "changed": None if after is None else after["prediction_id"] != w,
+           "hardest": hardest(base["_m"], base["_contrib"][..., 0], n_hardest)}
+    res.pop("p_original"), res.pop("logit_original")
+    res["logit"] = base["logit_original"]
+    return res
+
+
 def _compute(request: Request, q: Query, ex: Explorer) -> dict:
-    from ffkv.web.explain import explain
+    from ffkv.web.explain import fit_text
 
     def go(mm):
+        ids = fit_text(mm, q.text, MAX_TOKENS)[0]
+        pos = resolve_pos(q.pos, len(ids))
+        prefix = ids[:pos + 1]  # what the prediction at pos and the continuation read
         fe, base = None, None
         if q.fact_edit:  # the run's fact edit in the weights; the unedited model's continuation beside
             from ffkv.steps.facts.edit import Edit, applied
             from ffkv.web.facts import edit_path
 
             fe = Edit.load(edit_path(_browser(request).run, q.fact_edit))
-            base = continuation(mm, q.text, q.cont) if q.cont else None
+            base = continuation(mm, q.text, q.cont, ids=prefix) if q.cont else None
         with applied(mm, fe) if fe is not None else nullcontext():
-            res = explain(mm, q.text, q.top, q.edits, at=q.at,
-                          contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
-                          lens=q.lens or None, max_tokens=MAX_TOKENS)
-            cont = continuation(mm, q.text, q.cont, q.edits, q.at) if q.cont else None
+            res = {"text": q.text, **explain_at(
+                mm, ids, pos, q.top, q.edits, at=q.at,
+                contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
+                lens=q.lens or None, n_hardest=q.hardest)}
+            cont = continuation(mm, q.text, q.cont, q.edits, q.at, ids=prefix) if q.cont else None
         if base is not None:  # without = the unedited model; with = the fact edit (and any memory edits)
             edited = cont["edited"] or cont["original"]
             cont = {**cont, "original": base["original"], "edited": edited,
@@ -284,7 +365,8 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
                         "use a smaller scale or value")
     res["query"] = {"text": q.text, "suppress": q.suppress, "scale": q.scale, "at": q.at,
                     "contrast": q.contrast or None, "contrast_id": q.contrast_id, "lens": res["lens"],
-                    "top": q.top, "interventions": [str(e) for e in q.edits], "continue": q.cont}
+                    "top": q.top, "interventions": [str(e) for e in q.edits], "continue": q.cont,
+                    "pos": q.pos, "hardest": q.hardest}
     res["url"] = q.url()
     return res
 
@@ -301,13 +383,15 @@ def greedy(mm, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def continuation(mm, text: str, n: int, edits=(), at: str = "last") -> dict:
-    """`n` greedy tokens after `text`, as the model writes them (`original`) and under the
-    edits (`edited`, None without edits): {n, original, edited: {ids, tokens, text}, diverges_at
-    (index of the first token that differs, None when none does)}."""
+def continuation(mm, text: str, n: int, edits=(), at: str = "last", ids: list[int] | None = None) -> dict:
+    """`n` greedy tokens after `text` (or after the token ids `ids`: the explored position's
+    prefix), as the model writes them (`original`) and under the edits (`edited`, None without
+    edits): {n, original, edited: {ids, tokens, text}, diverges_at (index of the first token that
+    differs, None when none does)}."""
     from ffkv.web.explain import fit_text
 
-    ids = fit_text(mm, text, MAX_TOKENS)[0]
+    if ids is None:
+        ids = fit_text(mm, text, MAX_TOKENS)[0]
     if len(ids) + n > mm.max_length:
         raise FfkvError(f"the text ({len(ids)} tokens) and {n} more exceed the model's context of "
                         f"{mm.max_length:,} tokens; ask for fewer (continue=)")

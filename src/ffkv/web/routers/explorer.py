@@ -10,9 +10,16 @@ Public URLs (links get shared; keep them):
   N ≤ `MAX_CONTINUE` tokens, with and without the edits, side by side; 0 or absent: none; the
   form sends `CONTINUE` = 20 unless changed, memory pages link with it), `edit=NAME` (a fact edit kept
   in the run by `ffkv facts edit`, in the weights while the page is computed; the continuation then
-  shows the unedited model beside it).
+  shows the unedited model beside it), `pos=P` (the token position explained, 0-based; default the
+  last, negative counts from the end; outside the text: 422, one line): its prediction,
+  contributions, lens tables and hardest-firing memories, with `at=last` editing that position and
+  the continuation following it (the page's tokens link to each position), `hardest=K` (rows of
+  "memories that fire hardest here", default `HARDEST` = 20).
 - `/api/explore?…`: what the page shows, as JSON: `ffkv.web.explain`'s result (its
-  docstring lists the fields) plus `query` (the parameters as understood) and `url` (the page).
+  docstring lists the fields; `tokens` and `n_tokens` are the whole text's) plus `pos` (the
+  explained position, 0-based) and `token` (its token), `hardest` (the memories of all layers with
+  the largest |m| there: layer, dim, coef, contrib to the prediction), `query` (the parameters as
+  understood) and `url` (the page).
 - `/explore.css`: the page's stylesheet (served from here: the CSP allows only this origin).
 """
 from __future__ import annotations
@@ -26,8 +33,8 @@ from ffkv.errors import FfkvError
 from ffkv.parse import parse_interventions
 from ffkv.web import plots
 from ffkv.web.common import error_page, render
-from ffkv.web.explore import (CONTINUE, MAX_CHARS, MAX_CONTINUE, MAX_TOKENS, Busy, Query, _items, parse_query,
-                              run_query)
+from ffkv.web.explore import (CONTINUE, HARDEST, MAX_CHARS, MAX_CONTINUE, MAX_TOKENS, Busy, Query, _items,
+                              parse_query, run_query)
 from ffkv.web.params import api
 
 router = APIRouter()
@@ -63,6 +70,12 @@ table.xp-layers td.mems { min-width: 12em; }
 input[name=continue] { width: 4.5em; }
 svg .xp-pos { fill: #2e8b57; } svg .xp-neg { fill: #c44e52; } svg .xp-mid { stroke: #999; stroke-width: 1; }
 tr.xp-edited { background: #fff3cf; }
+.xp-toks { display: flex; flex-wrap: wrap; gap: 0.25em 0.15em; align-items: baseline; }
+.xp-toks a.tok { color: inherit; text-decoration: none; margin-right: 0; }
+.xp-toks a.tok:hover { outline: 1px solid #8ab8ff; }
+.xp-toks a.tok.xp-at { background: #ffe08a; outline: 2px solid #c99a00; color: #1a1a1a; }
+.xp-toks a.tok.xp-after { opacity: 0.55; }
+input[name=pos] { width: 5em; }
 """
 
 
@@ -109,15 +122,19 @@ def page_context(q: Query, r: dict) -> dict:
         lists += [r["contrast_memories"]["up"], r["contrast_memories"]["down"]]
     vmax = max([abs(m["contrib"]) for ms in lists[:2] for m in ms] + [1e-12])
     cmax = max([abs(m["contrib_contrast"]) for ms in lists[2:] for m in ms] + [1e-12])
+    hmax = max([abs(m["contrib"]) for m in r.get("hardest") or []] + [1e-12])
     # the contributions' units in short (the header's title gives them in full)
     unit = r.get("contrib_units", "").split(":")[0]
-    return {"add_url": add, "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax, "contrib_unit": unit,
+    return {"add_url": add, "remove_url": remove, "edited": edited, "vmax": vmax, "cmax": cmax, "hmax": hmax,
+            "contrib_unit": unit,
             "layer_top_url": lambda row: add(*[(m["layer"], m["dim"]) for m in row["memories"]]),
             "clear_url": q.url(suppress="", scale="", at=""),
             "contrast_url": lambda tid: q.url(contrast="", contrast_id=tid),
             "no_contrast_url": q.url(contrast="", contrast_id=""),
             "lens_url": lambda lens: q.url(lens=lens), "api_url": q.url("/api/explore"),
             "at_url": lambda at: q.url(at="" if at == "last" else at),
+            # each token of the text explains its own position (the last one: no pos= in the URL)
+            "pos_url": lambda i: q.url(pos="" if i == r["n_tokens"] - 1 else i),
             "signed_bar": signed_bar,
             "pbar": lambda p: plots.bar(p, width=50, height=10, label=f"p = {p:.3f}")}
 
@@ -148,7 +165,7 @@ async def explore_page(request: Request):
     examples = [(t, Query(text=t).url()) for t in EXAMPLES]
     return render(request, "explore.html", status_code=status, q=q, r=r, error=error, examples=examples,
                   max_tokens=MAX_TOKENS, max_chars=MAX_CHARS, lenses=LENSES, max_continue=MAX_CONTINUE,
-                  default_continue=CONTINUE, **ctx)
+                  default_continue=CONTINUE, default_hardest=HARDEST, **ctx)
 
 
 @router.get("/api/explore")
@@ -156,7 +173,7 @@ async def api_explore(request: Request):
     q = parse_query(request)
     if not q.text.strip():
         raise FfkvError("text is required: /api/explore?text=…[&suppress=L:D,…&scale=F&at=last|all"
-                        "&contrast=TOKEN&lens=naive|norm&top=K&continue=N]")
+                        "&contrast=TOKEN&lens=naive|norm&top=K&continue=N&pos=P&hardest=K]")
     try:
         r = await run_query(request, q)
     except Busy as e:
