@@ -344,6 +344,19 @@ def level(m: float, scale: float) -> int:
     return int(min(LEVELS, np.floor(LEVELS * abs(m) / scale + 0.5)))
 
 
+def tint(m, scale_pos: float, scale_neg: float) -> str:
+    """The tint class of a coefficient shown server-side (mp1..mp8, mn1..mn8, or ''), by `level`
+    against its sign's scale (`sign_scales`): what static/app.js gives a fetched token, for panels
+    that draw their own tinted tokens (the census's sign-regime examples)."""
+    if m is None or not np.isfinite(m) or m == 0:
+        return ""
+    k = level(m, scale_pos if m > 0 else scale_neg)
+    return f"{'mp' if m > 0 else 'mn'}{k}" if k else ""
+
+
+templates.globals.update(tint=tint, sign_scales=sign_scales)
+
+
 def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = None) -> dict:
     """One memory's coefficient m at every token of a typed text (issue 48: your own text), the
     forward stopped after its layer (`compute`, the examples' colouring). JSON: {layer, dim, text,

@@ -89,14 +89,21 @@ def verdicts_html(recs) -> str:
 
 
 def panels(run, layer: int, dim: int) -> list:
-    """The memory page's census panel: its classes with the numbers behind them."""
-    from ffkv.steps import Panel
+    """The memory page's census panel (its classes with the numbers behind them) and, for a gated
+    FFN's memory that is not dead, its sign regimes' panels (`regime_panels`)."""
     from ffkv.store import query
 
     rows = query.table(run, "census", filters=[("layer", "=", int(layer)), ("dim", "=", int(dim))]).to_pylist()
     if not rows:
         return []
-    r = rows[0]
+    # a dead memory (never active over the mined tokens, whose sentences are the ones searched) has no
+    # example in any regime: its census panel says it is dead
+    return [_census_panel(run, rows[0]), *([] if rows[0]["dead"] else regime_panels(run, layer, dim))]
+
+
+def _census_panel(run, r: dict):
+    from ffkv.steps import Panel
+
     rec = (run.manifest.get("settings") or {}).get("census") or {}
     vocab = [c for c in VOCAB_CLASSES if r[c]] or ["none"]
     activity = ("not mined" if r["tokens"] is None else
@@ -105,7 +112,7 @@ def panels(run, layer: int, dim: int) -> list:
     cos = ", ".join(f"{name} {r[c]:+.3f}" for c, name in (("cos_gate_in", "cos(gate, in)"),
                                                         ("cos_gate_out", "cos(gate, out)"),
                                                         ("cos_in_out", "cos(in, out)")) if r[c] is not None)
-    return [Panel("Census", ("measure", "class", "numbers"), (
+    return Panel("Census", ("measure", "class", "numbers"), (
         ("activity", "dead" if r["dead"] else "rare" if r["rare"] else "alive" if r["tokens"] is not None else "",
          activity),
         ("vocabulary moments", ", ".join(vocab),
@@ -113,7 +120,7 @@ def panels(run, layer: int, dim: int) -> list:
         ("input-output", r["io_class"].replace("_", " "), cos),
         *_detector_rows(r)),
         note="cos(W_U, v) over the vocabulary (Gurnee et al.), key-value cosines (after Gerstner & Schütze); "
-             "definitions in ffkv.steps.census.compute.")]
+             "definitions in ffkv.steps.census.compute.")
 
 
 def _detector_rows(r: dict) -> list:
@@ -138,6 +145,50 @@ def _detector_rows(r: dict) -> list:
 
 
 REGIME_NAMES = {"pp": "(+,+)", "pn": "(+,−)", "np": "(−,+)", "nn": "(−,−)"}
+REGIME_SHARES = "Sign regimes over the searched tokens"
+REGIME_EXAMPLES = "Sign regimes: strongest examples"
+EXAMPLE_COLUMNS = ("regime", "(gate, input)", "example", "sentence_id", "position", "i", "token", "m", "gate",
+                   "input")
+
+
+def regime_panels(run, layer: int, dim: int) -> list:
+    """A gated memory's sign regimes recomputed over a bounded set of the run's sentences
+    (`ffkv.steps.census.regimes`): the regimes' shares of the activation mass over the searched
+    tokens, and each regime's strongest examples, one row per token shown (`EXAMPLE_COLUMNS`: m,
+    gate and input at that token; `position` is the example's own token), drawn by the census's
+    panel partial. None for an ungated FFN or a mixture of experts; a failure is the panel's note."""
+    from ffkv.steps import Panel
+    from ffkv.steps.census import regimes as R
+
+    if not R.applies(run):
+        return []
+    try:
+        got = R.memory_regimes(run, layer, dim)
+    except Exception as e:  # noqa: BLE001 - the census's own panel stays
+        return [Panel(REGIME_SHARES, (), (), note=f"could not recompute the sign regimes: {type(e).__name__}: {e}")]
+    s = got["searched"]
+    searched = (f"Searched: this memory's {s['top']} top-trigger sentences (ranks ≤ {s['top_rank']} of each list) "
+                f"and {s['sample']} more of a seeded sample of the run's {s['sentences']:,} sentences (the same for "
+                f"every memory), the first {s['max_tokens']} tokens of each: {got['tokens']:,} tokens, "
+                f"{got['active']:,} with m ≠ 0.")
+    shares = Panel(REGIME_SHARES, ("regime", "(gate, input)", "tokens with m ≠ 0", "share of Σ|m|", "examples shown"),
+                   tuple((k, REGIME_NAMES[k], got["counts"][k], got["shares"][k], len(got["examples"][k]))
+                         for k in REGIME_NAMES),
+                   note=searched + " A token's regime is the sign of its gate pre-activation g and of its input "
+                        "u (m = f(g)·u); its share is of the activation mass Σ|m| (they sum to 1); the census's "
+                        "regime_* shares count every mined token.")
+    vocab = R.vocab(run)
+    rows = []
+    for k in REGIME_NAMES:
+        for n, ex in enumerate(got["examples"][k], 1):
+            for j, (t, (m, g, u)) in enumerate(zip(ex["tokens"], ex["values"])):
+                rows.append((k, REGIME_NAMES[k], n, ex["sentence_id"], ex["position"], ex["start"] + j,
+                             vocab[t] if 0 <= t < len(vocab) else f"<{t}>", m, g, u))
+    examples = Panel(REGIME_EXAMPLES, EXAMPLE_COLUMNS, tuple(rows),
+                     note=f"Each regime's {R.PER_REGIME} strongest examples by |m| among the searched tokens, one "
+                          f"per sentence; m, gate g and input u at the example's token, and at each token shown "
+                          f"on hover. Tinted by m, each sign relative to its largest |m| in this panel.")
+    return [shares, examples]
 
 
 OVERVIEW = ("dead", "prediction", "suppression", "partition", "enrichment", "depletion")

@@ -1,0 +1,165 @@
+"""A gated memory's examples per sign regime on its page (issue 46, item 1: GLUScope's four
+(gate sign, input sign) combinations), served by the census step's panels.
+
+Tiny Llama and GPT-2 runs (30 WikiText-2 sentences, top 3, `reference_mine`), each censused in
+process. Every expected value is a brute force here: a hooked forward of the Llama's own
+gate_proj and up_proj over the sentences the panel says it searched, read from sentences.parquet
+with pyarrow."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+CODES = ("pp", "pn", "np", "nn")
+
+
+def _censused(tmp_path_factory, reference_mine, model_dir, mm, name):
+    from ffkv.steps.census.compute import compute_census
+    from ffkv.store.run import Run
+
+    run = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(reference_mine(model_dir, 30, 3), run)
+    compute_census(Run(run), mm, show_progress=False)
+    return run
+
+
+def _client(run):
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
+    return _censused(tmp_path_factory, reference_mine, tiny_dirs["llama"], tiny_models["llama"], "regimes-llama")
+
+
+@pytest.fixture(scope="module")
+def memory(llama):
+    """(layer, dim) of the mined memory of layer 1 with the most triggers of both signs (ties: lowest dim)."""
+    t = pq.read_table(llama / "triggers.parquet", columns=["layer", "dim"]).to_pandas()
+    t = t[t.layer == 1]
+    n = t.groupby("dim").size()
+    return 1, int(n[n == n.max()].index.min())
+
+
+@pytest.fixture(scope="module")
+def page(llama, memory):
+    c = _client(llama)
+    j = c.get(f"/api/memory/{memory[0]}/{memory[1]}").json()
+    html = c.get(f"/memory/{memory[0]}/{memory[1]}").text
+    return {p["title"]: p for p in j["panels"]}, html
+
+
+def _brute(model_dir, layer: int, seqs: list[list[int]]):
+    """Per sequence, (gate, up) (T, d_m) from forward hooks on the Llama's gate_proj and up_proj."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    mlp = hf.model.layers[layer].mlp
+    got = {}
+    hooks = [mlp.gate_proj.register_forward_hook(lambda m, a, o: got.__setitem__("g", o[0].detach())),
+             mlp.up_proj.register_forward_hook(lambda m, a, o: got.__setitem__("u", o[0].detach()))]
+    out = []
+    with torch.no_grad():
+        for s in seqs:  # one sentence at a time: no padding
+            hf(torch.tensor([s]))
+            out.append((got["g"].numpy().astype(np.float64), got["u"].numpy().astype(np.float64)))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def _regime(g: float, u: float) -> str:
+    return ("p" if g > 0 else "n") + ("p" if u > 0 else "n")
+
+
+def test_examples_and_shares_equal_a_hooked_forward(llama, memory, page, tiny_dirs):
+    from ffkv.steps.census import regimes as R
+
+    layer, dim = memory
+    panels, _ = page
+    shares = panels["Sign regimes over the searched tokens"]
+    ex = panels["Sign regimes: strongest examples"]
+    # the searched sentences, as the panel's note states them: the top-trigger ones, then the sample
+    note = shares["note"]
+    n_top, n_sample = map(int, re.search(r"this memory's (\d+) top-trigger .*? and (\d+) more", note).groups())
+    trig = pq.read_table(llama / "triggers.parquet").to_pandas()
+    trig = trig[(trig.layer == layer) & (trig.dim == dim) & (trig["rank"] <= R.TOP_RANK)]
+    top = list(dict.fromkeys(trig.sort_values(["sign", "rank"], ascending=[False, True]).sentence_id.tolist()))
+    assert len(top) == n_top > 0
+    sents = pq.read_table(llama / "sentences.parquet", columns=["sentence_id", "token_ids"]).to_pandas()
+    ids = np.sort(sents.sentence_id.to_numpy())
+    sample = np.sort(ids[np.random.default_rng(R.SEED).choice(len(ids), min(R.SAMPLE, len(ids)), replace=False)])
+    searched = top + [int(s) for s in sample if int(s) not in top]
+    assert len(searched) == n_top + n_sample
+    toks = dict(zip(sents.sentence_id, sents.token_ids))
+    seqs = [list(toks[s])[:R.MAX_TOKENS] for s in searched]
+    brute = dict(zip(searched, _brute(tiny_dirs["llama"], layer, seqs)))
+
+    # the shares over the searched tokens: the brute force's mass by regime, summing to 1
+    mass = dict.fromkeys(CODES, 0.0)
+    count = dict.fromkeys(CODES, 0)
+    for g, u in brute.values():
+        gd, ud = g[:, dim], u[:, dim]
+        m = torch.nn.functional.silu(torch.tensor(gd)).numpy() * ud
+        for gi, ui, mi in zip(gd, ud, m):
+            if mi != 0:
+                mass[_regime(gi, ui)] += abs(mi)
+                count[_regime(gi, ui)] += 1
+    rows = {r[0]: r for r in shares["rows"]}
+    assert [r[0] for r in shares["rows"]] == list(CODES)
+    assert sum(r[3] for r in shares["rows"]) == pytest.approx(1.0, abs=1e-9)
+    total = sum(mass.values())
+    for k in CODES:
+        assert rows[k][2] == count[k]
+        assert rows[k][3] == pytest.approx(mass[k] / total, rel=1e-4, abs=1e-6)
+
+    # each shown example: its regime and its gate, input and m at every token shown, as hooked
+    assert ex["rows"], "the tiny memory shows examples"
+    cols = ex["columns"]
+    shown: dict = {}
+    for r in ex["rows"]:
+        r = dict(zip(cols, r))
+        g, u = brute[r["sentence_id"]]
+        gi, ui = g[r["i"], dim], u[r["i"], dim]
+        assert r["gate"] == pytest.approx(gi, rel=1e-4, abs=1e-5)
+        assert r["input"] == pytest.approx(ui, rel=1e-4, abs=1e-5)
+        assert r["m"] == pytest.approx(float(torch.nn.functional.silu(torch.tensor(gi))) * ui, rel=1e-4, abs=1e-5)
+        if r["i"] == r["position"]:
+            assert _regime(gi, ui) == r["regime"]
+            shown.setdefault(r["regime"], []).append((abs(r["m"]), r["sentence_id"]))
+    for k, xs in shown.items():  # strongest first, one per sentence, as many as the shares panel says
+        assert [x[0] for x in xs] == sorted((x[0] for x in xs), reverse=True)
+        assert len({x[1] for x in xs}) == len(xs) == rows[k][4]
+        # none of the searched tokens in this regime beats the weakest shown by more than rounding
+        best = sorted((max(abs(float(torch.nn.functional.silu(torch.tensor(g[i, dim]))) * u[i, dim])
+                           for i in range(len(g)) if _regime(g[i, dim], u[i, dim]) == k
+                           and g[i, dim] * u[i, dim] != 0) for sid, (g, u) in brute.items()
+                       if any(_regime(g[i, dim], u[i, dim]) == k for i in range(len(g)))), reverse=True)
+        assert [x[0] for x in xs] == pytest.approx(best[:len(xs)], rel=1e-4)
+
+
+def test_the_page_draws_tinted_examples(page):
+    panels, html = page
+    n = sum(1 for r in panels["Sign regimes: strongest examples"]["rows"] if r[5] == r[4])
+    assert html.count('data-regime="') == n
+    assert re.search(r'<mark class="tk m[pn][1-8]" data-i="\d+" data-m="[^"]+" title="m = [^"]+ · gate = ', html)
+    assert "Searched: this memory" in html
+    assert "this panel's template failed" not in html and "could not recompute" not in html
+
+
+def test_no_regime_panel_for_an_ungated_ffn(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
+    run = _censused(tmp_path_factory, reference_mine, tiny_dirs["gpt2"], tiny_models["gpt2"], "regimes-gpt2")
+    dim = int(pq.read_table(run / "triggers.parquet", columns=["dim"]).column("dim")[0].as_py())
+    c = _client(run)
+    titles = [p["title"] for p in c.get(f"/api/memory/0/{dim}").json()["panels"]]
+    assert "Census" in titles and not any(t.startswith("Sign regimes") for t in titles)
+    assert 'data-regime="' not in c.get(f"/memory/0/{dim}").text
