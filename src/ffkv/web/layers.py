@@ -8,7 +8,8 @@
   top-1 trigger's next token in the value's distribution, then its probability) and by value
   sharpness (the value's max probability), from the browser's per-memory table;
 - the pattern mix: `patterns_fig2` rows of the layer and the keys' labels (`pattern_keys`);
-- the layer's memories, paged, each with its one-line summary.
+- the layer's memories, paged, each with its one-line summary, by dim or (`?sort=worth`) by worth,
+  the largest first (`ffkv worth`'s memory_worth; each row's `worth` whenever the run has it).
 
 A table the run lacks gives `None` and the command that makes it (`MAKES`).
 """
@@ -19,6 +20,7 @@ import math
 import numpy as np
 import pyarrow.compute as pc
 
+from ffkv.steps.worth.report import of_browser
 from ffkv.store import query
 from ffkv.web.measures import EPS_HIST, census_classes, class_members, eps_shares, first_position, row_signs
 from ffkv.web.tables import BadQuery, NotFound
@@ -47,13 +49,17 @@ def _col(t, name) -> np.ndarray:
     return t.column(name).to_numpy(zero_copy_only=False)
 
 
-def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False, classes=None) -> list[dict]:
+def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False, classes=None,
+                   sort: str = "dim") -> list[dict]:
     """Every memory of the layer that was mined or has a value row, by dim, with its measures and
     (unless `summaries` is off: the page adds them to the rows it shows) its one-line summary
     (the rows of the layer page's list and of its CSV); `hide_first` (?pos0=hide) leaves out the
     first-position memories (`measures.first_position`). With `classes` (?class=) the list is the
     layer's memories in one of these census classes, mined or not (the census covers every memory),
-    so that it holds as many as the class mix counts."""
+    so that it holds as many as the class mix counts. Each row has its `worth` when the run has the
+    worth table; `sort` "worth" orders the rows by it, the largest first, then by dim (a memory
+    without a worth last); "dim" (the default) by dim. The caller checks that the table is there
+    (`ffkv.web.params.layer_sort`)."""
     t = b.memories.slice(layer * b.d_m, b.d_m)
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
@@ -62,6 +68,14 @@ def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = Fal
     if hide_first:
         keep &= ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]
     rows = t.filter(keep).to_pylist()
+    worth = of_browser(b)
+    if worth is not None:
+        for r in rows:
+            r["worth"] = _f(worth[r["layer"] * b.d_m + r["dim"]])
+    if sort == "worth":
+        rows.sort(key=lambda r: (r["worth"] is None, -(r["worth"] or 0.0), r["dim"]))
+    elif sort != "dim":
+        raise BadQuery(f"sort must be dim or worth (got {sort!r})")
     signs = row_signs(b, [b.code(r["layer"], r["dim"]) for r in rows], [r["direction"] or 0 for r in rows])
     for r, s in zip(rows, signs.tolist()):
         r["top_token_text"] = b.tok(r["top_token"])
@@ -175,17 +189,18 @@ def census_mix(b, layer: int) -> dict | None:
 
 
 def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bool = False,
-               classes=None) -> dict:
+               classes=None, sort: str = "dim") -> dict:
     """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is); with
     `hide_first` (?pos0=hide) its lists leave out the first-position memories, with `classes`
-    (?class=) they hold only the memories of these census classes."""
+    (?class=) they hold only the memories of these census classes; `sort` orders the list of memories
+    ("dim", or "worth": the largest first)."""
     if not 0 <= layer < b.L:
         raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
     if not 1 <= per_page <= 1000:
         raise BadQuery("per_page must be in 1..1000")
     if page < 1:
         raise BadQuery("page must be ≥ 1")
-    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first, classes=classes)
+    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first, classes=classes, sort=sort)
     last = max(1, -(-len(mems) // per_page))
     if page > last:
         raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
@@ -202,6 +217,7 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bo
              if b.key_stats is not None else None)  # unknown without key statistics
     return {"layer": layer, "layers": b.L, "d_m": b.d_m, "model": b.model_id, "lens": b.lens, "mined": mined,
             "first_position": first, "pos0": "hide" if hide_first else "show", "class": list(classes or []),
+            "sort": sort, "has_worth": of_browser(b) is not None,
             "census": census_mix(b, layer),
             "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer, hide_first, classes),
             "patterns": _patterns(b, layer), "missing": missing,

@@ -2,6 +2,8 @@
 (integers through `ffkv.parse.parse_int`), so a malformed or huge value is a 422, never a 500."""
 from __future__ import annotations
 
+import math
+
 from fastapi.responses import JSONResponse
 
 from ffkv.errors import FfkvError
@@ -82,3 +84,47 @@ def census_filter(b, v: str | None) -> tuple[str, ...] | None:
     if bad:
         raise BadQuery(f"class must be one of {', '.join(valid)} (got {shown(bad[0])})")
     return tuple(c for c in valid if c in names)  # the census's order, each once
+
+
+# ---- worth (`ffkv worth`: the table memory_worth, read per memory by `ffkv.steps.worth.report.of_browser`) ----
+LAYER_SORTS = ("dim", "worth")  # a layer list's orders: by dim (the default), by worth (descending)
+
+
+def worths(b, what: str):
+    """Each memory's worth by code (`of_browser`); a run without the worth table: one line naming the
+    fix, beginning with `what` (the parameter that asked for it)."""
+    from ffkv.steps.worth.report import NO_WORTH, of_browser
+
+    w = of_browser(b)
+    if w is None:
+        raise BadQuery(f"{what}: {NO_WORTH}")
+    return w
+
+
+def layer_sort(b, v: str | None) -> str:
+    """`?sort=dim|worth` of a layer's list: by dim (absent, ''), or by worth, the largest first
+    (then by dim; memories without a worth last); worth on a run without its table is one line."""
+    s = "" if v is None else str(v).strip()
+    if s in ("", "dim"):
+        return "dim"
+    if s != "worth":
+        raise BadQuery(f"sort must be {' or '.join(LAYER_SORTS)} (got {shown(v)})")
+    worths(b, "sort=worth")
+    return s
+
+
+def min_worth(b, v: str | None) -> float | None:
+    """`?min_worth=X`: only memories worth at least X (nats per predicted token; a memory without a
+    worth never passes); absent or '' is no filter. Not a finite number, or a run without the worth
+    table: one line."""
+    s = "" if v is None else str(v).strip()
+    if not s:
+        return None
+    try:
+        x = float(s) if len(s) <= 40 else math.nan
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x):
+        raise BadQuery(f"min_worth must be a finite number, e.g. 0.001 (got {shown(v)})")
+    worths(b, "min_worth")
+    return x

@@ -1,5 +1,10 @@
 """The browser's searches: by token (the token index), by text (trigger prefixes, trigger tokens,
-one-line summaries) and by measure (the per-memory table `memories`, through DuckDB)."""
+one-line summaries) and by measure (the per-memory table `memories`, through DuckDB).
+
+Worth (`ffkv worth`, table memory_worth; per memory `ffkv.steps.worth.report.of_browser`): every search
+takes `min_worth` (only memories worth at least that, nats per predicted token; one without a worth
+never passes), the measure search sorts by it (`sort=worth`, the largest first), and the measure and
+token searches' rows carry each memory's `worth` when the run has the table."""
 from __future__ import annotations
 
 import re
@@ -10,6 +15,7 @@ import pyarrow as pa
 
 from ffkv.defs import LENSES
 from ffkv.display import read_token
+from ffkv.steps.worth.report import of_browser
 from ffkv.web.measures import class_members, first_position
 from ffkv.web.tables import BadQuery, NotFound, _f
 
@@ -20,7 +26,7 @@ MEASURE_SORTS = {
     "agreement": ("rank", "asc"), "target_prob": ("target_prob", "desc"),
     "entropy": ("entropy", "asc"), "coverage": ("coverage", "desc"),
     "patterns": ("n_patterns", "desc"), "coef": ("top_coef", "desc"),
-    "layer": ("layer", "asc"),
+    "layer": ("layer", "asc"), "worth": ("worth", "desc"),
 }
 TOKEN_SORTS = {"prob": ("prob", "desc"), "rank": ("rank", "asc"), "max_prob": ("max_prob", "desc"),
                "precision": ("precision", "desc"), "layer": ("layer", "asc")}
@@ -90,6 +96,15 @@ class Search:
         out = [i for i, s in enumerate(self.b.vocab) if s.strip().casefold().startswith(k)]
         return sorted(out, key=lambda i: (len(self.b.vocab[i].strip()), i))[:n]
 
+    def _worth_ok(self, min_worth: float | None) -> np.ndarray | None:
+        """Per memory code, whether it is worth at least `min_worth` (None: no filter)."""
+        if min_worth is None:
+            return None
+        from ffkv.web.params import worths
+
+        with np.errstate(invalid="ignore"):
+            return worths(self.b, "min_worth") >= min_worth  # NaN (no worth) is False
+
     @staticmethod
     def _order(sorts: dict, sort: str | None, order: str | None, default: str) -> tuple[str, str, str]:
         sort = sort or default
@@ -113,11 +128,12 @@ class Search:
     def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
                      layer: int | None = None, sort: str | None = None, order: str | None = None,
                      page: int = 1, per_page: int = 50, match: str = "merged", hide_first: bool = False,
-                     classes=None) -> dict:
+                     classes=None, min_worth: float | None = None) -> dict:
         """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
         the value's probability of the token first. `hide_first` (?pos0=hide): without the
         first-position memories (`measures.first_position`), as every search takes it; `classes`
-        (?class=): only memories in one of these census classes (`measures.class_members`), likewise."""
+        (?class=): only memories in one of these census classes (`measures.class_members`), likewise;
+        `min_worth` (?min_worth=): only memories worth at least that."""
         lens = lens or self.b.lens
         if lens not in LENSES:
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
@@ -158,6 +174,10 @@ class Search:
             keep = class_members(self.b, classes)[mem]
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
+        if min_worth is not None:
+            keep = self._worth_ok(min_worth)[mem]
+            hit = {c: v[keep] for c, v in hit.items()}
+            mem = hit["mem"]
         meas = self.b.memories
         sign = 1 if direction == "promote" else -1  # every number of a row is of s·v: −v when suppressing
         suffix = "" if sign == 1 else "_neg"
@@ -177,8 +197,11 @@ class Search:
                     "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
                     "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]]), "sign": sign}
                    for i in sel]
+        worth = of_browser(self.b)
         for r in results:  # each row's example: its memory's top trigger of that sign (coloured by m)
             r["sentence_id"], r["position"] = self.top_trigger(r["layer"], r["dim"], sign)
+            if worth is not None:
+                r["worth"] = _f(worth[r["layer"] * self.b.d_m + r["dim"]])
         return {**base, "status": "ready", "total": total, "memories": int(len(np.unique(mem))),
                 "results": results, "index_k": idx.k,
                 "index_source": idx.source}
@@ -195,13 +218,14 @@ class Search:
 
     def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
                     sort: str | None = None, order: str | None = None, page: int = 1,
-                    per_page: int = 50, hide_first: bool = False, classes=None) -> dict:
+                    per_page: int = 50, hide_first: bool = False, classes=None,
+                    min_worth: float | None = None) -> dict:
         """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
         is a token (mode token: the decoded token, spaces ignored, case folded); mode summary:
         memories whose one-line summary contains the words (`search_summary`)."""
         if mode == "summary":
             return self.search_summary(q, layer=layer, page=page, per_page=per_page, hide_first=hide_first,
-                                       classes=classes)
+                                       classes=classes, min_worth=min_worth)
         if mode not in ("word", "token"):
             raise BadQuery(f"mode must be word, token or summary (got {mode!r})")
         if sign not in (None, 1, -1):
@@ -231,6 +255,8 @@ class Search:
             sel = sel[~first_position(self.b)[self.b.trig.code[sel]]]
         if len(sel) and classes:
             sel = sel[class_members(self.b, classes)[self.b.trig.code[sel]]]
+        if len(sel) and min_worth is not None:
+            sel = sel[self._worth_ok(min_worth)[self.b.trig.code[sel]]]
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
@@ -298,7 +324,7 @@ class Search:
         return np.nonzero(hit)[0]
 
     def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50,
-                       hide_first: bool = False, classes=None) -> dict:
+                       hide_first: bool = False, classes=None, min_worth: float | None = None) -> dict:
         """Memories whose one-line summary contains every word of `q` (case folded), by memory."""
         words = (q or "").casefold().split()
         if not words:
@@ -315,9 +341,11 @@ class Search:
         ann = self.b.notes.annotation_parts()
         first = first_position(self.b) if hide_first else None
         member = class_members(self.b, classes) if classes else None
+        worthy = self._worth_ok(min_worth)
         hits = []
         for c, text in lines.items():
-            if (first is not None and first[c]) or (member is not None and not member[c]):
+            if ((first is not None and first[c]) or (member is not None and not member[c])
+                    or (worthy is not None and not worthy[c])):
                 continue
             if c in ann:
                 text = sm.line(c, ann[c]).casefold()
@@ -331,10 +359,17 @@ class Search:
 
     def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
                        label: str | None = None, agree: bool | None = None, mined_only: bool = True,
-                       page: int = 1, per_page: int = 50, hide_first: bool = False, classes=None) -> dict:
-        """Memories ordered by a measure (value max-probability, precision@50, agreement, …); with
-        `classes` (?class=) only those in one of these census classes."""
+                       page: int = 1, per_page: int = 50, hide_first: bool = False, classes=None,
+                       min_worth: float | None = None) -> dict:
+        """Memories ordered by a measure (value max-probability, precision@50, agreement, worth, …);
+        with `classes` (?class=) only those in one of these census classes, with `min_worth` only
+        those worth at least that. A run with the worth table gives each row its `worth` (null
+        without one: last in either order); sorting by worth without the table is one line."""
         sort, col, how = self._order(MEASURE_SORTS, sort, order, "max_prob")
+        if sort == "worth":
+            from ffkv.web.params import worths
+
+            worths(self.b, "sort=worth")
         page, per_page = self._page(page, per_page)
         where, params = [], []
         if mined_only:
@@ -354,10 +389,20 @@ class Search:
             params.append(bool(agree))
         if hide_first:
             where.append("NOT first_position")
+        if min_worth is not None:
+            self._worth_ok(min_worth)  # a run without the table: one line
+            where.append("worth >= ?")
+            params.append(float(min_worth))
         w = (" WHERE " + " AND ".join(where)) if where else ""
-        src = self.b.memories.filter(class_members(self.b, classes)) if classes else None
-        with self.b._con_lock:  # the class's rows under a name of their own while both queries run
-            con, name = self.b._con, "memories" if src is None else "memories_in_class"
+        src = None
+        worth = of_browser(self.b)
+        if worth is not None:  # the per-memory table with each memory's worth (NaN stored as null)
+            src = self.b._lazy("_memories_worth", lambda: self.b.memories.append_column(
+                "worth", pa.array(worth, pa.float64(), from_pandas=True)))
+        if classes:
+            src = (self.b.memories if src is None else src).filter(class_members(self.b, classes))
+        with self.b._con_lock:  # the chosen rows under a name of their own while both queries run
+            con, name = self.b._con, "memories" if src is None else "memories_chosen"
             if src is not None:
                 con.register(name, src)
             try:
@@ -373,6 +418,7 @@ class Search:
             r["top_token_text"] = self.b.tok(r["top_token"])
             r["top_token_neg_text"] = self.b.tok(r["top_token_neg"])
         return {"mode": "measure", "sort": sort, "order": how, "layer": layer, "label": label, "agree": agree,
+                "has_worth": worth is not None,
                 "page": page, "per_page": per_page, "total": int(total), "results": rows}
 
     def _sql(self, q: str, params=None) -> pa.Table:

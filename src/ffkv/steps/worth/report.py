@@ -1,7 +1,9 @@
-"""The worth step's views: the memory page's panel, the overview's columns and the report's section,
+"""The worth step's views: the memory page's panel, the overview's columns, the report's section and
+the browser's per-memory array (what layer lists sort by and search filters on: `by_code`, `of_browser`),
 all read from `memory_worth` (columns in `ffkv.steps.worth.compute`)."""
 from __future__ import annotations
 
+NO_WORTH = "this run has no worth table (memory_worth): run `ffkv worth RUN`"
 NOTE = ("First-order estimate (attribution patching, −m·∂L/∂m averaged over the predicted tokens) of the rise "
         "of the model's next-token loss when the memory is removed (m = 0 at every token).")
 
@@ -59,3 +61,25 @@ def sections(run, fig_dir) -> list:
             + table(["layer", "Σ worth (nats/token)", "most valuable dim", "its worth", "memories worth > 0"], rows,
                     num={0, 1, 2, 3, 4}))
     return [ReportSection("worth", "What the memories are worth", html, short="Worth")]
+
+
+def by_code(run, layers: int, d_m: int):
+    """Each memory's worth by code (layer·d_m + dim): float64 (layers·d_m,), NaN for a memory without
+    a row; None for a run without `memory_worth`."""
+    import numpy as np
+
+    from ffkv.store import query
+
+    if not run.has_table("memory_worth"):
+        return None
+    t = query.table(run, "memory_worth", columns=["layer", "dim", "worth"])
+    code = t.column("layer").to_numpy().astype(np.int64) * d_m + t.column("dim").to_numpy().astype(np.int64)
+    out = np.full(layers * d_m, np.nan)
+    ok = (code >= 0) & (code < layers * d_m)
+    out[code[ok]] = t.column("worth").to_numpy(zero_copy_only=False).astype(np.float64)[ok]
+    return out
+
+
+def of_browser(b):
+    """`by_code` of a browser's run (`ffkv.web.data.Browser`), read once and kept."""
+    return b._lazy("_worth_by_code", lambda: (by_code(b.run, b.L, b.d_m),))[0]

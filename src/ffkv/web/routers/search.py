@@ -1,5 +1,7 @@
 """Search by token, text or measure, its downloads (every page of the results), and the
-token index's status and build."""
+token index's status and build. Every search takes `?min_worth=X` (memories worth at least X, from
+`ffkv worth`) and the measure search `?sort=worth`; without the worth table both are one line (422)
+naming `ffkv worth RUN`."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -9,7 +11,9 @@ from ffkv.errors import FfkvError
 from ffkv.web.common import no_cross_site_fetch, render, same_origin, state
 from ffkv.web.measures import FIRST_POSITION, census_classes
 from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
-from ffkv.web.params import api, census_filter, hide_pos0, opt_bool, opt_int, opt_sign, opt_str, req_int
+from ffkv.steps.worth.report import of_browser
+from ffkv.web.params import (api, census_filter, hide_pos0, min_worth, opt_bool, opt_int, opt_sign, opt_str,
+                             req_int)
 from ffkv.web.tables import BadQuery, NotFound
 
 
@@ -26,22 +30,25 @@ def do_search(request: Request, p: dict) -> dict:
     token, text = p.get("token"), p.get("text")
     hide = hide_pos0(p.get("pos0"))  # ?pos0=hide: no first-position memory in the results
     classes = census_filter(b, p.get("class"))  # ?class=dead,prediction: only memories of these census classes
+    mw = min_worth(b, p.get("min_worth"))  # ?min_worth=0.001: only memories worth at least that
     if token is not None and token != "":
         res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
                              order=order, page=page, per_page=per_page,
                              match=opt_str(p.get("match")) or "merged", hide_first=hide,
-                             classes=classes)
+                             classes=classes, min_worth=mw)
     elif text is not None and text != "":
         res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
                             layer=layer, sort=sort, order=order, page=page, per_page=per_page, hide_first=hide,
-                            classes=classes)
+                            classes=classes, min_worth=mw)
     else:
         res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
                                agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page,
-                               hide_first=hide, classes=classes)
+                               hide_first=hide, classes=classes, min_worth=mw)
     res["pos0"] = "hide" if hide else "show"
     res["class"] = list(classes or [])
+    res["min_worth"] = mw
+    res["has_worth"] = of_browser(b) is not None
     check_page(res)
     b.add_summaries(res.get("results") or [])
     return res
@@ -59,7 +66,7 @@ def check_page(res: dict) -> None:
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree", "match", "format", "pos0", "class")
+                 "sign", "label", "agree", "match", "format", "pos0", "class", "min_worth")
 
 
 def search_params(request: Request) -> dict:
@@ -80,7 +87,8 @@ def search_page(request: Request):
         return search_download(request, p, fmt)
     res = do_search(request, p)
     return render(request, "search.html", res=res, p=p, b=state(request), labels=LABELS,
-                  measure_sorts=list(MEASURE_SORTS), token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
+                  measure_sorts=[s for s in MEASURE_SORTS if s != "worth" or res["has_worth"]],
+                  token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
                   refresh=res.get("status") == "building", first_threshold=FIRST_POSITION,
                   census_classes=census_classes(state(request)))
 
@@ -147,6 +155,8 @@ def search_download(request: Request, p: dict, fmt: str):
     rows = rows[:DOWNLOAD_MAX]
     kind = res.get("text_mode") if res["mode"] == "text" and res.get("text_mode") == "summary" else res["mode"]
     columns = list(SEARCH_COLUMNS[kind])
+    if any("worth" in r for r in rows):  # a run with `ffkv worth`: each memory's worth, before its summary
+        columns.insert(columns.index("summary"), "worth")
     for r in rows:
         if isinstance(r.get("prefix"), dict):
             r["prefix"] = r["prefix"].get("full")
@@ -159,4 +169,6 @@ def search_download(request: Request, p: dict, fmt: str):
     what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
     if res["class"]:
         what += "-" + "-".join(res["class"])
+    if res["min_worth"] is not None:
+        what += f"-worth-{res['min_worth']:g}"
     return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
