@@ -23,10 +23,14 @@ TOL = dict(rel=1e-4, abs=1e-4)
 
 
 @pytest.fixture(scope="module")
-def app(tiny_dirs, tiny_models, reference_mine):
+def app(tmp_path_factory, tiny_dirs, tiny_models, reference_mine):
+    import shutil
+
     from ffkv.web.app import create_app
 
-    app = create_app(reference_mine(tiny_dirs["llama"], 30, 3), log_fn=lambda m: None)
+    run = tmp_path_factory.mktemp("explore-positions") / "run"  # a copy: the browser may write to its run
+    shutil.copytree(reference_mine(tiny_dirs["llama"], 30, 3), run)
+    app = create_app(run, log_fn=lambda m: None)
     app.state.explore_model = tiny_models["llama"]  # the model the references below read
     return app
 
@@ -60,6 +64,7 @@ def hooked(tiny_models):
             "h": final["h"].float()}
 
 
+@torch.no_grad()
 def dla(hf, m_at: torch.Tensor, h: torch.Tensor, w: int) -> torch.Tensor:
     """(L, d_m) contributions to token w's logit under the norm lens, by hand."""
     norm = hf.model.norm
@@ -192,6 +197,13 @@ def test_positions_outside_the_text_are_one_line(client, tiny_models, pos, msg):
     page = client.get("/explore", params={"text": TEXT, "pos": pos})
     assert page.status_code == 422 and 'id="error"' in page.text and "Traceback" not in page.text
     assert client.get("/api/explore", params={"text": TEXT, "hardest": "0"}).status_code == 422
+
+
+def test_odd_positions_never_500(client):
+    for v in ("0", "-0", "+1", "-16", "15", "1e3", "1.5", " 1 ", "", "١", "𝟙", "²", "-", "0x10", "-" + "9" * 5000):
+        for name in ("pos", "hardest"):
+            r = client.get("/api/explore", params={"text": TEXT, name: v})
+            assert r.status_code in (200, 422), (name, v, r.text)
 
 
 @pytest.mark.browser
