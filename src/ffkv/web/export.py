@@ -10,6 +10,12 @@ Ranks in downloads are 1-based (1 = the value's top token, as the pages show the
 `rank` is). A column that held a 0-based rank before (`rank` of the token, measure and layer
 tables, `next_token_rank_in_value` of triggers.csv) is now 1-based, and its 0-based value stays
 under the same name with `_0` (`one_based`), so a script reading the old numbers has a named column.
+
+With the run's census (`ffkv census`; `download(..., census=Browser.census)`), a download whose rows
+name memories (layer and dim columns: search results, layer lists) also carries each memory's row of
+census.parquet, every column but layer and dim as `census.NAME` (class labels and the numbers behind
+them, as the table stores them: `ffkv.steps.census.compute` documents them), after the download's
+own columns (`with_census`). Without a census the download is as it was.
 """
 from __future__ import annotations
 
@@ -90,8 +96,41 @@ def check_format(fmt: str | None) -> str | None:
     return fmt
 
 
-def download(rows: list[dict], columns: list[str], name: str, fmt: str) -> Response:
-    """The rows as a CSV or JSON file named `name`.csv / .json (an attachment)."""
+CENSUS_PREFIX = "census."  # a census column's name in a download: census.dead, census.skew, …
+
+
+def with_census(rows: list[dict], columns: list[str], census) -> list[str]:
+    """`columns` and then census.NAME for every column NAME of the `census` table (pyarrow, one row
+    per memory; None: no census) but layer and dim, each row given its memory's values (None for a
+    memory the census lacks). Rows without both layer and dim columns are left as they are."""
+    if census is None or "layer" not in columns or "dim" not in columns:
+        return columns
+    import numpy as np
+
+    names = [c for c in census.column_names if c not in ("layer", "dim")]
+    layer = census.column("layer").to_numpy().astype(np.int64)
+    dim = census.column("dim").to_numpy().astype(np.int64)
+    width = int(dim.max()) + 1 if len(dim) else 1
+    key = layer * width + dim
+    order = np.argsort(key, kind="stable")
+    want = np.array([-1 if r.get("layer") is None or r.get("dim") is None or not 0 <= int(r["dim"]) < width
+                     else int(r["layer"]) * width + int(r["dim"]) for r in rows], np.int64)
+    at = np.minimum(np.searchsorted(key[order], want), max(len(key) - 1, 0))
+    found = (want >= 0) & (key[order][at] == want) if len(key) else np.zeros(len(rows), bool)
+    got = census.select(names).take(order[at[found]]).to_pylist() if found.any() else []
+    it = iter(got)
+    for r, ok in zip(rows, found.tolist()):
+        vals = next(it) if ok else {}
+        for c in names:
+            r[CENSUS_PREFIX + c] = vals.get(c)
+    return [*columns, *(CENSUS_PREFIX + c for c in names)]
+
+
+def download(rows: list[dict], columns: list[str], name: str, fmt: str, census=None) -> Response:
+    """The rows as a CSV or JSON file named `name`.csv / .json (an attachment); with `census` (the
+    run's census table, `Browser.census`) and rows of memories, their census columns after them
+    (`with_census`)."""
+    columns = with_census(rows, list(columns), census)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "ffkv"
     if fmt == "csv":
         body, media = to_csv(rows, columns), "text/csv; charset=utf-8"
