@@ -76,6 +76,7 @@ tr.xp-edited { background: #fff3cf; }
 .xp-toks a.tok.xp-at { background: #ffe08a; outline: 2px solid #c99a00; color: #1a1a1a; }
 .xp-toks a.tok.xp-after { opacity: 0.55; }
 input[name=pos] { width: 5em; }
+table#hardest-table { width: auto; }
 """
 
 
