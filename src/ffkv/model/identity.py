@@ -79,3 +79,64 @@ def open_model(run, model: str | None = None, device: str = "auto", dtype: str =
               lens=lens or run.lens)
     check_model(run, mm)
     return mm
+
+
+# ---- one copy per process -------------------------------------------------------------------------
+import threading  # noqa: E402
+
+_shared: dict = {}  # run folder -> the run's model on the CPU
+_locks: dict = {}  # run folder -> its forward lock
+_guard = threading.Lock()
+
+
+def forward_lock(run) -> threading.Lock:
+    """The lock held around a forward of `shared_model(run)`: hooks are per model, so two threads
+    must not run it at once."""
+    with _guard:
+        return _locks.setdefault(str(run.path), threading.Lock())
+
+
+def shared_model(run):
+    """The run's model on the CPU, opened once per process for every reader that does not edit it
+    (the browser's pages, a step's memory-page panels): a second copy would double the server's
+    memory and its first page's wait."""
+    key = str(run.path)
+    with _guard:
+        got = _shared.get(key)
+        if got is None:
+            got = _shared[key] = _Once()
+    return got.get(lambda: _open_retrying(run))
+
+
+def _open_retrying(run):
+    import time
+
+    for attempt in range(3):
+        try:
+            return open_model(run, device="cpu")
+        except ImportError:
+            # transformers' lazy imports can fail while another thread of a server is importing
+            # the same modules for something else (seen on a fresh server's first pages)
+            if attempt == 2:
+                raise
+            time.sleep(0.5)
+
+
+class _Once:
+    """A value made by the first caller; the others wait for it, and a failure is not kept."""
+
+    def __init__(self):
+        self._lock, self._value = threading.Lock(), None
+
+    def get(self, make):
+        if self._value is None:
+            with self._lock:
+                if self._value is None:
+                    self._value = make()
+        return self._value
+
+
+def forget_shared(run) -> None:
+    """Drop the shared copy (a test's or a closed browser's), so its memory can go."""
+    with _guard:
+        _shared.pop(str(run.path), None)

@@ -94,7 +94,7 @@ class Browser(RunTables):
             self.index_state.status = "ready"
         self._mm = None
         self._mm_lock = threading.Lock()
-        self.model_lock = threading.Lock()  # one forward pass at a time
+        self.model_lock = identity.forward_lock(self.run)  # one forward pass at a time, the steps' panels' too
         self.foreground = Foreground()  # requests a person waits on; background builds yield to them
         self.load_seconds = round(time.time() - t0, 2)
 
@@ -233,7 +233,7 @@ class Browser(RunTables):
 
                     quiet_hf()
                     t = time.time()
-                    self._mm = identity.open_model(self.run, device="cpu")
+                    self._mm = identity.shared_model(self.run)
                     self.log(f"model loaded in {time.time() - t:.1f} s")
         return self._mm
 

@@ -121,8 +121,6 @@ def _example(sid: int, pos: int, seq: list[int], s: dict) -> dict:
 
 # ---- what a memory page asks ---------------------------------------------------------------------
 _lock = threading.Lock()
-_loading = threading.Lock()
-_models: OrderedDict = OrderedDict()  # run folder -> (model, its forward lock); the last two runs
 _samples: OrderedDict = OrderedDict()  # run folder -> the sampled sentence ids
 _vocabs: OrderedDict = OrderedDict()  # run folder -> token texts
 _results: OrderedDict = OrderedDict()  # (run folder, layer, dim) -> memory_regimes' answer
@@ -149,31 +147,6 @@ def _get(cache: OrderedDict, key):
         if v is not None:
             cache.move_to_end(key)
         return v
-
-
-def _model(run):
-    key = str(run.path)
-    with _loading:  # one load at a time: two pages asking at once share one model
-        return _get(_models, key) or _load(run, key)
-
-
-def _load(run, key):
-    """The run's model on the CPU (`ffkv.model.identity.open_model`), kept for the last two runs."""
-    import time
-
-    from ffkv.model.identity import open_model
-
-    for attempt in range(3):
-        try:
-            mm = open_model(run, device="cpu")
-            break
-        except ImportError:
-            # transformers' lazy imports can fail while another thread of the server (the
-            # browser's similar memories, loading its own model) is importing the same modules
-            if attempt == 2:
-                raise
-            time.sleep(0.5)
-    return _keep(_models, key, (mm, threading.Lock()), 2)
 
 
 def sample_ids(run) -> tuple[np.ndarray, int]:
@@ -231,7 +204,9 @@ def memory_regimes(run, layer: int, dim: int) -> dict:
     seqs = [list(toks[s][:MAX_TOKENS]) for s in sids]
     keep = [i for i, s in enumerate(seqs) if s]
     sids, seqs = [sids[i] for i in keep], [seqs[i] for i in keep]
-    mm, lock = _model(run)
+    from ffkv.model.identity import forward_lock, shared_model
+
+    mm, lock = shared_model(run), forward_lock(run)  # the browser's own copy, not a second one
     out = regimes(sids, seqs, scan(mm, layer, dim, seqs, lock))
     out["searched"] = {"top": len(top), "sample": len(extra), "sentences": n, "max_tokens": MAX_TOKENS,
                        "top_rank": TOP_RANK}
