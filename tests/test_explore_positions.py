@@ -208,12 +208,14 @@ def test_odd_positions_never_500(client):
 
 @pytest.mark.browser
 def test_click_a_token_in_a_browser(app, client):
-    """In chromium: clicking a token explains its position (the page's numbers are the API's), and
-    a long text's token strip wraps inside the page at 390 px."""
+    """In chromium: clicking a token explains its position (the page's numbers are the API's), its
+    text reaches WCAG AA in both colour schemes, and a long text's token strip wraps inside the page
+    at 390 px."""
     from pathlib import Path
 
     from conftest import serving
     from test_explore_browser import ARGS, CHROMIUM
+    from test_web_bugs import CONTRAST_JS
 
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian chromium is not installed")
@@ -235,6 +237,10 @@ def test_click_a_token_in_a_browser(app, client):
         rows = [(int(tr.get_attribute("data-layer")), int(tr.get_attribute("data-dim")))
                 for tr in page.query_selector_all("#hardest-table tbody tr")]
         assert rows == [(x["layer"], x["dim"]) for x in j["hardest"]]
+        assert not page.evaluate(CONTRAST_JS)  # the chosen token and those after it: WCAG AA, as every page
+        dark = b.new_page(viewport={"width": 1280, "height": 800}, color_scheme="dark")
+        dark.goto(page.url)
+        assert not dark.evaluate(CONTRAST_JS)
         page.goto(f"{url}/explore?text=" + "+".join(["cat"] * 40))  # ~120 tokens, past one line at 390 px
         page.wait_for_selector("#prediction")
         strip = page.eval_on_selector("#tokens", "e => [e.scrollWidth, e.clientWidth, e.getBoundingClientRect().height]")

@@ -74,7 +74,8 @@ tr.xp-edited { background: #fff3cf; }
 .xp-toks a.tok { color: inherit; text-decoration: none; margin-right: 0; }
 .xp-toks a.tok:hover { outline: 1px solid #8ab8ff; }
 .xp-toks a.tok.xp-at { background: #ffe08a; outline: 2px solid #c99a00; color: #1a1a1a; }
-.xp-toks a.tok.xp-after { opacity: 0.55; }
+.xp-toks a.tok.xp-after { color: #595959; }
+@media (prefers-color-scheme: dark) { .xp-toks a.tok.xp-after { color: #9aa3ad; } }
 input[name=pos] { width: 5em; }
 table#hardest-table { width: auto; }
 """
