@@ -279,3 +279,31 @@ def test_saving_over_an_edit_replaces_it_whole(tmp_path, monkeypatch):
     back = Edit.load(where)
     assert back.method == "values" and np.array_equal(back.delta(2).numpy(), b.delta(2).numpy())
     assert sorted(p.name for p in where.parent.iterdir()) == ["x"]
+
+
+def test_memit_on_a_post_norm_family_writes_the_raw_target(tmp_path_factory, tok_dir):
+    """Gemma 3: MEMIT's z is sought on the top layer's raw output, as ROME's target is. Over one
+    layer with a negligible λ its edit gives exactly u₀ + δ at the prompt (δ the optimiser's); over
+    two layers the new object gets likelier."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    from ffkv.steps.facts import edit as E
+    from ffkv.steps.facts.evaluate import target_nll
+
+    mm = open_tiny("gemma3_text", FAMILIES["gemma3_text"].config, lambda: tmp_path_factory.mktemp("g3m"), tok_dir,
+                   _BUILT)[1]
+    hp, tpl, top = {"steps": 8, "clamp": 8.0}, ["{}"], 1
+    blk = mm.blocks[top]
+    vstar, _, y0 = E.target_output(mm, top, REQ, tpl, hp)  # deterministic: the same δ as memit's
+    u0 = E.raw_output_at(mm, top, REQ.text, REQ.subject)
+    s0 = 1.0 / mm.arch.inv_scale(blk, u0[None])[0, 0]
+    delta = (vstar - y0) * s0 / mm.arch.norm_gain(blk.post_feedforward_layernorm).detach().float()
+    eye = {l: np.eye(mm.d_m) for l in (0, 1)}
+    before = float(-target_nll(mm, [REQ.text], REQ.target_new)[0])
+    e1 = E.memit(mm, [top], [REQ], eye, tpl, hp, lam=1e-9)
+    with E.applied(mm, e1):
+        torch.testing.assert_close(E.raw_output_at(mm, top, REQ.text, REQ.subject), u0 + delta, rtol=1e-3, atol=1e-3)
+    e2 = E.memit(mm, [0, 1], [REQ], eye, tpl, hp, lam=1e-9)
+    with E.applied(mm, e2):
+        after = float(-target_nll(mm, [REQ.text], REQ.target_new)[0])
+    assert after > before

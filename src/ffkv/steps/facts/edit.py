@@ -515,6 +515,17 @@ def target_hidden(mm, layer: int, req: Request, templates: list[str], hp: dict |
     return h0 + _optimize(mm, req, templates, layer, add, hp, h0)
 
 
+def memit_target(mm, layer: int, req: Request, templates: list[str], hp: dict | None = None) -> torch.Tensor:
+    """MEMIT's z at block `layer`. A post-FFN norm family's residual target is sought as ROME's is,
+    on the raw output u (`target_output`), and z = h₀ + (v* − y₀): a δ added after the norm asked
+    the values for a residual change that no change of them gives (Gemma 3's MEMIT edits took on no
+    fact), while v* − y₀ is the change that writes δ into u at the prompt."""
+    if getattr(mm.arch, "post_norm", None) is None:
+        return target_hidden(mm, layer, req, templates, hp)
+    vstar, _, y0 = target_output(mm, layer, req, templates, hp)
+    return hidden_at(mm, layer, req.text, req.subject) + (vstar - y0).float()
+
+
 def memit_factors(C, K, lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_REL):
     """(U (d_m, n), λ): MEMIT's left factor U = (λC + K Kᵀ)⁻¹ K of one layer, K the facts' keys
     (d_m, n), C = E[m mᵀ]. λ is `lam` when given (absolute, as MEMIT's mom2_update_weight), else
@@ -549,7 +560,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
     if lam is not None and not float(lam) > 0:
         raise FfkvError(f"MEMIT's --lambda {lam}: give a positive number")
     top = layers[-1]
-    Z = torch.stack([target_hidden(mm, top, r, templates, hp) for r in reqs]).double()  # (n, d)
+    Z = torch.stack([memit_target(mm, top, r, templates, hp) for r in reqs]).double()  # (n, d)
     rule = ({"lambda": float(lam), "lambda_rule": "absolute"} if lam is not None else
             {"lambda_rel": float(lam_rel), "lambda_rule": "relative: lambda = lambda_rel * mean_i k_i' C^-1 k_i"})
     edit = Edit("memit", {}, [r.as_dict() for r in reqs],
