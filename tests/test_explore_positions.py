@@ -247,3 +247,22 @@ def test_click_a_token_in_a_browser(app, client):
         assert strip[0] <= strip[1] and strip[2] > 40, strip  # wrapped onto several lines, nothing cut
         assert not problems, problems
         b.close()
+
+
+def test_cli_explain_takes_the_same_position(tiny_dirs, hooked):
+    """`ffkv explain --pos`: the same position's prediction as the hooked forward; outside the
+    text, one line and exit 2."""
+    import json
+
+    from conftest import run_cli
+
+    T = len(hooked["ids"])
+    res = run_cli("explain", TEXT, "--model", str(tiny_dirs["llama"]), "--pos", str(POS - T), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout)
+    w = int(hooked["logits"][POS].argmax())
+    assert (got["pos"], got["prediction_id"], got["n_tokens"]) == (POS, w, T)
+    assert got["logit"] == pytest.approx(float(hooked["logits"][POS][w]), **TOL)
+    bad = run_cli("explain", TEXT, "--model", str(tiny_dirs["llama"]), "--pos", str(T))
+    assert bad.returncode == 2 and "outside the text" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

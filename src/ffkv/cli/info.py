@@ -41,6 +41,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
             at: str = typer.Option("last", "--at", help="Edit the coefficients at the last position or at all positions."),
             contrast: Optional[str] = typer.Option(None, "--contrast", metavar="TOKEN", help="A second token to read beside the prediction (text that is one token, e.g. ' London')."),
             truncate: Optional[str] = typer.Option(None, "--truncate", metavar="left|right", help="A text longer than the model's context is refused; left: keep its end, right: keep its start (said on stderr and in the JSON)."),
+            pos: Optional[int] = typer.Option(None, "--pos", help="The position explained, 0-based (negative: from the end; default the last token): its prediction of the next token, read from the tokens up to it; --at last edits it."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
             device: str = DeviceOpt, dtype: str = DtypeOpt):
     """Explain one prediction layer by layer: residual, FFN and the memories that push it; optionally
@@ -63,7 +64,7 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     from ffkv.web.explain import explain as run_explain  # torch: after the model's checks
 
     edits = parse_interventions(suppress, mm.n_layers, mm.d_m, scale=scale)
-    res = run_explain(mm, text, top, edits, at=at, contrast=contrast, truncate=truncate)
+    res = run_explain(mm, text, top, edits, at=at, contrast=contrast, truncate=truncate, pos=pos)
     note = truncation_note(res["truncated"])
     if note:
         print(note, file=sys.stderr)
@@ -75,7 +76,9 @@ def explain(text: str = typer.Argument(..., help="A prefix; ffkv explains the ne
     from rich.table import Table
 
     after = res["intervened"]
-    t = Table(title=escape(f"{text!r} → {res['prediction']!r} (p={res['p']:.2f}); lens={lens}"))
+    shown = text if pos is None else "".join(res["tokens"][:res["pos"] + 1])  # what the prediction reads
+    t = Table(title=escape(f"{shown!r} → {res['prediction']!r} (p={res['p']:.2f}); lens={lens}"
+                           + ("" if pos is None else f"; position {res['pos']} of {res['n_tokens']}")))
     cols = ["layer", "top(r)", "top(y)", "top(o)", "p(w|r)", "memories pushing w (dim: coef → value top)"]
     if after:
         cols += ["top(o) edited", "p(w|o) edited"]

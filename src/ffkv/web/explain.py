@@ -1,7 +1,7 @@
 """Explain one prediction layer by layer, and intervene on its memories.
 
-`explain(mm, text, top)` follows the next-token prediction w at the text's last position through
-the layers. Per layer ℓ it reads, under both lenses (`Lens` "naive" and "norm"), the residual
+`explain(mm, text, top)` follows the next-token prediction w at the text's last position (or at
+`pos`) through the layers. Per layer ℓ it reads, under both lenses (`Lens` "naive" and "norm"), the residual
 before the FFN (r), the FFN's own output (y) and the residual after it (o): their top tokens and
 the probability and logit of w. It ranks the layer's memories by their signed contribution to w,
 both those pushing w up and those pushing it down, and likewise for a contrast token. Under the
@@ -18,7 +18,8 @@ Its result (`intervened`) has the same shape as the original's and is read with 
 contrast, so the two compare number by number; its own prediction is in `intervened.prediction`.
 
 The result (JSON-ready; `explain` in the CLI and `/api/explore` in the web return it):
-  text, tokens (each token as text), n_tokens (those explained), truncated (None, or with
+  text, tokens (each token as text), n_tokens (the text's), pos (the position explained), token
+    (the token there), hardest (with `n_hardest`: layer, dim, coef, contrib), truncated (None, or with
     `truncate`: side, dropped_tokens, text_tokens: the text's own length), lens (of the contributions),
   contrib_units (what every contrib is in), contrib_scale (the factor applied to m_i·(v_i·e_w):
     1/s under the norm lens, times the head's linear factor; 1 under the naive lens), at,
@@ -253,14 +254,19 @@ def _public(r: dict) -> dict:
 @torch.no_grad()
 def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "last",
             contrast: int | str | None = None, lens: str | None = None,
-            max_tokens: int | None = None, truncate: str | None = None) -> dict:
+            max_tokens: int | None = None, truncate: str | None = None, *, ids: list[int] | None = None,
+            pos: int | None = None, n_hardest: int = 0) -> dict:
     """Explain the next-token prediction of `text`, optionally under `interventions`.
 
     `lens`: the lens of the contributions and of top_r/top_y/top_o (default: the model's).
-    `interventions`: `Intervention`s (or (layer, dim, op, value) tuples), applied `at` the last
-    position or at all positions. `contrast`: a token id, or text that is one token.
+    `interventions`: `Intervention`s (or (layer, dim, op, value) tuples), applied `at` the
+    explained position or at all positions. `contrast`: a token id, or text that is one token.
     A text longer than the model's context (or `max_tokens`) is refused, or with `truncate`
     ("left": keep its end, "right": keep its start) cut, and the cut recorded in `truncated`.
+    `pos`: the position explained (`resolve_pos`; default the last): a causal model's prediction
+    there reads the tokens up to it only, so only those are run. `ids`: the text's token ids when
+    the caller has fitted them already. `n_hardest`: also the memories of every layer with the
+    largest |m| there (`hardest`, of the unedited pass).
     """
     lens = lens or mm.lens.name
     if lens not in LENSES:
@@ -274,18 +280,47 @@ def explain(mm, text: str, top_memories: int = 3, interventions=(), at: str = "l
         if not (0 <= iv.layer < mm.n_layers and 0 <= iv.dim < mm.d_m):
             raise FfkvError(f"memory {iv.layer}:{iv.dim} out of range: layers 0..{mm.n_layers - 1}, "
                             f"dims 0..{mm.d_m - 1}")
-    ids, cut = fit_text(mm, text, max_tokens, truncate)
+    ids, cut = fit_text(mm, text, max_tokens, truncate) if ids is None else (list(ids), None)
+    p = resolve_pos(pos, len(ids))
+    prefix = ids[:p + 1]
     c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
-    base = _read(mm, ids, None, c, lens, top_memories)
+    base = _read(mm, prefix, None, c, lens, top_memories)
     w = base["prediction_id"]
-    after = _read(mm, ids, w, c, lens, top_memories, edits, at, base=base) if edits else None
+    after = _read(mm, prefix, w, c, lens, top_memories, edits, at, base=base) if edits else None
     ln = lens_for(mm, lens)
-    res = {"text": text, "tokens": [mm.tok.decode([i]) for i in ids], "n_tokens": len(ids), "truncated": cut,
+    tokens = [mm.tok.decode([i]) for i in ids]
+    res = {"text": text, "tokens": tokens, "n_tokens": len(ids), "truncated": cut, "pos": p, "token": tokens[p],
            "lens": lens, "contrib_units": ln.units, "contrib_scale": float(base["_scale"]),
            "at": at, **_public(base),
            "interventions": _edit_rows(base, after, edits),
            "intervened": None if after is None else _public(after),
            "changed": None if after is None else after["prediction_id"] != w}
+    if n_hardest:
+        res["hardest"] = hardest(base["_m"], base["_contrib"][..., 0], n_hardest)
     res.pop("p_original"), res.pop("logit_original")
     res["logit"] = base["logit_original"]
     return res
+
+
+def resolve_pos(pos: int | None, n: int) -> int:
+    """The 0-based position `pos` names in a text of `n` tokens: None the last, a negative one
+    counted from the end (-1 the last); outside the text, one FfkvError line saying its range."""
+    p = n - 1 if pos is None else pos + n if pos < 0 else pos
+    if not 0 <= p < n:
+        raise FfkvError(f"pos {pos} is outside the text: its {n} token{'s' if n != 1 else ''} are at positions "
+                        f"0..{n - 1} (or -{n}..-1 from the end)")
+    return p
+
+
+def hardest(m, contrib, k: int) -> list[dict]:
+    """The `k` memories of all layers with the largest |m| at one position, from the (L, d_m)
+    coefficients `m` and the (L, d_m) contributions to the prediction `contrib`: layer, dim, coef,
+    contrib. Ties: layer, then dim (a stable sort of the flat layer × d_m order)."""
+    import numpy as np
+
+    a = m.abs().flatten().double().cpu().numpy()
+    order = np.argsort(-a, kind="stable")[:k]
+    d_m = m.shape[1]
+    flat_m, flat_c = m.flatten().tolist(), contrib.flatten().tolist()
+    return [{"layer": int(j) // d_m, "dim": int(j) % d_m, "coef": float(flat_m[j]) + 0.0,
+             "contrib": float(flat_c[j]) + 0.0} for j in order]

@@ -10,8 +10,8 @@ layers and dims: both give 422 with the reason, never a traceback.
 
 The explained position (`pos=`, 0-based; default the last token, negative from the end): its
 next-token prediction, the contributions, the lens tables and the edits "at last" are all of that
-position. A causal model computes position p from tokens 0..p alone, so `explain_at` reads the text's
-first p+1 tokens (the same ids, not a re-tokenized prefix) exactly as `explain` reads a whole text, and
+position. A causal model computes position p from tokens 0..p alone, so `explain(..., pos=p)` reads the
+text's first p+1 tokens (the same ids, not a re-tokenized prefix) as it reads a whole text, and
 "at last" edits their last position, p; the continuation continues those p+1 tokens. A position
 outside the text is one line (422). `hardest`: the memories of all layers with the largest |m| at
 the position (m the capture's coefficient, `explain`'s, which tests hold equal to
@@ -273,65 +273,8 @@ async def with_model(request: Request, fn):
         ex.release()
 
 
-def resolve_pos(pos: int | None, n: int) -> int:
-    """The 0-based position `pos=` names in a text of `n` tokens: None the last, a negative one
-    counted from the end (-1 the last); outside the text, an FfkvError (422) saying its range."""
-    p = n - 1 if pos is None else pos + n if pos < 0 else pos
-    if not 0 <= p < n:
-        raise FfkvError(f"pos {pos} is outside the text: its {n} token{'s' if n != 1 else ''} are at positions "
-                        f"0..{n - 1} (or -{n}..-1 from the end)")
-    return p
-
-
-def hardest(m, contrib, k: int) -> list[dict]:
-    """The `k` memories of all layers with the largest |m| at one position, from the (L, d_m)
-    coefficients `m` and the (L, d_m) contributions to the prediction `contrib`: layer, dim, coef,
-    contrib. Ties: layer, then dim (a stable sort of the flat layer × d_m order)."""
-    import numpy as np
-
-    a = m.abs().flatten().double().cpu().numpy()
-    order = np.argsort(-a, kind="stable")[:k]
-    d_m = m.shape[1]
-    flat_m, flat_c = m.flatten().tolist(), contrib.flatten().tolist()
-    return [{"layer": int(j) // d_m, "dim": int(j) % d_m, "coef": float(flat_m[j]) + 0.0,
-             "contrib": float(flat_c[j]) + 0.0} for j in order]
-
-
-def explain_at(mm, ids: list[int], pos: int, top: int = 3, edits=(), at: str = "last", contrast=None,
-               lens: str | None = None, n_hardest: int = HARDEST) -> dict:
-    """`ffkv.web.explain.explain` of the prediction at position `pos` of the token ids `ids` (a text
-    as `fit_text` read it): the same result, read from the first pos+1 tokens (a causal model's
-    position pos sees nothing after it), with edits "at last" at pos, plus `pos`, `token` (the
-    token at pos), `hardest` (`hardest`, of the unedited pass) and `tokens`/`n_tokens` of the
-    whole text. With pos the last token it is `explain`'s result for the text, number for number."""
-    import torch
-
-    from ffkv.model.memories import lens_for
-    from ffkv.web.explain import _edit_rows, _public, _read, resolve_token
-
-    lens = lens or mm.lens.name
-    prefix = list(ids[:pos + 1])
-    c = None if contrast is None or contrast == "" else resolve_token(mm, contrast)
-    with torch.no_grad():
-        base = _read(mm, prefix, None, c, lens, top)
-        w = base["prediction_id"]
-        after = _read(mm, prefix, w, c, lens, top, edits, at, base=base) if edits else None
-    ln = lens_for(mm, lens)
-    tokens = [mm.tok.decode([i]) for i in ids]
-    res = {"tokens": tokens, "n_tokens": len(ids), "truncated": None, "pos": pos, "token": tokens[pos],
-           "lens": lens, "contrib_units": ln.units, "contrib_scale": float(base["_scale"]),
-           "at": at, **_public(base),
-           "interventions": _edit_rows(base, after, edits),
-           "intervened": None if after is None else _public(after),
-           "changed": None if after is None else after["prediction_id"] != w,
-           "hardest": hardest(base["_m"], base["_contrib"][..., 0], n_hardest)}
-    res.pop("p_original"), res.pop("logit_original")
-    res["logit"] = base["logit_original"]
-    return res
-
-
 def _compute(request: Request, q: Query, ex: Explorer) -> dict:
-    from ffkv.web.explain import fit_text
+    from ffkv.web.explain import explain, fit_text, resolve_pos
 
     def go(mm):
         ids = fit_text(mm, q.text, MAX_TOKENS)[0]
@@ -345,10 +288,9 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
             fe = Edit.load(edit_path(_browser(request).run, q.fact_edit))
             base = continuation(mm, q.text, q.cont, ids=prefix) if q.cont else None
         with applied(mm, fe) if fe is not None else nullcontext():
-            res = {"text": q.text, **explain_at(
-                mm, ids, pos, q.top, q.edits, at=q.at,
-                contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
-                lens=q.lens or None, n_hardest=q.hardest)}
+            res = explain(mm, q.text, q.top, q.edits, at=q.at,
+                          contrast=q.contrast_id if q.contrast_id is not None else contrast_text(q),
+                          lens=q.lens or None, ids=ids, pos=pos, n_hardest=q.hardest)
             cont = continuation(mm, q.text, q.cont, q.edits, q.at, ids=prefix) if q.cont else None
         if base is not None:  # without = the unedited model; with = the fact edit (and any memory edits)
             edited = cont["edited"] or cont["original"]
