@@ -15,6 +15,8 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import browser_client
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
@@ -110,16 +112,9 @@ def test_without_a_census_the_download_is_unchanged(runs, fmt):
     assert _parse(export.download(rows, ["a", "b"], "x", fmt, census=b2.census), fmt)[0] == ["a", "b"]
 
 
-def _client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+_client = browser_client
 
 
-@pytest.mark.xfail(strict=True, reason="routers/layers.py and routers/search.py do not yet hand the census to "
-                                       "export.download (census=state(request).census)")
 @pytest.mark.parametrize("fmt", ["csv", "json"])
 def test_the_browsers_downloads_carry_the_census(runs, census, fmt):
     c = _client(runs[0])

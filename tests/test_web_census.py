@@ -14,7 +14,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import mine_tiny, run_cli, tiny_with_a_dead_memory
+from conftest import mine_tiny, run_cli, tiny_with_a_dead_memory, browser_client
 
 DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: dead on every token
 FLAGS = ("dead", "rare", "prediction", "suppression", "partition", "token_detector", "ngram_detector",
@@ -35,12 +35,7 @@ def runs(tmp_path_factory, tok_dir):
     return run, bare
 
 
-def _client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+_client = browser_client
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +183,11 @@ def test_pages_without_class_are_unchanged(client, bare_client):
         assert b["census"] is None and a["census"] is not None
     for q in ("sort=layer", "text=the", "sort=max_prob&pos0=hide"):
         assert _all_search(client, q) == _all_search(bare_client, q)
-    for url in ("/layer/1?format=csv", "/search?sort=layer&format=csv"):
-        assert client.get(url).text == bare_client.get(url).text
+    for url in ("/layer/1?format=csv", "/search?sort=layer&format=csv"):  # the census's columns added after
+        a = list(csv.DictReader(io.StringIO(client.get(url).text)))
+        b = list(csv.DictReader(io.StringIO(bare_client.get(url).text)))
+        assert len(a) == len(b) and [{k: r[k] for k in rb} for r, rb in zip(a, b)] == b
+        assert all(k.startswith("census.") for k in set(a[0]) - set(b[0])) and len(a[0]) > len(b[0])
     html = bare_client.get("/layer/1").text  # no census: no class mix, no filter link
     assert "?class=" not in html and "&amp;class=" not in html and 'id="census"' not in html
     assert 'name="class"' not in bare_client.get("/search?sort=layer").text

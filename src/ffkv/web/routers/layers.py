@@ -47,7 +47,7 @@ def layer_page(request: Request, layer: int, page: str | None = None, per_page: 
             columns.insert(columns.index("summary"), "worth")
         return export.download(rows, export.one_based(rows, columns, ("rank",)),
                                f"ffkv-layer-{layer}-memories" + "".join("-" + c for c in classes or ())
-                               + ("-by-worth" if order == "worth" else ""), fmt)
+                               + ("-by-worth" if order == "worth" else ""), fmt, census=state(request).census)
     d = layer_context(request, layer, page, per_page, pos0, klass, sort)
     hist = None
     if d["density"] and d["density"]["hist"]:

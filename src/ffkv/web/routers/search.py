@@ -171,4 +171,4 @@ def search_download(request: Request, p: dict, fmt: str):
         what += "-" + "-".join(res["class"])
     if res["min_worth"] is not None:
         what += f"-worth-{res['min_worth']:g}"
-    return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt)
+    return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt, census=state(request).census)
