@@ -153,6 +153,15 @@ def smollm2():
     return open_model(None, device="cpu")
 
 
+def browser_client(run):
+    """A test client of the browser on `run`, at the address its same-origin checks accept."""
+    from fastapi.testclient import TestClient
+
+    from ffkv.web.app import create_app
+
+    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+
+
 def run_cli(*args, env=None, cwd=None, timeout=600, fresh=False) -> subprocess.CompletedProcess:
     """The real `ffkv` entry point (`ffkv.cli.main`, what the console script calls), with its exit
     code, stdout and stderr. It runs in this process, which saves a torch and transformers import

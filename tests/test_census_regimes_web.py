@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import browser_client
+
 CODES = ("pp", "pn", "np", "nn")
 
 
@@ -28,12 +30,7 @@ def _censused(tmp_path_factory, reference_mine, model_dir, mm, name):
     return run
 
 
-def _client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+_client = browser_client
 
 
 @pytest.fixture(scope="module")

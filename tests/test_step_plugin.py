@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, WT2, run_cli
+from conftest import ROOT, WT2, run_cli, browser_client
 
 PLUGINS = Path(__file__).parent / "plugins"
 ENV = {"PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
@@ -93,12 +93,7 @@ def test_it_runs_skips_and_matches_a_brute_force_count(mined):
     assert man["settings"][NAME] == {"top": 7, "sign": -1}
 
 
-def client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+client = browser_client
 
 
 def test_report_shows_its_paper_section_verdict_and_figure(mined, plugin_registry):

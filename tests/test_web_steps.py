@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from conftest import browser_client
+
 PKG = "ffkv_web_probe_pkg"
 
 
@@ -57,12 +59,7 @@ def steps(tmp_path, monkeypatch):
         registry._registered.pop(s.name, None)
 
 
-def client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+client = browser_client
 
 
 def test_a_run_without_such_steps_answers_as_before(run):

@@ -15,7 +15,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, browser_client
 
 LAYER = 1
 
@@ -31,12 +31,7 @@ def runs(tmp_path_factory, tiny_dirs, reference_mine):
     return run, bare
 
 
-def _client(run):
-    from fastapi.testclient import TestClient
-
-    from ffkv.web.app import create_app
-
-    return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
+_client = browser_client
 
 
 @pytest.fixture(scope="module")
