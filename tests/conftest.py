@@ -153,6 +153,19 @@ def smollm2():
     return open_model(None, device="cpu")
 
 
+def step_and_bare(src: Path, root: Path, *step) -> tuple[Path, Path]:
+    """(a copy of run `src` with `ffkv STEP RUN ARGS…` done on it, an untouched copy): a browser's
+    pages with and without a step."""
+    import shutil
+
+    run, bare = root / "run", root / "bare"
+    shutil.copytree(src, run)
+    shutil.copytree(src, bare)
+    r = run_cli(step[0], run, *step[1:])
+    assert r.returncode == 0, r.stderr
+    return run, bare
+
+
 def browser_client(run):
     """A test client of the browser on `run`, at the address its same-origin checks accept."""
     from fastapi.testclient import TestClient

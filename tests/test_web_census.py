@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import csv
 import io
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import mine_tiny, run_cli, tiny_with_a_dead_memory, browser_client
+from conftest import browser_client, mine_tiny, step_and_bare, tiny_with_a_dead_memory
 
 DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: dead on every token
 FLAGS = ("dead", "rare", "prediction", "suppression", "partition", "token_detector", "ngram_detector",
@@ -27,12 +26,7 @@ IO = ("enrichment", "depletion", "conditional_enrichment", "conditional_depletio
 def runs(tmp_path_factory, tok_dir):
     root = tmp_path_factory.mktemp("web-census")
     path, _ = tiny_with_a_dead_memory(root / "llama", tok_dir, DEAD)
-    run = mine_tiny(root / "run", path, 40, 5, "--negative")
-    bare = root / "bare"
-    shutil.copytree(run, bare)
-    r = run_cli("census", run)
-    assert r.returncode == 0, r.stderr
-    return run, bare
+    return step_and_bare(mine_tiny(root / "mined", path, 40, 5, "--negative"), root, "census")
 
 
 _client = browser_client

@@ -10,25 +10,19 @@ from __future__ import annotations
 import csv
 import io
 import re
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli, browser_client
+from conftest import browser_client, step_and_bare
 
 LAYER = 1
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_dirs, reference_mine):
-    root = tmp_path_factory.mktemp("worth-web")
-    bare, run = root / "bare", root / "run"
-    shutil.copytree(reference_mine(tiny_dirs["llama"], 30, 3), bare)
-    shutil.copytree(bare, run)
-    r = run_cli("worth", run, "--tokens", "120", "--check", "0")
-    assert r.returncode == 0, r.stderr
-    return run, bare
+    return step_and_bare(reference_mine(tiny_dirs["llama"], 30, 3), tmp_path_factory.mktemp("worth-web"),
+                         "worth", "--tokens", "120", "--check", "0")
 
 
 _client = browser_client
