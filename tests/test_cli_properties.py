@@ -162,3 +162,15 @@ def test_long_running_commands_refuse_bad_values_before_starting(name, tmp_path,
             tried += 1
     assert tried > 5
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").glob("*.parquet"))
+
+
+@pytest.mark.parametrize("args", [("normalize", "--synthetic-draws", str(10**12)),
+                                  ("normalize", "--variance-repeats", str(10**6)),
+                                  ("values", "--permutations", str(10**9))])
+def test_work_without_a_data_bound_has_a_ceiling(tmp_path, args):
+    """Counts that only scale work (no corpus or run bounds them) are refused above a ceiling before
+    anything opens: the property above once drew a --synthetic-draws under 2^53 but far above 10^7, and normalize ran
+    for minutes instead of failing."""
+    res = run_cli(args[0], tmp_path / "no-run", *args[1:])
+    assert res.returncode == 2 and "must be between" in res.stderr
+    one_line_or_zero(res, args)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.errors import FfkvError
-from ffkv.steps.settings import a_seed, at_least, budget, setting
+from ffkv.steps.settings import a_seed, at_least, between, budget, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -68,8 +68,9 @@ class NormalizeSettings:
         None, "Slot counts of the sweep, e.g. 16,64,256 (default: 16, 64, 256, … below d_m; d_m is always added).",
         parse=_slot_counts, check=_each_at_least_1)
     variance_repeats: int = setting(4, "Random memory subsets per size for the variance on the model.",
-                                    check=at_least(2))
-    synthetic_draws: int = setting(2_000, "Samples per n of the synthetic variance check.", check=at_least(10))
+                                    check=between(2, 1_000))
+    synthetic_draws: int = setting(2_000, "Samples per n of the synthetic variance check (at most 10^7: "
+                                          "80 MB and minutes of draws).", check=between(10, 10_000_000))
     gamma: float = setting(1.0, "γ of the scaled ReLU in the variance measures.", check=_positive)
     seed: int = setting(0, "Seed of the document order and of the random slot draws.", check=a_seed)
     batch_tokens: int | str = setting("auto", "Token budget of one forward batch (speed and memory only): auto "

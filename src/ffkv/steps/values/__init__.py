@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ffkv.defs import LENSES
-from ffkv.steps.settings import a_seed, at_least, setting
+from ffkv.steps.settings import a_seed, at_least, between, setting
 from ffkv.steps.lifecycle import Step
 from ffkv.steps import lazy
 
@@ -32,7 +32,7 @@ class ValuesSettings:
     top_k: int = setting(10, "Tokens stored per value/key distribution.", check=at_least(1))
     chunk: int = setting(1024, "Values projected at a time (memory ≈ chunk × |V| × 4 B, at most 512 MB, + 2 × 128 × |V| × 4 B).", check=at_least(1),
                          recorded=False)
-    permutations: int = setting(100, "Shuffled pairings per layer for the baseline.", check=at_least(0))
+    permutations: int = setting(100, "Shuffled pairings per layer for the baseline.", check=between(0, 100_000))
     seed: int = setting(0, "Seed of the shuffled pairings.", check=a_seed)
     bins: int = setting(10, "Max-probability bins (quantiles) for Fig 6.", check=at_least(1))
     table2_n: int = setting(100, "Values in Table 2 (highest max probability).", check=at_least(0), flag="--table2")
