@@ -84,7 +84,10 @@ def open_model(run, model: str | None = None, device: str = "auto", dtype: str =
 # ---- one copy per process -------------------------------------------------------------------------
 import threading  # noqa: E402
 
-_shared: dict = {}  # run folder -> the run's model on the CPU
+from collections import OrderedDict  # noqa: E402
+
+SHARED_RUNS = 2  # runs whose model is kept: a process (a test worker) that opens many keeps few
+_shared: OrderedDict = OrderedDict()  # run folder -> _Once of the run's model on the CPU
 _locks: dict = {}  # run folder -> its forward lock
 _guard = threading.Lock()
 
@@ -99,12 +102,16 @@ def forward_lock(run) -> threading.Lock:
 def shared_model(run):
     """The run's model on the CPU, opened once per process for every reader that does not edit it
     (the browser's pages, a step's memory-page panels): a second copy would double the server's
-    memory and its first page's wait."""
+    memory and its first page's wait. The last SHARED_RUNS runs' models are kept (a browser also
+    holds its own reference)."""
     key = str(run.path)
     with _guard:
         got = _shared.get(key)
         if got is None:
             got = _shared[key] = _Once()
+        _shared.move_to_end(key)
+        while len(_shared) > SHARED_RUNS:
+            _shared.popitem(last=False)
     return got.get(lambda: _open_retrying(run))
 
 

@@ -265,7 +265,13 @@ def _shallow_all(prefixes, ranks, bounds, bg, min_cover: int, alpha: float, work
         from concurrent.futures import ProcessPoolExecutor
         from concurrent.futures.process import BrokenProcessPool
 
+        import gc
+
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the CLI sets it: the forks tokenize nothing
+        # the parent's objects frozen while the forks start: a fork's collector then never frees the
+        # parent's cyclic garbage (what other threads left: a fork once crashed collecting it)
+        gc.collect()
+        gc.freeze()
         try:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=mp.get_context("fork")) as pool:
                 futures = [pool.submit(_shallow_keys, a, b) for a, b in tasks]
@@ -276,6 +282,8 @@ def _shallow_all(prefixes, ranks, bounds, bg, min_cover: int, alpha: float, work
         except BrokenProcessPool:
             raise FfkvError(f"a patterns worker process died (out of memory?); run again with fewer "
                             f"--workers than {workers}, or --workers 0") from None
+        finally:
+            gc.unfreeze()
     finally:
         _SHARED.clear()
 
