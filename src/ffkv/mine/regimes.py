@@ -40,6 +40,12 @@ from ffkv.mine.rules import from_limbs, to_limbs
 
 TABLE = "sign_regimes"
 REGIMES = {"pp": "(+,+)", "pn": "(+,-)", "np": "(-,+)", "nn": "(-,-)"}  # name: (gate sign, input sign), in order
+
+
+def regime_of(g, u) -> np.ndarray:
+    """Index into `REGIMES` of each token by the signs of its gate pre-activation g and its input u
+    (each + when > 0): the rule the kernels below apply (they read u's sign from m's and g's)."""
+    return 2 * (np.asarray(g) <= 0).astype(np.int64) + (np.asarray(u) <= 0).astype(np.int64)
 FLUSH = 32  # batches summed in float64 before they join the exact limbs
 KEYS = 256  # keys per numba thread's block
 

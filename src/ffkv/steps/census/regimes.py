@@ -29,7 +29,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-REGIMES = ("pp", "pn", "np", "nn")  # (gate sign, input sign), as ffkv.mine.regimes orders them
+from ffkv.mine.regimes import REGIMES as _NAMED, regime_of  # noqa: E402  the one rule and order
+
+REGIMES = tuple(_NAMED)  # (gate sign, input sign): pp, pn, np, nn
 TOP_RANK = 8  # the memory's trigger sentences searched: ranks ≤ this of each list (+ and −)
 SAMPLE = 48  # sentences of the run searched besides them (seeded, the same for every memory)
 SEED = 0
@@ -38,12 +40,6 @@ PER_REGIME = 3  # examples shown per regime
 BEFORE, AFTER = 10, 4  # tokens shown before and after an example's token
 BATCH_TOKENS = 4096  # padded tokens per forward (as the page's coloured examples)
 CACHE = 256  # memories whose results are kept
-
-
-def regime_of(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Index into `REGIMES` of each token by the signs of its gate g and input u (gate + when g > 0,
-    input + when u > 0)."""
-    return 2 * (np.asarray(g) <= 0).astype(np.int64) + (np.asarray(u) <= 0).astype(np.int64)
 
 
 def scan(mm, layer: int, dim: int, seqs: list[list[int]], lock=None) -> list[dict]:

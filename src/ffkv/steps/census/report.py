@@ -144,7 +144,13 @@ def _detector_rows(r: dict) -> list:
     return out
 
 
-REGIME_NAMES = {"pp": "(+,+)", "pn": "(+,−)", "np": "(−,+)", "nn": "(−,−)"}
+def _regime_names() -> dict:
+    from ffkv.mine.regimes import REGIMES
+
+    return {k: v.replace("-", "−") for k, v in REGIMES.items()}  # shown with a true minus
+
+
+REGIME_NAMES = _regime_names()
 REGIME_SHARES = "Sign regimes over the searched tokens"
 REGIME_EXAMPLES = "Sign regimes: strongest examples"
 EXAMPLE_COLUMNS = ("regime", "(gate, input)", "example", "sentence_id", "position", "i", "token", "m", "gate",
