@@ -351,10 +351,16 @@ def tint(m, scale_pos: float, scale_neg: float) -> str:
     if m is None or not np.isfinite(m) or m == 0:
         return ""
     k = level(m, scale_pos if m > 0 else scale_neg)
-    return f"{'mp' if m > 0 else 'mn'}{k}" if k else ""
+    return tint_class(k if m > 0 else -k)
 
 
-templates.globals.update(tint=tint, sign_scales=sign_scales)
+def tint_class(signed_level: int) -> str:
+    """The tint class of a signed level (+k: mp k, −k: mn k, 0: none), as static/app.js names them."""
+    k = int(signed_level)
+    return f"mp{k}" if k > 0 else f"mn{-k}" if k < 0 else ""
+
+
+templates.globals.update(tint=tint, tint_class=tint_class, sign_scales=sign_scales)
 
 
 def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = None) -> dict:
