@@ -129,6 +129,18 @@ def test_badge_follows_the_position_histogram(client, shares):
         assert len(BADGE.findall(listed)) == sum(flags.values())
 
 
+def test_summary_says_first_position_instead_of_a_pattern(client, shares):
+    """A first-position memory's line leads with that, and the share read from `pos_hist` here;
+    the pattern of its one-token position-0 prefixes is left out. Others read as before."""
+    m = client.get(f"/api/memory/{LAYER}/{DIM}").json()
+    want = f"first-position memory (peaks at a sentence's first token in {100 * shares[(LAYER, DIM, 1)]:.0f}% of sentences)"
+    assert m["summary"].startswith(want), m["summary"]
+    assert "pattern “" not in m["summary"]
+    _, no = expected_first(shares)
+    for layer, dim in sorted(no)[:20]:
+        assert "first-position" not in client.get(f"/api/memory/{layer}/{dim}").json()["summary"]
+
+
 # ---- the toggle -------------------------------------------------------------------------------------
 def test_memory_page_toggle_removes_exactly_the_position_0_rows(client, triggers):
     t = triggers[(triggers.layer == LAYER) & (triggers.dim == DIM)]

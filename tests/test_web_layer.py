@@ -264,7 +264,11 @@ def test_summary_is_built_from_the_run(client, web_run):  # noqa: F811
             assert show_token(top) in s.split("top triggers end in ")[1]
             assert f"(of {len(tt)})" in s
         p = pats[(pats.layer == r.layer) & (pats.dim == r.dim) & (pats.sign == side)]
-        if len(p):
+        ks = table(web_run, "key_stats")
+        k = ks[(ks.layer == r.layer) & (ks.dim == r.dim) & (ks.sign == side)]
+        first = bool(len(k)) and k.pos_hist.iloc[0][0] / k.sentences.iloc[0] > 0.5  # peaks at position 0
+        assert s.removeprefix("− side: ").startswith("first-position memory") == first, s
+        if len(p) and not first:  # a first-position memory's pattern is left out
             assert "pattern “" in s
         html = client.get(f"/memory/{r.layer}/{r.dim}").text
         assert 'id="summary"' in html

@@ -6,6 +6,11 @@ parts for every memory once (lazily, on first use) from the run's tables:
 - every part is of the memory's dominant side s (`ffkv.web.measures.dominant_signs`: the side with
   more activation mass), so a memory whose − side dominates is described by −v and its most
   negative prefixes, and its line says so ("− side:");
+- a first-position memory (`ffkv.web.measures.first_position`: its side peaks at a sentence's
+  first token in most sentences) is said to be one first, with that share; its pattern is left
+  out, since a one-token prefix at position 0 makes any pattern describe the sentence's opening
+  word, not what the key detects (issue 48: 11/1229, m ≈ 3,500 at position 0 only, read as a
+  "shallow pattern ends with j");
 - the strongest automatic pattern of side s's list (`patterns`): the one covering the most of
   the key's top prefixes, then the smallest p-value;
 - the top trigger tokens: the tokens its top `TRIGGER_TOP` trigger prefixes of side s end in,
@@ -34,11 +39,17 @@ def _clip(s: str, n: int = MAX_DESCRIPTION) -> str:
 
 
 def summary_line(pattern: dict | None = None, triggers: list[tuple[str, int]] | None = None, n_triggers: int = 0,
-                 value: dict | None = None, annotation: dict | None = None, sign: int = 1) -> str:
+                 value: dict | None = None, annotation: dict | None = None, sign: int = 1,
+                 first_share: float | None = None) -> str:
     """The one-line summary of a memory, from its parts (each may be missing), all of side `sign`:
     pattern {kind, description, n_covered, n}; triggers [(token text, count)] of n_triggers
-    prefixes; value {tokens: [text], max_prob}; annotation {annotator, text}."""
+    prefixes; value {tokens: [text], max_prob}; annotation {annotator, text}; first_share, set
+    only for a first-position memory: the share of sentences that peak at position 0."""
     out = []
+    if first_share is not None:
+        out.append(f"first-position memory (peaks at a sentence's first token in {100 * first_share:.0f}% "
+                   "of sentences)")
+        pattern = None
     if pattern:
         out.append(f"{pattern['kind']} pattern “{_clip(pattern['description'])}” "
                    f"({pattern['n_covered']}/{pattern['n']} prefixes)")
@@ -60,11 +71,12 @@ class Summaries:
     """The parts of every memory's line, gathered once from the browser's tables."""
 
     def __init__(self, b):
-        from ffkv.web.measures import dominant_signs
+        from ffkv.web.measures import dominant_signs, first_position, first_shares
 
         self.b = b
         N = b.L * b.d_m
         self.sign = dominant_signs(b)
+        self.first, self.first_share = first_position(b), first_shares(b)
         self.triggers: dict[int, tuple[list[tuple[str, int]], int]] = {}
         self.value: dict[int, dict] = {}
         self.pattern: dict[int, dict] = {}
@@ -116,7 +128,8 @@ class Summaries:
     def parts(self, code: int, annotation: dict | None = None) -> dict:
         trig, n = self.triggers.get(code, ([], 0))
         return {"pattern": self.pattern.get(code), "triggers": trig, "n_triggers": n,
-                "value": self.value.get(code), "annotation": annotation, "sign": int(self.sign[code])}
+                "value": self.value.get(code), "annotation": annotation, "sign": int(self.sign[code]),
+                "first_share": float(self.first_share[code]) if self.first[code] else None}
 
     def line(self, code: int, annotation: dict | None = None) -> str:
         return summary_line(**self.parts(code, annotation))
