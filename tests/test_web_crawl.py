@@ -1,0 +1,258 @@
+"""Every page kind of the browser at 390 and 1280 px, measured in Debian's chromium (issue 48 item 7):
+no text is cut or overflows. A reviewer saw a layer table overflow its card at 1280 px, a column
+clipped, percentages drawn over bars at 390 px and explorer columns hidden behind an unmarked scroll;
+each check below reads the laid-out geometry, so a layout that does that again fails here."""
+from __future__ import annotations
+
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from test_web import client, index, llama, triggers, web_app, web_run  # noqa: F401  (fixtures)
+from test_web_width import CHROMIUM, page_urls
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")]
+
+WIDTHS = (390, 1280)
+FITS = 1280  # from this width on, no box scrolls sideways: every table fits its card
+
+# The faults of the page as laid out, one line each (empty: none):
+# - page: the page scrolls sideways;
+# - cut: an element clips its own text (overflow hidden/clip, or an ellipsis) while its content
+#   is larger than its box; an SVG whose text runs past its edge;
+# - overflow: a table, figure or code block sticks out of a box that neither scrolls nor clips
+#   (its cell, card or column), so it runs over its neighbours;
+# - overlap: text drawn over other text, or over a figure it is not part of;
+# - unmarked: a box that scrolls sideways, with columns hidden past its edge, and no visible mark
+#   (the fade app.js and style.css give it) saying there is more; from 1280 px on, any box that
+#   scrolls sideways at all (scrolls).
+CRAWL_JS = r"""(fits) => {
+  const out = [], W = document.documentElement.clientWidth;
+  const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') +
+    (typeof e.className === 'string' && e.className ? '.' + e.className.trim().split(/\s+/).join('.') : '');
+  const txt = e => (e.textContent || '').trim().replace(/\s+/g, ' ').slice(0, 40);
+  const shown = e => e.getClientRects().length > 0 && getComputedStyle(e).visibility !== 'hidden';
+  if (document.documentElement.scrollWidth > W) out.push('page: ' + document.documentElement.scrollWidth + ' px wide');
+  const all = [...document.body.querySelectorAll('*')].filter(e => !e.closest('[hidden], script, style, template'));
+  const FORM = /^(INPUT|TEXTAREA|SELECT|OPTION|BUTTON)$/;
+  for (const e of all) {
+    if (!(e instanceof HTMLElement) || FORM.test(e.tagName) || !shown(e) || !txt(e)) continue;
+    const s = getComputedStyle(e);
+    const clipX = /hidden|clip/.test(s.overflowX) || s.textOverflow === 'ellipsis';
+    const clipY = /hidden|clip/.test(s.overflowY);
+    if ((clipX && e.scrollWidth > e.clientWidth + 1) || (clipY && e.scrollHeight > e.clientHeight + 1))
+      out.push('cut: ' + name(e) + ' ' + e.scrollWidth + 'x' + e.scrollHeight + ' in ' + e.clientWidth + 'x' +
+               e.clientHeight + ' "' + txt(e) + '"');
+  }
+  for (const svg of document.querySelectorAll('svg')) {
+    if (!shown(svg)) continue;
+    const b = svg.getBoundingClientRect();
+    for (const t of svg.querySelectorAll('text')) {
+      const r = t.getBoundingClientRect();
+      if (r.width && (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1))
+        out.push('cut: svg text "' + txt(t) + '" past its figure (' + Math.round(r.left) + '..' + Math.round(r.right) +
+                 ' of ' + Math.round(b.left) + '..' + Math.round(b.right) + ')');
+    }
+  }
+  for (const e of document.querySelectorAll('table, svg, img, pre, figure')) {
+    if (!shown(e) || (e.tagName.toLowerCase() === 'svg' && e.parentElement.closest('svg'))) continue;
+    const r = e.getBoundingClientRect();
+    for (let p = e.parentElement; p && p !== document.body; p = p.parentElement) {
+      const s = getComputedStyle(p);
+      if (s.overflowX !== 'visible') break;  // a box that scrolls (checked for its mark) or clips (cut)
+      const q = p.getBoundingClientRect(), right = q.right - parseFloat(s.borderRightWidth);
+      if (r.right > right + 1) {
+        out.push('overflow: ' + name(e) + ' "' + txt(e) + '" ends at ' + Math.round(r.right) + ', past ' + name(p) +
+                 ' (' + Math.round(right) + ')');
+        break;
+      }
+    }
+  }
+  // text boxes: one per line of each text node; figures: svg and img; each cut to what the boxes
+  // around it that scroll or clip let show (a table's hidden columns are drawn over nothing)
+  const clips = new Map();
+  const clipOf = e => {
+    if (!e || e === document.body) return {left: -1e9, top: -1e9, right: 1e9, bottom: 1e9};
+    if (clips.has(e)) return clips.get(e);
+    let c = clipOf(e.parentElement);
+    const s = getComputedStyle(e);
+    if (s.overflowX !== 'visible' && e instanceof HTMLElement) {
+      const q = e.getBoundingClientRect(), l = q.left + e.clientLeft, t = q.top + e.clientTop;
+      c = {left: Math.max(c.left, l), top: Math.max(c.top, t), right: Math.min(c.right, l + e.clientWidth),
+           bottom: Math.min(c.bottom, t + e.clientHeight)};
+    }
+    clips.set(e, c);
+    return c;
+  };
+  const cut = (r, e) => { const c = clipOf(e);
+    return {left: Math.max(r.left, c.left), top: Math.max(r.top, c.top), right: Math.min(r.right, c.right),
+            bottom: Math.min(r.bottom, c.bottom)}; };
+  const boxes = [], walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const el = n.parentElement;
+    if (!n.textContent.trim() || !el || el.closest('[hidden], script, style, title, textarea, select, option')) continue;
+    const range = document.createRange(); range.selectNodeContents(n);
+    for (const q of range.getClientRects()) {
+      const r = cut(q, el);
+      if (r.right - r.left > 0.5 && r.bottom - r.top > 0.5) boxes.push({r, el, node: n, fig: null});
+    }
+  }
+  for (const f of document.querySelectorAll('svg, img')) {
+    if (!shown(f) || (f.tagName.toLowerCase() === 'svg' && f.parentElement.closest('svg'))) continue;
+    const r = cut(f.getBoundingClientRect(), f.parentElement);
+    if (r.right - r.left > 0.5 && r.bottom - r.top > 0.5) boxes.push({r, el: f, node: null, fig: f});
+  }
+  boxes.sort((a, b) => a.r.top - b.r.top);
+  const seen = new Set();
+  for (let i = 0; i < boxes.length; i++) {
+    const a = boxes[i];
+    for (let j = i + 1; j < boxes.length && boxes[j].r.top < a.r.bottom; j++) {
+      const b = boxes[j];
+      if (a.fig && b.fig) continue;
+      if (a.node && a.node === b.node) continue;
+      const f = a.fig || b.fig, t = a.fig ? b : a;
+      if (f && f.contains(t.el)) continue;  // a figure's own labels
+      const dx = Math.min(a.r.right, b.r.right) - Math.max(a.r.left, b.r.left);
+      const dy = Math.min(a.r.bottom, b.r.bottom) - Math.max(a.r.top, b.r.top);
+      if (dx > 2 && dy > 2) {
+        const k = f ? 'figure ' + name(f) + ' "' + (f.getAttribute('aria-label') || '') + '" / "' + txt(t.el) + '"'
+                    : '"' + txt(a.el) + '" / "' + txt(b.el) + '"';
+        if (!seen.has(k)) { seen.add(k); out.push('overlap: ' + k); }
+      }
+    }
+  }
+  for (const e of all) {
+    if (!(e instanceof HTMLElement) || !shown(e)) continue;
+    const s = getComputedStyle(e);
+    if (!/auto|scroll/.test(s.overflowX) || e.scrollWidth <= e.clientWidth + 1 || FORM.test(e.tagName)) continue;
+    if (fits) { out.push('scrolls: ' + name(e) + ' ' + e.scrollWidth + ' in ' + e.clientWidth + ' px'); continue; }
+    const mark = [s.maskImage, s.webkitMaskImage, s.boxShadow].some(m => m && m !== 'none');
+    if (!mark && e.scrollLeft + e.clientWidth < e.scrollWidth - 1)
+      out.push('unmarked: ' + name(e) + ' scrolls ' + e.scrollWidth + ' in ' + e.clientWidth + ' px with no mark');
+  }
+  return out.slice(0, 40);
+}"""
+
+
+def extra_urls(web_run) -> list[str]:  # noqa: F811
+    """Page kinds `page_urls` leaves out: first-position views, the typed-text box, a chosen
+    position in the explorer, sentence paging, word search for punctuation, a 422 page."""
+    t = triggers(web_run)
+    busiest = int(t.groupby("sentence_id").size().idxmax())
+    first = t.iloc[0]
+    mem = f"/memory/{int(first.layer)}/{int(first.dim)}"
+    return [f"{mem}?pos0=hide", "/layer/1?pos0=hide", "/search?token=the&pos0=hide", "/search?sort=max_prob&pos0=hide",
+            f"{mem}/text", f"{mem}/text?text=The+river+flows+into+the+sea+near+the+old+city+of+Paris",
+            "/explore?text=The+river+flows+into+the&pos=1",
+            "/explore?text=" + "+".join(["word"] * 60),
+            f"/sentence/{busiest}", f"/sentence/{busiest}?pos=1&memory={int(first.layer)}/{int(first.dim)}",
+            f"/sentence/{busiest}?page=2", "/search?text=%25", "/layer/1?page=zz", "/layer/1?sort=nonsense"]
+
+
+@pytest.fixture(scope="module")
+def step_run(web_run, tmp_path_factory):  # noqa: F811
+    """A copy of the web run with the steps whose pages the web run lacks: census, worth and two
+    facts (a causal trace and a saved edit)."""
+    from conftest import run_cli
+
+    run = tmp_path_factory.mktemp("crawl") / "run"
+    shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("annotations.sqlite*"))
+    for args in (["census", run], ["worth", run, "--tokens", "120", "--check", "0"],
+                 ["facts", "trace", run, "--prompt", "{} is in the city of", "--subject", "The tower", "--samples", "2"],
+                 ["facts", "edit", run, "--prompt", "{} is in", "--subject", "The tower", "--new", " the", "--method",
+                  "values", "--layer", "1", "--top", "4", "--steps", "3", "--prefixes", "1", "--tokens", "0",
+                  "--name", "tower"]):
+        r = run_cli(*args)
+        assert r.returncode == 0, (args[0], r.stderr[-2000:])
+    return run
+
+
+def step_urls(run) -> list[str]:
+    """Census-, worth- and facts-bearing page kinds of `step_run`."""
+    c = pq.read_table(run / "census.parquet", columns=["layer", "dim", "io_class"]).to_pylist()
+    mem = f"/memory/{c[0]['layer']}/{c[0]['dim']}"
+    return ["/", "/layer/1", "/layer/1?sort=worth", f"/layer/1?class={c[0]['io_class']}", mem,
+            "/search?sort=worth", "/search?token=the&min_worth=0", f"/search?sort=max_prob&class={c[0]['io_class']}",
+            "/facts", "/facts/locate?prompt=%7B%7D+is+in+the+city+of&subject=The+tower", "/facts/edit/tower",
+            "/facts/edit/nothing"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    from ffkv.report.screenshot import BROWSER_ARGS
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def crawl(browser, base: str, urls: list[str], width: int) -> dict[str, list[str]]:
+    """{url: its faults} over `urls` at `width` px; a page must load to a status the URL means."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    faults = {}
+    try:
+        for u in urls:
+            page.goto(base + u)
+            page.wait_for_load_state("load")
+            got = page.evaluate(CRAWL_JS, width >= FITS)
+            if got:
+                faults[u] = got
+    finally:
+        page.close()
+    return faults
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_no_text_cut_or_overflowing(browser, web_app, web_run, index, width):  # noqa: F811
+    from conftest import serving
+
+    with serving(web_app) as base:
+        faults = crawl(browser, base, page_urls(web_run) + extra_urls(web_run), width)
+    assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_step_pages_no_text_cut_or_overflowing(browser, step_run, width):
+    from conftest import serving
+    from ffkv.web.app import create_app
+
+    with serving(create_app(step_run, log_fn=lambda m: None)) as base:
+        faults = crawl(browser, base, step_urls(step_run), width)
+    assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
+
+
+BAD_PAGE = """<!DOCTYPE html><html><body style="margin:0">
+<div id="cut" style="width:80px; overflow:hidden; white-space:nowrap">a sentence much wider than its box</div>
+<div id="dots" style="width:80px; overflow:hidden; text-overflow:ellipsis; white-space:nowrap">another long sentence here</div>
+<svg width="60" height="20"><text x="10" y="15">a label past the edge</text></svg>
+<div id="card" style="width:150px; border:1px solid"><table style="width:300px"><tr><td>wide</td></tr></table></div>
+<div style="position:relative; height:30px"><span style="position:absolute; left:0">overlapping</span>
+  <span style="position:absolute; left:20px">text here</span></div>
+<div id="scroller" style="width:120px; overflow-x:auto"><table style="width:400px"><tr><td>hidden columns</td></tr></table></div>
+<div style="width:2000px">a page wider than the screen</div>
+</body></html>"""
+
+
+def test_the_crawl_sees_each_fault(browser):
+    """Each kind of fault the crawl names, drawn on purpose, is reported (and nothing on a blank page)."""
+    page = browser.new_page(viewport={"width": 390, "height": 600})
+    try:
+        page.set_content("<!DOCTYPE html><html><body><p>fine</p></body></html>")
+        assert page.evaluate(CRAWL_JS, False) == []
+        page.set_content(BAD_PAGE)
+        got = page.evaluate(CRAWL_JS, False)
+        strict = page.evaluate(CRAWL_JS, True)
+    finally:
+        page.close()
+    kinds = [g.split(":")[0] for g in got]
+    assert kinds.count("cut") == 3, got  # overflow hidden, an ellipsis, the svg label
+    assert "overflow" in kinds and "overlap" in kinds and "page" in kinds, got
+    assert any(g.startswith("unmarked: div#scroller") for g in got), got
+    assert any(g.startswith("scrolls: div#scroller") for g in strict), strict
