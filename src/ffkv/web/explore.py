@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -82,6 +82,15 @@ class Explorer:
     def release(self) -> None:
         with self.lock:
             self.pending -= 1
+
+    @contextmanager
+    def admitted(self):
+        """The request holds a place in the queue while it runs (`Busy` when there is none)."""
+        self.admit()
+        try:
+            yield
+        finally:
+            self.release()
 
     def cached(self, key):
         with self.lock:
@@ -266,11 +275,8 @@ async def with_model(request: Request, fn):
     """fn(mm) when the gate admits the request (`Busy` beyond its queue): what any page that runs
     the model (the explorer, the facts page) goes through."""
     ex = explorer(request)
-    ex.admit()
-    try:
+    with ex.admitted():
         return await run_in_threadpool(using_model, request, ex, fn)
-    finally:
-        ex.release()
 
 
 def _compute(request: Request, q: Query, ex: Explorer) -> dict:
@@ -362,10 +368,7 @@ async def run_query(request: Request, q: Query) -> dict:
     hit = ex.cached(key)
     if hit is not None:
         return hit
-    ex.admit()  # raises Busy: nothing waits beyond the queue
-    try:
+    with ex.admitted():  # raises Busy: nothing waits beyond the queue
         res = await run_in_threadpool(_compute, request, q, ex)
-    finally:
-        ex.release()
     ex.keep(key, res)
     return res
