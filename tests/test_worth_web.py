@@ -1,6 +1,7 @@
 """Worth in the browser (issue 48, item 6): layer lists sort by it (`?sort=worth`, the largest first)
-and search finds memories by it (`?min_worth=X` on every search, `sort=worth` on the measure search),
-in the pages, their JSON and their CSV; a run without `ffkv worth` gets a one-line 422 naming it.
+and filter by it (`?min_worth=X`), and search finds memories by it (`?min_worth=X` on every search,
+`sort=worth` on the measure, token and text searches), in the pages, their JSON and their CSV; a run
+without `ffkv worth` gets a one-line 422 naming it.
 
 A tiny Llama mined on 30 sentences, copied before `ffkv worth` (the bare run) and after it. Every
 expected order is read here from memory_worth.parquet with pyarrow and sorted by hand (worth
@@ -115,8 +116,66 @@ def test_search_by_worth(client, worth, mined):
     assert [(int(r["layer"]), int(r["dim"])) for r in csv_rows] == top[:20] and "worth" in csv_rows[0]
 
 
+def test_layer_list_filtered_by_worth(client, worth, mined):
+    listed = [k for k in worth if k[0] == LAYER and k in mined]
+    floor = sorted(worth[k] for k in listed)[len(listed) // 2]  # the median: one memory sits on it
+    want = sorted(k for k in listed if worth[k] >= floor)
+    assert 0 < len(want) < len(listed)
+    j = client.get(f"/api/layer/{LAYER}", params={"min_worth": repr(floor), "per_page": "1000"}).json()
+    assert j["min_worth"] == floor and [(r["layer"], r["dim"]) for r in j["memories"]["rows"]] == want
+    assert {(r["layer"], r["dim"]) for r in j["best"]["sharpness"] or []} <= set(want)
+    # with sort=worth: the same memories, the largest first
+    j = client.get(f"/api/layer/{LAYER}", params={"min_worth": repr(floor), "sort": "worth", "per_page": "1000"}).json()
+    assert [(r["layer"], r["dim"]) for r in j["memories"]["rows"]] == by_worth(want, worth)
+    # the page: the filter said with a way back, a form, its links and downloads keep it
+    page = client.get(f"/layer/{LAYER}", params={"min_worth": repr(floor), "sort": "worth", "per_page": "5"})
+    assert page.status_code == 200 and 'id="worth-filter"' in page.text and 'name="min_worth"' in page.text
+    html = page.text.replace("&amp;", "&")
+    assert f'href="/layer/{LAYER}?sort=worth#memories">any worth</a>' in html
+    assert f"/layer/{LAYER}?min_worth={floor!r}&sort=worth&format=csv" in html
+    assert f"min_worth={floor!r}&sort=worth#memories\" rel=\"next\"" in html
+    rows = list(csv.DictReader(io.StringIO(client.get(f"/layer/{LAYER}", params={
+        "min_worth": repr(floor), "sort": "worth", "format": "csv"}).text)))
+    assert [(int(r["layer"]), int(r["dim"])) for r in rows] == by_worth(want, worth)
+    j = client.get(f"/layer/{LAYER}", params={"min_worth": repr(floor), "format": "json"}).json()
+    assert sorted((r["layer"], r["dim"]) for r in j["rows"]) == want
+
+
+def test_token_and_text_search_sorted_by_worth(client, worth):
+    """sort=worth on the token search (then by rank, layer, dim) and on the text searches (then by
+    layer, dim and list, + first), both directions; each row carries its memory's worth."""
+    client.app.state.browser.wait_index(120)
+    full = _all(client, token="the", k="20")
+    assert len({(r["layer"], r["dim"]) for r in full}) > 5
+    got = _all(client, token="the", k="20", sort="worth")
+    assert got == sorted(full, key=lambda r: (-worth[(r["layer"], r["dim"])], r["rank"], r["layer"], r["dim"]))
+    asc = _all(client, token="the", k="20", sort="worth", order="asc")
+    assert asc == sorted(full, key=lambda r: (worth[(r["layer"], r["dim"])], r["rank"], r["layer"], r["dim"]))
+    for q in ({"text": "the"}, {"text": "e", "mode": "token"}):  # the text index's path and DuckDB's
+        full = _all(client, **q)
+        assert len(full) > 5 and all(r["worth"] == worth[(r["layer"], r["dim"])] for r in full)
+        for order, s in (("desc", -1), ("asc", 1)):
+            got = _all(client, **q, sort="worth", order=order)
+            assert got == sorted(full, key=lambda r: (s * worth[(r["layer"], r["dim"])], r["layer"], r["dim"],
+                                                      -r["sign"])), (q, order)
+    full = _all(client, text="the", mode="summary")
+    got = _all(client, text="the", mode="summary", sort="worth")
+    assert [(r["layer"], r["dim"]) for r in got] == by_worth([(r["layer"], r["dim"]) for r in full], worth)
+    # the pages: worth is a sort link of the token and text tables
+    for params in ({"token": "the", "k": "20"}, {"text": "the"}, {"text": "the", "mode": "summary", "sort": "worth"}):
+        page = client.get("/search", params=params)
+        assert page.status_code == 200 and 'class="num worth"' in page.text
+        assert re.search(r'<a class="sort[^"]*" href="/search\?[^"]*sort=worth[^"]*">worth', page.text), params
+    csv_rows = list(csv.DictReader(io.StringIO(client.get("/search", params={
+        "text": "the", "sort": "worth", "format": "csv"}).text)))
+    assert [float(r["worth"]) for r in csv_rows] == sorted((float(r["worth"]) for r in csv_rows), reverse=True)
+
+
 @pytest.mark.parametrize("path, params, msg", [
     ("/api/layer/1", {"sort": "size"}, "sort must be dim or worth"),
+    ("/api/layer/1", {"min_worth": "abc"}, "min_worth must be a finite number"),
+    ("/api/search", {"token": "the", "sort": "size"},
+     "sort must be one of prob, rank, max_prob, precision, layer, worth"),
     ("/api/search", {"min_worth": "abc"}, "min_worth must be a finite number"),
     ("/api/search", {"min_worth": "nan"}, "min_worth must be a finite number"),
     ("/api/search", {"min_worth": "1" * 5000}, "min_worth must be a finite number"),
@@ -128,7 +187,8 @@ def test_bad_worth_parameters_are_one_line(client, path, params, msg):
 
 def test_odd_worth_values_never_500(client):
     for v in ("0", "-1", "1e308", "-1e308", "inf", "0x10", "1.5", " 1 ", "", "١", "1_000", "-0", "1E-3", "𝟙", "-"):
-        for path, name in (("/api/search", "min_worth"), ("/api/layer/0", "sort"), ("/search", "min_worth")):
+        for path, name in (("/api/search", "min_worth"), ("/api/layer/0", "sort"), ("/search", "min_worth"),
+                           ("/api/layer/0", "min_worth"), ("/layer/0", "min_worth")):
             r = client.get(path, params={name: v})
             assert r.status_code in (200, 422), (path, name, v, r.text)
 
@@ -138,6 +198,11 @@ def test_odd_worth_values_never_500(client):
     ("/layer/1", {"sort": "worth", "format": "csv"}),
     ("/api/search", {"sort": "worth"}), ("/search", {"sort": "worth"}), ("/api/search", {"min_worth": "0"}),
     ("/api/search", {"text": "e", "mode": "token", "min_worth": "0"}), ("/search", {"min_worth": "0.1"}),
+    ("/api/layer/1", {"min_worth": "0"}), ("/layer/1", {"min_worth": "0"}),
+    ("/layer/1", {"min_worth": "0", "format": "csv"}),
+    ("/api/search", {"token": "the", "sort": "worth"}), ("/search", {"token": "the", "sort": "worth"}),
+    ("/api/search", {"text": "the", "sort": "worth"}), ("/api/search", {"text": "e", "mode": "token", "sort": "worth"}),
+    ("/api/search", {"text": "the", "mode": "summary", "sort": "worth"}),
 ])
 def test_a_run_without_worth_is_one_line(runs, path, params):
     c = _client(runs[1])
@@ -149,3 +214,4 @@ def test_a_run_without_worth_is_one_line(runs, path, params):
     assert "worth" not in c.get("/api/layer/1").json()["memories"]["rows"][0]
     page = c.get("/search")
     assert '<option value="worth"' not in page.text and 'name="min_worth"' not in page.text
+    assert 'name="min_worth"' not in c.get("/layer/1").text

@@ -11,6 +11,9 @@
 - the layer's memories, paged, each with its one-line summary, by dim or (`?sort=worth`) by worth,
   the largest first (`ffkv worth`'s memory_worth; each row's `worth` whenever the run has it).
 
+The lists (memories and best memories) take the memory filters every search takes
+(`ffkv.web.measures.memory_filter`: ?pos0=hide, ?class=, ?regime= with ?min_regime_share=, ?min_worth=).
+
 A table the run lacks gives `None` and the command that makes it (`MAKES`).
 """
 from __future__ import annotations
@@ -22,7 +25,8 @@ import pyarrow.compute as pc
 
 from ffkv.steps.worth.report import of_browser
 from ffkv.store import query
-from ffkv.web.measures import EPS_HIST, census_classes, class_members, eps_shares, first_position, row_signs
+from ffkv.web.measures import (EPS_HIST, census_classes, class_members, eps_shares, first_position,
+                               has_regimes, memory_filter, row_signs)
 from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
@@ -50,23 +54,24 @@ def _col(t, name) -> np.ndarray:
 
 
 def layer_memories(b, layer: int, summaries: bool = True, hide_first: bool = False, classes=None,
-                   sort: str = "dim") -> list[dict]:
+                   sort: str = "dim", regimes=None, min_worth: float | None = None) -> list[dict]:
     """Every memory of the layer that was mined or has a value row, by dim, with its measures and
     (unless `summaries` is off: the page adds them to the rows it shows) its one-line summary
-    (the rows of the layer page's list and of its CSV); `hide_first` (?pos0=hide) leaves out the
-    first-position memories (`measures.first_position`). With `classes` (?class=) the list is the
-    layer's memories in one of these census classes, mined or not (the census covers every memory),
-    so that it holds as many as the class mix counts. Each row has its `worth` when the run has the
-    worth table; `sort` "worth" orders the rows by it, the largest first, then by dim (a memory
-    without a worth last); "dim" (the default) by dim. The caller checks that the table is there
-    (`ffkv.web.params.layer_sort`)."""
+    (the rows of the layer page's list and of its CSV), through the memory filters
+    (`measures.memory_filter`: `hide_first`, `classes`, `regimes`, `min_worth`). With `classes`
+    (?class=) the list is the layer's memories in one of these census classes, mined or not (the
+    census covers every memory), so that it holds as many as the class mix counts. Each row has its
+    `worth` when the run has the worth table; `sort` "worth" orders the rows by it, the largest first,
+    then by dim (a memory without a worth last); "dim" (the default) by dim. The caller checks that
+    the table is there (`ffkv.web.params.layer_sort`)."""
     t = b.memories.slice(layer * b.d_m, b.d_m)
     mp = _col(t, "max_prob").astype(np.float64)
     keep = _col(t, "mined").astype(bool) | ~np.isnan(mp)
     if classes:
         keep = class_members(b, classes)[layer * b.d_m:(layer + 1) * b.d_m]
-    if hide_first:
-        keep &= ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m]
+    chosen = memory_filter(b, hide_first, classes, regimes, min_worth)
+    if chosen is not None:
+        keep = keep & chosen[layer * b.d_m:(layer + 1) * b.d_m]
     rows = t.filter(keep).to_pylist()
     worth = of_browser(b)
     if worth is not None:
@@ -116,11 +121,10 @@ def _density(b, layer: int) -> dict | None:
     return {"rows": rows, "hist": hist, "eps": None}
 
 
-def _best(b, layer: int, hide_first: bool = False, classes=None) -> dict:
+def _best(b, layer: int, hide_first: bool = False, classes=None, regimes=None, min_worth: float | None = None) -> dict:
     t = b.memories.slice(layer * b.d_m, b.d_m)
-    shown = ~first_position(b)[layer * b.d_m:(layer + 1) * b.d_m] if hide_first else np.ones(b.d_m, bool)
-    if classes:
-        shown = shown & class_members(b, classes)[layer * b.d_m:(layer + 1) * b.d_m]
+    chosen = memory_filter(b, hide_first, classes, regimes, min_worth)
+    shown = np.ones(b.d_m, bool) if chosen is None else chosen[layer * b.d_m:(layer + 1) * b.d_m]
     out: dict = {"agreement": None, "sharpness": None}
     if b.values is None:
         return out
@@ -189,18 +193,20 @@ def census_mix(b, layer: int) -> dict | None:
 
 
 def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bool = False,
-               classes=None, sort: str = "dim") -> dict:
-    """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is); with
-    `hide_first` (?pos0=hide) its lists leave out the first-position memories, with `classes`
-    (?class=) they hold only the memories of these census classes; `sort` orders the list of memories
-    ("dim", or "worth": the largest first)."""
+               classes=None, sort: str = "dim", regimes=None, min_worth: float | None = None) -> dict:
+    """Everything a layer page shows, as plain data (`/api/layer/N` returns it as is); its lists go
+    through the memory filters (`measures.memory_filter`; `hide_first` ?pos0=hide, `classes` ?class=,
+    `regimes` ?regime=, `min_worth` ?min_worth=), each said back (`pos0`, `class`, `regime`,
+    `min_regime_share`, `min_worth`); `sort` orders the list of memories ("dim", or "worth": the
+    largest first). `has_regimes` says whether ?regime= can filter this run."""
     if not 0 <= layer < b.L:
         raise NotFound(f"layer {layer} does not exist: the model has layers 0–{b.L - 1}")
     if not 1 <= per_page <= 1000:
         raise BadQuery("per_page must be in 1..1000")
     if page < 1:
         raise BadQuery("page must be ≥ 1")
-    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first, classes=classes, sort=sort)
+    mems = layer_memories(b, layer, summaries=False, hide_first=hide_first, classes=classes, sort=sort,
+                          regimes=regimes, min_worth=min_worth)
     last = max(1, -(-len(mems) // per_page))
     if page > last:
         raise NotFound(f"page {page} does not exist: layer {layer} has {last} page{'s' if last > 1 else ''} "
@@ -217,9 +223,13 @@ def layer_data(b, layer: int, page: int = 1, per_page: int = 100, hide_first: bo
              if b.key_stats is not None else None)  # unknown without key statistics
     return {"layer": layer, "layers": b.L, "d_m": b.d_m, "model": b.model_id, "lens": b.lens, "mined": mined,
             "first_position": first, "pos0": "hide" if hide_first else "show", "class": list(classes or []),
-            "sort": sort, "has_worth": of_browser(b) is not None,
+            "regime": list(regimes.names) if regimes else [],
+            "min_regime_share": regimes.min_share if regimes else None,
+            "min_worth": min_worth, "sort": sort, "has_worth": of_browser(b) is not None,
+            "has_regimes": has_regimes(b),
             "census": census_mix(b, layer),
-            "density": _density(b, layer), "agreement": agreement, "best": _best(b, layer, hide_first, classes),
+            "density": _density(b, layer), "agreement": agreement,
+            "best": _best(b, layer, hide_first, classes, regimes, min_worth),
             "patterns": _patterns(b, layer), "missing": missing,
             "memories": {"total": len(mems), "page": page, "per_page": per_page, "pages": last,
                          "rows": b.add_summaries(mems[(page - 1) * per_page: page * per_page])}}

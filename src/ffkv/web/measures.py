@@ -2,11 +2,14 @@
 searches and sorts by), built from the run's tables on first use."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ffkv.mine import stats
+from ffkv.mine.regimes import REGIMES
 from ffkv.store import query
 from ffkv.web.tables import PRECISION_K
 
@@ -301,3 +304,84 @@ def class_members(b, names) -> np.ndarray:
         out |= b._lazy(f"_census_{name}", make)
     return out
 
+
+
+
+# ---- sign regimes (`ffkv mine --regimes`, joined by `ffkv census` as regime_* and regime) ---------------
+NO_REGIMES = ("this run has no sign regimes: mine a gated FFN with `ffkv mine --regimes`, "
+              "then run `ffkv census RUN`")
+
+
+def has_regimes(b) -> bool:
+    """Whether `?regime=` can filter this run: its census has the regime columns and some memory's
+    dominant regime (a run mined without --regimes, or an ungated FFN, has them all null)."""
+    def make():
+        t = b.census
+        return (t is not None and {"regime", *(f"regime_{r}" for r in REGIMES)} <= set(t.column_names)
+                and t.column("regime").null_count < len(t))
+    return b._lazy("_has_regimes", make)
+
+
+def _by_code(b, col) -> np.ndarray:
+    """A census column per memory code (float64; NaN where null or absent from the census)."""
+    t = b.census
+    N = b.L * b.d_m
+    code = t.column("layer").to_numpy().astype(np.int64) * b.d_m + t.column("dim").to_numpy().astype(np.int64)
+    ok = code < N
+    out = np.full(N, np.nan)
+    out[code[ok]] = np.asarray(col, np.float64)[ok]
+    return out
+
+
+def regime_shares(b) -> dict[str, np.ndarray]:
+    """Each regime's share of a memory's activation mass, per memory code (float64, NaN without mass)."""
+    return b._lazy("_regime_shares", lambda: {
+        r: _by_code(b, b.census.column(f"regime_{r}").to_numpy(zero_copy_only=False)) for r in REGIMES})
+
+
+class RegimeFilter(NamedTuple):
+    """A parsed `?regime=` (`ffkv.web.params.regime_filter`): regime names in `REGIMES`' order and the
+    least share of the mass in them (None: the dominant regime is one of them)."""
+    names: tuple[str, ...]
+    min_share: float | None = None
+
+
+def regime_members(b, names, min_share: float | None = None) -> np.ndarray:
+    """Per memory code, whether it passes `?regime=` (bool): with `min_share` None, its dominant
+    regime (the census's `regime`) is one of `names`; with `min_share` x, the share of its activation
+    mass in the named regimes together (the sum of their regime_NAME) is at least x, so `regime=pp,nn`
+    with 0.6 keeps memories with 60% of their mass where gate and input agree in sign, dominant or
+    not. A memory without mass (null shares) never passes. The caller checks `has_regimes`."""
+    if min_share is None:
+        dominant = b._lazy("_regime_dominant", lambda: _by_code(b, pc.index_in(
+            b.census.column("regime"), pa.array(list(REGIMES), pa.string())).to_numpy(zero_copy_only=False)))
+        return np.isin(dominant, [list(REGIMES).index(r) for r in names])
+    shares = regime_shares(b)
+    share = sum(shares[r] for r in names)
+    with np.errstate(invalid="ignore"):
+        return share >= min_share  # NaN: False
+
+
+def memory_filter(b, hide_first: bool = False, classes=None, regimes: RegimeFilter | None = None,
+                  min_worth: float | None = None) -> np.ndarray | None:
+    """THE memory filters every search and layer list applies, per memory code (bool), None when
+    none is set: ?pos0=hide (not `first_position`), ?class= (`class_members`), ?regime= (`regime_members`)
+    and ?min_worth= (worth at least that; a memory without a worth never passes), all of them."""
+    keep = None
+
+    def cut(mask):
+        nonlocal keep
+        keep = mask.copy() if keep is None else keep & mask
+
+    if hide_first:
+        cut(~first_position(b))
+    if classes:
+        cut(class_members(b, classes))
+    if regimes:
+        cut(regime_members(b, *regimes))
+    if min_worth is not None:
+        from ffkv.web.params import worths
+
+        with np.errstate(invalid="ignore"):
+            cut(worths(b, "min_worth") >= min_worth)  # NaN (no worth) is False
+    return keep

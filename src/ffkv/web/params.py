@@ -113,10 +113,9 @@ def layer_sort(b, v: str | None) -> str:
     return s
 
 
-def min_worth(b, v: str | None) -> float | None:
-    """`?min_worth=X`: only memories worth at least X (nats per predicted token; a memory without a
-    worth never passes); absent or '' is no filter. Not a finite number, or a run without the worth
-    table: one line."""
+def finite(v: str | None, name: str, example: str) -> float | None:
+    """An optional real-number query parameter ('' = absent); not a finite number (or over 40
+    characters) is one line naming `name` and an `example`."""
     s = "" if v is None else str(v).strip()
     if not s:
         return None
@@ -125,6 +124,50 @@ def min_worth(b, v: str | None) -> float | None:
     except ValueError:
         x = math.nan
     if not math.isfinite(x):
-        raise BadQuery(f"min_worth must be a finite number, e.g. 0.001 (got {shown(v)})")
-    worths(b, "min_worth")
+        raise BadQuery(f"{name} must be a finite number, e.g. {example} (got {shown(v)})")
     return x
+
+
+def min_worth(b, v: str | None) -> float | None:
+    """`?min_worth=X`: only memories worth at least X (nats per predicted token; a memory without a
+    worth never passes); absent or '' is no filter. Not a finite number, or a run without the worth
+    table: one line."""
+    x = finite(v, "min_worth", "0.001")
+    if x is not None:
+        worths(b, "min_worth")
+    return x
+
+
+def multi(q, name: str) -> str | None:
+    """A list parameter (`?class=`, `?regime=`) given once as NAME,NAME or repeated (?regime=pp&regime=nn):
+    its values joined by commas; None when absent."""
+    vals = q.getlist(name)
+    return ",".join(vals) if vals else None
+
+
+# ---- sign regimes (`ffkv mine --regimes`; who passes: `ffkv.web.measures.regime_members`) ----------------
+def regime_filter(b, v: str | None, share: str | None = None):
+    """`?regime=NAME[,NAME…]` (NAME one of `ffkv.mine.regimes.REGIMES`: pp, pn, np, nn, the sign of
+    the gate then of the input) and `?min_regime_share=X` (0 to 1): a `RegimeFilter` for
+    `measures.regime_members`, None when `regime` is absent or ''. An unknown name, a share without
+    a regime or outside 0..1, a run without a census or without regimes: one line naming the fix."""
+    from ffkv.web.measures import NO_CENSUS, NO_REGIMES, REGIMES, RegimeFilter, has_regimes
+
+    names = [x.strip() for x in ("" if v is None else str(v)).split(",") if x.strip()]
+    x = finite(share, "min_regime_share", "0.5")
+    if not names:
+        if x is not None:
+            raise BadQuery("min_regime_share needs regime=NAME[,NAME…]: the regimes whose share of the mass "
+                           "it bounds")
+        return None
+    bad = [n for n in names if n not in REGIMES]
+    if bad:
+        raise BadQuery(f"regime must be one of {', '.join(f'{r} {s}' for r, s in REGIMES.items())}, the signs of "
+                       f"(gate, input) (got {shown(bad[0])})")
+    if x is not None and not 0 <= x <= 1:
+        raise BadQuery(f"min_regime_share must be from 0 to 1, a share of the activation mass (got {shown(share)})")
+    if b.census is None:
+        raise BadQuery(f"regime: {NO_CENSUS}")
+    if not has_regimes(b):
+        raise BadQuery(f"regime: {NO_REGIMES}")
+    return RegimeFilter(tuple(r for r in REGIMES if r in names), x)  # REGIMES' order, each once

@@ -1,10 +1,12 @@
 """The browser's searches: by token (the token index), by text (trigger prefixes, trigger tokens,
 one-line summaries) and by measure (the per-memory table `memories`, through DuckDB).
 
-Worth (`ffkv worth`, table memory_worth; per memory `ffkv.steps.worth.report.of_browser`): every search
-takes `min_worth` (only memories worth at least that, nats per predicted token; one without a worth
-never passes), the measure search sorts by it (`sort=worth`, the largest first), and the measure and
-token searches' rows carry each memory's `worth` when the run has the table."""
+Every search takes the memory filters of `measures.memory_filter`: `hide_first` (?pos0=hide),
+`classes` (?class=, census classes), `regimes` (?regime=, sign regimes: a `measures.RegimeFilter`) and
+`min_worth` (?min_worth=, memories worth at least that, nats per predicted token; one without a worth
+never passes). Worth (`ffkv worth`, table memory_worth; per memory `ffkv.steps.worth.report.of_browser`):
+every search sorts by it (`sort=worth`, the largest first, memories without one last), and every
+search's rows carry each memory's `worth` when the run has the table."""
 from __future__ import annotations
 
 import re
@@ -16,7 +18,7 @@ import pyarrow as pa
 from ffkv.defs import LENSES
 from ffkv.display import read_token
 from ffkv.steps.worth.report import of_browser
-from ffkv.web.measures import class_members, first_position
+from ffkv.web.measures import memory_filter
 from ffkv.web.tables import BadQuery, NotFound, _f
 
 # search orders: name -> (column, default direction)
@@ -29,9 +31,9 @@ MEASURE_SORTS = {
     "layer": ("layer", "asc"), "worth": ("worth", "desc"),
 }
 TOKEN_SORTS = {"prob": ("prob", "desc"), "rank": ("rank", "asc"), "max_prob": ("max_prob", "desc"),
-               "precision": ("precision", "desc"), "layer": ("layer", "asc")}
+               "precision": ("precision", "desc"), "layer": ("layer", "asc"), "worth": ("worth", "desc")}
 TEXT_SORTS = {"count": ("n", "desc"), "rank": ("best_rank", "asc"), "coef": ("best_coef", "desc"),
-              "layer": ("layer", "asc")}
+              "layer": ("layer", "asc"), "worth": ("worth", "desc")}
 LABELS = ("shallow", "semantic", "both", "none")
 TOKEN_MATCHES = ("merged", "exact")  # how a typed token finds vocabulary tokens (`Browser.resolve_token`)
 MAX_TOKEN_QUERY = 200  # characters of a typed token
@@ -96,17 +98,9 @@ class Search:
         out = [i for i, s in enumerate(self.b.vocab) if s.strip().casefold().startswith(k)]
         return sorted(out, key=lambda i: (len(self.b.vocab[i].strip()), i))[:n]
 
-    def _worth_ok(self, min_worth: float | None) -> np.ndarray | None:
-        """Per memory code, whether it is worth at least `min_worth` (None: no filter)."""
-        if min_worth is None:
-            return None
-        from ffkv.web.params import worths
-
-        with np.errstate(invalid="ignore"):
-            return worths(self.b, "min_worth") >= min_worth  # NaN (no worth) is False
-
-    @staticmethod
-    def _order(sorts: dict, sort: str | None, order: str | None, default: str) -> tuple[str, str, str]:
+    def _order(self, sorts: dict, sort: str | None, order: str | None, default: str) -> tuple[str, str, str]:
+        """(sort, column, direction) of `?sort=`/`?order=`; sort=worth on a run without the worth
+        table is one line naming `ffkv worth RUN`."""
         sort = sort or default
         if sort not in sorts:
             raise BadQuery(f"sort must be one of {', '.join(sorts)} (got {sort!r})")
@@ -115,6 +109,10 @@ class Search:
             if order not in ("asc", "desc"):
                 raise BadQuery(f"order must be asc or desc (got {order!r})")
             direction = order
+        if sort == "worth":
+            from ffkv.web.params import worths
+
+            worths(self.b, "sort=worth")
         return sort, col, direction
 
     @staticmethod
@@ -128,12 +126,10 @@ class Search:
     def search_token(self, q: str, *, k: int = 10, lens: str | None = None, direction: str = "promote",
                      layer: int | None = None, sort: str | None = None, order: str | None = None,
                      page: int = 1, per_page: int = 50, match: str = "merged", hide_first: bool = False,
-                     classes=None, min_worth: float | None = None) -> dict:
+                     classes=None, regimes=None, min_worth: float | None = None) -> dict:
         """Memories whose value ranks a token within k (promote: +v; suppress: −v); by default
-        the value's probability of the token first. `hide_first` (?pos0=hide): without the
-        first-position memories (`measures.first_position`), as every search takes it; `classes`
-        (?class=): only memories in one of these census classes (`measures.class_members`), likewise;
-        `min_worth` (?min_worth=): only memories worth at least that."""
+        the value's probability of the token first, or (sort=worth) the memory's worth. The memory
+        filters (`hide_first`, `classes`, `regimes`, `min_worth`) as `measures.memory_filter` reads them."""
         lens = lens or self.b.lens
         if lens not in LENSES:
             raise BadQuery(f"lens must be naive or norm (got {lens!r})")
@@ -166,16 +162,9 @@ class Search:
             keep = (mem // self.b.d_m) == layer
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
-        if hide_first:
-            keep = ~first_position(self.b)[mem]
-            hit = {c: v[keep] for c, v in hit.items()}
-            mem = hit["mem"]
-        if classes:
-            keep = class_members(self.b, classes)[mem]
-            hit = {c: v[keep] for c, v in hit.items()}
-            mem = hit["mem"]
-        if min_worth is not None:
-            keep = self._worth_ok(min_worth)[mem]
+        chosen = memory_filter(self.b, hide_first, classes, regimes, min_worth)
+        if chosen is not None:
+            keep = chosen[mem]
             hit = {c: v[keep] for c, v in hit.items()}
             mem = hit["mem"]
         meas = self.b.memories
@@ -183,9 +172,11 @@ class Search:
         suffix = "" if sign == 1 else "_neg"
         mp = meas.column("max_prob" + suffix).to_numpy(zero_copy_only=False)
         prec = meas.column("precision" + suffix).to_numpy(zero_copy_only=False)
+        worth = of_browser(self.b)
         cols = {"layer": mem // self.b.d_m, "dim": mem % self.b.d_m, "token": hit["token"], "rank": hit["rank"],
                 "prob": hit["prob"], "max_prob": mp[mem] if len(mem) else np.zeros(0),
-                "precision": prec[mem] if len(mem) else np.zeros(0)}
+                "precision": prec[mem] if len(mem) else np.zeros(0),
+                "worth": worth[mem] if worth is not None and len(mem) else np.full(len(mem), np.nan)}
         key = cols[col].astype(np.float64)
         key = np.where(np.isnan(key), np.inf, key if how == "asc" else -key)
         order_ = np.lexsort((cols["dim"], cols["layer"], cols["rank"], key))
@@ -197,7 +188,6 @@ class Search:
                     "prob": float(cols["prob"][i]), "max_prob": _f(cols["max_prob"][i]),
                     "precision": _f(cols["precision"][i]), "mined": bool(mined[mem[i]]), "sign": sign}
                    for i in sel]
-        worth = of_browser(self.b)
         for r in results:  # each row's example: its memory's top trigger of that sign (coloured by m)
             r["sentence_id"], r["position"] = self.top_trigger(r["layer"], r["dim"], sign)
             if worth is not None:
@@ -218,14 +208,17 @@ class Search:
 
     def search_text(self, q: str, *, mode: str = "word", sign: int | None = None, layer: int | None = None,
                     sort: str | None = None, order: str | None = None, page: int = 1,
-                    per_page: int = 50, hide_first: bool = False, classes=None,
+                    per_page: int = 50, hide_first: bool = False, classes=None, regimes=None,
                     min_worth: float | None = None) -> dict:
         """Memories with triggers whose prefix contains a word (mode word), or whose trigger token
-        is a token (mode token: the decoded token, spaces ignored, case folded); mode summary:
-        memories whose one-line summary contains the words (`search_summary`)."""
+        is a token (mode token: the decoded token, spaces ignored, case folded), one row per memory
+        and list, by default the most matching triggers first; mode summary: memories whose
+        one-line summary contains the words (`search_summary`). The memory filters as
+        `measures.memory_filter` reads them."""
         if mode == "summary":
             return self.search_summary(q, layer=layer, page=page, per_page=per_page, hide_first=hide_first,
-                                       classes=classes, min_worth=min_worth)
+                                       classes=classes, regimes=regimes, min_worth=min_worth,
+                                       sort=sort, order=order)
         if mode not in ("word", "token"):
             raise BadQuery(f"mode must be word, token or summary (got {mode!r})")
         if sign not in (None, 1, -1):
@@ -251,16 +244,16 @@ class Search:
             sel = sel[self.b.trig_sign[sel] == sign]
         if len(sel) and layer is not None:
             sel = sel[(self.b.trig.code[sel] // self.b.d_m) == layer]
-        if len(sel) and hide_first:
-            sel = sel[~first_position(self.b)[self.b.trig.code[sel]]]
-        if len(sel) and classes:
-            sel = sel[class_members(self.b, classes)[self.b.trig.code[sel]]]
-        if len(sel) and min_worth is not None:
-            sel = sel[self._worth_ok(min_worth)[self.b.trig.code[sel]]]
+        chosen = memory_filter(self.b, hide_first, classes, regimes, min_worth)
+        if len(sel) and chosen is not None:
+            sel = sel[chosen[self.b.trig.code[sel]]]
         base = {"mode": "text", "text_mode": mode, "query": q, "sign": sign, "layer": layer, "sort": sort,
                 "order": how, "page": page, "per_page": per_page, "triggers_matched": int(len(sel))}
         if not len(sel):
             return {**base, "total": 0, "memories": 0, "results": []}
+        by_worth = sort == "worth"
+        if by_worth:  # grouped in any order, then ordered by the memory's worth below
+            col = "layer"
         if mode == "word" and ti is not None:
             g = ti.groups(sel, col, how)
         else:
@@ -279,8 +272,17 @@ class Search:
                     self.b._con.unregister("hits")
         total = g.num_rows  # rows: (memory, list) pairs, a memory's two lists apart
         codes = g.column("layer").to_numpy().astype(np.int64) * self.b.d_m + g.column("dim").to_numpy()
+        worth = of_browser(self.b)
+        if by_worth:  # ORDER BY worth {how} NULLS LAST, layer, dim, sign DESC
+            w = worth[codes]
+            key = np.where(np.isnan(w), np.inf, w if how == "asc" else -w)
+            o = np.lexsort((-g.column("sign").to_numpy().astype(np.int64), g.column("dim").to_numpy(),
+                            g.column("layer").to_numpy(), key))
+            g, codes = g.take(pa.array(o)), codes[o]
         rows = g.slice((page - 1) * per_page, per_page).to_pylist()
         for r in rows:
+            if worth is not None:
+                r["worth"] = _f(worth[r["layer"] * self.b.d_m + r["dim"]])
             srow = self.b.sentence_row(r["sentence_id"])
             r["prefix"] = self.b.prefix(srow, r["position"])
             r["permalink"] = self.b.permalink(r["sentence_id"], r["position"])
@@ -324,8 +326,10 @@ class Search:
         return np.nonzero(hit)[0]
 
     def search_summary(self, q: str, *, layer: int | None = None, page: int = 1, per_page: int = 50,
-                       hide_first: bool = False, classes=None, min_worth: float | None = None) -> dict:
-        """Memories whose one-line summary contains every word of `q` (case folded), by memory."""
+                       hide_first: bool = False, classes=None, regimes=None, min_worth: float | None = None,
+                       sort: str | None = None, order: str | None = None) -> dict:
+        """Memories whose one-line summary contains every word of `q` (case folded), by memory, or
+        (sort=worth) by worth; any other sort of the text search leaves them by memory."""
         words = (q or "").casefold().split()
         if not words:
             raise BadQuery("text: type a word, e.g. city")
@@ -333,43 +337,47 @@ class Search:
             raise BadQuery("text: at most 200 characters")
         if layer is not None and not 0 <= layer < self.b.L:
             raise BadQuery(f"layer must be in 0..{self.b.L - 1}")
+        by_worth = sort == "worth"
+        if by_worth:
+            _, _, how = self._order(TEXT_SORTS, sort, order, "layer")
         page, per_page = self._page(page, per_page)
         sm = self.b.summaries
         lines = self.b._lazy("_summary_lines", lambda: {
             int(c): sm.line(int(c)).casefold()
             for c in np.union1d(self.b.keys, np.asarray(sorted(sm.value), np.int64))})
         ann = self.b.notes.annotation_parts()
-        first = first_position(self.b) if hide_first else None
-        member = class_members(self.b, classes) if classes else None
-        worthy = self._worth_ok(min_worth)
+        chosen = memory_filter(self.b, hide_first, classes, regimes, min_worth)
         hits = []
         for c, text in lines.items():
-            if ((first is not None and first[c]) or (member is not None and not member[c])
-                    or (worthy is not None and not worthy[c])):
+            if chosen is not None and not chosen[c]:
                 continue
             if c in ann:
                 text = sm.line(c, ann[c]).casefold()
             if (layer is None or c // self.b.d_m == layer) and all(w in text for w in words):
                 hits.append(c)
         hits.sort()
+        worth = of_browser(self.b)
+        if by_worth:
+            w = worth[np.asarray(hits, np.int64)]
+            hits = [hits[i] for i in np.lexsort((hits, np.where(np.isnan(w), np.inf, w if how == "asc" else -w)))]
         rows = [{"layer": c // self.b.d_m, "dim": c % self.b.d_m} for c in hits[(page - 1) * per_page: page * per_page]]
-        return {"mode": "text", "text_mode": "summary", "query": q, "layer": layer, "sign": None, "sort": "layer",
-                "order": "asc", "page": page, "per_page": per_page, "total": len(hits), "memories": len(hits),
+        if worth is not None:
+            for r in rows:
+                r["worth"] = _f(worth[r["layer"] * self.b.d_m + r["dim"]])
+        return {"mode": "text", "text_mode": "summary", "query": q, "layer": layer, "sign": None,
+                "sort": "worth" if by_worth else "layer", "order": how if by_worth else "asc", "page": page,
+                "per_page": per_page, "total": len(hits), "memories": len(hits),
                 "triggers_matched": 0, "results": self.b.add_summaries(rows)}
 
     def search_measure(self, *, sort: str | None = None, order: str | None = None, layer: int | None = None,
                        label: str | None = None, agree: bool | None = None, mined_only: bool = True,
                        page: int = 1, per_page: int = 50, hide_first: bool = False, classes=None,
-                       min_worth: float | None = None) -> dict:
-        """Memories ordered by a measure (value max-probability, precision@50, agreement, worth, …);
-        with `classes` (?class=) only those in one of these census classes, with `min_worth` only
-        those worth at least that. A run with the worth table gives each row its `worth` (null
-        without one: last in either order); sorting by worth without the table is one line."""
+                       regimes=None, min_worth: float | None = None) -> dict:
+        """Memories ordered by a measure (value max-probability, precision@50, agreement, worth, …),
+        through the memory filters (`measures.memory_filter`). A run with the worth table gives each
+        row its `worth` (null without one: last in either order); sorting by worth without the table
+        is one line."""
         sort, col, how = self._order(MEASURE_SORTS, sort, order, "max_prob")
-        if sort == "worth":
-            from ffkv.web.params import worths
-
-            worths(self.b, "sort=worth")
         page, per_page = self._page(page, per_page)
         where, params = [], []
         if mined_only:
@@ -387,20 +395,15 @@ class Search:
         if agree is not None:
             where.append("agree = ?")
             params.append(bool(agree))
-        if hide_first:
-            where.append("NOT first_position")
-        if min_worth is not None:
-            self._worth_ok(min_worth)  # a run without the table: one line
-            where.append("worth >= ?")
-            params.append(float(min_worth))
         w = (" WHERE " + " AND ".join(where)) if where else ""
+        chosen = memory_filter(self.b, hide_first, classes, regimes, min_worth)
         src = None
         worth = of_browser(self.b)
         if worth is not None:  # the per-memory table with each memory's worth (NaN stored as null)
             src = self.b._lazy("_memories_worth", lambda: self.b.memories.append_column(
                 "worth", pa.array(worth, pa.float64(), from_pandas=True)))
-        if classes:
-            src = (self.b.memories if src is None else src).filter(class_members(self.b, classes))
+        if chosen is not None:
+            src = (self.b.memories if src is None else src).filter(chosen)
         with self.b._con_lock:  # the chosen rows under a name of their own while both queries run
             con, name = self.b._con, "memories" if src is None else "memories_chosen"
             if src is not None:

@@ -1,7 +1,10 @@
 """Search by token, text or measure, its downloads (every page of the results), and the
-token index's status and build. Every search takes `?min_worth=X` (memories worth at least X, from
-`ffkv worth`) and the measure search `?sort=worth`; without the worth table both are one line (422)
-naming `ffkv worth RUN`."""
+token index's status and build. Every search takes the memory filters (`ffkv.web.measures.memory_filter`):
+`?pos0=hide`, `?class=NAME[,NAME…]` (census classes), `?regime=NAME[,NAME…]` with an optional
+`?min_regime_share=X` (sign regimes: `ffkv.web.params.regime_filter`) and `?min_worth=X` (memories worth
+at least X, from `ffkv worth`); and `?sort=worth` (the largest first). A list parameter may also be
+repeated (?regime=pp&regime=nn). Without the table a filter needs, it is one line (422) naming the
+step that makes it (`ffkv census RUN`, `ffkv mine --regimes`, `ffkv worth RUN`)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -9,11 +12,11 @@ from fastapi.responses import RedirectResponse
 
 from ffkv.errors import FfkvError
 from ffkv.web.common import no_cross_site_fetch, render, same_origin, state
-from ffkv.web.measures import FIRST_POSITION, census_classes
+from ffkv.web.measures import FIRST_POSITION, REGIMES, census_classes, has_regimes
 from ffkv.web.search import LABELS, MEASURE_SORTS, TEXT_SORTS, TOKEN_SORTS
 from ffkv.steps.worth.report import of_browser
-from ffkv.web.params import (api, census_filter, hide_pos0, min_worth, opt_bool, opt_int, opt_sign, opt_str,
-                             req_int)
+from ffkv.web.params import (api, census_filter, hide_pos0, min_worth, multi, opt_bool, opt_int, opt_sign, opt_str,
+                             regime_filter, req_int)
 from ffkv.web.tables import BadQuery, NotFound
 
 
@@ -30,23 +33,26 @@ def do_search(request: Request, p: dict) -> dict:
     token, text = p.get("token"), p.get("text")
     hide = hide_pos0(p.get("pos0"))  # ?pos0=hide: no first-position memory in the results
     classes = census_filter(b, p.get("class"))  # ?class=dead,prediction: only memories of these census classes
+    regimes = regime_filter(b, p.get("regime"), p.get("min_regime_share"))  # ?regime=pp,nn: of these sign regimes
     mw = min_worth(b, p.get("min_worth"))  # ?min_worth=0.001: only memories worth at least that
     if token is not None and token != "":
         res = b.search_token(token, k=req_int(p.get("k"), "k", 10, 1, 10**6), lens=opt_str(p.get("lens")),
                              direction=opt_str(p.get("dir")) or "promote", layer=layer, sort=sort,
                              order=order, page=page, per_page=per_page,
                              match=opt_str(p.get("match")) or "merged", hide_first=hide,
-                             classes=classes, min_worth=mw)
+                             classes=classes, regimes=regimes, min_worth=mw)
     elif text is not None and text != "":
         res = b.search_text(text, mode=opt_str(p.get("mode")) or "word", sign=opt_sign(p.get("sign")),
                             layer=layer, sort=sort, order=order, page=page, per_page=per_page, hide_first=hide,
-                            classes=classes, min_worth=mw)
+                            classes=classes, regimes=regimes, min_worth=mw)
     else:
         res = b.search_measure(sort=sort, order=order, layer=layer, label=opt_str(p.get("label")),
                                agree=opt_bool(p.get("agree"), "agree"), page=page, per_page=per_page,
-                               hide_first=hide, classes=classes, min_worth=mw)
+                               hide_first=hide, classes=classes, regimes=regimes, min_worth=mw)
     res["pos0"] = "hide" if hide else "show"
     res["class"] = list(classes or [])
+    res["regime"] = list(regimes.names) if regimes else []
+    res["min_regime_share"] = regimes.min_share if regimes else None
     res["min_worth"] = mw
     res["has_worth"] = of_browser(b) is not None
     check_page(res)
@@ -66,7 +72,9 @@ def check_page(res: dict) -> None:
 
 
 SEARCH_PARAMS = ("token", "text", "sort", "order", "page", "per_page", "k", "lens", "dir", "layer", "mode",
-                 "sign", "label", "agree", "match", "format", "pos0", "class", "min_worth")
+                 "sign", "label", "agree", "match", "format", "pos0", "class", "regime", "min_regime_share",
+                 "min_worth")
+LIST_PARAMS = ("class", "regime")  # NAME,NAME or repeated (`multi`)
 
 
 def search_params(request: Request) -> dict:
@@ -74,7 +82,7 @@ def search_params(request: Request) -> dict:
     unknown = sorted(set(q) - set(SEARCH_PARAMS))
     if unknown:
         raise BadQuery(f"unknown search parameter(s) {unknown}; use {', '.join(SEARCH_PARAMS)}")
-    return {k: q.get(k) for k in SEARCH_PARAMS if k in q}
+    return {k: multi(q, k) if k in LIST_PARAMS else q.get(k) for k in SEARCH_PARAMS if k in q}
 
 
 @router.get("/search", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
@@ -90,7 +98,8 @@ def search_page(request: Request):
                   measure_sorts=[s for s in MEASURE_SORTS if s != "worth" or res["has_worth"]],
                   token_sorts=list(TOKEN_SORTS), text_sorts=list(TEXT_SORTS),
                   refresh=res.get("status") == "building", first_threshold=FIRST_POSITION,
-                  census_classes=census_classes(state(request)))
+                  census_classes=census_classes(state(request)),
+                  regimes=REGIMES if has_regimes(state(request)) else {})
 
 
 @router.get("/api/search", dependencies=[Depends(no_cross_site_fetch)])
@@ -169,6 +178,10 @@ def search_download(request: Request, p: dict, fmt: str):
     what = {"token": p.get("token"), "text": p.get("text")}.get(res["mode"]) or res.get("sort") or "results"
     if res["class"]:
         what += "-" + "-".join(res["class"])
+    if res["regime"]:
+        what += "-regime-" + "-".join(res["regime"])
+        if res["min_regime_share"] is not None:
+            what += f"-{res['min_regime_share']:g}"
     if res["min_worth"] is not None:
         what += f"-worth-{res['min_worth']:g}"
     return export.download(rows, columns, f"ffkv-search-{res['mode']}-{what}"[:80], fmt, census=state(request).census)
