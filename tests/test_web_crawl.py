@@ -12,8 +12,12 @@ import pytest
 from test_web import client, index, llama, triggers, web_app, web_run  # noqa: F401  (fixtures)
 from test_web_width import CHROMIUM, page_urls
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")]
+
+def in_chromium(f):
+    """A test that drives Debian's chromium."""
+    f = pytest.mark.browser(f)
+    return pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")(f)
+
 
 WIDTHS = (390, 1280)
 FITS = 1280  # from this width on, no box scrolls sideways: every table fits its card
@@ -148,7 +152,7 @@ def extra_urls(web_run) -> list[str]:  # noqa: F811
             "/explore?text=The+river+flows+into+the&pos=1",
             "/explore?text=" + "+".join(["word"] * 60),
             f"/sentence/{busiest}", f"/sentence/{busiest}?pos=1&memory={int(first.layer)}/{int(first.dim)}",
-            f"/sentence/{busiest}?page=2", "/search?text=%25", "/layer/1?page=zz", "/layer/1?sort=nonsense"]
+            f"/sentence/{busiest}?per_page=50&page=2", "/search?text=%25", "/layer/1?page=zz", "/layer/1?sort=nonsense"]
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +197,23 @@ def browser():
             b.close()
 
 
+# error pages of the crawl (every other URL must answer 200)
+ERRORS = {"/nowhere", "/memory/9/9", "/explore?text=hi&suppress=1:1&scale=1e308", "/layer/1?page=zz",
+          "/layer/1?sort=nonsense", "/facts/edit/nothing"}
+
+
 def crawl(browser, base: str, urls: list[str], width: int) -> dict[str, list[str]]:
-    """{url: its faults} over `urls` at `width` px; a page must load to a status the URL means."""
+    """{url: its faults} over `urls` at `width` px; a page that answers another status than the
+    URL means (an error page for `ERRORS`, else 200) is a fault too: a crawl of error pages alone
+    would measure nothing."""
     page = browser.new_page(viewport={"width": width, "height": 900})
     faults = {}
     try:
         for u in urls:
-            page.goto(base + u)
-            page.wait_for_load_state("load")
+            status = page.goto(base + u).status
             got = page.evaluate(CRAWL_JS, width >= FITS)
+            if (status >= 400) != (u in ERRORS):
+                got.append(f"status {status}")
             if got:
                 faults[u] = got
     finally:
@@ -209,6 +221,7 @@ def crawl(browser, base: str, urls: list[str], width: int) -> dict[str, list[str
     return faults
 
 
+@in_chromium
 @pytest.mark.parametrize("width", WIDTHS)
 def test_no_text_cut_or_overflowing(browser, web_app, web_run, index, width):  # noqa: F811
     from conftest import serving
@@ -218,14 +231,34 @@ def test_no_text_cut_or_overflowing(browser, web_app, web_run, index, width):  #
     assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
 
 
-@pytest.mark.parametrize("width", WIDTHS)
-def test_step_pages_no_text_cut_or_overflowing(browser, step_run, width):
+@pytest.fixture(scope="module")
+def step_base(step_run):
+    """The browser on `step_run`, with its report built (served at /report/)."""
     from conftest import serving
+    from ffkv.report import build_report
     from ffkv.web.app import create_app
 
+    build_report(step_run)
     with serving(create_app(step_run, log_fn=lambda m: None)) as base:
-        faults = crawl(browser, base, step_urls(step_run), width)
+        yield base
+
+
+@in_chromium
+@pytest.mark.parametrize("width", WIDTHS)
+def test_step_pages_no_text_cut_or_overflowing(browser, step_run, step_base, width):
+    faults = crawl(browser, step_base, step_urls(step_run), width)
     assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
+
+
+@in_chromium
+@pytest.mark.xfail(strict=True, reason="the report's own stylesheet (src/ffkv/report/template.html, outside this "
+                   "change): at 390 px its figures' images are 2 px wider than their figure (a 1 px border outside "
+                   "max-width: 100%) and its wide tables scroll with no mark (its CSP allows no script: a CSS-only "
+                   "mark is needed); at 1280 px a run with census and worth has a layer table that scrolls. Drop "
+                   "this mark when they are fixed")
+def test_the_report_no_text_cut_or_overflowing(browser, step_base):
+    faults = {w: crawl(browser, step_base, ["/report/"], w) for w in WIDTHS}
+    assert not any(faults.values()), faults
 
 
 BAD_PAGE = """<!DOCTYPE html><html><body style="margin:0">
@@ -240,6 +273,7 @@ BAD_PAGE = """<!DOCTYPE html><html><body style="margin:0">
 </body></html>"""
 
 
+@in_chromium
 def test_the_crawl_sees_each_fault(browser):
     """Each kind of fault the crawl names, drawn on purpose, is reported (and nothing on a blank page)."""
     page = browser.new_page(viewport={"width": 390, "height": 600})
@@ -256,3 +290,64 @@ def test_the_crawl_sees_each_fault(browser):
     assert "overflow" in kinds and "overlap" in kinds and "page" in kinds, got
     assert any(g.startswith("unmarked: div#scroller") for g in got), got
     assert any(g.startswith("scrolls: div#scroller") for g in strict), strict
+
+
+def test_sentence_pages_page_through_every_trigger_row(client, web_run):  # noqa: F811
+    """A sentence page once showed "the first 200 of 1,863 trigger rows" and no way to the rest,
+    with a position but not its token: its pages now hold every row of the sentence once, those
+    at the chosen position first, each with the token at its position."""
+    import re
+    from html import unescape
+
+    from ffkv.web.common import show_token
+
+    t = triggers(web_run)
+    sid = int(t.groupby("sentence_id").size().idxmax())
+    want = t[t.sentence_id == sid]
+    assert len(want) > 100
+    toks = {x["i"]: x["text"] for x in client.get(f"/api/sentence/{sid}").json()["tokens"]}
+    pos, per, rows, page = int(want.position.iloc[-1]), 40, [], 1
+    while True:
+        r = client.get(f"/sentence/{sid}", params={"pos": pos, "per_page": per, "page": page})
+        assert r.status_code == 200, r.text[:300]
+        body = r.text.split('id="sentence-triggers"')[1].split("</table>")[0]
+        got = re.findall(r'<a href="/memory/(\d+)/(\d+)">.*?<td>([+−])</td><td class="num">(\d+)</td>'
+                         r'<td class="num">[^<]*</td><td class="num"><a [^>]*>(\d+)</a></td><td class="tok">(.*?)</td>',
+                         body)
+        assert len(got) == min(per, len(want) - len(rows)), (page, len(got))
+        for layer, dim, sign, rank, p, tok in got:
+            assert unescape(tok) == show_token(toks[int(p)])  # the token beside its position
+            rows.append((int(layer), int(dim), 1 if sign == "+" else -1, int(rank), int(p)))
+        nxt = 'rel="next"' in r.text
+        assert nxt == (len(rows) < len(want)), page
+        if not nxt:
+            break
+        page += 1
+    assert page == -(-len(want) // per) > 1
+    assert sorted(rows) == sorted(zip(want.layer, want.dim, want.sign, want["rank"], want.position))
+    firsts = [p for *_, p in rows[:int((want.position == pos).sum())]]
+    assert set(firsts) == {pos}  # the chosen position's rows come first
+    assert client.get(f"/sentence/{sid}", params={"per_page": per, "page": page + 1}).status_code == 404
+    assert client.get(f"/sentence/{sid}", params={"page": "two"}).status_code == 422
+    assert f"{len(want)} trigger rows" in client.get(f"/sentence/{sid}").text
+
+
+def test_one_of_a_thing_is_singular(client, web_run, tmp_path):  # noqa: F811
+    """"1 memories" and "1 human annotations" read wrong: a count of one takes the singular."""
+    import re
+
+    from conftest import browser_client
+    from test_web import annotation_form
+
+    run = tmp_path / "run"
+    shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("annotations.sqlite*"))
+    c = browser_client(run)
+    assert re.search(r"\b0 human annotations\b", c.get("/").text)
+    r = c.post("/memory/2/11/annotate", data=annotation_form("one"), headers={"Origin": "http://127.0.0.1:8000"},
+               follow_redirects=False)
+    assert r.status_code == 303
+    page = c.get("/").text
+    assert re.search(r"\b1 human annotation\b(?!s)", page), re.findall(r"\d+ human annot\w+", page)
+    one = client.get("/explore", params={"text": "a"})
+    n = client.get("/api/explore", params={"text": "a"}).json()["n_tokens"]
+    assert f"({n} token{'' if n == 1 else 's'})" in one.text

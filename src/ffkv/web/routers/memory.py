@@ -116,16 +116,27 @@ def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1",
 
 
 # ---- sentences (provenance) -----------------------------------------------------------------------
+SENTENCE_ROWS = 200  # trigger rows a sentence page shows at a time (?page= for the rest; ?per_page=)
+
+
 @router.get("/sentence/{sid}", include_in_schema=False)
 def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None,
-                  memory: str | None = None):
+                  memory: str | None = None, page: str | None = None, per_page: str | None = None):
     b = state(request)
-    s = b.sentence(sid, opt_int(pos, "pos", 0))
+    s = b.sentence(sid, opt_int(pos, "pos", 0), top=2**62)
     mem = activations.parse_memory(memory)
     if mem is not None:
         b.check_key(*mem)
+    n, per = req_int(page, "page", 1, 1, 10**6), req_int(per_page, "per_page", SENTENCE_ROWS, 1, 1000)
+    last = max(1, -(-s["n_triggers"] // per))
+    if n > last:
+        raise NotFound(f"page {n} does not exist: sentence {sid} has {last} page{'s' if last > 1 else ''} "
+                       f"of {per} trigger rows")
+    first = (n - 1) * per
+    s["triggers"] = s["triggers"][first:first + per]
     mismatch = bool(corpus) and not b.corpus_sha.startswith(str(corpus).lower())
-    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus, memory=mem)
+    return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus, memory=mem,
+                  page=n, pages=last, first=first, page_url=lambda k: str(request.url.include_query_params(page=k)))
 
 
 # ---- per-token coefficients (the colours of examples: ffkv.web.activations) ---------------------------
