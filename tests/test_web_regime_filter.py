@@ -128,6 +128,18 @@ def test_layer_lists_hold_exactly_the_dominant_regime(client, census):
         assert d["regime"] == ["pp", "nn"] and _keys(d["memories"]["rows"]) == want, params
 
 
+def test_layer_regime_mix_counts_and_links(client, census, plain):
+    for layer in _layers(census):
+        mix = client.get(f"/api/layer/{layer}").json()["census"]["regimes"]
+        assert [m["regime"] for m in mix] == list(CODES) and [m["signs"] for m in mix] == [SIGNS[c] for c in CODES]
+        for m in mix:
+            assert m["count"] == sum(1 for k, r in census.items() if k[0] == layer and r["regime"] == m["regime"])
+        html = client.get(f"/layer/{layer}").text
+        for m in mix:  # each count links to its list
+            assert f'<a href="/layer/{layer}?regime={m["regime"]}#memories">{m["count"]}</a>' in html
+    assert browser_client(plain).get("/api/layer/1").json()["census"]["regimes"] is None
+
+
 def test_layer_lists_by_share(client, census):
     names = ["pp", "nn"]
     rows1 = {k: r for k, r in census.items() if k[0] == 1}
@@ -324,3 +336,22 @@ def test_any_filter_value_is_a_page_or_one_line(client, v, which, path):
     if r.status_code == 422 and path.startswith("/api/"):
         d = r.json()["detail"]
         assert d and "\n" not in d and which in d
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+from test_web_crawl import WIDTHS, browser, crawl, in_chromium  # noqa: E402, F401  (the crawl's fixture and check)
+
+
+@in_chromium
+@pytest.mark.parametrize("width", WIDTHS)
+def test_filtered_pages_fit(browser, runs, width):  # noqa: F811
+    """The regime and worth forms and filter lines cut no text and overflow nothing, at 390 and 1280 px."""
+    from conftest import serving
+    from ffkv.web.app import create_app
+
+    urls = ["/layer/1?regime=pp,nn&min_regime_share=0.25&min_worth=0&sort=worth&per_page=5",
+            "/search?sort=layer&regime=np&min_regime_share=0.3&min_worth=0&per_page=5",
+            "/search?text=the&regime=pp&sort=worth", "/search?text=the&mode=summary&regime=nn&sort=worth"]
+    with serving(create_app(runs[0], log_fn=lambda m: None)) as base:
+        faults = crawl(browser, base, urls, width)
+    assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)

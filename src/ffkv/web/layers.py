@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 
 from ffkv.steps.worth.report import of_browser
 from ffkv.store import query
-from ffkv.web.measures import (EPS_HIST, census_classes, class_members, eps_shares, first_position,
-                               has_regimes, memory_filter, row_signs)
+from ffkv.web.measures import (EPS_HIST, REGIMES, census_classes, class_members, eps_shares, first_position,
+                               has_regimes, memory_filter, regime_members, row_signs)
 from ffkv.web.tables import BadQuery, NotFound
 
 BEST = 10  # rows of each "best memories" list
@@ -177,7 +177,8 @@ def census_mix(b, layer: int) -> dict | None:
     """The layer's class mix: per census class its memories (`measures.class_members`, the count a
     `?class=` list holds) and its share as `census_layers` states it (dead, rare and positional of
     the mined memories, the detectors of those with triggers, self-suppressing of the token
-    detectors, the rest of all memories); None without a census."""
+    detectors, the rest of all memories), and with sign regimes (`measures.has_regimes`) the count of
+    each dominant regime (the `?regime=` list it links to); None without a census."""
     names = census_classes(b)
     if not names:
         return None
@@ -186,9 +187,13 @@ def census_mix(b, layer: int) -> dict | None:
         rows = [r for r in b.census_layers.to_pylist() if r["layer"] == layer]
         shares = rows[0] if rows else {}
     lo, hi = layer * b.d_m, (layer + 1) * b.d_m
+    regimes = None
+    if has_regimes(b):
+        regimes = [{"regime": r, "signs": s, "count": int(np.count_nonzero(regime_members(b, [r])[lo:hi])),
+                    "href": f"/layer/{layer}?regime={r}#memories"} for r, s in REGIMES.items()]
     return {"classes": [{"class": c, "count": int(np.count_nonzero(class_members(b, [c])[lo:hi])),
                          "share": _f(shares.get(c)), "href": f"/layer/{layer}?class={c}#memories"}
-                        for c in names],
+                        for c in names], "regimes": regimes,
             "memories": b.d_m, "mined": shares.get("mined"), "tokens": shares.get("tokens")}
 
 
