@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -96,19 +97,19 @@ def build_tiny(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0, **kw) 
     return path
 
 
-# The longest files, measured on a clean clone with two workers: handed out first, so that the last
-# file a worker starts is a short one and the two workers end together (longest first; the rest keep
-# their order). Measured at e958798: 14:50, one worker idle for the last ~90 s.
-LONGEST_FIRST = ("test_mine", "test_fused_cuda", "test_streaming", "test_cli_properties", "test_reproduce",
-                 "test_family_steps", "test_cli_errors", "test_values", "test_compose", "test_run_integrity")
+# Files are handed to the workers longest first (LPT scheduling), so that the last file a worker
+# starts is a short one and the two workers end together: worker seconds per file, measured on a
+# whole run (`file_seconds.json`; refresh with `tests/file_seconds.py`). A file not in the table
+# (a new one) counts as a middling one. At e958798, with only the ten longest ordered, one worker
+# sat idle for the last ~90 s.
+FILE_SECONDS = json.loads((Path(__file__).with_name("file_seconds.json")).read_text())
+NEW_FILE_SECONDS = 20.0
 
 
 def pytest_collection_modifyitems(config, items):
     """Every worker collects the same order (xdist checks), and loadfile hands files out in it."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-
     def key(item):
-        return rank.get(Path(str(item.fspath)).stem, len(rank))
+        return -FILE_SECONDS.get(Path(str(item.fspath)).stem, NEW_FILE_SECONDS)
 
     items.sort(key=key)  # stable: within a file, and among the rest, the collected order
 
