@@ -141,13 +141,15 @@ CRAWL_JS = r"""(fits) => {
 
 
 def extra_urls(web_run) -> list[str]:  # noqa: F811
-    """Page kinds `page_urls` leaves out: first-position views, the typed-text box, a chosen
-    position in the explorer, sentence paging, word search for punctuation, a 422 page."""
+    """Page kinds `page_urls` leaves out: first-position views, a form with more pattern slots,
+    searches by sign, direction and label, the typed-text box, a chosen position in the explorer,
+    a long text, sentence paging, word search for punctuation, 422 pages."""
     t = triggers(web_run)
     busiest = int(t.groupby("sentence_id").size().idxmax())
     first = t.iloc[0]
     mem = f"/memory/{int(first.layer)}/{int(first.dim)}"
-    return [f"{mem}?pos0=hide", "/layer/1?pos0=hide", "/search?token=the&pos0=hide", "/search?sort=max_prob&pos0=hide",
+    return [f"{mem}?pos0=hide", f"{mem}?slots=6&annotate_sign=-1", "/search?text=the&sign=-1",
+            "/search?token=the&dir=suppress", "/search?label=shallow&sort=max_prob", "/layer/1?pos0=hide", "/search?token=the&pos0=hide", "/search?sort=max_prob&pos0=hide",
             f"{mem}/text", f"{mem}/text?text=The+river+flows+into+the+sea+near+the+old+city+of+Paris",
             "/explore?text=The+river+flows+into+the&pos=1",
             "/explore?text=" + "+".join(["word"] * 60),
@@ -351,3 +353,25 @@ def test_one_of_a_thing_is_singular(client, web_run, tmp_path):  # noqa: F811
     one = client.get("/explore", params={"text": "a"})
     n = client.get("/api/explore", params={"text": "a"}).json()["n_tokens"]
     assert f"({n} token{'' if n == 1 else 's'})" in one.text
+
+
+@in_chromium
+def test_the_scroll_mark_follows_the_hidden_side(browser, web_app):  # noqa: F811
+    """The mark sits on the edge that has columns past it: the right one at first, the left one
+    once the box is scrolled to its end (a mark that stayed would fade the last column)."""
+    from conftest import serving
+
+    page = browser.new_page(viewport={"width": 390, "height": 900})
+    try:
+        with serving(web_app) as base:
+            page.goto(base + "/memory/1/5?top=50")
+            box = page.locator(".tablewrap:has(table.triggers)").first
+            mask = "e => [e.className, getComputedStyle(e).maskImage]"
+            cls, m = box.evaluate(mask)
+            assert "x-more-r" in cls and "x-more-l" not in cls and m != "none", (cls, m)
+            box.evaluate("e => { e.scrollLeft = e.scrollWidth; }")
+            page.wait_for_function("() => document.querySelector('.tablewrap.x-more-l') !== null")
+            cls, m = box.evaluate(mask)
+            assert "x-more-l" in cls and "x-more-r" not in cls and m != "none", (cls, m)
+    finally:
+        page.close()
