@@ -536,8 +536,11 @@ def regime_columns(run, L: int, d_m: int) -> dict[str, pa.Array]:
         at = t.column("layer").to_numpy().astype(np.int64) * d_m + t.column("dim").to_numpy().astype(np.int64)
         for r, c in enumerate(REGIME_COLUMNS):
             shares[r, at] = t.column(c.replace("regime", "share")).to_numpy(zero_copy_only=False).astype(np.float32)
+    from ffkv.mine.regimes import REGIMES
+
+    assert REGIME_COLUMNS == tuple(f"regime_{r}" for r in REGIMES)
     ok = ~np.isnan(shares).any(0)
-    best = np.array(["pp", "pn", "np", "nn"], dtype=object)[np.argmax(np.where(ok, shares, 0), 0)]
+    best = np.array(list(REGIMES), dtype=object)[np.argmax(np.where(ok, shares, 0), 0)]
     return {**{c: _f32(shares[r]) for r, c in enumerate(REGIME_COLUMNS)},
             "regime": pa.array(best, pa.string(), mask=~ok)}
 
