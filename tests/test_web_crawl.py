@@ -96,7 +96,8 @@ CRAWL_JS = r"""(fits) => {
   const boxes = [], walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
   for (let n = walker.nextNode(); n; n = walker.nextNode()) {
     const el = n.parentElement;
-    if (!n.textContent.trim() || !el || el.closest('[hidden], script, style, title, textarea, select, option')) continue;
+    if (!n.textContent.trim() || !el) continue;
+    if (el.closest('[hidden], script, style, title, textarea, select, option')) continue;
     const range = document.createRange(); range.selectNodeContents(n);
     for (const q of range.getClientRects()) {
       const r = cut(q, el);
@@ -149,7 +150,8 @@ def extra_urls(web_run) -> list[str]:  # noqa: F811
     first = t.iloc[0]
     mem = f"/memory/{int(first.layer)}/{int(first.dim)}"
     return [f"{mem}?pos0=hide", f"{mem}?slots=6&annotate_sign=-1", "/search?text=the&sign=-1",
-            "/search?token=the&dir=suppress", "/search?label=shallow&sort=max_prob", "/layer/1?pos0=hide", "/search?token=the&pos0=hide", "/search?sort=max_prob&pos0=hide",
+            "/search?token=the&dir=suppress", "/search?label=shallow&sort=max_prob", "/layer/1?pos0=hide",
+            "/search?token=the&pos0=hide", "/search?sort=max_prob&pos0=hide",
             f"{mem}/text", f"{mem}/text?text=The+river+flows+into+the+sea+near+the+old+city+of+Paris",
             "/explore?text=The+river+flows+into+the&pos=1",
             "/explore?text=" + "+".join(["word"] * 60),
@@ -166,7 +168,8 @@ def step_run(web_run, tmp_path_factory):  # noqa: F811
     run = tmp_path_factory.mktemp("crawl") / "run"
     shutil.copytree(web_run, run, ignore=shutil.ignore_patterns("annotations.sqlite*"))
     for args in (["census", run], ["worth", run, "--tokens", "120", "--check", "0"],
-                 ["facts", "trace", run, "--prompt", "{} is in the city of", "--subject", "The tower", "--samples", "2"],
+                 ["facts", "trace", run, "--prompt", "{} is in the city of", "--subject", "The tower",
+                  "--samples", "2"],
                  ["facts", "edit", run, "--prompt", "{} is in", "--subject", "The tower", "--new", " the", "--method",
                   "values", "--layer", "1", "--top", "4", "--steps", "3", "--prefixes", "1", "--tokens", "0",
                   "--name", "tower"]):
@@ -265,12 +268,14 @@ def test_the_report_no_text_cut_or_overflowing(browser, step_base):
 
 BAD_PAGE = """<!DOCTYPE html><html><body style="margin:0">
 <div id="cut" style="width:80px; overflow:hidden; white-space:nowrap">a sentence much wider than its box</div>
-<div id="dots" style="width:80px; overflow:hidden; text-overflow:ellipsis; white-space:nowrap">another long sentence here</div>
+<div id="dots" style="width:80px; overflow:hidden; text-overflow:ellipsis; white-space:nowrap">
+  another long sentence here</div>
 <svg width="60" height="20"><text x="10" y="15">a label past the edge</text></svg>
 <div id="card" style="width:150px; border:1px solid"><table style="width:300px"><tr><td>wide</td></tr></table></div>
 <div style="position:relative; height:30px"><span style="position:absolute; left:0">overlapping</span>
   <span style="position:absolute; left:20px">text here</span></div>
-<div id="scroller" style="width:120px; overflow-x:auto"><table style="width:400px"><tr><td>hidden columns</td></tr></table></div>
+<div id="scroller" style="width:120px; overflow-x:auto">
+  <table style="width:400px"><tr><td>hidden columns</td></tr></table></div>
 <div style="width:2000px">a page wider than the screen</div>
 </body></html>"""
 
