@@ -25,7 +25,7 @@ FITS = 1280  # from this width on, no box scrolls sideways: every table fits its
 # The faults of the page as laid out, one line each (empty: none):
 # - page: the page scrolls sideways;
 # - cut: an element clips its own text (overflow hidden/clip, or an ellipsis) while its content
-#   is larger than its box; an SVG whose text runs past its edge;
+#   is larger than its box, or scrolls it up and down; an SVG whose text runs past its edge;
 # - overflow: a table, figure or code block sticks out of a box that neither scrolls nor clips
 #   (its cell, card or column), so it runs over its neighbours;
 # - overlap: text drawn over other text, or over a figure it is not part of;
@@ -46,7 +46,9 @@ CRAWL_JS = r"""(fits) => {
     const s = getComputedStyle(e);
     const clipX = /hidden|clip/.test(s.overflowX) || s.textOverflow === 'ellipsis';
     const clipY = /hidden|clip/.test(s.overflowY);
-    if ((clipX && e.scrollWidth > e.clientWidth + 1) || (clipY && e.scrollHeight > e.clientHeight + 1))
+    // a box that scrolls up and down hides its lines as surely: no box of the browser is meant to
+    const vscroll = /auto|scroll/.test(s.overflowY) && e.scrollHeight > e.clientHeight + 1;
+    if ((clipX && e.scrollWidth > e.clientWidth + 1) || ((clipY || vscroll) && e.scrollHeight > e.clientHeight + 1))
       out.push('cut: ' + name(e) + ' ' + e.scrollWidth + 'x' + e.scrollHeight + ' in ' + e.clientWidth + 'x' +
                e.clientHeight + ' "' + txt(e) + '"');
   }
@@ -270,6 +272,7 @@ BAD_PAGE = """<!DOCTYPE html><html><body style="margin:0">
 <div id="cut" style="width:80px; overflow:hidden; white-space:nowrap">a sentence much wider than its box</div>
 <div id="dots" style="width:80px; overflow:hidden; text-overflow:ellipsis; white-space:nowrap">
   another long sentence here</div>
+<div id="short" style="height:20px; overflow-y:auto">three<br>short<br>lines</div>
 <svg width="60" height="20"><text x="10" y="15">a label past the edge</text></svg>
 <div id="card" style="width:150px; border:1px solid"><table style="width:300px"><tr><td>wide</td></tr></table></div>
 <div style="position:relative; height:30px"><span style="position:absolute; left:0">overlapping</span>
@@ -293,7 +296,7 @@ def test_the_crawl_sees_each_fault(browser):
     finally:
         page.close()
     kinds = [g.split(":")[0] for g in got]
-    assert kinds.count("cut") == 3, got  # overflow hidden, an ellipsis, the svg label
+    assert kinds.count("cut") == 4, got  # overflow hidden, an ellipsis, a box scrolling its lines, the svg label
     assert "overflow" in kinds and "overlap" in kinds and "page" in kinds, got
     assert any(g.startswith("unmarked: div#scroller") for g in got), got
     assert any(g.startswith("scrolls: div#scroller") for g in strict), strict
