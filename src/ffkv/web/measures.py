@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from ffkv.mine import stats
 from ffkv.mine.regimes import REGIMES
 from ffkv.store import query
-from ffkv.web.tables import PRECISION_K
+from ffkv.web.tables import PRECISION_K, BadQuery
 
 
 def memories_table(b) -> pa.Table:
@@ -380,8 +380,17 @@ def memory_filter(b, hide_first: bool = False, classes=None, regimes: RegimeFilt
     if regimes:
         cut(regime_members(b, *regimes))
     if min_worth is not None:
-        from ffkv.web.params import worths
-
         with np.errstate(invalid="ignore"):
             cut(worths(b, "min_worth") >= min_worth)  # NaN (no worth) is False
     return keep
+
+
+def worths(b, what: str):
+    """Each memory's worth by code (`of_browser`); a run without the worth table: one line naming the
+    fix, beginning with `what` (the parameter that asked for it)."""
+    from ffkv.steps.worth.report import NO_WORTH, of_browser
+
+    w = of_browser(b)
+    if w is None:
+        raise BadQuery(f"{what}: {NO_WORTH}")
+    return w

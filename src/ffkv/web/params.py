@@ -90,17 +90,6 @@ def census_filter(b, v: str | None) -> tuple[str, ...] | None:
 LAYER_SORTS = ("dim", "worth")  # a layer list's orders: by dim (the default), by worth (descending)
 
 
-def worths(b, what: str):
-    """Each memory's worth by code (`of_browser`); a run without the worth table: one line naming the
-    fix, beginning with `what` (the parameter that asked for it)."""
-    from ffkv.steps.worth.report import NO_WORTH, of_browser
-
-    w = of_browser(b)
-    if w is None:
-        raise BadQuery(f"{what}: {NO_WORTH}")
-    return w
-
-
 def layer_sort(b, v: str | None) -> str:
     """`?sort=dim|worth` of a layer's list: by dim (absent, ''), or by worth, the largest first
     (then by dim; memories without a worth last); worth on a run without its table is one line."""
@@ -109,6 +98,8 @@ def layer_sort(b, v: str | None) -> str:
         return "dim"
     if s != "worth":
         raise BadQuery(f"sort must be {' or '.join(LAYER_SORTS)} (got {shown(v)})")
+    from ffkv.web.measures import worths
+
     worths(b, "sort=worth")
     return s
 
@@ -134,6 +125,8 @@ def min_worth(b, v: str | None) -> float | None:
     table: one line."""
     x = finite(v, "min_worth", "0.001")
     if x is not None:
+        from ffkv.web.measures import worths
+
         worths(b, "min_worth")
     return x
 

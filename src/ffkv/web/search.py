@@ -110,7 +110,7 @@ class Search:
                 raise BadQuery(f"order must be asc or desc (got {order!r})")
             direction = order
         if sort == "worth":
-            from ffkv.web.params import worths
+            from ffkv.web.measures import worths
 
             worths(self.b, "sort=worth")
         return sort, col, direction
