@@ -283,10 +283,8 @@ def test_saving_over_an_edit_replaces_it_whole(tmp_path, monkeypatch):
 
 def test_memit_on_a_post_norm_family_writes_the_raw_target(tmp_path_factory, tok_dir):
     """Gemma 3: MEMIT's z is sought on the top layer's raw output, as ROME's target is. Over one
-    layer with a negligible λ its edit gives the output norm(u₀ + δ) at the prompt (δ the
-    optimiser's), with the raw output along u₀ + δ at the prompt's own scale rms(u₀) (a write as
-    large as u₀ + δ itself would give the same output, and reach other inputs harder); over two
-    layers the new object gets likelier."""
+    layer with a negligible λ its edit gives exactly u₀ + δ at the prompt (δ the optimiser's); over
+    two layers the new object gets likelier."""
     from test_families import _BUILT, FAMILIES, open_tiny
 
     from ffkv.steps.facts import edit as E
@@ -303,14 +301,8 @@ def test_memit_on_a_post_norm_family_writes_the_raw_target(tmp_path_factory, tok
     eye = {l: np.eye(mm.d_m) for l in (0, 1)}
     before = float(-target_nll(mm, [REQ.text], REQ.target_new)[0])
     e1 = E.memit(mm, [top], [REQ], eye, tpl, hp, lam=1e-9)
-    g = mm.arch.norm_gain(blk.post_feedforward_layernorm).detach().float()
-    u1 = u0 + delta
-    y1 = g * u1 / torch.sqrt(u1.pow(2).mean() + blk.post_feedforward_layernorm.eps)  # Gemma's RMSNorm by hand
     with E.applied(mm, e1):
-        u = E.raw_output_at(mm, top, REQ.text, REQ.subject)
-        torch.testing.assert_close(E.output_at(mm, top, REQ.text, REQ.subject)[1].float(), y1, rtol=1e-3, atol=1e-3)
-    assert float(torch.nn.functional.cosine_similarity(u, u1, dim=0)) > 1 - 1e-5
-    assert float(u.pow(2).mean().sqrt()) == pytest.approx(float(u0.pow(2).mean().sqrt()), rel=1e-3)
+        torch.testing.assert_close(E.raw_output_at(mm, top, REQ.text, REQ.subject), u0 + delta, rtol=1e-3, atol=1e-3)
     e2 = E.memit(mm, [0, 1], [REQ], eye, tpl, hp, lam=1e-9)
     with E.applied(mm, e2):
         after = float(-target_nll(mm, [REQ.text], REQ.target_new)[0])

@@ -523,45 +523,7 @@ def memit_target(mm, layer: int, req: Request, templates: list[str], hp: dict | 
     if getattr(mm.arch, "post_norm", None) is None:
         return target_hidden(mm, layer, req, templates, hp)
     vstar, _, y0 = target_output(mm, layer, req, templates, hp)
-    # the output the optimiser found, norm(u₀ + δ), not its linearisation v* (they differ by the
-    # change of rms(u)): z is then the residual state that the edited prompt really reaches
-    blk = mm.blocks[layer]
-    u0 = raw_output_at(mm, layer, req.text, req.subject)
-    g = _post_gain(mm, blk, u0)
-    s0 = 1.0 / mm.arch.inv_scale(blk, u0[None])[0, 0]
-    u1 = u0 + torch.where(g != 0, s0 * (vstar.float() - y0.float()) / torch.where(g != 0, g, 1), 0.0)
-    y1 = g * u1 * mm.arch.inv_scale(blk, u1[None])[0, 0]
-    return hidden_at(mm, layer, req.text, req.subject) + (y1 - y0.float())
-
-
-def _post_gain(mm, blk, like: torch.Tensor) -> torch.Tensor:
-    g = mm.arch.norm_gain(mm.arch.module(blk, mm.arch.post_norm))
-    return torch.ones_like(like) if g is None else g.detach().to(like.device, like.dtype)
-
-
-def reachable_writes(mm, layer: int, reqs: list, R: torch.Tensor) -> torch.Tensor:
-    """(n, d) what MEMIT's layer `layer` writes, in the values' units, for residual changes R.
-
-    Without a post-FFN norm, R itself. With one (y = g ⊙ u / rms(u)), y₀ + R may not be a point
-    the norm can output: it outputs only y with rms(y / g) = 1, and writing R as if the FFN were
-    linear (Δu = s₀ R / g) reaches the same output y₀ + R scaled to that shell, but with u scaled by
-    ρ = rms((y₀ + R) / g) too. That raw write, ρ times larger than needed, reaches every other
-    input whose key overlaps the edited one (Gemma 3's MEMIT fluency fell from 4.33 to 3.08).
-    Here u keeps its prompt's scale s₀: the write is (y₀ + R) / ρ − y₀, the same output at the
-    prompt. Dims with a zero gain keep their normalised input, as `raw_values` writes 0 there."""
-    if getattr(mm.arch, "post_norm", None) is None:
-        return R
-    blk, out = mm.blocks[layer], []
-    for r, Ri in zip(reqs, R):
-        u0 = raw_output_at(mm, layer, r.text, r.subject).double()
-        g = _post_gain(mm, blk, u0)
-        scale = mm.arch.inv_scale(blk, u0[None].float())[0, 0].double()
-        y0 = g * u0 * scale
-        t = y0 + Ri.to(y0)
-        w = torch.where(g != 0, t / torch.where(g != 0, g, 1), u0 * scale)
-        rho = w.pow(2).mean().sqrt()
-        out.append(torch.where(g != 0, t / rho - y0, 0.0))
-    return torch.stack(out).to(R.dtype)
+    return hidden_at(mm, layer, req.text, req.subject) + (vstar - y0).float()
 
 
 def memit_factors(C, K, lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_REL):
@@ -585,8 +547,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
     """MEMIT's batch edit over `layers` (a range, e.g. 4-8): the targets z at the last of them, then
     layer by layer ΔV_l = (λC_l + K Kᵀ)⁻¹ K Rᵀ, K the facts' keys (d_m, n) averaged over the
     templates, R = (z − h_L)/(layers left) what the residual still lacks, h_L read with the
-    layers before already edited (behind a post-FFN norm, R as the norm can write it:
-    `reachable_writes`). C_l = E[m mᵀ] of each layer (`covs`). λ: `lam` absolute when
+    layers before already edited. C_l = E[m mᵀ] of each layer (`covs`). λ: `lam` absolute when
     given (MEMIT's published MEMIT_LAMBDA = 15000), else relative, λ_rel · mean k_iᵀC_l⁻¹k_i per
     layer (`memit_factors`); each layer's λ is recorded in the settings."""
     _refuse_moe(mm)
@@ -610,7 +571,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
             K = torch.stack([keys_at(mm, l, [fill(t, r.text) for t in templates], r.subject).mean(0)
                              for r in reqs]).double().T  # (d_m, n)
             H = torch.stack([hidden_at(mm, top, r.text, r.subject) for r in reqs]).double()  # (n, d)
-            R = reachable_writes(mm, l, reqs, (Z - H) / (len(layers) - i))  # (n, d)
+        R = (Z - H) / (len(layers) - i)  # (n, d)
         U, lam_l = memit_factors(covs[l], K, lam, lam_rel)
         edit.settings["lambda_by_layer"][str(l)] = lam_l
         edit.factors[l] = (U.float().numpy(), R.T.float().numpy())
