@@ -22,11 +22,12 @@ EDGE = [
     "city-state city state cities city's citywide Citybus",
     "12 1990 1990s 19 90 the 1990 war.",
     "   spaced   words   with  tabs\tand\nnewlines  ",
+    "Turnout was 85% in 1990, 185% of the 12.5% quota (a rise) and 5%.",
 ]
 QUERIES = ["the", "The", "THE", "cat", "new york", "York", "york city", "e", "s", "city", "-", "the cat",
            "a", "K", "k", "kelvin", "\u212a", "sign", "ſ", "istanbul", "straße", "strasse", "'s", "1990", "19",
            " the ", "Then", "then the", "xyz-not-there", ".", ",", "of the", "the_underscore", "word",
-           "_", "tabs", "the.", "The The", "(", "a long", "mayor of"]
+           "_", "tabs", "the.", "The The", "(", "a long", "mayor of", "%", "85%", "5%", "(a", "12.5"]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,28 @@ def test_groups_of_a_table_in_another_order(browser):
                            FROM hits GROUP BY layer, dim, sign
                            ORDER BY {col} {how.upper()} NULLS LAST, layer, dim, sign DESC""").to_arrow_table()
         assert ti.groups(sel, col, how).to_pylist() == want.to_pylist(), (col, how)
+
+
+@pytest.mark.parametrize("q", ["%", "85%", "5%", "(a", "(", "the", "'s", "12.5"])
+def test_word_hits_equal_a_regex_over_every_prefix(browser, q):
+    """Independently of both: a trigger row is a hit when its prefix's text (its tokens' texts
+    joined, read from the parquet files) holds q with a word boundary at each end of q that is a
+    word character (issue 48: "%" found nothing, where "85%" found 1,731)."""
+    import re
+
+    import pyarrow.parquet as pq
+
+    from ffkv.web import textindex
+
+    run = browser.run.path
+    voc = dict(zip(*pq.read_table(run / "vocab.parquet", columns=["token_id", "text"]).to_pydict().values()))
+    sent = dict(zip(*pq.read_table(run / "sentences.parquet", columns=["sentence_id", "token_ids"]).to_pydict().values()))
+    trig = pq.read_table(run / "triggers.parquet", columns=["sentence_id", "position"]).to_pydict()
+    pre = r"(?<!\w)" if re.match(r"\w", q[0]) else ""
+    post = r"(?!\w)" if re.match(r"\w", q[-1]) else ""
+    pat = re.compile(pre + re.escape(q) + post, re.IGNORECASE)
+    want = [i for i, (s, p) in enumerate(zip(trig["sentence_id"], trig["position"]))
+            if pat.search("".join(voc[t] for t in sent[s][:p + 1]))]
+    assert want, q  # the corpus holds it
+    assert browser._word_hits(q).tolist() == want
+    assert textindex.get(browser).word_hits(q).tolist() == want

@@ -40,6 +40,7 @@ MAX_TOKEN_QUERY = 200  # characters of a typed token
 
 
 @dataclass(frozen=True)
+
 class TokenQuery:
     """A token as a user typed it, read: a token id (`#123`, `id:123`) or a token's text."""
     typed: str
@@ -295,10 +296,14 @@ class Search:
         can end inside a corpus word: "The" is a word of the prefix "The" cut from "Then". With
         e_p the end of token p: prefix p contains the word when some occurrence not preceded by a
         word character ends at or before e_p and is followed there by a non-word character (or
-        e_p itself, the prefix's end).
+        e_p itself, the prefix's end). A boundary is asked for only at an end of `q` that is a word
+        character (`word_edges`): "%" is found in "85%", "85%" not in "185%".
         """
+        from ffkv.web.textindex import word_edges
+
         words = q.strip()
-        occ = re.compile(r"(?<!\w)(?=(" + re.escape(words) + r"))", re.IGNORECASE)
+        head, tail = word_edges(words)
+        occ = re.compile((r"(?<!\w)" if head else "") + r"(?=(" + re.escape(words) + r"))", re.IGNORECASE)
         rough = re.compile(re.escape(words), re.IGNORECASE)
         big = np.iinfo(np.int64).max
         first = np.full(len(self.b.sent_ids), big, np.int64)  # first position of a whole-word match
@@ -313,7 +318,7 @@ class Search:
             ends = np.cumsum([len(p) for p in pieces])
             for m in occ.finditer(s):
                 e = m.start() + len(m.group(1))
-                if e >= len(s) or not (s[e].isalnum() or s[e] == "_"):
+                if not tail or e >= len(s) or not (s[e].isalnum() or s[e] == "_"):
                     first[row] = min(first[row], int(np.searchsorted(ends, e, "left")))
                 else:
                     p = int(np.searchsorted(ends, e, "left"))

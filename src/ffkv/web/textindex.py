@@ -49,6 +49,15 @@ def get(browser) -> "TextIndex | None":
     return ti
 
 
+def word_edges(q: str) -> tuple[bool, bool]:
+    """Whether a whole-word match of `q` needs a boundary before it and after it: only where its
+    first (last) character is a word character, as a regex's \\b would; "%" or "(" stand alone."""
+    def wordy(c: str) -> bool:
+        return c.isalnum() or c == "_"
+
+    return (bool(q) and wordy(q[0]), bool(q) and wordy(q[-1]))
+
+
 class TextIndex:
     """Immutable once built (the text part on first `word_hits`); safe to read from many threads."""
 
@@ -166,16 +175,17 @@ class TextIndex:
         if not cand.any():
             return np.zeros(0, np.int64)
         starts, stops = [], []
+        head, tail = word_edges(words)  # boundaries only at the query's word-character ends
         if fast:  # every occurrence (overlapping ones too) not preceded by a word character
             at, n = tok_low.find(low), len(low)
             while at >= 0:
                 c = tok_cat[at - 1] if at else ""
-                if not (c.isalnum() or c == "_"):
+                if not head or not (c.isalnum() or c == "_"):
                     starts.append(at)
                     stops.append(at + n)
                 at = tok_low.find(low, at + 1)
         else:
-            occ = re.compile(r"(?<!\w)(?=(" + re.escape(words) + r"))", re.IGNORECASE)
+            occ = re.compile((r"(?<!\w)" if head else "") + r"(?=(" + re.escape(words) + r"))", re.IGNORECASE)
             for m in occ.finditer(tok_cat):
                 starts.append(m.start())
                 stops.append(m.start() + len(m.group(1)))
@@ -188,7 +198,7 @@ class TextIndex:
         starts, stops, rows = starts[keep], stops[keep], rows[keep]
         n_cat = len(tok_cat)
         # followed by a non-word character (SEP at a sentence's end) or nothing: a whole word
-        whole = np.fromiter((e >= n_cat or not (tok_cat[e].isalnum() or tok_cat[e] == "_")
+        whole = np.fromiter((not tail or e >= n_cat or not (tok_cat[e].isalnum() or tok_cat[e] == "_")
                              for e in stops.tolist()), bool, len(stops))
         p = np.searchsorted(ends, stops, "left")  # the token the occurrence ends in (flat index)
         tok_in_row = p - b.tok_offsets[rows]
