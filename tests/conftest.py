@@ -176,6 +176,23 @@ def browser_client(run):
     return TestClient(create_app(run, log_fn=lambda m: None), base_url="http://127.0.0.1:8000")
 
 
+def all_search(client, params) -> list[dict]:
+    """Every result of one `/api/search` (a dict, pairs, or a query string), read page by page."""
+    from urllib.parse import parse_qsl
+
+    pairs = parse_qsl(params) if isinstance(params, str) else list(dict(params).items()) \
+        if isinstance(params, dict) else list(params)
+    rows, page = [], 1
+    while True:
+        r = client.get("/api/search", params=[*pairs, ("page", str(page)), ("per_page", "500")])
+        assert r.status_code == 200, r.text
+        d = r.json()
+        rows += d["results"]
+        if page * 500 >= d["total"]:
+            return rows
+        page += 1
+
+
 def run_cli(*args, env=None, cwd=None, timeout=600, fresh=False) -> subprocess.CompletedProcess:
     """The real `ffkv` entry point (`ffkv.cli.main`, what the console script calls), with its exit
     code, stdout and stderr. It runs in this process, which saves a torch and transformers import

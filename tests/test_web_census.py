@@ -13,7 +13,7 @@ import io
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import browser_client, mine_tiny, step_and_bare, tiny_with_a_dead_memory
+from conftest import all_search, browser_client, mine_tiny, step_and_bare, tiny_with_a_dead_memory
 
 DEAD = (1, 7)  # (layer, dim) whose gate row is zeroed: dead on every token
 FLAGS = ("dead", "rare", "prediction", "suppression", "partition", "token_detector", "ngram_detector",
@@ -65,16 +65,7 @@ def _keys(rows) -> set:
     return {(int(r["layer"]), int(r["dim"])) for r in rows}
 
 
-def _all_search(client, q: str) -> list[dict]:
-    rows, page = [], 1
-    while True:
-        r = client.get(f"/api/search?{q}&per_page=500&page={page}")
-        assert r.status_code == 200, r.text
-        d = r.json()
-        rows += d["results"]
-        if page * 500 >= d["total"]:
-            return rows
-        page += 1
+_all_search = all_search
 
 
 def test_the_tiny_run_has_classes_to_filter(members):

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import browser_client, run_cli, step_and_bare
+from conftest import all_search, browser_client, run_cli, step_and_bare
 
 CODES = ("pp", "pn", "np", "nn")  # (gate sign, input sign): ++, +−, −+, −−
 SIGNS = {"pp": "(+,+)", "pn": "(+,-)", "np": "(-,+)", "nn": "(-,-)"}
@@ -85,15 +85,7 @@ def _keys(rows) -> set:
 
 
 def _all_search(client, **params) -> list[dict]:
-    rows, page = [], 1
-    while True:
-        r = client.get("/api/search", params={**params, "page": str(page), "per_page": "500"})
-        assert r.status_code == 200, r.text
-        d = r.json()
-        rows += d["results"]
-        if page * 500 >= d["total"]:
-            return rows
-        page += 1
+    return all_search(client, params)
 
 
 def _layers(census) -> list[int]:
