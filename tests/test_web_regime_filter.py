@@ -347,3 +347,18 @@ def test_filtered_pages_fit(browser, runs, width):  # noqa: F811
     with serving(create_app(runs[0], log_fn=lambda m: None)) as base:
         faults = crawl(browser, base, urls, width)
     assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
+
+
+@pytest.mark.parametrize("path", ["/search?sort=layer&regime=pp&regime=nn", "/layer/1?regime=pp&regime=nn"])
+def test_the_pos0_toggle_keeps_a_repeated_regime(client, path):
+    """The first-position toggle's link keeps every value of a repeated parameter (it kept only
+    the last one, so toggling narrowed ?regime=pp&regime=nn to nn)."""
+    import html as H
+    import re
+    from urllib.parse import parse_qs, urlsplit
+
+    r = client.get(path)
+    assert r.status_code == 200
+    href = H.unescape(re.search(r'<a href="([^"]+)" data-pos0="hide"', r.text).group(1))
+    q = parse_qs(urlsplit(href).query)
+    assert q["regime"] == ["pp", "nn"] and q["pos0"] == ["hide"] and "page" not in q

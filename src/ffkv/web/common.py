@@ -79,6 +79,13 @@ def urlencode_clean(params: dict) -> str:
     return urlencode([(k, v) for k, v in params.items() if v is not None and str(v) != ""])
 
 
+def query_with(request, **changes) -> str:
+    """The request's query string with `changes` set (None or '' drops the key), every other
+    parameter kept as given, a repeated one (?regime=pp&regime=nn) with all its values."""
+    kept = [(k, v) for k, v in request.query_params.multi_items() if k not in changes]
+    return urlencode([(k, v) for k, v in kept + list(changes.items()) if v is not None and str(v) != ""])
+
+
 def show_time(ts) -> str:
     try:
         return time.strftime("%Y-%m-%d %H:%M", time.localtime(float(ts)))
@@ -125,7 +132,7 @@ templates = _Templates(loader=ChoiceLoader([FileSystemLoader(str(TEMPLATES_DIR))
                        undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 templates.filters.update(fmt=fmt, pct=pct, tok=show_token, trig=show_trigger, urlencode_clean=urlencode_clean,
                          datetime=show_time)
-templates.globals.update(fmt=fmt, pct=pct, tok=show_token)
+templates.globals.update(fmt=fmt, pct=pct, tok=show_token, query_with=query_with)
 
 
 def render(request: Request, name: str, status_code: int = 200, **ctx) -> HTMLResponse:
