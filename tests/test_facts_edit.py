@@ -307,3 +307,15 @@ def test_memit_on_a_post_norm_family_writes_the_raw_target(tmp_path_factory, tok
     with E.applied(mm, e2):
         after = float(-target_nll(mm, [REQ.text], REQ.target_new)[0])
     assert after > before
+
+
+def test_memit_targets_take_memits_own_clamp(mm):
+    """MEMIT's z moves the residual by at most 0.75 × its norm (MEMIT's published
+    clamp_norm_factor), unless told otherwise; ROME's 4 lets it go farther on this model."""
+    from ffkv.steps.facts import edit as E
+
+    h0 = E.hidden_at(mm, 1, REQ.text, REQ.subject)
+    moved = float((E.memit_target(mm, 1, REQ, ["{}"], {"steps": 20}) - h0).norm() / h0.norm())
+    assert moved <= 0.75 * (1 + 1e-5)
+    far = float((E.memit_target(mm, 1, REQ, ["{}"], {"steps": 20, "clamp": 4.0}) - h0).norm() / h0.norm())
+    assert far > 0.75 * 1.05, far
