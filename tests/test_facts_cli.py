@@ -150,3 +150,27 @@ def test_refusals_are_one_line(run, args, says):
     res = run_cli("facts", args[0], run, *args[1:])
     assert res.returncode == 2, res.stdout
     assert says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_each_method_takes_its_published_clamp_unless_told(run, monkeypatch):
+    """`facts edit` records the clamp its target was sought under: MEMIT's 0.75 and ROME's 4 by
+    default, --clamp when given; `facts evaluate --clamp` hands it to MEMIT too."""
+    from ffkv.steps.facts import edit as E
+
+    def edited(method, *extra):
+        name = f"clamp-{method}-{len(extra)}"
+        res = run_cli("facts", "edit", run, "--prompt", "{} is in", "--subject", "The tower", "--new", " London",
+                      "--method", method, "--layer", "2", "--span", "2", "--steps", "1", "--prefixes", "0",
+                      "--tokens", "0", "--name", name, *extra)
+        assert res.returncode == 0, res.stderr
+        return E.Edit.load(run / "edits" / name).settings["clamp"]
+
+    assert edited("memit") == 0.75 and edited("rome") == 4.0
+    assert edited("memit", "--clamp", "2") == 2.0
+    seen = []
+    real = E.memit
+    monkeypatch.setattr(E, "memit", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))
+    assert run_cli("facts", "evaluate", run, "--facts", run.parent / "cf.json", "--all", "--layer", "2", "--span",
+                   "2", "--steps", "1", "--prefixes", "0", "--tokens", "0", "--methods", "memit", "--limit", "1",
+                   "--clamp", "1.5", "--force").returncode == 0
+    assert seen and seen[0]["clamp"] == 1.5

@@ -90,6 +90,9 @@ class EvaluateSettings:
     span: int = setting(5, "MEMIT's range: this many layers ending at --layer.", check=between(1, 64))
     top: int = setting(10, "values: how many located memories of the layer are rewritten.", check=at_least(1))
     steps: int = setting(20, "Adam steps of the target's optimisation (ROME: 20).", check=between(1, 1000))
+    clamp: float | None = setting(None, "How far each target may move, × the norm of what it starts from. Default: "
+                                  "each method's published one (ROME and values 4, MEMIT 0.75).",
+                                  check=between(0.01, 100.0))
     lam: float | None = setting(None, "memit: C's weight λ, absolute (MEMIT's published 15000 for GPT-J). Default: "
                                 "relative, λ = λ_rel · mean kᵀC⁻¹k of the edited keys (--lambda-rel), as "
                                 "`ffkv facts edit` has it.", flag="--lambda", check=at_least(0.0))

@@ -128,6 +128,9 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
                                        "edited keys' C-whitened squared norm (a lone fact gets 1/(1+λ_rel) of its "
                                        "share at each layer; MEMIT's 15000 on GPT-J's typical keys)."),
          steps: int = typer.Option(20, "--steps", min=1, max=1000, help="Adam steps of the target (ROME: 20)."),
+         clamp: Optional[float] = typer.Option(None, "--clamp", min=0.01, max=100.0, help="How far the target may "
+                                               "move, × the norm of what it starts from. Default: the method's "
+                                               "published one (ROME and values 4, MEMIT 0.75)."),
          prefixes: int = typer.Option(10, "--prefixes", min=0, max=100, help="Context prefixes from the run's sentences."),
          tokens: int = typer.Option(30, "--tokens", min=0, max=1000, help="Greedy tokens shown before and after."),
          name: Optional[str] = typer.Option(None, "--name", help="The edit's folder under RUN/edits (default: "
@@ -161,7 +164,7 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
 
     req = E.Request(prompt, subject, new)
     templates = E.prefixes_from(run, mm.tok, n=prefixes, seed=seed)
-    hp = {"steps": steps}
+    hp = {"steps": steps, **({} if clamp is None else {"clamp": clamp})}
     layers = list(range(max(0, layer - span + 1), layer + 1))
     if method == "rome":
         e = E.rome(mm, layer, req, query.key_covariance(run, layer)[1], templates, hp)

@@ -181,7 +181,7 @@ def evaluate_step(ctx) -> dict:
     if not facts:
         raise FfkvError("facts evaluate: no known fact with a new object to write (try --all or another set)")
     templates = E.prefixes_from(run, mm.tok, n=s.prefixes, seed=s.seed)
-    hp = {"steps": s.steps}
+    hp = {"steps": s.steps, **({} if s.clamp is None else {"clamp": s.clamp})}
     rows, agg, targets = [], {}, {}
 
     def score(method, f, i, secs):
