@@ -258,12 +258,10 @@ def test_step_pages_no_text_cut_or_overflowing(browser, step_run, step_base, wid
 
 
 @in_chromium
-@pytest.mark.xfail(strict=True, reason="the report's own stylesheet (src/ffkv/report/template.html, outside this "
-                   "change): at 390 px its figures' images are 2 px wider than their figure (a 1 px border outside "
-                   "max-width: 100%) and its wide tables scroll with no mark (its CSP allows no script: a CSS-only "
-                   "mark is needed); at 1280 px a run with census and worth has a layer table that scrolls. Drop "
-                   "this mark when they are fixed")
 def test_the_report_no_text_cut_or_overflowing(browser, step_base):
+    """The report (its own stylesheet, no script: its CSP allows none) at 390 and 1280 px: figures
+    inside their figure, wide tables scrolling with a CSS-only mark, the census's 17-column table
+    fitting its card at 1280 px."""
     faults = {w: crawl(browser, step_base, ["/report/"], w) for w in WIDTHS}
     assert not any(faults.values()), faults
 
