@@ -319,3 +319,17 @@ def test_memit_targets_take_memits_own_clamp(mm):
     assert moved <= 0.75 * (1 + 1e-5)
     far = float((E.memit_target(mm, 1, REQ, ["{}"], {"steps": 20, "clamp": 4.0}) - h0).norm() / h0.norm())
     assert far > 0.75 * 1.05, far
+
+
+def test_behind_a_post_norm_memit_keeps_roms_raw_bound(tmp_path_factory, tok_dir):
+    """Gemma 3: z is sought on the raw output, whose move the norm bounds far below MEMIT's
+    0.75 × ‖h₀‖, so δ keeps ROME's 4 × ‖u₀‖ (and an edit records it); a Llama gets MEMIT's 0.75."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    from ffkv.steps.facts import edit as E
+
+    g3 = open_tiny("gemma3_text", FAMILIES["gemma3_text"].config, lambda: tmp_path_factory.mktemp("g3c"), tok_dir,
+                   _BUILT)[1]
+    assert E.memit_hp(g3)["clamp"] == 4.0 and E.memit_hp(g3, {"clamp": 2.0})["clamp"] == 2.0
+    e = E.memit(g3, [1], [REQ], {1: np.eye(g3.d_m)}, ["{}"], {"steps": 2}, lam=1e-3)
+    assert e.settings["clamp"] == 4.0

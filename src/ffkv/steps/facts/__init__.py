@@ -91,7 +91,8 @@ class EvaluateSettings:
     top: int = setting(10, "values: how many located memories of the layer are rewritten.", check=at_least(1))
     steps: int = setting(20, "Adam steps of the target's optimisation (ROME: 20).", check=between(1, 1000))
     clamp: float | None = setting(None, "How far each target may move, × the norm of what it starts from. Default: "
-                                  "each method's published one (ROME and values 4, MEMIT 0.75).",
+                                  "each method's published one (ROME and values 4; MEMIT 0.75 of the residual, 4 of "
+                                  "the raw output behind a post-FFN norm).",
                                   check=between(0.01, 100.0))
     lam: float | None = setting(None, "memit: C's weight λ, absolute (MEMIT's published 15000 for GPT-J). Default: "
                                 "relative, λ = λ_rel · mean kᵀC⁻¹k of the edited keys (--lambda-rel), as "

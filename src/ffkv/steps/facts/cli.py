@@ -130,7 +130,8 @@ def edit(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subject
          steps: int = typer.Option(20, "--steps", min=1, max=1000, help="Adam steps of the target (ROME: 20)."),
          clamp: Optional[float] = typer.Option(None, "--clamp", min=0.01, max=100.0, help="How far the target may "
                                                "move, × the norm of what it starts from. Default: the method's "
-                                               "published one (ROME and values 4, MEMIT 0.75)."),
+                                               "published one (ROME and values 4; MEMIT 0.75 of the residual, "
+                                               "4 of the raw output behind a post-FFN norm)."),
          prefixes: int = typer.Option(10, "--prefixes", min=0, max=100, help="Context prefixes from the run's sentences."),
          tokens: int = typer.Option(30, "--tokens", min=0, max=1000, help="Greedy tokens shown before and after."),
          name: Optional[str] = typer.Option(None, "--name", help="The edit's folder under RUN/edits (default: "

@@ -46,9 +46,8 @@ METHODS = ("rome", "memit", "values")
 # clamp of ‖δ‖ at this many times ‖y₀‖, and prefixes (ROME: 10 of 5 and 10 of 10 tokens)
 ROME_HP = dict(steps=20, lr=0.5, kl_factor=0.0625, weight_decay=0.5, clamp=4.0)
 # MEMIT's published ones (`kmeng01/memit`, hparams/MEMIT/EleutherAI_gpt-j-6B.json): the same, but
-# its z may move the residual by at most 0.75 × its norm (clamp_norm_factor), not ROME's 4. A
-# target 5× farther than MEMIT's own is spread over the layers as writes that reach every input
-# with a similar key (Gemma 3's fluency fell from 4.33 to 3.08 under ROME's clamp).
+# its z may move the residual by at most 0.75 × its norm (clamp_norm_factor), not ROME's 4
+# (`memit_hp` says where that bound applies)
 MEMIT_HP = {**ROME_HP, "clamp": 0.75}
 PREFIXES, PREFIX_TOKENS = 10, 10
 
@@ -524,13 +523,23 @@ def memit_target(mm, layer: int, req: Request, templates: list[str], hp: dict | 
     """MEMIT's z at block `layer`. A post-FFN norm family's residual target is sought as ROME's is,
     on the raw output u (`target_output`), and z = h₀ + (v* − y₀): a δ added after the norm asked
     the values for a residual change that no change of them gives (Gemma 3's MEMIT edits took on no
-    fact), while v* − y₀ is the change that writes δ into u at the prompt. `MEMIT_HP` unless
-    `hp` says otherwise."""
-    hp = {**MEMIT_HP, **(hp or {})}
+    fact), while v* − y₀ is the change that writes δ into u at the prompt. Its settings:
+    `memit_hp`."""
+    hp = memit_hp(mm, hp)
     if getattr(mm.arch, "post_norm", None) is None:
         return target_hidden(mm, layer, req, templates, hp)
     vstar, _, y0 = target_output(mm, layer, req, templates, hp)
     return hidden_at(mm, layer, req.text, req.subject) + (vstar - y0).float()
+
+
+def memit_hp(mm, hp: dict | None = None) -> dict:
+    """MEMIT's settings on mm: `MEMIT_HP`, and what `hp` overrides. MEMIT's clamp bounds how far z
+    moves the residual (0.75 × ‖h₀‖). Behind a post-FFN norm z is sought on the raw output u, and
+    the residual then moves by ‖norm(u₀ + δ) − y₀‖ ≤ about 2‖y₀‖, which the norm holds below that
+    bound (Gemma 3 270M at layer 5: 2‖y₀‖ ≈ 0.3‖h₀‖); a clamp of 0.75 × ‖u₀‖ on δ there asked far
+    less than MEMIT does (0 of 5 facts took), so δ keeps ROME's bound, 4 × ‖u₀‖."""
+    base = MEMIT_HP if getattr(mm.arch, "post_norm", None) is None else ROME_HP
+    return {**base, **(hp or {})}
 
 
 def memit_factors(C, K, lam: float | None = None, lam_rel: float = MEMIT_LAMBDA_REL):
@@ -571,7 +580,7 @@ def memit(mm, layers, reqs: list[Request], covs: dict, templates: list[str], hp:
     rule = ({"lambda": float(lam), "lambda_rule": "absolute"} if lam is not None else
             {"lambda_rel": float(lam_rel), "lambda_rule": "relative: lambda = lambda_rel * mean_i k_i' C^-1 k_i"})
     edit = Edit("memit", {}, [r.as_dict() for r in reqs],
-                {**MEMIT_HP, **(hp or {}), **rule, "lambda_by_layer": {}, "layers": layers, "templates": templates},
+                {**memit_hp(mm, hp), **rule, "lambda_by_layer": {}, "layers": layers, "templates": templates},
                 {top: Z.float().numpy()})
     for i, l in enumerate(layers):
         with applied(mm, edit):
