@@ -114,14 +114,14 @@ def regimes(n: int, batch_tokens: int, rounds: int = 2) -> dict:
     ntok = sum(map(len, toks))
     # the tracker's own time inside the --regimes arm: a share of the same batches' time, so less at
     # the mercy of a loaded machine than the two arms' difference
-    inner, update = [0.0], SignRegimes.update
+    inner, update = [0.0], SignRegimes.update_layer
 
-    def timed_update(self, batch, cap):
+    def timed_update(self, *a):
         t0 = time.perf_counter()
-        update(self, batch, cap)
+        update(self, *a)
         inner[0] += time.perf_counter() - t0
 
-    SignRegimes.update = timed_update
+    SignRegimes.update_layer = timed_update
     arms = {"mine": MineSettings(top_k=50), "mine --regimes": MineSettings(top_k=50, regimes=True)}
     states = {k: new_state(mm, s) for k, s in arms.items()}
     secs = {k: 0.0 for k in arms}
@@ -141,7 +141,7 @@ def regimes(n: int, batch_tokens: int, rounds: int = 2) -> dict:
                     took[k] = time.perf_counter() - t0
                     secs[k] += took[k]
                 pairs.append(took["mine --regimes"] / took["mine"])
-    SignRegimes.update = update
+    SignRegimes.update_layer = update
     ratio = secs["mine --regimes"] / secs["mine"]
     tracker = inner[0] / (secs["mine --regimes"] - inner[0])
     median = sorted(pairs)[len(pairs) // 2] if len(pairs) % 2 else sum(sorted(pairs)[len(pairs) // 2 - 1:][:2]) / 2

@@ -188,23 +188,51 @@ class SignRegimes:
             if self._pending >= FLUSH:
                 self.flush()
 
+    @torch.no_grad()
+    def update_layer(self, layer: int, m: torch.Tensor, aux: dict, batch) -> None:
+        """One layer's m and g (B, T, n) as the forward makes them (`MineState`): read at once, so
+        that no gate capture outlives its layer. Sums as `update`'s, bit for bit."""
+        g = aux.get("g")
+        if g is None:
+            raise RuntimeError("the sign regimes need the gate pre-activations in the capture (what=g)")
+        if layer == self.layers[0]:
+            self.tokens += batch.tokens
+        m = m if m.dtype == torch.float32 else m.float()
+        g = g if g.dtype == torch.float32 else g.float()
+        if _numba_here(m.device):
+            from ffkv.mine.stats_cpu import _threads
+
+            _threads()
+            _compile()(m.detach().contiguous().numpy(), 0, g.detach().contiguous().numpy(),
+                       batch.mask.detach().contiguous().numpy(), self._acc[layer].numpy(), self.count[layer].numpy())
+        else:
+            self._sum_torch(batch, layer, m, g)
+        if layer == self.layers[-1]:  # a batch is counted once, at its last layer
+            self._pending += 1
+            if self._pending >= FLUSH:
+                self.flush()
+
     def _update_torch(self, batch, cap, gs) -> None:
         n = self.n
         for i, l in enumerate(cap.layers):
-            M, G = cap.m[..., i * n:(i + 1) * n], gs[i]
-            if batch.runs is not None:
-                parts = [(M[a:e, :L], G[a:e, :L]) for a, e, L in batch.runs]
-            else:  # padding to 0: it adds nothing
-                parts = [(M.masked_fill(~batch.mask.unsqueeze(-1), 0.0), G)]
-            for Mb, Gb in parts:
-                Mb, Gb = Mb.reshape(-1, n), Gb.reshape(-1, n)
-                Mg = torch.where(Gb > 0, Mb, 0.0)  # m where the gate is positive
-                Mo = Mb - Mg  # and where it is not (exact: m − m or m − 0)
-                # gate +: m > 0 is input + (pp), m < 0 input − (pn); gate −: m < 0 is input + (np)
-                for r, X, sign in ((0, Mg, 1), (1, Mg, -1), (2, Mo, -1), (3, Mo, 1)):
-                    part = (X * sign).clamp(min=0)
-                    self._acc[l][r] += part.sum(0, dtype=torch.float64)
-                    self.count[l][r] += (part > 0).sum(0)
+            self._sum_torch(batch, l, cap.m[..., i * n:(i + 1) * n], gs[i])
+
+    def _sum_torch(self, batch, l: int, M: torch.Tensor, G: torch.Tensor) -> None:
+        """Layer l's masses and counts from its m and g (B, T, n), in torch."""
+        n = self.n
+        if batch.runs is not None:
+            parts = [(M[a:e, :L], G[a:e, :L]) for a, e, L in batch.runs]
+        else:  # padding to 0: it adds nothing
+            parts = [(M.masked_fill(~batch.mask.unsqueeze(-1), 0.0), G)]
+        for Mb, Gb in parts:
+            Mb, Gb = Mb.reshape(-1, n), Gb.reshape(-1, n)
+            Mg = torch.where(Gb > 0, Mb, 0.0)  # m where the gate is positive
+            Mo = Mb - Mg  # and where it is not (exact: m − m or m − 0)
+            # gate +: m > 0 is input + (pp), m < 0 input − (pn); gate −: m < 0 is input + (np)
+            for r, X, sign in ((0, Mg, 1), (1, Mg, -1), (2, Mo, -1), (3, Mo, 1)):
+                part = (X * sign).clamp(min=0)
+                self._acc[l][r] += part.sum(0, dtype=torch.float64)
+                self.count[l][r] += (part > 0).sum(0)
 
     def _check(self, other: "SignRegimes") -> None:
         if (other.layers, other.dims, other.n) != (self.layers, self.dims, self.n):

@@ -197,6 +197,12 @@ class MineState:
         # captures beside m that some tracker needs (e.g. "g": `ffkv.mine.regimes`), in
         # `ffkv.model.memories.QUANTITIES` names
         self.needs = tuple(sorted({q for t in self.trackers.values() for q in getattr(t, "needs", ())}))
+        # trackers that read each layer as it comes (`update_layer`): what they need beside m is
+        # read and let go at once, not held for the group (10 of SmolLM2's gate captures, 126 MB a
+        # batch, kept the allocator from reusing their memory: page faults on every fresh one)
+        self._per_layer = [t for t in self.trackers.values() if hasattr(t, "update_layer")]
+        self._grouped = [t for t in self.trackers.values() if not hasattr(t, "update_layer")]
+        self._held_needs = tuple(sorted({q for t in self._grouped for q in getattr(t, "needs", ())}))
         self._buf: torch.Tensor | None = None  # the groups' captures side by side, reused batch to batch
 
     @property
@@ -213,11 +219,16 @@ class MineState:
         if self._dim_idx is not None:
             m = m.index_select(-1, self._dim_idx)
         self._held.append((layer, m))
+        got = {}
         for q in self.needs:
             t = (aux or {}).get(q)
             if t is None:
                 raise RuntimeError(f"layer {layer}: the trackers need capture {q!r} beside m")
-            self._aux_held.setdefault(q, []).append(t if self._dim_idx is None else t.index_select(-1, self._dim_idx))
+            got[q] = t if self._dim_idx is None else t.index_select(-1, self._dim_idx)
+        for t in self._per_layer:
+            t.update_layer(layer, m, got, batch)
+        for q in self._held_needs:
+            self._aux_held.setdefault(q, []).append(got[q])
         g = self._last.get(layer)
         if g is None:
             return
@@ -240,7 +251,7 @@ class MineState:
                 self._buf = buf = torch.empty(need, dtype=dtype, device=xs[0].device)
             m = torch.cat(xs, -1, out=buf[:need].view(shape))
         cap = LayerCapture(g, m, batch, self._signs, self._stats, aux_held)
-        for t in self.trackers.values():
+        for t in self._grouped:
             t.update(batch, cap)
 
     def merge(self, other: "MineState") -> "MineState":
