@@ -97,34 +97,49 @@ def _compile():
             for blk in prange((W + KEYS - 1) // KEYS):
                 k0 = blk * KEYS
                 w = min(W, k0 + KEYS) - k0
-                a = np.zeros((4, KEYS), np.float64)
-                c = np.zeros((4, KEYS), np.int32)
+                # one flat accumulator per sum and rows read as slices: the key loop vectorises
+                # (a (4, KEYS) block of sums and m[b, t, off + k0 + j] reads ran 1.65x slower)
+                a0 = np.zeros(KEYS, np.float64)
+                a1 = np.zeros(KEYS, np.float64)
+                a2 = np.zeros(KEYS, np.float64)
+                a3 = np.zeros(KEYS, np.float64)
+                cp = np.zeros(KEYS, np.int32)
+                cn = np.zeros(KEYS, np.int32)
+                gcp = np.zeros(KEYS, np.int32)
+                gcn = np.zeros(KEYS, np.int32)
                 for b in range(B):
                     for t in range(T):
                         if not valid[b, t]:
                             continue
-                        # branch-free, so that the loop over keys vectorises: gate + and m > 0 is
-                        # input + (pp), m < 0 input − (pn); gate − and m < 0 is input + (np)
+                        mr = m[b, t, off + k0:off + k0 + w]
+                        gr = g[b, t, k0:k0 + w]
+                        # branch-free: gate + and m > 0 is input + (pp), m < 0 input − (pn); gate −
+                        # and m < 0 is input + (np), m > 0 input − (nn); each sum exact per token
                         for j in range(w):
-                            v = np.float64(m[b, t, off + k0 + j])
-                            gp = g[b, t, k0 + j] > 0
-                            pos = max(v, 0.0)
-                            neg = max(-v, 0.0)
+                            v = np.float64(mr[j])
+                            gp = gr[j] > 0
+                            pos = v if v > 0.0 else 0.0
+                            neg = -v if v < 0.0 else 0.0
                             gpos = pos if gp else 0.0
                             gneg = neg if gp else 0.0
-                            a[0, j] += gpos
-                            a[1, j] += gneg
-                            a[2, j] += neg - gneg
-                            a[3, j] += pos - gpos
-                            ip, ineg, ig = np.int32(v > 0), np.int32(v < 0), np.int32(gp)
-                            c[0, j] += ip * ig
-                            c[1, j] += ineg * ig
-                            c[2, j] += ineg - ineg * ig
-                            c[3, j] += ip - ip * ig
-                for r in range(4):
-                    for j in range(w):
-                        mass[r, k0 + j] += a[r, j]
-                        count[r, k0 + j] += c[r, j]
+                            a0[j] += gpos
+                            a1[j] += gneg
+                            a2[j] += neg - gneg
+                            a3[j] += pos - gpos
+                            ip, ineg, ig = np.int32(v > 0.0), np.int32(v < 0.0), np.int32(gp)
+                            cp[j] += ip
+                            cn[j] += ineg
+                            gcp[j] += ip & ig
+                            gcn[j] += ineg & ig
+                for j in range(w):
+                    mass[0, k0 + j] += a0[j]
+                    mass[1, k0 + j] += a1[j]
+                    mass[2, k0 + j] += a2[j]
+                    mass[3, k0 + j] += a3[j]
+                    count[0, k0 + j] += gcp[j]
+                    count[1, k0 + j] += gcn[j]
+                    count[2, k0 + j] += cn[j] - gcn[j]
+                    count[3, k0 + j] += cp[j] - gcp[j]
 
         _kernel = regimes
     return _kernel
