@@ -46,6 +46,8 @@ def regime_of(g, u) -> np.ndarray:
     """Index into `REGIMES` of each token by the signs of its gate pre-activation g and its input u
     (each + when > 0): the rule the kernels below apply (they read u's sign from m's and g's)."""
     return 2 * (np.asarray(g) <= 0).astype(np.int64) + (np.asarray(u) <= 0).astype(np.int64)
+
+
 FLUSH = 32  # batches summed in float64 before they join the exact limbs
 KEYS = 256  # keys per numba thread's block
 
@@ -178,35 +180,18 @@ class SignRegimes:
 
     @torch.no_grad()
     def update(self, batch, cap) -> None:
-        if cap.layers == self.groups[0]:
-            self.tokens += batch.tokens
+        """A group's capture (`LayerCapture`, side by side): each layer as `update_layer` reads it."""
         gs = cap.aux.get("g")
         if gs is None:
             raise RuntimeError("the sign regimes need the gate pre-activations in the capture (what=g)")
         n = self.n
-        if _numba_here(cap.m.device):
-            kernel = _compile()
-            from ffkv.mine.stats_cpu import _threads
-
-            _threads()
-            m = cap.m.detach().contiguous().numpy()
-            valid = batch.mask.detach().contiguous().numpy()
-            for i, l in enumerate(cap.layers):
-                g = gs[i] if gs[i].dtype == torch.float32 else gs[i].float()
-                acc = self._acc[l].numpy()
-                cnt = self.count[l].numpy()
-                kernel(m, i * n, g.detach().contiguous().numpy(), valid, acc, cnt)
-        else:
-            self._update_torch(batch, cap, gs)
-        if cap.layers == self.groups[-1]:  # a batch is counted once, at its last group
-            self._pending += 1
-            if self._pending >= FLUSH:
-                self.flush()
+        for i, l in enumerate(cap.layers):
+            self.update_layer(l, cap.m[..., i * n:(i + 1) * n], {"g": gs[i]}, batch)
 
     @torch.no_grad()
     def update_layer(self, layer: int, m: torch.Tensor, aux: dict, batch) -> None:
         """One layer's m and g (B, T, n) as the forward makes them (`MineState`): read at once, so
-        that no gate capture outlives its layer. Sums as `update`'s, bit for bit."""
+        that no gate capture outlives its layer (`MineState`); `update` reads a group through it."""
         g = aux.get("g")
         if g is None:
             raise RuntimeError("the sign regimes need the gate pre-activations in the capture (what=g)")
@@ -226,11 +211,6 @@ class SignRegimes:
             self._pending += 1
             if self._pending >= FLUSH:
                 self.flush()
-
-    def _update_torch(self, batch, cap, gs) -> None:
-        n = self.n
-        for i, l in enumerate(cap.layers):
-            self._sum_torch(batch, l, cap.m[..., i * n:(i + 1) * n], gs[i])
 
     def _sum_torch(self, batch, l: int, M: torch.Tensor, G: torch.Tensor) -> None:
         """Layer l's masses and counts from its m and g (B, T, n), in torch."""
