@@ -305,8 +305,6 @@ def class_members(b, names) -> np.ndarray:
     return out
 
 
-
-
 # ---- sign regimes (`ffkv mine --regimes`, joined by `ffkv census` as regime_* and regime) ---------------
 NO_REGIMES = ("this run has no sign regimes: mine a gated FFN with `ffkv mine --regimes`, "
               "then run `ffkv census RUN`")

@@ -40,7 +40,6 @@ MAX_TOKEN_QUERY = 200  # characters of a typed token
 
 
 @dataclass(frozen=True)
-
 class TokenQuery:
     """A token as a user typed it, read: a token id (`#123`, `id:123`) or a token's text."""
     typed: str
