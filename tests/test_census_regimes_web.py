@@ -1,5 +1,7 @@
 """A gated memory's examples per sign regime on its page (issue 46, item 1: GLUScope's four
-(gate sign, input sign) combinations), served by the census step's panels.
+(gate sign, input sign) combinations), served by the census step's later panels: the memory page
+links to /memory/L/D/later-panels (fetched by its script after the colours), which draws them, and
+the JSON twin holds them with the others.
 
 Tiny Llama and GPT-2 runs (30 WikiText-2 sentences, top 3, `reference_mine`), each censused in
 process. Every expected value is a brute force here: a hooked forward of the Llama's own
@@ -52,7 +54,9 @@ def page(llama, memory):
     c = _client(llama)
     j = c.get(f"/api/memory/{memory[0]}/{memory[1]}").json()
     html = c.get(f"/memory/{memory[0]}/{memory[1]}").text
-    return {p["title"]: p for p in j["panels"]}, html
+    later = c.get(f"/memory/{memory[0]}/{memory[1]}/later-panels")
+    assert later.status_code == 200
+    return {p["title"]: p for p in j["panels"]}, html, later.text
 
 
 def _brute(model_dir, layer: int, seqs: list[list[int]]):
@@ -82,7 +86,7 @@ def test_examples_and_shares_equal_a_hooked_forward(llama, memory, page, tiny_di
     from ffkv.steps.census import regimes as R
 
     layer, dim = memory
-    panels, _ = page
+    panels, _, _ = page
     shares = panels["Sign regimes over the searched tokens"]
     ex = panels["Sign regimes: strongest examples"]
     # the searched sentences, as the panel's note states them: the top-trigger ones, then the sample
@@ -144,13 +148,42 @@ def test_examples_and_shares_equal_a_hooked_forward(llama, memory, page, tiny_di
         assert [x[0] for x in xs] == pytest.approx(best[:len(xs)], rel=1e-4)
 
 
-def test_the_page_draws_tinted_examples(page):
-    panels, html = page
+def test_the_later_panels_draw_tinted_examples(page):
+    panels, _, later = page
     n = sum(1 for r in panels["Sign regimes: strongest examples"]["rows"] if r[5] == r[4])
-    assert html.count('data-regime="') == n
-    assert re.search(r'<mark class="tk m[pn][1-8]" data-i="\d+" data-m="[^"]+" title="m = [^"]+ · gate = ', html)
-    assert "Searched: this memory" in html
-    assert "this panel's template failed" not in html and "could not recompute" not in html
+    assert later.count('data-regime="') == n
+    assert re.search(r'<mark class="tk m[pn][1-8]" data-i="\d+" data-m="[^"]+" title="m = [^"]+ · gate = ', later)
+    assert "Searched: this memory" in later
+    assert "this panel's template failed" not in later and "could not recompute" not in later
+    # the census partial found the shares panel among the later ones: a heading per regime
+    assert all(f'id="regime-{k}"' in later for k in CODES)
+
+
+def test_the_page_waits_for_no_forward_and_links_to_the_later_panels(page, memory):
+    """The memory page itself holds the census panel but not the regimes' (they need a forward):
+    a placeholder links to the later panels, and only that page draws them, in the page's markup."""
+    panels, html, later = page
+    url = f"/memory/{memory[0]}/{memory[1]}/later-panels"
+    assert 'data-step="census"' in html and "excess kurtosis" in html
+    assert "Sign regimes" not in html and 'data-regime="' not in html and "Searched: this memory" not in html
+    assert re.search(rf'<section class="step-panel later-panels" id="later-panels" data-later-src="{url}"', html)
+    assert re.search(rf'<a href="{url}"[^>]*>Compute the sign-regime panels…</a>', html)
+    body = later[later.index("<div data-later-panels>"):]
+    sections = re.findall(r'<section class="step-panel" data-step="([^"]+)">\s*<h2>([^<]+) <span', body)
+    assert sections == [("census", "Sign regimes over the searched tokens"),
+                        ("census", "Sign regimes: strongest examples")]
+    assert "excess kurtosis" not in later and "data-later-src" not in later
+    # the JSON twin keeps every panel, the census's own first
+    assert list(panels) == ["Census", "Sign regimes over the searched tokens", "Sign regimes: strongest examples"]
+
+
+def test_later_panels_refuse_what_the_page_refuses(llama):
+    c = _client(llama)
+    for url in ("/memory/99/0", "/memory/0/999999", "/memory/0/x"):
+        page, later = c.get(url), c.get(url + "/later-panels")
+        assert page.status_code == later.status_code and page.status_code in (404, 422), url
+        got = [re.search(r'<p class="detail">([^<]*)</p>', r.text) for r in (page, later)]
+        assert got[0] and got[1] and got[0].group(1) == got[1].group(1), url
 
 
 def test_no_regime_panel_for_an_ungated_ffn(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
@@ -159,4 +192,7 @@ def test_no_regime_panel_for_an_ungated_ffn(tmp_path_factory, reference_mine, ti
     c = _client(run)
     titles = [p["title"] for p in c.get(f"/api/memory/0/{dim}").json()["panels"]]
     assert "Census" in titles and not any(t.startswith("Sign regimes") for t in titles)
-    assert 'data-regime="' not in c.get(f"/memory/0/{dim}").text
+    html = c.get(f"/memory/0/{dim}").text
+    assert 'data-regime="' not in html and "data-later-src" not in html  # nothing to compute later
+    later = c.get(f"/memory/0/{dim}/later-panels")
+    assert later.status_code == 200 and 'data-regime="' not in later.text and 'class="step-panel" data-step' not in later.text

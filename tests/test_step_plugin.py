@@ -125,8 +125,16 @@ def test_report_shows_its_paper_section_verdict_and_figure(mined, plugin_registr
     assert f'href="#{NAME}"' in overview
 
 
+def query_vocab(run: Path) -> list[str]:
+    from ffkv.store import query
+    from ffkv.store.run import Run
+
+    return query.vocab_texts(Run(run))
+
+
 def test_memory_page_and_overview_show_it(mined, plugin_registry):
-    """Its panel is drawn by its own partial, and its overview column reaches the page and the API."""
+    """Its panel is drawn by its own partial, its later panel too (on the page it links to), and its
+    overview column reaches the page and the API."""
     r = run_cli(CMD, mined, env=ENV)
     assert r.returncode == 0, r.stderr
     c = client(mined)
@@ -138,6 +146,14 @@ def test_memory_page_and_overview_show_it(mined, plugin_registry):
     assert f'data-step="{NAME}"' in page and "Distinct trigger tokens" in page
     assert 'class="example-step-panel"' in page  # the step's own partial, not the default table
     assert f"{row['distinct']} distinct last tokens among {row['triggers']} prefixes" in page
+    # its later panel (the other list's count, from the triggers when asked): in the JSON, a link on
+    # the page, drawn by the same partial on the later-panels page; as a brute force counts it
+    n, distinct, (tok, count) = brute_force(mined, 25, -1)[(row["layer"], row["dim"])]
+    later = [p for p in api["panels"] if p["title"] == "Distinct trigger tokens of the other list"]
+    assert later[0]["rows"] == [[-1, n, distinct, query_vocab(mined)[tok], count]]
+    assert "of the other list" not in page and "Compute the other list&#39;s distinct tokens…</a>" in page
+    lp = c.get(f"/memory/{row['layer']}/{row['dim']}/later-panels").text
+    assert 'class="example-step-panel"' in lp and f"Most negative triggers: {distinct} distinct last tokens among {n}" in lp
     ov = c.get("/api/overview").json()
     col = [x for x in ov["step_columns"] if x["step"] == NAME]
     assert [x["title"] for x in col] == ["distinct last tokens"]
@@ -162,9 +178,13 @@ def test_every_steps_panels_reach_the_page_through_one_call(mined, plugin_regist
     row = pq.read_table(mined / f"{NAME}.parquet").to_pylist()[3]
     api = client(mined).get(f"/api/memory/{row['layer']}/{row['dim']}").json()
     assert api["panels"] == step_panels(run, row["layer"], row["dim"])
-    with_panels = [s.name for s in ordered() if s.panels is not None and run.step_done(s.name)]
+    with_panels = [s.name for s in ordered() if (s.panels or s.later_panels) is not None and run.step_done(s.name)]
     assert NAME in with_panels and set(BUILTIN) | {NAME} >= set(with_panels)
     assert list(dict.fromkeys(p["step"] for p in api["panels"])) == with_panels
+    # the page's (no forward) and the later ones (Step.later_panels) split that one answer
+    now, later = (step_panels(run, row["layer"], row["dim"], w) for w in ("now", "later"))
+    assert later and [p for p in api["panels"] if p not in later] == now
+    assert [p for p in api["panels"] if p in later] == later
 
 
 def test_reproduce_plans_it_after_the_steps_it_requires_with_its_option(tiny_models, plugin_registry):

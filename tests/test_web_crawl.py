@@ -209,16 +209,22 @@ ERRORS = {"/nowhere", "/memory/9/9", "/explore?text=hi&suppress=1:1&scale=1e308"
           "/layer/1?sort=nonsense", "/facts/edit/nothing"}
 
 
+# a memory page's later panels (Step.later_panels) are in, or have failed: its placeholder is gone
+LATER_SETTLED = "() => !document.querySelector('[data-later-src]:not([data-state=failed])')"
+LATER_FAILED = "() => [...document.querySelectorAll('[data-later-src]')].map(e => 'later: ' + e.textContent.trim())"
+
+
 def crawl(browser, base: str, urls: list[str], width: int) -> dict[str, list[str]]:
-    """{url: its faults} over `urls` at `width` px; a page that answers another status than the
-    URL means (an error page for `ERRORS`, else 200) is a fault too: a crawl of error pages alone
-    would measure nothing."""
+    """{url: its faults} over `urls` at `width` px, each measured once its later panels are in; a
+    page that answers another status than the URL means (an error page for `ERRORS`, else 200) is a
+    fault too: a crawl of error pages alone would measure nothing."""
     page = browser.new_page(viewport={"width": width, "height": 900})
     faults = {}
     try:
         for u in urls:
             status = page.goto(base + u).status
-            got = page.evaluate(CRAWL_JS, width >= FITS)
+            page.wait_for_function(LATER_SETTLED, timeout=120_000)
+            got = page.evaluate(CRAWL_JS, width >= FITS) + page.evaluate(LATER_FAILED)
             if (status >= 400) != (u in ERRORS):
                 got.append(f"status {status}")
             if got:
@@ -255,6 +261,32 @@ def step_base(step_run):
 def test_step_pages_no_text_cut_or_overflowing(browser, step_run, step_base, width):
     faults = crawl(browser, step_base, step_urls(step_run), width)
     assert not faults, "\n".join(f"{u}: {f}" for u, fs in faults.items() for f in fs)
+
+
+@in_chromium
+def test_the_later_panels_arrive_after_the_colours(browser, step_run, step_base):
+    """A census memory's page comes without its sign-regime panels (a model forward) and fetches
+    them once its colours have settled, so they never hold the colours back; then they are in the
+    page, drawn as the later-panels page draws them."""
+    c = pq.read_table(step_run / "census.parquet", columns=["layer", "dim", "dead", "tokens"]).to_pylist()
+    r = next(x for x in c if x["tokens"] is not None and not x["dead"])
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    log = []
+    page.on("request", lambda q: log.append(("asked", q.url)))
+    page.on("requestfinished", lambda q: log.append(("done", q.url)))
+    page.on("requestfailed", lambda q: log.append(("done", q.url)))
+    try:
+        page.goto(f"{step_base}/memory/{r['layer']}/{r['dim']}")
+        page.wait_for_function(LATER_SETTLED, timeout=120_000)
+        assert page.evaluate(LATER_FAILED) == []
+        assert page.locator("section.step-panel[data-step=census] .regime-examples").count() == 1
+        assert page.locator("h2", has_text="Sign regimes over the searched tokens").count() == 1
+        assert page.get_attribute("[data-act-src]", "data-state") == "done"
+    finally:
+        page.close()
+    colours = next(i for i, (k, u) in enumerate(log) if k == "done" and "/activations" in u)
+    later = next(i for i, (k, u) in enumerate(log) if k == "asked" and u.endswith("/later-panels"))
+    assert colours < later, log
 
 
 @in_chromium

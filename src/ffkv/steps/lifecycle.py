@@ -50,6 +50,14 @@ class Step:
     preflight: Callable[[Any], None] | None = None  # (ReproduceSettings): raise FfkvError before reproduce opens anything
     sections: Callable[[Any, Any], list] | None = None  # (run, fig_dir) -> [ffkv.steps.ReportSection]
     panels: Callable[[Any, int, int], list] | None = None  # (run, layer, dim) -> [ffkv.steps.Panel]
+    # (run, layer, dim) -> [ffkv.steps.Panel]: panels that need a model forward (seconds). The memory
+    # page never waits for them: it shows a placeholder (a link to /memory/L/D/later-panels, which the
+    # page's script fetches once the colours are done) and the JSON twin adds them after `panels`
+    later_panels: Callable[[Any, int, int], list] | None = None
+    # (run, layer, dim) -> what `later_panels` will compute, a few words ("the sign-regime panels"),
+    # cheap (no forward): "" when they would be empty for that memory (no placeholder). None: the
+    # placeholder offers "the NAME step's panels"
+    later_label: Callable[[Any, int, int], str] | None = None
     # (the step's recorded settings, {} when it has not run) -> rows of the report's "how this run
     # differs from the paper's" table: [property, paper, this run, where it matters] (sample sizes)
     differences: Callable[[dict], list] | None = None

@@ -4,8 +4,8 @@ It lives in this one package and is registered by one line, the entry point in t
 `entry_points.txt` beside it; no file of ffkv is edited. It then has a command (`ffkv
 distinct-tokens RUN`) writing its table, an `ffkv reproduce` option (`--distinct-top`), a
 paper-style report section with its own paper entry, verdict and figure (`report.py`), a panel on
-each memory's browser page drawn by its own partial (`panel.html`) and a column in the browser's
-overview. tests/test_step_plugin.py checks all of it.
+each memory's browser page drawn by its own partial (`panel.html`), a later one (the other list's,
+computed when the page asks for it) and a column in the browser's overview. tests/test_step_plugin.py checks all of it.
 
 Table `distinct_tokens`: layer int16, dim int32, sign int8, triggers int32 (prefixes read),
 distinct int32 (distinct last tokens among them), top_token int32 (the most frequent; ties: the
@@ -62,6 +62,26 @@ def panels(run, layer, dim):
                   note="From the example step in tests/plugins.")]
 
 
+def later_panels(run, layer, dim):
+    """The other list's count, read from the triggers when the page asks (`Step.later_panels`: here a
+    stand-in for a panel that needs a model forward), drawn by the same partial."""
+    from ffkv.store import query
+
+    rec = run.manifest["settings"][NAME]
+    sign = -int(rec["sign"])
+    trig = query.table(run, "triggers", columns=["sentence_id", "position"],
+                       filters=[("layer", "=", layer), ("dim", "=", dim), ("sign", "=", sign),
+                                ("rank", "<=", int(rec["top"]))]).to_pylist()
+    if not trig:
+        return []
+    sents = query.sentence_lookup(run, sorted({r["sentence_id"] for r in trig}))
+    c = Counter(sents[r["sentence_id"]][r["position"]] for r in trig)
+    tok, n = min(c.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [Panel("Distinct trigger tokens of the other list", ("sign", "prefixes", "distinct", "most frequent", "count"),
+                  ((sign, sum(c.values()), len(c), query.vocab_texts(run)[tok], n),),
+                  note="From the example step in tests/plugins, computed when asked.")]
+
+
 def overview(run) -> dict:
     """One overview column: the mean number of distinct last tokens per key, by layer."""
     from ffkv.store import query
@@ -76,4 +96,5 @@ def overview(run) -> dict:
 STEP = Step(NAME, DistinctSettings, requires=("mine",), tables=(NAME,), compute=compute,
             help="Count the distinct last tokens of each key's top trigger prefixes.", cli=True,
             reproduce=lambda r, mm: DistinctSettings(top=r.distinct_top), sections=lazy(f"{__name__}.report:sections"),
-            panels=panels, panel_template=f"{__name__}:panel.html", overview=overview)
+            panels=panels, later_panels=later_panels, later_label=lambda run, l, d: "the other list's distinct tokens",
+            panel_template=f"{__name__}:panel.html", overview=overview)

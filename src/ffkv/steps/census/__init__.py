@@ -3,7 +3,8 @@ place in the registry. What kind of memory each one is, from the weights and the
 statistics (issue 46, first piece): the definitions, the computation and the tables' columns are in
 `ffkv.steps.census.compute` (also `layer_census`, the weight statistics of one layer without a
 run), the printed summary in `.summary`, the report's census by depth in `.report` (with the memory
-page's panels, drawn by the browser's `census_panel.html`), a gated memory's examples per sign regime
+page's panels, drawn by the browser's `census_panel.html`: the census panel at once, the sign
+regimes' after the page, `later_panels`), a gated memory's examples per sign regime
 in `.regimes`."""
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ STEP = Step("census", CensusSettings, requires=("mine",), tables=TABLES,
             compute=lazy("ffkv.steps.census.compute:compute"), record=lazy("ffkv.steps.census.compute:record"),
             cli=True, summary=lazy("ffkv.steps.census.summary:summary"), reproduce=reproduce,
             sections=lazy("ffkv.steps.census.report:sections"), panels=lazy("ffkv.steps.census.report:panels"),
+            later_panels=lazy("ffkv.steps.census.report:later_panels"),
+            later_label=lazy("ffkv.steps.census.report:later_label"),
             panel_template="census_panel.html",
             overview=lazy("ffkv.steps.census.report:overview"),
             help="A census of the memories: dead and rare (from the mined key statistics), prediction, "

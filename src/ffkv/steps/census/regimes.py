@@ -20,7 +20,8 @@ Which sentences (`searched`): the memory's top-trigger sentences (rank ≤ `TOP_
 its lists) and a seeded sample of `SAMPLE` of the run's sentences (`numpy.random.default_rng(SEED)`,
 the same for every memory), each read up to `MAX_TOKENS` tokens: a bounded forward, so the page
 stays fast. `memory_regimes(run, layer, dim)` does all of it for a memory page (the model opened
-once per run, the results kept for `CACHE` memories); the census's `panels` draw it.
+once per run, the results kept for `CACHE` memories); the census's `later_panels` draw it
+(fetched by the page once its colours are done).
 """
 from __future__ import annotations
 

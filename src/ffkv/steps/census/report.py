@@ -88,17 +88,38 @@ def verdicts_html(recs) -> str:
                    f'<p>{esc(r["measured"])}</p><p class="criterion">{esc(r["criterion"])}</p></div>' for r in recs)
 
 
-def panels(run, layer: int, dim: int) -> list:
-    """The memory page's census panel (its classes with the numbers behind them) and, for a gated
-    FFN's memory that is not dead, its sign regimes' panels (`regime_panels`)."""
+def _row(run, layer: int, dim: int) -> dict | None:
     from ffkv.store import query
 
     rows = query.table(run, "census", filters=[("layer", "=", int(layer)), ("dim", "=", int(dim))]).to_pylist()
-    if not rows:
-        return []
+    return rows[0] if rows else None
+
+
+def panels(run, layer: int, dim: int) -> list:
+    """The memory page's census panel: its classes with the numbers behind them (read from the
+    census table, no forward). The sign regimes' panels come later (`later_panels`)."""
+    r = _row(run, layer, dim)
+    return [] if r is None else [_census_panel(run, r)]
+
+
+def later_panels(run, layer: int, dim: int) -> list:
+    """For a gated FFN's memory that is not dead, its sign regimes' panels (`regime_panels`: a model
+    forward over about a hundred sentences, so the page draws them after itself and its colours)."""
+    r = _row(run, layer, dim)
     # a dead memory (never active over the mined tokens, whose sentences are the ones searched) has no
     # example in any regime: its census panel says it is dead
-    return [_census_panel(run, rows[0]), *([] if rows[0]["dead"] else regime_panels(run, layer, dim))]
+    return [] if r is None or r["dead"] else regime_panels(run, layer, dim)
+
+
+def later_label(run, layer: int, dim: int) -> str:
+    """What `later_panels` computes for this memory, "" when nothing (no forward: the run's model
+    and the census row only)."""
+    from ffkv.steps.census import regimes as R
+
+    if not R.applies(run):
+        return ""
+    r = _row(run, layer, dim)
+    return "" if r is None or r["dead"] else "the sign-regime panels"
 
 
 def _census_panel(run, r: dict):

@@ -7,7 +7,7 @@ from fastapi.responses import RedirectResponse
 
 from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
-from ffkv.web.panels import panel_html, step_panels
+from ffkv.web.panels import later_labels, panel_html, step_panels
 from ffkv.web.params import api, hide_pos0, opt_int, opt_sign, req_int
 from ffkv.web.tables import BadQuery, NotFound
 from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
@@ -17,10 +17,15 @@ router = APIRouter()
 
 
 def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: bool = True,
-                hide0: bool = False) -> dict:
+                hide0: bool = False, panels: str = "all") -> dict:
+    """The memory page's data with the steps' panels: `panels` "all" (the JSON twin: every panel,
+    the later ones too), "now" (the page: those without a forward, and in `later` what the
+    placeholder offers) or "later" (the later-panels page: only those)."""
     b = state(request)
     m = b.memory(layer, dim, top, all_samples, hide0)
-    m["panels"] = step_panels(b.run, layer, dim)
+    m["panels"] = step_panels(b.run, layer, dim, panels)
+    if panels == "now":
+        m["later"] = later_labels(b.run, layer, dim)
     return m
 
 
@@ -41,7 +46,7 @@ def render_memory(request: Request, layer: int, dim: int, top: int, sign: int, s
                   form: dict | None = None, error: str | None = None, status_code: int = 200,
                   all_samples: bool = False, hide0: bool = False):
     b = state(request)
-    m = memory_data(request, layer, dim, top, all_samples, hide0)
+    m = memory_data(request, layer, dim, top, all_samples, hide0, panels="now")
     can_annotate = m["mined"] and b.n_prefixes(layer, dim, sign) > 0
     form = form or form_state(request, layer, dim, sign, slots)
     prefixes = annotation_prefixes(request, m, sign) if can_annotate else []
@@ -59,6 +64,16 @@ def memory_page(request: Request, layer: int, dim: int, top: str | None = None, 
     return render_memory(request, layer, dim, req_int(top, "top", 25, 1, 200),
                          opt_sign(annotate_sign) or 1, opt_int(slots, "slots", 1, MAX_SLOTS),
                          all_samples=samples == "all", hide0=hide_pos0(pos0))
+
+
+@router.get("/memory/{layer}/{dim}/later-panels", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
+def later_panels_page(request: Request, layer: int, dim: int):
+    """The steps' later panels of memory layer/dim (`Step.later_panels`: a model forward each), drawn
+    as the memory page draws its panels, on a page of their own: the memory page links here (no
+    JavaScript needed) and its script fetches this page once the colours are done and moves the
+    panels (`[data-later-panels]`'s children) into its placeholder."""
+    m = memory_data(request, layer, dim, 25, panels="later")
+    return render(request, "memory_later.html", m=m, panel_html=panel_html(m))
 
 
 @router.get("/api/memory/{layer}/{dim}")

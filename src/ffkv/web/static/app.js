@@ -150,7 +150,8 @@
     });
     status.append("; hover or focus a token for its value, ← → to move.");
   }
-  fetch(status.dataset.actSrc, { headers: { Accept: "application/json" }, credentials: "same-origin" })
+  // settled once the colours are painted or have failed: the later panels wait for it (below)
+  window.ffkvColours = fetch(status.dataset.actSrc, { headers: { Accept: "application/json" }, credentials: "same-origin" })
     .then(function (r) {
       return r.json().then(function (j) {
         if (!r.ok) throw new Error((j && j.detail) || ("HTTP " + r.status));
@@ -175,6 +176,58 @@
     toks[k].tabIndex = 0;
     toks[k].focus();
   });
+})();
+
+// ---- Later panels (Step.later_panels): a memory page's panels that need a model forward --------
+// The page has a placeholder [data-later-src] linking to /memory/L/D/later-panels (a page of its
+// own without this script). Once the colours have settled (painted or failed; at once on a page
+// without them: the two share the model, one forward at a time, so asking for the panels first
+// would hold the colours back), this fetches that page and puts its [data-later-panels] children
+// (the steps' sections) in the placeholder's place; on failure the placeholder says why and keeps
+// its link. Its data-state: waiting, loading, failed (gone when done).
+(function () {
+  "use strict";
+  var box = document.querySelector("[data-later-src]");
+  if (!box || !window.fetch || !window.DOMParser) return;
+  var status = box.querySelector(".later-status") || box;
+  var link = status.querySelector("a");
+  var what = link ? link.textContent.replace(/^Compute /, "").replace(/…$/, "") : "the panels";
+  var line = document.createElement("span");
+  line.className = "later-line";
+  line.setAttribute("role", "status");
+  status.append(" ", line);
+  function say(state, text) { box.dataset.state = state; line.textContent = text; }
+  say("waiting", "Computing " + what + " once the colours are done…");
+  function load() {
+    say("loading", "Computing " + what + "… (the model runs over this memory's sentences)");
+    return fetch(box.dataset.laterSrc, { headers: { Accept: "text/html" }, credentials: "same-origin" })
+      .then(function (r) {
+        return r.text().then(function (t) {
+          var doc = new DOMParser().parseFromString(t, "text/html");
+          if (!r.ok) {
+            var d = doc.querySelector(".error .detail") || doc.querySelector("h1");
+            throw new Error(d ? d.textContent.trim() : "HTTP " + r.status);
+          }
+          var got = doc.querySelector("[data-later-panels]");
+          if (!got) throw new Error("the answer holds no panels");
+          return got;
+        });
+      })
+      .then(function (got) {
+        var nodes = Array.prototype.slice.call(got.children).map(function (n) { return document.importNode(n, true); });
+        var parent = box.parentNode;
+        nodes.forEach(function (n) { parent.insertBefore(n, box); });
+        parent.removeChild(box);
+        nodes.forEach(function (n) { document.dispatchEvent(new CustomEvent("ffkv:inserted", { detail: n })); });
+        var h = window.location.hash && document.getElementById(decodeURIComponent(window.location.hash.slice(1)));
+        if (h && nodes.some(function (n) { return n.contains(h); })) h.scrollIntoView();
+      })
+      .catch(function (e) {
+        say("failed", "Could not compute " + what + ": " + e.message + " (the link above tries again on a page of its own)");
+      });
+  }
+  var colours = window.ffkvColours;
+  if (colours && colours.then) colours.then(load, load); else load();
 })();
 
 // ---- Keyboard shortcuts overlay (issue 26 item 10): ? shows or hides the list in base.html, Esc
@@ -212,24 +265,37 @@
 // last columns could sit past the edge unseen. Each box that scrolls gets x-more-r (more to the
 // right) and x-more-l (more to the left) while it has hidden content there; style.css fades or
 // shades that edge. tests/test_web_crawl.py fails on a scrolling box without the mark.
+// Content put in the page later (the later panels: an "ffkv:inserted" event) gets its boxes marked too.
 (function () {
   "use strict";
-  var boxes = Array.prototype.filter.call(document.querySelectorAll("main *"), function (e) {
-    return /auto|scroll/.test(getComputedStyle(e).overflowX) && !/^(TEXTAREA|SELECT|INPUT)$/.test(e.tagName);
-  });
+  function scrollers(root) {
+    var all = Array.prototype.slice.call(root.querySelectorAll("*"));
+    if (root.matches && root.matches("main *")) all.unshift(root);
+    return all.filter(function (e) {
+      return /auto|scroll/.test(getComputedStyle(e).overflowX) && !/^(TEXTAREA|SELECT|INPUT)$/.test(e.tagName);
+    });
+  }
+  var boxes = [];
+  var main = document.querySelector("main");
   function mark(e) {
     var more = e.scrollWidth > e.clientWidth + 1;
     e.classList.toggle("x-scroll", more);
     e.classList.toggle("x-more-r", more && e.scrollLeft + e.clientWidth < e.scrollWidth - 1);
     e.classList.toggle("x-more-l", more && e.scrollLeft > 1);
   }
-  boxes.forEach(function (e) {
-    mark(e);
-    e.addEventListener("scroll", function () { mark(e); }, { passive: true });
-  });
-  if (window.ResizeObserver) {
-    var ro = new ResizeObserver(function (entries) { entries.forEach(function (x) { mark(x.target); }); });
-    boxes.forEach(function (e) { ro.observe(e); if (e.firstElementChild) ro.observe(e.firstElementChild); });
+  var ro = window.ResizeObserver &&
+    new ResizeObserver(function (entries) { entries.forEach(function (x) { mark(x.target); }); });
+  function watch(found) {
+    found.forEach(function (e) {
+      boxes.push(e);
+      mark(e);
+      e.addEventListener("scroll", function () { mark(e); }, { passive: true });
+      if (ro) { ro.observe(e); if (e.firstElementChild) ro.observe(e.firstElementChild); }
+    });
   }
+  if (main) watch(scrollers(main));
   window.addEventListener("resize", function () { boxes.forEach(mark); });
+  document.addEventListener("ffkv:inserted", function (ev) {
+    if (ev.detail && ev.detail.querySelectorAll) watch(scrollers(ev.detail));
+  });
 })();
