@@ -219,11 +219,13 @@
         nodes.forEach(function (n) { parent.insertBefore(n, box); });
         parent.removeChild(box);
         nodes.forEach(function (n) { document.dispatchEvent(new CustomEvent("ffkv:inserted", { detail: n })); });
-        var h = window.location.hash && document.getElementById(decodeURIComponent(window.location.hash.slice(1)));
+        var h = null;  // a link to an anchor among them (#regime-nn): there now
+        try { h = window.location.hash && document.getElementById(decodeURIComponent(window.location.hash.slice(1))); }
+        catch (_) { h = null; }
         if (h && nodes.some(function (n) { return n.contains(h); })) h.scrollIntoView();
       })
       .catch(function (e) {
-        say("failed", "Could not compute " + what + ": " + e.message + " (the link above tries again on a page of its own)");
+        say("failed", "Could not compute " + what + ": " + e.message + ". The link tries again, on a page of its own.");
       });
   }
   var colours = window.ffkvColours;
