@@ -52,11 +52,13 @@ def test_no_noise_restores_the_clean_run_every_family(name, tmp_path_factory, to
 def _assert_clean(mm):
     r = trace(mm, SHORT, "Rome", " Italy", noise=0.0, samples=2, window=2)
     # the clean run is one row, the others rows of batches, where float32 matmuls differ from it in
-    # the last bits (and by a row's place in the batch): equal up to float32 rounding
-    assert r.p_corrupt == pytest.approx(r.p_clean, rel=1e-6, abs=0)
+    # the last bits (and by a row's place in the batch): equal up to float32 rounding. p is a softmax,
+    # so its relative error is the logits' absolute error, a few float32 ulps of logits near 10
+    # (1.5e-6 seen with one BLAS build): 1e-5, where any noise left in moves p by orders more
+    assert r.p_corrupt == pytest.approx(r.p_clean, rel=1e-5, abs=0)
     for k in ("hidden", "ffn", "attn"):
         assert r.effect[k].shape == (len(r.tokens), mm.n_layers)
-        np.testing.assert_allclose(r.restored(k), r.p_clean, rtol=1e-6, atol=0)
+        np.testing.assert_allclose(r.restored(k), r.p_clean, rtol=1e-5, atol=0)
 
 
 # ---- each effect against hand-written hooks ----------------------------------------------------------------
