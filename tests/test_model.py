@@ -215,3 +215,40 @@ def test_quiet_hf_leaves_a_library_callers_warnings_alone():
                     "transformers_extra.x", "mytorch"):
             warnings.warn_explicit(f"from {mod}", UserWarning, "x.py", 1, module=mod)
     assert [str(w.message) for w in got] == ["the caller's own", "from transformers_extra.x", "from mytorch"]
+
+
+def test_a_gguf_is_parsed_once_per_load(tmp_path):
+    """transformers opens a GGUF's header once for the tokenizer, config and weights each, and ffkv's
+    cached copy once more (17 s a parse for Gemma 3's vocabulary): while loading, one reader per
+    file, the same object each time, and the reader class is back after."""
+    import gguf
+    import numpy as np
+
+    from ffkv.model.load import _one_gguf_parse
+
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_token_list([f"tok{i}" for i in range(50)])
+    w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    made = []
+    orig = gguf.GGUFReader
+
+    class Counting(orig):
+        def __init__(self, *a, **k):
+            made.append(a)
+            super().__init__(*a, **k)
+
+    gguf.GGUFReader = Counting
+    try:
+        with _one_gguf_parse():
+            a, b = gguf.GGUFReader(p), gguf.GGUFReader(str(p))
+            assert a is b and len(made) == 1
+            assert np.array_equal(a.tensors[0].data, np.arange(6, dtype=np.float32).reshape(2, 3))
+        assert gguf.GGUFReader is Counting
+        assert gguf.GGUFReader(p) is not a and len(made) == 2  # outside a load: a fresh parse
+    finally:
+        gguf.GGUFReader = orig
