@@ -141,3 +141,19 @@ def test_bad_requests_are_one_line(planted):
         rank(mm, ids[0], target, 99, "grad")
     with pytest.raises(FfkvError, match="outside the vocabulary"):
         rank(mm, ids[0], 10 ** 7, -1, "grad")
+
+
+def test_ablation_refuses_a_k_whose_random_control_cannot_be_drawn():
+    """k random memories are drawn from the layers of the top k, as many per layer, among the
+    others: a top k that takes more than half of a layer leaves too few (a traceback from numpy's
+    choice once, `facts locate --ablate 94` on a tiny model). Hand-made ranking: 2 layers of 4."""
+    from ffkv.errors import FfkvError
+    from ffkv.steps.facts.locate import Ranking, matchable
+
+    # ranks: (0,0) (0,1) (1,0) (0,2) ...: the 4th would take 3 of layer 0's 4 memories, 1 left
+    r = Ranking("direct", 0, np.array([[9.0, 8.0, 6.0, 1.0], [7.0, 2.0, 3.0, 4.0]]))
+    assert [matchable(r, 4, k) for k in (1, 2, 3, 4, 8, 9)] == [1, 2, 3, 3, 3, 3]
+    flat = Ranking("direct", 0, np.array([[4.0, 3.0], [2.0, 1.0], [0.5, 0.25]]))  # 3 layers of 2
+    assert matchable(flat, 2, 6) == 1  # the 2nd, (0,1), would take both of layer 0's
+    with pytest.raises(FfkvError, match="ablate at most 3"):
+        ablate(None, [1, 2], 0, r, (1, 4))

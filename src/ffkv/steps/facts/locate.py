@@ -155,10 +155,26 @@ def rank(mm, input_ids, target: int, position: int = -1, method: str = "direct",
     return Ranking(method, pos, scores)
 
 
+def matchable(ranking: Ranking, d_m: int, k: int) -> int:
+    """The largest k' ≤ k whose top k' memories leave, in every layer, as many others to draw the
+    random control from (n of a layer's d_m taken, n more drawn from the d_m − n left)."""
+    taken: dict[int, int] = {}
+    for i, (l, _, _) in enumerate(ranking.top(k)):
+        taken[l] = taken.get(l, 0) + 1
+        if 2 * taken[l] > d_m:
+            return i
+    return min(k, ranking.scores.size)
+
+
 def ablate(mm, input_ids, target: int, ranking: Ranking, ks=(1, 5, 10, 20), *, draws: int = 10,
            seed: int = 0) -> list[Ablation]:
     """Suppress the ranking's top k memories at its position, and k random memories drawn from
     the same layers (as many per layer), for each k: P(true) each time."""
+    d_m = ranking.scores.shape[1]
+    most = matchable(ranking, d_m, max(ks, default=0))
+    if ks and max(ks) > most:
+        raise FfkvError(f"ablate {max(ks)}: the top {max(ks)} memories take so many of one layer's {d_m} "
+                        f"that as many random others of that layer cannot be drawn; ablate at most {most}")
     ids = _ids(input_ids).to(mm.device)
     at = torch.tensor([ranking.position])
     p0 = float(p_true(mm, ids, target)[0])
