@@ -133,7 +133,7 @@ def located(mm, prompt: str, subject: str, target: str | None, method: str, at: 
     if at not in ("subject", "last"):
         raise FfkvError(f"at {at!r}: choose subject or last")
     text = prompt.replace("{}", subject, 1)
-    ids = prompt_ids(mm.tok, text)
+    ids = prompt_ids(mm.tok, text, mm.max_length)
     pos = subject_span(mm.tok, text, subject, ids)[1] - 1 if at == "subject" else len(ids) - 1
     if target:
         tid = target_id(mm.tok, target)

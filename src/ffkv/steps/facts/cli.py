@@ -76,7 +76,7 @@ def locate(run_dir: Path = RunArg, prompt: str = PromptOpt, subject: str = Subje
     if any(k < 1 for k in ks or []):
         raise FfkvError("--ablate takes counts of 1 or more")
     run, mm = _open(run_dir, device, dtype)
-    ids = prompt_ids(mm.tok, text)
+    ids = prompt_ids(mm.tok, text, mm.max_length)
     span = subject_span(mm.tok, text, subject, ids)
     pos = span[1] - 1 if at == "subject" else len(ids) - 1
     if target is None:

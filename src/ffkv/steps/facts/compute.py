@@ -77,7 +77,7 @@ def _requests(s, mm) -> tuple[list, dict]:
         target = s.target
         if target is None:  # the model's own prediction, as ROME traces what the model says
             with torch.no_grad():
-                ids = torch.tensor([prompt_ids(mm.tok, text)], device=mm.device)
+                ids = torch.tensor([prompt_ids(mm.tok, text, mm.max_length)], device=mm.device)
                 target = mm.tok.decode([int(mm.hf(input_ids=ids).logits[0, -1].argmax())])
         f = Fact("prompt", s.prompt, s.subject, target)
         return [f], {}

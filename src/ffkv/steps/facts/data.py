@@ -413,10 +413,15 @@ def single_token(tokenizer, target: str) -> bool:
     return len(target_ids(tokenizer, target)) == 1
 
 
-def prompt_ids(tokenizer, text: str) -> list[int]:
+def prompt_ids(tokenizer, text: str, limit: int | None = None) -> list[int]:
     """A prompt's token ids as explain reads text: the tokenizer's special tokens added (a BOS
-    where the model has one; SmolLM2's adds none)."""
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    where the model has one; SmolLM2's adds none). Past `limit` (the model's context) a prompt is
+    refused in one line: the forward would fail on a position it has no embedding for."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if limit is not None and len(ids) > limit:
+        raise FfkvError(f"the prompt {text[:40]!r}{'…' if len(text) > 40 else ''} is {len(ids):,} tokens, past the "
+                        f"model's context of {limit:,}: shorten it or its subject")
+    return ids
 
 
 @dataclass
@@ -452,7 +457,7 @@ def known(mm, facts: list[Fact], *, min_prob: float | None = None, batch: int = 
         t = target_ids(mm.tok, f.target_true)
         if not t:
             raise FfkvError(f"fact {f.case_id}: the object {f.target_true!r} is no tokens")
-        ids.append(prompt_ids(mm.tok, f.text))
+        ids.append(prompt_ids(mm.tok, f.text, mm.max_length))
         first.append(t[0])
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(ids):

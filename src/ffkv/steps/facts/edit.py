@@ -198,7 +198,7 @@ def _encode(mm, texts: list[str], subject: str):
 
     seqs, last = [], []
     for t in texts:
-        ids = prompt_ids(mm.tok, t)
+        ids = prompt_ids(mm.tok, t, mm.max_length)
         seqs.append(ids)
         last.append(subject_span(mm.tok, t, subject, ids)[1] - 1)
     ids, mask = mm.batch(seqs)
@@ -470,7 +470,7 @@ def values_edit(mm, layer: int, req: Request, templates: list[str], top: int = 1
     vstar, k0, y0 = target if target is not None else target_output(mm, layer, req, templates, hp)
     from ffkv.steps.facts.trace import subject_span
 
-    ids = prompt_ids(mm.tok, text)
+    ids = prompt_ids(mm.tok, text, mm.max_length)
     pos = subject_span(mm.tok, text, req.subject, ids)[1] - 1
     true = target_ids(mm.tok, req.target_true or req.target_new)[0]
     scores = rank(mm, ids, true, pos, method, layers=[layer]).scores[layer]

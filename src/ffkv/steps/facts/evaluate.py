@@ -48,7 +48,7 @@ def target_nll(mm, texts: list[str], target: str, batch: int = 32) -> np.ndarray
     tgt = target_ids(mm.tok, target)
     out = []
     for a in range(0, len(texts), batch):
-        seqs = [prompt_ids(mm.tok, t) for t in texts[a:a + batch]]
+        seqs = [prompt_ids(mm.tok, t, mm.max_length) for t in texts[a:a + batch]]
         ids, mask = mm.batch([s + tgt for s in seqs])
         logp = torch.log_softmax(mm.hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), -1)
         for i, s in enumerate(seqs):
@@ -62,7 +62,7 @@ def greedy(mm, text: str, tokens: int = GEN_TOKENS) -> str:
     """The model's greedy continuation of `text` (no cache tricks: a plain generate)."""
     from ffkv.steps.facts.data import prompt_ids
 
-    ids = torch.tensor([prompt_ids(mm.tok, text)], device=mm.device)
+    ids = torch.tensor([prompt_ids(mm.tok, text, mm.max_length)], device=mm.device)
     pad = mm.tok.pad_token_id if mm.tok.pad_token_id is not None else mm.tok.eos_token_id
     out = mm.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
                          pad_token_id=pad)

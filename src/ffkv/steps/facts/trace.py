@@ -250,8 +250,10 @@ def trace(mm, prompt: str, subject: str | tuple[int, int], target: int | str, *,
         raise FfkvError(f"trace kinds {bad or '(none)'}: choose from {', '.join(KINDS)}")
     if samples < 1 or window < 1 or noise < 0:
         raise FfkvError(f"trace needs samples ≥ 1, window ≥ 1 and noise ≥ 0 (got {samples}, {window}, {noise})")
+    from ffkv.steps.facts.data import prompt_ids
+
     tok = mm.tok
-    id_list = list(tok(prompt)["input_ids"])
+    id_list = prompt_ids(tok, prompt, mm.max_length)
     if not id_list:
         raise FfkvError(f"the prompt {prompt!r} has no token")
     T, L = len(id_list), mm.n_layers
