@@ -6,10 +6,12 @@ on stderr and exit code 2: never a traceback, never another exit code.
 """
 from __future__ import annotations
 
+import time
+import warnings
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import WT2, mine_tiny, run_cli
@@ -17,6 +19,7 @@ from conftest import WT2, mine_tiny, run_cli
 # Commands that serve forever or run the whole paper with a real model are checked elsewhere
 # (test_server_hardening, test_reproduce); their options are still parsed here with --help.
 LONG_RUNNING = {"serve", "reproduce"}
+SLOW = 60.0  # seconds: a draw slower than this is named in a warning (the usual one takes 1-8 s)
 
 GARBAGE = ["", " ", "-1", "0", "-0", "nan", "inf", "-inf", "1e400", "99999999999999999999999", "1.5", "abc",
            "½", "\x1b[2J", "\u202e1", "1,2", "3-1", "1:2", "+", "-", "--", "x" * 300, "0x10", "1_000", "٣",
@@ -109,6 +112,8 @@ def test_the_cli_is_read_whole():
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=st.sampled_from(CASES),
        value=st.one_of(st.sampled_from(GARBAGE), st.text(max_size=12), st.integers(-10**30, 10**30).map(str)))
+@example(case=("facts locate", "--ablate"), value="94")  # more than half a layer: numpy's traceback once
+@example(case=("annotate list", "--layer"), value=str(2 ** 63))  # past SQLite's integers: a traceback once
 def test_any_value_of_any_option_is_used_or_refused_in_one_line(mined, tiny_dirs, tmp_path, monkeypatch,
                                                                 case, value):
     monkeypatch.chdir(tmp_path)  # a path-like value lands here, never in the checkout
@@ -116,7 +121,13 @@ def test_any_value_of_any_option_is_used_or_refused_in_one_line(mined, tiny_dirs
     out = tmp_path / "new-run"
     args = [*name.split(), *base_args(name, mined, tiny_dirs["gpt2"], WT2 / "wiki.valid.tokens", out),
             f"{opt}={value}"]
-    one_line_or_zero(run_cli(*args), (name, opt, value))
+    t = time.monotonic()
+    res = run_cli(*args)
+    took = time.monotonic() - t
+    one_line_or_zero(res, (name, opt, value))
+    if took > SLOW:  # a draw once took 330 s of a whole run; name it, so the next run shows which
+        warnings.warn(f"ffkv {name} {opt}={value!r} took {took:.0f} s on a 12-sentence run (exit "
+                      f"{res.returncode}): {res.stderr.strip()[-300:]!r}", stacklevel=1)
 
 
 def _is_float(p) -> bool:
@@ -174,3 +185,15 @@ def test_work_without_a_data_bound_has_a_ceiling(tmp_path, args):
     res = run_cli(args[0], tmp_path / "no-run", *args[1:])
     assert res.returncode == 2 and "must be between" in res.stderr
     one_line_or_zero(res, args)
+
+
+def test_a_prompt_past_the_context_is_refused_in_one_line(mined, tiny_dirs, tmp_path, monkeypatch):
+    """A subject of 5,000 digits made a prompt past the tiny model's 128 positions: an IndexError
+    from the position embedding once, in every facts command that reads a prompt."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("facts trace", "facts locate", "facts edit"):
+        args = [*name.split(), *base_args(name, mined, tiny_dirs["gpt2"], WT2 / "wiki.valid.tokens", tmp_path / "n"),
+                "--subject", "9" * 5000]
+        res = run_cli(*args)
+        one_line_or_zero(res, name)
+        assert res.returncode == 2 and "past the model's context of" in res.stderr, (name, res.stderr[-500:])

@@ -298,6 +298,8 @@ class AnnotationStore:
     def list(self, annotator: str | None = None, layer: int | None = None, dim: int | None = None,
              sign: int | None = None) -> list[dict]:
         """Annotations as export records, sorted by layer, dim, sign, annotator."""
+        if any(v is not None and not -2 ** 63 <= v < 2 ** 63 for v in (layer, dim, sign)):
+            return []  # no stored key has it (SQLite's integers are 64-bit: it would refuse the query)
         where, args = [], []
         for col, v in (("annotator", annotator), ("layer", layer), ("dim", dim), ("sign", sign)):
             if v is not None:
