@@ -251,7 +251,7 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
     new = target_ids(mm.tok, req.target_new)
     if not new:
         raise FfkvError(f"--new {req.target_new!r} has no token")
-    texts, targets, where = [], [], []
+    texts, targets = [], []
     for t in templates:
         base = fill(t, req.text)
         for i in range(len(new)):
