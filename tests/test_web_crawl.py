@@ -370,6 +370,16 @@ def test_sentence_pages_page_through_every_trigger_row(client, web_run):  # noqa
     assert client.get(f"/sentence/{sid}", params={"per_page": per, "page": page + 1}).status_code == 404
     assert client.get(f"/sentence/{sid}", params={"page": "two"}).status_code == 422
     assert f"{len(want)} trigger rows" in client.get(f"/sentence/{sid}").text
+    # the JSON twin pages alike: the same rows, in the same order, with where each page stands
+    api_rows = []
+    for k in range(1, page + 1):
+        j = client.get(f"/api/sentence/{sid}", params={"pos": pos, "per_page": per, "page": k}).json()
+        assert (j["page"], j["pages"], j["per_page"], j["first"], j["n_triggers"]) == (k, page, per, len(api_rows),
+                                                                                       len(want))
+        api_rows += [(r["layer"], r["dim"], r["sign"], r["rank"], r["position"]) for r in j["triggers"]]
+    assert api_rows == rows
+    assert client.get(f"/api/sentence/{sid}", params={"page": page + 1, "per_page": per}).status_code == 404
+    assert len(client.get(f"/api/sentence/{sid}").json()["triggers"]) == min(200, len(want))  # the page's default
 
 
 def test_one_of_a_thing_is_singular(client, web_run, tmp_path):  # noqa: F811

@@ -134,14 +134,10 @@ def api_reverify(request: Request, layer: int, dim: int, sign: str | None = "1",
 SENTENCE_ROWS = 200  # trigger rows a sentence page shows at a time (?page= for the rest; ?per_page=)
 
 
-@router.get("/sentence/{sid}", include_in_schema=False)
-def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None,
-                  memory: str | None = None, page: str | None = None, per_page: str | None = None):
-    b = state(request)
-    s = b.sentence(sid, opt_int(pos, "pos", 0), top=2**62)
-    mem = activations.parse_memory(memory)
-    if mem is not None:
-        b.check_key(*mem)
+def sentence_paged(request: Request, sid: int, pos: str | None, page: str | None, per_page: str | None) -> dict:
+    """A sentence with one page of its trigger rows (`per_page`, SENTENCE_ROWS unless asked), and
+    where that page stands: page, pages, per_page, first (0-based index of its first row)."""
+    s = state(request).sentence(sid, opt_int(pos, "pos", 0), top=2**62)
     n, per = req_int(page, "page", 1, 1, 10**6), req_int(per_page, "per_page", SENTENCE_ROWS, 1, 1000)
     last = max(1, -(-s["n_triggers"] // per))
     if n > last:
@@ -149,6 +145,18 @@ def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: st
                        f"of {per} trigger rows")
     first = (n - 1) * per
     s["triggers"] = s["triggers"][first:first + per]
+    return {**s, "page": n, "pages": last, "per_page": per, "first": first}
+
+
+@router.get("/sentence/{sid}", include_in_schema=False)
+def sentence_page(request: Request, sid: int, pos: str | None = None, corpus: str | None = None,
+                  memory: str | None = None, page: str | None = None, per_page: str | None = None):
+    b = state(request)
+    mem = activations.parse_memory(memory)
+    if mem is not None:
+        b.check_key(*mem)
+    s = sentence_paged(request, sid, pos, page, per_page)
+    n, last, first = s["page"], s["pages"], s["first"]
     mismatch = bool(corpus) and not b.corpus_sha.startswith(str(corpus).lower())
     return render(request, "sentence.html", s=s, corpus_mismatch=mismatch, corpus_asked=corpus, memory=mem,
                   page=n, pages=last, first=first, page_url=lambda k: str(request.url.include_query_params(page=k)))
@@ -213,8 +221,10 @@ def api_activations_many(request: Request, examples: str | None = None):
 
 
 @router.get("/api/sentence/{sid}")
-def api_sentence(request: Request, sid: int, pos: str | None = None):
-    return api(state(request).sentence(sid, opt_int(pos, "pos", 0)))
+def api_sentence(request: Request, sid: int, pos: str | None = None, page: str | None = None,
+                 per_page: str | None = None):
+    """The sentence page's JSON: its trigger rows a page at a time, as the page pages them."""
+    return api(sentence_paged(request, sid, pos, page, per_page))
 
 
 # ---- similar memories -----------------------------------------------------------------------------
