@@ -114,6 +114,7 @@ def test_the_cli_is_read_whole():
        value=st.one_of(st.sampled_from(GARBAGE), st.text(max_size=12), st.integers(-10**30, 10**30).map(str)))
 @example(case=("facts locate", "--ablate"), value="94")  # more than half a layer: numpy's traceback once
 @example(case=("annotate list", "--layer"), value=str(2 ** 63))  # past SQLite's integers: a traceback once
+@example(case=("facts edit", "--tokens"), value="126")  # a continuation past the context: an IndexError once
 def test_any_value_of_any_option_is_used_or_refused_in_one_line(mined, tiny_dirs, tmp_path, monkeypatch,
                                                                 case, value):
     monkeypatch.chdir(tmp_path)  # a path-like value lands here, never in the checkout
