@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -247,6 +248,9 @@ def _quiet_gguf_bar():
             g.tqdm = bar
 
 
+_GGUF_PATCH = threading.Lock()
+
+
 @contextmanager
 def _one_gguf_parse():
     """transformers parses a GGUF's header anew for the tokenizer, the config and the weights, and
@@ -257,19 +261,20 @@ def _one_gguf_parse():
     except Exception:  # noqa: BLE001 - transformers says what is missing
         yield
         return
-    orig, readers = gguf.GGUFReader, {}
+    with _GGUF_PATCH:  # one load at a time patches the module: two threads' saves and restores could cross
+        orig, readers = gguf.GGUFReader, {}
 
-    def reader(path, *a, **k):
-        key = (str(Path(path).resolve()), a, tuple(sorted(k.items())))
-        if key not in readers:
-            readers[key] = orig(path, *a, **k)
-        return readers[key]
+        def reader(path, *a, **k):
+            key = (str(Path(path).resolve()), a, tuple(sorted(k.items())))
+            if key not in readers:
+                readers[key] = orig(path, *a, **k)
+            return readers[key]
 
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = orig
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = orig
 
 
 def _load_gguf(path: Path, torch_dtype):
