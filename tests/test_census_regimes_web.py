@@ -196,3 +196,59 @@ def test_no_regime_panel_for_an_ungated_ffn(tmp_path_factory, reference_mine, ti
     assert 'data-regime="' not in html and "data-later-src" not in html  # nothing to compute later
     later = c.get(f"/memory/0/{dim}/later-panels")
     assert later.status_code == 200 and 'data-regime="' not in later.text and 'class="step-panel" data-step' not in later.text
+
+
+def test_a_memory_page_reads_its_census_row_once(llama, memory, tmp_path, monkeypatch, tiny_models):
+    """Issue 48: `panels` and `later_label` (and the later panels) share one read of the memory's
+    census row, read again once the census is run again (a new file), so the page is never stale.
+    Reads are counted by a wrapper of the real `query.table`; the census panel is compared with
+    one drawn from a direct pyarrow read of the table."""
+    from ffkv.steps.census import CensusSettings
+    from ffkv.steps.census.compute import compute_census
+    from ffkv.steps.census.report import _census_panel
+    from ffkv.store import query
+    from ffkv.store.run import Run
+
+    run = tmp_path / "run"
+    shutil.copytree(llama, run)
+    layer, dim = memory
+    reads = []
+    real = query.table
+
+    def counted(r, name, *a, **k):
+        if name == "census":
+            reads.append(name)
+        return real(r, name, *a, **k)
+
+    monkeypatch.setattr(query, "table", counted)
+
+    c = _client(run)
+
+    def direct():  # the census panel's rows from this memory's row, read with pyarrow (the thresholds
+        # named in the text are the server's manifest's: its Run reads the manifest once)
+        rows = [r for r in pq.read_table(run / "census.parquet").to_pylist() if (r["layer"], r["dim"]) == memory]
+        assert len(rows) == 1
+        return rows[0], [list(x) for x in _census_panel(c.app.state.browser.run, rows[0]).rows]
+
+    reads.clear()  # the browser's own copy of the whole table (its class filters), read at its start
+    url = f"/memory/{layer}/{dim}"
+    first = c.get(url)
+    assert first.status_code == 200 and len(reads) == 1  # panels and later_label: one read
+    assert 'data-step="census"' in first.text and "Compute the sign-regime panels…" in first.text
+    def steps(html):  # the steps' panels and the later panels' placeholder
+        return re.findall(r'<section class="step-panel.*?</section>', html, re.S)
+
+    assert steps(first.text) and steps(c.get(url).text) == steps(first.text) and len(reads) == 1  # from the kept row
+    assert c.get(url + "/later-panels").status_code == 200 and len(reads) == 1
+    old, want = direct()
+    got = {p["title"]: p for p in c.get(f"/api/memory/{layer}/{dim}").json()["panels"]}
+    assert got["Census"]["rows"] == want and len(reads) == 1
+
+    # the census run again with another threshold writes a new table: the page reads it again
+    compute_census(Run(run), tiny_models["llama"], CensusSettings(eps=2 ** -3), show_progress=False, force=True)
+    new, want = direct()
+    assert (new["active"], new["dead"]) != (old["active"], old["dead"])
+    got = {p["title"]: p for p in c.get(f"/api/memory/{layer}/{dim}").json()["panels"]}
+    assert got["Census"]["rows"] == want and len(reads) == 2
+    page = c.get(url).text
+    assert len(reads) == 2 and f"active on {new['active']:,} of" in page

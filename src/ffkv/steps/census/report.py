@@ -2,6 +2,9 @@
 table. Imported only when a report is built; drawn once the step has run."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 from ffkv.report.html import table
 from ffkv.steps import ReportSection
 from ffkv.steps.census.compute import IO_CLASSES, VOCAB_CLASSES
@@ -88,11 +91,34 @@ def verdicts_html(recs) -> str:
                    f'<p>{esc(r["measured"])}</p><p class="criterion">{esc(r["criterion"])}</p></div>' for r in recs)
 
 
+ROWS = 256  # memories whose census rows `_row` keeps
+_rows: OrderedDict = OrderedDict()  # (run folder, census.parquet's version, layer, dim) -> row or None
+_rows_lock = threading.Lock()
+
+
 def _row(run, layer: int, dim: int) -> dict | None:
+    """Memory (layer, dim)'s census row, None without one. A memory page asks for it twice (`panels`
+    and `later_label`) and its later panels once more, so the row is kept for the last `ROWS`
+    memories, under the census file's version (inode, size, mtime: the step writes a new file and
+    renames it into place), so a census run again is read again. The run vouches for the table on
+    every call (`query.trusted`), kept or not."""
     from ffkv.store import query
 
+    query.trusted(run, "census")
+    st = query.path(run, "census").stat()  # before the read: a file replaced meanwhile is read again next time
+    key = (str(run.path), st.st_ino, st.st_size, st.st_mtime_ns, int(layer), int(dim))
+    with _rows_lock:
+        if key in _rows:
+            _rows.move_to_end(key)
+            got = _rows[key]
+            return None if got is None else dict(got)
     rows = query.table(run, "census", filters=[("layer", "=", int(layer)), ("dim", "=", int(dim))]).to_pylist()
-    return rows[0] if rows else None
+    got = rows[0] if rows else None
+    with _rows_lock:
+        _rows[key] = got
+        while len(_rows) > ROWS:
+            _rows.popitem(last=False)
+    return None if got is None else dict(got)
 
 
 def panels(run, layer: int, dim: int) -> list:
