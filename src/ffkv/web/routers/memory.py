@@ -3,7 +3,7 @@ coefficients that tint examples, and similar memories."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import RedirectResponse
+from fastapi.responses import RedirectResponse, Response
 
 from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
@@ -20,10 +20,10 @@ def memory_data(request: Request, layer: int, dim: int, top: int, all_samples: b
                 hide0: bool = False, panels: str = "all") -> dict:
     """The memory page's data with the steps' panels: `panels` "all" (the JSON twin: every panel,
     the later ones too), "now" (the page: those without a forward, and in `later` what the
-    placeholder offers) or "later" (the later-panels page: only those)."""
+    placeholder offers), "later" (the later-panels page: only those) or "none" (no panel yet)."""
     b = state(request)
     m = b.memory(layer, dim, top, all_samples, hide0)
-    m["panels"] = step_panels(b.run, layer, dim, panels)
+    m["panels"] = [] if panels == "none" else step_panels(b.run, layer, dim, panels)
     if panels == "now":
         m["later"] = later_labels(b.run, layer, dim)
     return m
@@ -66,13 +66,49 @@ def memory_page(request: Request, layer: int, dim: int, top: str | None = None, 
                          all_samples=samples == "all", hide0=hide_pos0(pos0))
 
 
+LEFT = 499  # "client closed request" (nginx's code): the status of an answer nobody reads
+POLL = 0.2  # seconds between looks at whether a request waiting for the model still has its client
+
+
+def client_gone(request: Request) -> bool:
+    """Whether the client of `request` has disconnected (a page left, its fetch aborted), asked from
+    a sync route's worker thread (Starlette's `is_disconnected`, on the server's event loop); False
+    where that cannot be asked (not in a server's worker thread)."""
+    import anyio.from_thread
+
+    try:
+        return bool(anyio.from_thread.run(request.is_disconnected))
+    except RuntimeError:
+        return False
+
+
+def model_turn(request: Request, lock) -> bool:
+    """Wait until the model's forward `lock` is free, looking every POLL seconds whether the client
+    is still there: True when it is (the forward may run), False once it has left (a page left
+    before its turn: its forward would only hold back the next page's). The lock is released again:
+    the forward takes it itself."""
+    while not lock.acquire(timeout=POLL):
+        if client_gone(request):
+            return False
+    lock.release()
+    return not client_gone(request)
+
+
 @router.get("/memory/{layer}/{dim}/later-panels", include_in_schema=False, dependencies=[Depends(no_cross_site_fetch)])
 def later_panels_page(request: Request, layer: int, dim: int):
     """The steps' later panels of memory layer/dim (`Step.later_panels`: a model forward each), drawn
     as the memory page draws its panels, on a page of their own: the memory page links here (no
     JavaScript needed) and its script fetches this page once the colours are done and moves the
-    panels (`[data-later-panels]`'s children) into its placeholder."""
-    m = memory_data(request, layer, dim, 25, panels="later")
+    panels (`[data-later-panels]`'s children) into its placeholder. A request whose client leaves
+    before the model is free (the page left: app.js aborts its fetch, the browser closes the
+    connection) runs no forward and answers LEFT (`model_turn`), so a quick `j` does not queue the
+    next page's colours behind panels nobody will see; a forward already running finishes."""
+    b = state(request)
+    m = memory_data(request, layer, dim, 25, panels="none")
+    if later_labels(b.run, layer, dim) and not model_turn(request, b.model_lock):
+        b.log(f"later panels of memory {layer}/{dim} not computed: the page was left before the model was free")
+        return Response(status_code=LEFT)
+    m["panels"] = step_panels(b.run, layer, dim, "later")
     return render(request, "memory_later.html", m=m, panel_html=panel_html(m))
 
 

@@ -82,6 +82,35 @@
   }
 })();
 
+// ---- Leaving a page (issue 48): the fetches below that run the model (a page's colours, a memory
+// page's later panels) go through ffkvPage.fetch, which aborts them when the page is left (pagehide:
+// a link, j / k / r, back), so that none holds the server's model for a page nobody sees (the server
+// runs no forward for a request whose client has gone: routers/memory.py). A full page load aborts
+// them too; this says so rather than leaving it to the browser, and covers a page kept in the
+// back-forward cache, which is reloaded when shown again if a fetch of it was cut.
+window.ffkvPage = (function () {
+  "use strict";
+  var ctl = window.AbortController ? new AbortController() : null;
+  var live = 0, cut = false;
+  window.addEventListener("pagehide", function () {
+    if (ctl && live > 0) { cut = true; ctl.abort(); }
+  });
+  window.addEventListener("pageshow", function (e) { if (e.persisted && cut) window.location.reload(); });
+  return {
+    left: function () { return !!(ctl && ctl.signal.aborted); },
+    aborted: function (e) { return !!(e && e.name === "AbortError"); },
+    fetch: function (url, opts) {
+      opts = opts || {};
+      if (ctl) opts.signal = ctl.signal;
+      live++;
+      var done = function () { live--; };
+      var p = fetch(url, opts);
+      p.then(done, done);
+      return p;
+    }
+  };
+})();
+
 // ---- Per-token coefficients (issue 26; ffkv.web.activations) -------------------------------------
 // A page with an element [data-act-src] (a memory page, a sentence page opened with ?memory=L/D,
 // a search page) fetches that JSON and tints every token `.ex[data-sid] .tk[data-i]` by the
@@ -151,7 +180,7 @@
     status.append("; hover or focus a token for its value, ← → to move.");
   }
   // settled once the colours are painted or have failed: the later panels wait for it (below)
-  window.ffkvColours = fetch(status.dataset.actSrc, { headers: { Accept: "application/json" }, credentials: "same-origin" })
+  window.ffkvColours = window.ffkvPage.fetch(status.dataset.actSrc, { headers: { Accept: "application/json" }, credentials: "same-origin" })
     .then(function (r) {
       return r.json().then(function (j) {
         if (!r.ok) throw new Error((j && j.detail) || ("HTTP " + r.status));
@@ -160,6 +189,7 @@
     })
     .then(paint)
     .catch(function (e) {
+      if (window.ffkvPage.aborted(e)) return;  // the page was left
       status.dataset.state = "failed";
       status.textContent = "Colours unavailable: " + e.message;
     });
@@ -184,7 +214,8 @@
 // without them: the two share the model, one forward at a time, so asking for the panels first
 // would hold the colours back), this fetches that page and puts its [data-later-panels] children
 // (the steps' sections) in the placeholder's place; on failure the placeholder says why and keeps
-// its link. Its data-state: waiting, loading, failed (gone when done).
+// its link. Its data-state: waiting, loading, failed (gone when done). Leaving the page aborts the
+// fetch (ffkvPage, above), or keeps it from starting.
 (function () {
   "use strict";
   var box = document.querySelector("[data-later-src]");
@@ -199,8 +230,9 @@
   function say(state, text) { box.dataset.state = state; line.textContent = text; }
   say("waiting", "Computing " + what + " once the colours are done…");
   function load() {
+    if (window.ffkvPage.left()) return;  // the page was left while its colours were asked for
     say("loading", "Computing " + what + "… (the model runs over this memory's sentences)");
-    return fetch(box.dataset.laterSrc, { headers: { Accept: "text/html" }, credentials: "same-origin" })
+    return window.ffkvPage.fetch(box.dataset.laterSrc, { headers: { Accept: "text/html" }, credentials: "same-origin" })
       .then(function (r) {
         return r.text().then(function (t) {
           var doc = new DOMParser().parseFromString(t, "text/html");
@@ -225,6 +257,7 @@
         if (h && nodes.some(function (n) { return n.contains(h); })) h.scrollIntoView();
       })
       .catch(function (e) {
+        if (window.ffkvPage.aborted(e)) return;  // the page was left
         say("failed", "Could not compute " + what + ": " + e.message + ". The link tries again, on a page of its own.");
       });
   }
