@@ -13,7 +13,11 @@ Only the gate's sign is captured beside m (`ffkv.model.arch.Architecture.hook_g`
 projection's output, the first half of a fused gate_up): the input's sign follows, since
 sign(x·u) = sign(m)·sign(f(x·g)) wherever m ≠ 0, and f(z) has z's sign or is 0 (SiLU, GELU, ReLU:
 `refusal` checks the model's own activation on a grid and refuses one that does not). A token
-with m_i = 0 adds nothing (its input's sign is not read); so does padding.
+with m_i = 0 adds nothing (its input's sign is not read); so does padding. A mixture of experts
+(`ffkv.model.arch.MoE.hook_g`) hands in each expert's gate on the tokens routed to it and 0 on the
+others, where m is 0 too; m = w·f(x·g)·(x·u) with a positive weight w (the router's, or the shared
+expert's sigmoid gate), so the same rule reads the input's sign (the experts' activation is the one
+checked; Qwen2-MoE's shared expert has the same, the config's hidden_act).
 
 Per batch and layer the sums run in float64 (numba on a CPU, one read of m and g; torch
 elsewhere) for up to `FLUSH` batches and are then carried in exact integer limbs

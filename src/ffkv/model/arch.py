@@ -553,9 +553,6 @@ class MoE(Architecture):
             raise FfkvError(f"{self.name} with layers of different expert shapes {sorted(shapes)} is not "
                             "supported: every layer must have the same memories")
 
-    def gate_refusal(self) -> str | None:
-        return "is a mixture of experts: sign regimes are not supported for one yet"
-
     # ---- the experts' layout -----------------------------------------------------------------
     def experts(self, blk):
         return self.module(blk, self.key)
@@ -658,8 +655,11 @@ class MoE(Architecture):
             w = w / w.sum(dim=-1, keepdim=True)
         return w, idx
 
-    def coefficients(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
-        """m (..., d_m) from the MoE block's input x (..., d), batched by expert."""
+    def terms(self, blk, x: torch.Tensor, act=None, gate: bool = False) -> dict[str, torch.Tensor]:
+        """{"m": m, and with `gate` "g": the gate pre-activations} (..., d_m) from the MoE block's
+        input x (..., d): one routing (`route`), batched by expert. g_(e,i) = x·g_(e,i) (the first
+        d_e rows of gate_up_proj[e]) on the tokens routed to e, 0 on the others (m is 0 there too);
+        the shared expert's g is its gate_proj(x) on every token. g is the very gate m is made of."""
         import torch
 
         ex = self.experts(blk)
@@ -668,18 +668,29 @@ class MoE(Architecture):
         x2 = x.reshape(-1, x.shape[-1])
         w, idx = self.route(blk, x2)
         m = x2.new_zeros(x2.shape[0], E * de + ds)
+        g = x2.new_zeros(x2.shape[0], E * de + ds) if gate else None
         for e in range(E):
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             if len(tok) == 0:
                 continue
             xe = x2[tok]
-            gate, up = torch.nn.functional.linear(xe, ex.gate_up_proj[e]).chunk(2, dim=-1)
-            m[tok, e * de:(e + 1) * de] = f(gate) * up * w[tok, slot, None].to(x2.dtype)
+            ge, up = torch.nn.functional.linear(xe, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            m[tok, e * de:(e + 1) * de] = f(ge) * up * w[tok, slot, None].to(x2.dtype)
+            if gate:
+                g[tok, e * de:(e + 1) * de] = ge
         if self.shared:
             sh = self.module(blk, self.shared)
-            g = torch.sigmoid(self.module(blk, self.shared_gate)(x2))
-            m[:, E * de:] = (act or sh.act_fn)(sh.gate_proj(x2)) * sh.up_proj(x2) * g
-        return m.view(*x.shape[:-1], E * de + ds)
+            s = torch.sigmoid(self.module(blk, self.shared_gate)(x2))
+            gs = sh.gate_proj(x2)
+            m[:, E * de:] = (act or sh.act_fn)(gs) * sh.up_proj(x2) * s
+            if gate:
+                g[:, E * de:] = gs
+        out = {"m": m} if g is None else {"m": m, "g": g}
+        return {k: v.view(*x.shape[:-1], E * de + ds) for k, v in out.items()}
+
+    def coefficients(self, blk, x: torch.Tensor, act=None) -> torch.Tensor:
+        """m (..., d_m) from the MoE block's input x (..., d), batched by expert (`terms`)."""
+        return self.terms(blk, x, act)["m"]
 
     def rebuild(self, blk, m):
         """Σ_(e,i) m_(e,i)·v_(e,i), expert by expert from the fused weights (no V formed)."""
@@ -698,6 +709,17 @@ class MoE(Architecture):
 
     def hook_x(self, blk, fn, shape):
         return [self.module(blk, self.block).register_forward_pre_hook(lambda mod, args: fn(args[0]))]
+
+    def hook_g(self, blk, fn, shape):
+        """fn(g) on the gate pre-activations g (B, T, d_m) (`terms`: x·g_(e,i) on the tokens routed
+        to e, 0 elsewhere; the shared expert's on every token), recomputed from the block's input,
+        as m is (`hook_m`). The sign rule of `ffkv.mine.regimes` holds: the router's weight and the
+        shared expert's sigmoid gate are positive, so sign(m) = sign(f(g))·sign(u) wherever m ≠ 0.
+        The routing runs again here (hooks hold no state in common with `hook_m`'s)."""
+        def pre(mod, args):  # returns None: the block's input stays
+            fn(self.terms(blk, args[0], gate=True)["g"])
+
+        return [self.module(blk, self.block).register_forward_pre_hook(pre)]
 
     def hook_m(self, blk, fn, shape, state):
         """m is computed once per forward from the block's input (kept in `state`, which every
