@@ -11,7 +11,10 @@ gate counting as + when g > 0. A token with m = 0 (padding, a zero gate) is in n
 `scan(mm, layer, dim, seqs)` runs the model over `seqs` (padded batches, each forward stopped after
 `layer`: `MemoryModel.capture`) and reads, at that one dim, g where the model computes it
 (`hook_g`), m where the model computes it (`hook_m`) and u from the FFN input x and the up
-projection's row (`MemoryModel.up_keys`, `up_bias`). `regimes(...)` then gives, over the searched
+projection's row (`MemoryModel.up_keys`, `up_bias`). In a mixture of experts (`ffkv.model.arch.MoE`)
+x is the MoE block's input, the up row is expert e's, and g and m are 0 on the tokens not routed to
+e (in no regime); m = w_e·f(g)·u with the router's weight w_e > 0 (the shared expert's sigmoid gate),
+so the signs of g and u still name the regime. `regimes(...)` then gives, over the searched
 tokens, each regime's token count and share of the activation mass Σ|m| (shares sum to 1 when any
 token has m ≠ 0) and its `PER_REGIME` strongest examples by |m|, one per sentence (its strongest
 token; ties: the first), ordered by |m| descending, then sentence_id, then position.
@@ -124,9 +127,9 @@ _results: OrderedDict = OrderedDict()  # (run folder, layer, dim) -> memory_regi
 
 
 def applies(run) -> bool:
-    """Whether the run's model has sign regimes: a gated FFN, not a mixture of experts."""
+    """Whether the run's model has sign regimes: a gated FFN (dense, or a mixture of experts)."""
     m = run.manifest.get("model") or {}
-    return bool(m.get("gated")) and not m.get("experts")
+    return bool(m.get("gated"))
 
 
 def _keep(cache: OrderedDict, key, value, size: int):

@@ -91,7 +91,8 @@ class MineSettings:
                                                  "layer. Needs every dim mined.", parse=_cov_layers)
     regimes: bool = setting(False, "Also sum each memory's activation mass Σ|m| and its tokens in the four sign "
                                    "regimes of a gated FFN, (gate, input) = (+,+), (+,−), (−,+), (−,−) (table "
-                                   "sign_regimes). Gated dense FFNs only; the pass runs the eager forward.")
+                                   "sign_regimes). Gated FFNs only (dense, or a mixture of experts, each expert's gate "
+                                   "recomputed from the block's input); the pass runs the eager forward.")
     samples_per_bin: int = setting(5, "Quantile samples kept per key, sign and histogram bin.",
                                    check=between(0, 1000))
     checkpoint_every: float = setting(60.0, "Seconds between checkpoints.", check=at_least(0), recorded=False)
