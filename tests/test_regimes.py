@@ -254,7 +254,7 @@ def test_resumed_pass_gives_the_same_table(tmp_path, tiny_dirs):
             assert np.array_equal(x, y), c
 
 
-def _mixtral(path, tok_dir):
+def _mixtral(path, tok_dir, **kw):
     import transformers as tf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,16 +262,19 @@ def _mixtral(path, tok_dir):
     cfg = tf.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            num_experts_per_tok=2, max_position_embeddings=128, vocab_size=len(tok),
                            bos_token_id=0, eos_token_id=0, pad_token_id=0, intermediate_size=24,
-                           num_local_experts=4)
+                           num_local_experts=4, **kw)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("arch, says", [("gpt2", "--regimes: gpt2 needs a gated FFN"),
-                                        ("mixtral", "--regimes: mixtral is a mixture of experts")])
-def test_ungated_or_moe_model_is_refused_in_one_line(tmp_path, tiny_dirs, tok_dir, arch, says):
-    model = tiny_dirs[arch] if arch in tiny_dirs else _mixtral(tmp_path / arch, tok_dir)
+@pytest.mark.parametrize("arch, says", [
+    ("gpt2", "--regimes: gpt2 needs a gated FFN"),
+    # a mixture of experts has sign regimes (test_regimes_moe), but its experts' activation must keep
+    # its input's sign too
+    ("mixtral", "--regimes: mixtral's activation sigmoid (layer 0) does not keep its input's sign")])
+def test_ungated_model_or_sign_losing_activation_is_refused_in_one_line(tmp_path, tiny_dirs, tok_dir, arch, says):
+    model = tiny_dirs[arch] if arch in tiny_dirs else _mixtral(tmp_path / arch, tok_dir, hidden_act="sigmoid")
     res = run_cli("mine", "--out", tmp_path / "r", "--model", model, "--corpus",
                   WT2 / "wiki.valid.tokens", "--max-sentences", "3", "--regimes")
     assert res.returncode == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
