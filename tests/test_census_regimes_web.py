@@ -179,11 +179,13 @@ def test_the_page_waits_for_no_forward_and_links_to_the_later_panels(page, memor
 
 def test_later_panels_refuse_what_the_page_refuses(llama):
     c = _client(llama)
-    for url in ("/memory/99/0", "/memory/0/999999", "/memory/0/x"):
+    for url in ("/memory/99/0", "/memory/0/999999", "/memory/0/x", "/memory/-1/0", "/memory/0/-1", "/memory/x/0",
+                "/memory/1.5/0", "/memory/0/99999999999999999999999", "/memory/%20/0"):
         page, later = c.get(url), c.get(url + "/later-panels")
         assert page.status_code == later.status_code and page.status_code in (404, 422), url
         got = [re.search(r'<p class="detail">([^<]*)</p>', r.text) for r in (page, later)]
         assert got[0] and got[1] and got[0].group(1) == got[1].group(1), url
+        assert got[0].group(1).strip() and "\n" not in got[0].group(1), url  # one line
 
 
 def test_no_regime_panel_for_an_ungated_ffn(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
