@@ -151,6 +151,15 @@ def test_rome_factors_of_a_singular_covariance_use_its_pseudo_inverse():
     np.testing.assert_allclose(u, left / np.linalg.norm(left), rtol=1e-4, atol=1e-6)
 
 
+def _block_rows(m, layer):
+    """A pre-hook recording the (rows, tokens) each forward feeds block `layer`, and its handle."""
+    seen = []
+
+    def pre(mod, args, kwargs):
+        seen.append(tuple((args[0] if args else kwargs["hidden_states"]).shape[:2]))
+    return seen, m.blocks[layer].register_forward_pre_hook(pre, with_kwargs=True)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "gpt_neox"])
 def test_the_target_from_the_cached_lower_blocks_is_the_full_forwards(tiny_dirs, name):
     """v* found running only the blocks from the edited one on (their input recorded in the first
@@ -169,12 +178,45 @@ def test_the_target_from_the_cached_lower_blocks_is_the_full_forwards(tiny_dirs,
 
     E._from_block = counted
     try:
-        cached, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0})
+        cached, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0, "cache_prefix": False})
     finally:
         E._from_block = real
-    full, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0, "cache_below": False})
+    full, _, _ = E.target_output(m, 1, REQ, tpl, {"steps": 6, "clamp": 8.0, "cache_below": False,
+                                                  "cache_prefix": False})
     assert len(calls) >= 5  # the check, then every later step
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "gpt_neox"])
+def test_the_target_from_cached_prefixes_is_the_full_forwards(tiny_dirs, name):
+    """v*, ROME's and MEMIT's (δ after the FFN and on the residual), found running only each row's
+    tokens from the subject's last one on, on the cached keys and values of the tokens before it,
+    equals v* found running every token at every step; and those later steps feed the edited block
+    only those tokens."""
+    from ffkv.model.memories import open_model
+    from ffkv.steps.facts import edit as E
+
+    m = open_model(str(tiny_dirs[name]), device="cpu")
+    req = Request("{} is in the city of", "The tower", " the", " of")  # tokens after the subject
+    tpl = ["{}", "Once upon a time. {}", "It was a dark and stormy night. {}"]
+    hp = {"steps": 6, "clamp": 8.0}
+    for target in (lambda h: E.target_output(m, 1, req, tpl, h)[0], lambda h: E.target_hidden(m, 1, req, tpl, h)):
+        seen, handle = _block_rows(m, 1)
+        seen0, handle0 = _block_rows(m, 0)
+        try:
+            cached = target(hp)
+        finally:
+            handle.remove()
+            handle0.remove()
+        full = target({**hp, "cache_below": False, "cache_prefix": False})
+        torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+        widths = [t for _, t in seen]
+        # the prompt's forwards, the first step's, the prefix pass, then the check and every later
+        # step on the tokens from the subject's last on: shorter than any full row
+        suffix = len(m.tok(" is in the city of")["input_ids"]) + 1
+        assert widths[-5:] == [suffix] * 5, widths
+        assert max(widths) > suffix
+        assert len(seen0) < len(seen) - 3  # and the blocks below it are not run again
 
 
 def test_memit_relative_lambda_is_free_of_the_keys_scale():

@@ -32,6 +32,7 @@ import torch
 from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.errors import FfkvError
 from ffkv.model.onednn import fast_products
+from ffkv.model.prefix import context as _context
 
 
 @dataclass
@@ -266,9 +267,6 @@ def _attach_leaves(run_seqs: list[tuple], rid: np.ndarray, positions: np.ndarray
     return parent, share
 
 
-def _context(mm) -> int:
-    """Positions the model has (`MemoryModel.max_length`); a model object without one: no limit."""
-    return int(getattr(mm, "max_length", None) or np.iinfo(np.int64).max)
 
 
 def _check_requests(mm, seqs: list[tuple], layers, positions, dims):
@@ -376,24 +374,18 @@ class _Passes:
     def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
         """Run the tokens of leaves `lb` after their shared prefix, on their roots' cached keys and
         values (rows picked from the root batch, cut to the longest shared prefix P)."""
-        from transformers import DynamicCache
+        from ffkv.model.prefix import continued
 
         kk = torch.as_tensor(self.share[lb], device=device)
         P = int(kk.max())
         ids_new, mask_new = self.mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
-        T = ids_new.shape[1]
         src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in lb], device=device)
         ldeep = int(self.deepest[lb].max())
         past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
                 for l in range(ldeep + 1)]
-        am = torch.cat([(torch.arange(P, device=device)[None] < kk[:, None]).to(mask_new.dtype),
-                        mask_new], 1)
-        # a leaf's real tokens sit at positions share..len-1 < the model's context (`_check_requests`);
-        # its padding, after them, would run past it when a longer leaf shares the batch (GPT-2's
-        # position table has no row there): padding takes the last position, masked and never read
-        pos_ids = (kk[:, None] + torch.arange(T, device=device)[None]).clamp_(max=self.max_pos - 1)
-        self.forward(lb, ids_new, am, self.share, ldeep, past_key_values=DynamicCache(ddp_cache_data=past),
-                     use_cache=True, position_ids=pos_ids)
+        kw = continued(past, kk, ids_new, mask_new, self.max_pos)
+        self.forward(lb, ids_new, kw.pop("attention_mask"), self.share, ldeep,
+                     **{k: v for k, v in kw.items() if k != "input_ids"})
 
     def requests_by_layer(self, b: np.ndarray, offset: np.ndarray) -> dict[int, tuple]:
         """layer -> (request ids, batch rows, positions in the batch, dims) of run sequences `b`,
