@@ -338,6 +338,20 @@ class MemoryModel:
         pid = self.tok.pad_token_id
         return int(pid if pid is not None else 0)
 
+    @torch.no_grad()
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """The model's own greedy continuation of token ids `ids`, as it now is (edited or hooked):
+        up to n new ids from a plain `generate` (do_sample=False; fewer where it ends its text, none
+        past the model's context, where a position has no embedding). The one generation the
+        explorer's continuations and the facts' before/after and fluency texts all read."""
+        n = min(int(n), self.max_length - len(ids))
+        if n <= 0 or not len(ids):
+            return []
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                               num_beams=1, pad_token_id=self.pad_id())
+        return out[0, len(ids):].tolist()
+
     def batch(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad token id lists into (B, T) ids and mask (`pad_rows`)."""
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))

@@ -17,7 +17,7 @@ outside the text is one line (422). `hardest`: the memories of all layers with t
 the position (m the capture's coefficient, `explain`'s, which tests hold equal to
 `MemoryModel.coefficients`), each with its contribution to the prediction.
 
-Continuation (`continuation`): the model's own `generate` (greedy, `do_sample=False`), once as
+Continuation (`continuation`): the model's own greedy `generate` (`MemoryModel.greedy`), once as
 it is and once inside `MemoryModel.intervene(edits, at)`: with `at=last` each forward of the
 generation edits its last position, so the text's last token and every generated token are
 edited (the key-value cache keeps them edited); with `at=all` every position is. It stops early
@@ -319,18 +319,6 @@ def _compute(request: Request, q: Query, ex: Explorer) -> dict:
     return res
 
 
-def greedy(mm, ids: list[int], n: int) -> list[int]:
-    """The model's own greedy continuation of `ids`: up to n new token ids (`generate`,
-    do_sample=False; fewer where it ends its text)."""
-    import torch
-
-    x = torch.tensor([ids], dtype=torch.long, device=mm.device)
-    with torch.no_grad():
-        out = mm.hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             num_beams=1, pad_token_id=mm.pad_id())
-    return out[0, len(ids):].tolist()
-
-
 def continuation(mm, text: str, n: int, edits=(), at: str = "last", ids: list[int] | None = None) -> dict:
     """`n` greedy tokens after `text` (or after the token ids `ids`: the explored position's
     prefix), as the model writes them (`original`) and under the edits (`edited`, None without
@@ -347,11 +335,11 @@ def continuation(mm, text: str, n: int, edits=(), at: str = "last", ids: list[in
     def read(new: list[int]) -> dict:
         return {"ids": new, "tokens": [mm.tok.decode([i]) for i in new], "text": mm.tok.decode(new)}
 
-    original = read(greedy(mm, ids, n))
+    original = read(mm.greedy(ids, n))
     edited, diverges = None, None
     if edits:
         with mm.intervene(list(edits), at=at):
-            edited = read(greedy(mm, ids, n))
+            edited = read(mm.greedy(ids, n))
         diverges = _diverges(original["ids"], edited["ids"])
     return {"n": n, "at": at, "original": original, "edited": edited, "diverges_at": diverges}
 

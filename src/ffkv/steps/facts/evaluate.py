@@ -57,20 +57,11 @@ def target_nll(mm, texts: list[str], target: str, batch: int = 32) -> np.ndarray
     return np.array(out)
 
 
-@torch.no_grad()
 def greedy(mm, text: str, tokens: int = GEN_TOKENS) -> str:
-    """The model's greedy continuation of `text` (no cache tricks: a plain generate), cut where
-    the model's context ends (past it a position has no embedding)."""
+    """The model's greedy continuation of `text` as text (`MemoryModel.greedy`)."""
     from ffkv.steps.facts.data import prompt_ids
 
-    ids = torch.tensor([prompt_ids(mm.tok, text, mm.max_length)], device=mm.device)
-    tokens = min(int(tokens), mm.max_length - ids.shape[1])
-    if tokens <= 0:
-        return ""
-    pad = mm.tok.pad_token_id if mm.tok.pad_token_id is not None else mm.tok.eos_token_id
-    out = mm.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                         pad_token_id=pad)
-    return mm.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return mm.tok.decode(mm.greedy(prompt_ids(mm.tok, text, mm.max_length), tokens), skip_special_tokens=True)
 
 
 @dataclass
