@@ -209,7 +209,7 @@ def regime_panels(run, layer: int, dim: int) -> list:
     (`ffkv.steps.census.regimes`): the regimes' shares of the activation mass over the searched
     tokens, and each regime's strongest examples, one row per token shown (`EXAMPLE_COLUMNS`: m,
     gate and input at that token; `position` is the example's own token), drawn by the census's
-    panel partial. None for an ungated FFN or a mixture of experts; a failure is the panel's note."""
+    panel partial. None for an ungated FFN; a failure is the panel's note."""
     from ffkv.steps import Panel
     from ffkv.steps.census import regimes as R
 
