@@ -1,4 +1,4 @@
-"""Issue 48: a memory page left before its later panels (`Step.later_panels`, a model forward) are
+"""Issue 48: a memory page left before its later panels (`Step.later_panels`, a model forward) or its colours are
 computed costs the server no forward, so a quick `j` does not queue the next page's colours behind
 them on the model's lock. In Debian's chromium (Playwright) against the browser served in process
 (uvicorn, `conftest.serving`) on a tiny censused Llama run (`test_census_regimes_web`'s).
@@ -130,3 +130,62 @@ def test_a_page_left_before_its_later_panels_runs_no_forward(run, browser, monke
     assert did[0][0] == "colours" and (la, da) in did[0][1], did
     assert [e for e in did if e[0] == "regimes"] == [("regimes", (lb, db))], did
     assert colours_b and max(skip[0], colours_b[0]) < did.index(("regimes", (lb, db))), did
+
+
+def test_colours_asked_by_a_page_left_run_no_forward(run, monkeypatch):
+    """The colours' request of a page left while it waits for the model (its client gone: the
+    socket closed) is answered 499 with a log line, and computes nothing; the same request from
+    a client that stays is then computed as ever. Over a raw socket against uvicorn in process,
+    no browser: the test holds the colours' lock itself while the request waits."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    import httpx
+
+    from conftest import serving
+    from ffkv.web import activations
+    from ffkv.web.app import create_app
+    from ffkv.web.routers import memory as M
+
+    (la, da), _ = _pair(run)
+    events: list[tuple] = []
+    real_compute, real_turn = activations.compute, M.model_turn
+
+    def compute(mm, seqs, jobs, *a, **k):
+        events.append(("colours", tuple(sorted({tuple(x) for j in jobs for x in j}))))
+        return real_compute(mm, seqs, jobs, *a, **k)
+
+    def model_turn(request, lock):
+        events.append(("waits", request.url.path))
+        return real_turn(request, lock)
+
+    monkeypatch.setattr(activations, "compute", compute)
+    monkeypatch.setattr(M, "model_turn", model_turn)
+    app = create_app(run, log_fn=lambda msg: events.append(("log", msg)))
+    path = f"/api/memory/{la}/{da}/activations"
+    compute_lock = activations.cache(app.state).compute
+
+    def until(cond, what):
+        for _ in range(WAIT * 20):
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"never happened: {what}")
+
+    with serving(app) as url:
+        u = urlparse(url)
+        compute_lock.acquire()  # another page's colours, as the server sees it
+        try:
+            sock = socket.create_connection((u.hostname, u.port))
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n\r\n".encode())
+            until(lambda: ("waits", path) in events, "the colours' request waited for the model")
+            sock.close()  # the page is left
+            until(lambda: any(e[0] == "log" and path in e[1] and "not computed" in e[1] for e in events),
+                  "the server gave up the left page's colours")
+        finally:
+            compute_lock.release()
+        assert not [e for e in events if e[0] == "colours"], events
+        j = httpx.get(url + path, timeout=WAIT).json()  # a client that stays gets them
+    assert [e for e in events if e[0] == "colours"] == [("colours", ((la, da),))], events
+    assert j["computed"] > 0 and j["examples"]

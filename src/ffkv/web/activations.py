@@ -37,7 +37,7 @@ import numpy as np
 from markupsafe import Markup, escape
 
 from ffkv.web.common import show_trigger, templates
-from ffkv.web.tables import PREFIX_TOKENS, BadQuery, NotFound
+from ffkv.web.tables import PREFIX_TOKENS, BadQuery, Left, NotFound
 
 BEFORE = PREFIX_TOKENS  # tokens shown up to and including the trigger, as the prefix column did
 AFTER = 12  # tokens shown after the trigger
@@ -270,12 +270,14 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
     return out
 
 
-def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
+def activations_many(b, app_state, items, skip_pos0: bool = False, turn=None) -> dict:
     """m at the tokens of each example `items` names ((layer, dim, sentence_id, position), the
     position None for a whole sentence), from the cache or one batched computation; the JSON
     of several memories (the module docstring lists its fields). `skip_pos0`: a sentence's first
     token sets no scale (?pos0=hide: a first-position memory's huge m there would leave every
-    other token untinted)."""
+    other token untinted). `turn(lock)`: called before a computation waits for a lock, False
+    when the request's client has gone meanwhile (`Left` is raised then: no forward for a page
+    already left, so the next page's colours are not queued behind it)."""
     t0 = time.time()
     asked: dict[tuple[int, int], list] = {}
     for layer, dim, sid, pos in items:
@@ -292,6 +294,8 @@ def activations_many(b, app_state, items, skip_pos0: bool = False) -> dict:
     missing = look()
     computed = 0
     if missing:
+        if turn is not None and not (turn(c.compute) and turn(b.model_lock)):
+            raise Left(f"{len(missing)} colours")
         fg = getattr(b, "foreground", None)
         with (fg.busy() if fg is not None else nullcontext()), c.compute:
             for k, sid in missing:  # another request may have computed them meanwhile
@@ -396,10 +400,10 @@ def text_activations(b, layer: int, dim: int, text: str, truncate: str | None = 
             "top": [t["i"] for t in top], "cut": cut, "seconds": round(time.time() - t0, 3)}
 
 
-def activations(b, app_state, layer: int, dim: int, examples, skip_pos0: bool = False) -> dict:
+def activations(b, app_state, layer: int, dim: int, examples, skip_pos0: bool = False, turn=None) -> dict:
     """The JSON of one memory's page (the module docstring lists its fields)."""
     b.check_key(layer, dim)
-    j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples], skip_pos0)
+    j = activations_many(b, app_state, [(layer, dim, sid, pos) for sid, pos in examples], skip_pos0, turn)
     one = j["memories"].get(f"{layer}/{dim}") or {"layer": layer, "dim": dim, "scale": 0.0, "scale_pos": 0.0,
                                                    "scale_neg": 0.0, "examples": {}}
     return {**one, "computed": j["computed"], "seconds": j["seconds"]}

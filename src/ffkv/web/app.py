@@ -18,7 +18,7 @@ import time
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -199,7 +199,7 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
         raise FfkvError(f"allowed hosts {hosts}: give the names clients use, not a wildcard")
     from ffkv.web import routes
     from ffkv.web.data import Browser
-    from ffkv.web.tables import BadQuery, NotFound
+    from ffkv.web.tables import LEFT, BadQuery, Left, NotFound
 
     say = log_fn or (lambda msg: print(f"ffkv serve: {msg}", file=sys.stderr))
     app = FastAPI(title="ffkv memory browser", docs_url=None, redoc_url=None, openapi_url=None)
@@ -229,6 +229,11 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
     @app.exception_handler(BadQuery)
     async def bad_query(request: Request, exc: BadQuery):
         return error_page(request, 422, "Malformed request", " ".join(str(exc).split()))
+
+    @app.exception_handler(Left)
+    async def left(request: Request, exc: Left):
+        say(f"{exc} of {request.url.path} not computed: the page was left before the model was free")
+        return Response(status_code=LEFT)
 
     @app.exception_handler(FfkvError)
     async def ffkv_error(request: Request, exc: FfkvError):

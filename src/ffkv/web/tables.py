@@ -33,6 +33,14 @@ class BadQuery(FfkvError):
     """A malformed query: a 422."""
 
 
+LEFT = 499  # "client closed request" (nginx's code): the status of an answer nobody reads
+
+
+class Left(Exception):
+    """A request whose client left while it waited for the model (a page left: its fetch aborted):
+    answered 499 and logged, its forward not run (`ffkv.web.routers.memory.model_turn`)."""
+
+
 # ---- per-memory lookups ----------------------------------------------------------------------------
 class ByKey:
     """The rows of a table grouped by memory, code = layer × d_m + dim, without reordering the

@@ -9,7 +9,7 @@ from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
 from ffkv.web.panels import later_labels, panel_html, step_panels
 from ffkv.web.params import api, hide_pos0, opt_int, opt_sign, req_int
-from ffkv.web.tables import BadQuery, NotFound
+from ffkv.web.tables import LEFT, BadQuery, NotFound
 from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
 
 
@@ -66,7 +66,6 @@ def memory_page(request: Request, layer: int, dim: int, top: str | None = None, 
                          all_samples=samples == "all", hide0=hide_pos0(pos0))
 
 
-LEFT = 499  # "client closed request" (nginx's code): the status of an answer nobody reads
 POLL = 0.2  # seconds between looks at whether a request waiting for the model still has its client
 
 
@@ -218,7 +217,8 @@ def api_activations(request: Request, layer: int, dim: int, top: str | None = No
     else:
         examples = activations.page_examples(b, layer, dim, req_int(top, "top", 25, 1, activations.MAX_TOP),
                                              samples or "first", opt_sign(sign), hide_pos0=hide0)
-    return api(activations.activations(b, request.app.state, layer, dim, examples, skip_pos0=hide0))
+    return api(activations.activations(b, request.app.state, layer, dim, examples, skip_pos0=hide0,
+                                       turn=lambda lock: model_turn(request, lock)))
 
 
 def _truncate(v: str | None) -> str | None:
@@ -253,7 +253,8 @@ def api_activations_many(request: Request, examples: str | None = None):
         n = len(b.sentence_tokens(b.sentence_row(sid)))  # 404 for a sentence not in the run
         if pos >= n:
             raise BadQuery(f"examples: sentence {sid} has {n} tokens, so no position {pos}")
-    return api(activations.activations_many(b, request.app.state, items))
+    return api(activations.activations_many(b, request.app.state, items,
+                                            turn=lambda lock: model_turn(request, lock)))
 
 
 @router.get("/api/sentence/{sid}")
