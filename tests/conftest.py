@@ -312,6 +312,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's (`.ci/run` installs it); Playwright downloads none
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through Playwright, one per test module (skipped where it is missing)."""
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    from ffkv.report.screenshot import BROWSER_ARGS
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
 @contextlib.contextmanager
 def serving(app, **config):
     """A real uvicorn server for `app` on a free loopback port, in a thread; yields its URL."""

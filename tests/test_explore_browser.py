@@ -15,10 +15,6 @@ import pytest
 from conftest import serving
 from test_explain import TEXT, build_explore_run
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_dirs):
@@ -27,20 +23,6 @@ def server(tmp_path_factory, tiny_dirs):
     run = build_explore_run(tmp_path_factory.mktemp("explore-browser"), tiny_dirs["llama"])
     with serving(create_app(run, log_fn=lambda m: None), access_log=False) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from pathlib import Path
-
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 def api(url: str) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import WT2, run_cli
 
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 FIGURES = ["fig2", "fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "fig10", "fig11"]
 SECTIONS = ["fig2", "fig2_human", "table1", "fig3", "fig4", "fig5", "fig6", "table2", "fig7", "fig8", "fig9",
             "fig10", "fig11", "cases"]

@@ -23,7 +23,7 @@ from test_web import llama, web_run  # noqa: F401  (fixtures)
 
 HOST = "http://127.0.0.1:8000"
 ORIGIN = {"Origin": HOST}
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 
 
 @pytest.fixture(scope="module")

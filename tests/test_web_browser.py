@@ -3,14 +3,13 @@ would: pages show the run's triggers, annotation round trips through the form, n
 the corpus or from annotations ever runs, and everything works with JavaScript off."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from test_web import PAYLOADS, llama, payload_keys, triggers, web_run  # noqa: F401  (fixtures)
 
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")]
 
@@ -21,18 +20,6 @@ def server(web_run):  # noqa: F811
 
     with serve_cli(web_run) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    from ffkv.report.screenshot import BROWSER_ARGS
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 class Watch:

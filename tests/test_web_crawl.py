@@ -190,20 +190,6 @@ def step_urls(run) -> list[str]:
             "/facts/edit/nothing"]
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    from ffkv.report.screenshot import BROWSER_ARGS
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
 # error pages of the crawl (every other URL must answer 200)
 ERRORS = {"/nowhere", "/memory/9/9", "/explore?text=hi&suppress=1:1&scale=1e308", "/layer/1?page=zz",
           "/layer/1?sort=nonsense", "/facts/edit/nothing"}

@@ -9,14 +9,13 @@ what ran is read from counting wrappers of the real functions (the regimes' `sca
 `compute`, the route's `model_turn`) and from the server's log, in the order it happened."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from test_census_regimes_web import _censused
 
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")]
 WAIT = 300  # seconds any one wait may take on a busy machine before the test fails (no assertion on time)
@@ -25,18 +24,6 @@ WAIT = 300  # seconds any one wait may take on a busy machine before the test fa
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, reference_mine, tiny_dirs, tiny_models):
     return _censused(tmp_path_factory, reference_mine, tiny_dirs["llama"], tiny_models["llama"], "later-cancel")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    from ffkv.report.screenshot import BROWSER_ARGS
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 def _pair(run) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -52,6 +39,28 @@ def _pair(run) -> tuple[tuple[int, int], tuple[int, int]]:
     raise AssertionError("the tiny run has no two neighbouring alive memories in layer 1")
 
 
+def _watched(monkeypatch) -> list[tuple]:
+    """A list the server's colour forwards ("colours", memories) and waits for the model ("waits",
+    path) are appended to as they happen, through counting wrappers of the real functions."""
+    from ffkv.web import activations
+    from ffkv.web.routers import memory as M
+
+    events: list[tuple] = []
+    real_compute, real_turn = activations.compute, M.model_turn
+
+    def compute(mm, seqs, jobs, *a, **k):
+        events.append(("colours", tuple(sorted({tuple(x) for j in jobs for x in j}))))
+        return real_compute(mm, seqs, jobs, *a, **k)
+
+    def model_turn(request, lock):
+        events.append(("waits", request.url.path))
+        return real_turn(request, lock)
+
+    monkeypatch.setattr(activations, "compute", compute)
+    monkeypatch.setattr(M, "model_turn", model_turn)
+    return events
+
+
 def _until(page, cond, what: str):
     for _ in range(WAIT * 20):
         if cond():
@@ -63,29 +72,17 @@ def _until(page, cond, what: str):
 def test_a_page_left_before_its_later_panels_runs_no_forward(run, browser, monkeypatch):
     from conftest import serving
     from ffkv.steps.census import regimes as R
-    from ffkv.web import activations
     from ffkv.web.app import create_app
-    from ffkv.web.routers import memory as M
 
     (la, da), (lb, db) = _pair(run)
-    events: list[tuple] = []  # what the server did, in order
-    real_scan, real_compute, real_turn = R.scan, activations.compute, M.model_turn
+    events = _watched(monkeypatch)  # what the server did, in order
+    real_scan = R.scan
 
     def scan(mm, layer, dim, *a, **k):
         events.append(("regimes", (layer, dim)))
         return real_scan(mm, layer, dim, *a, **k)
 
-    def compute(mm, seqs, jobs, *a, **k):
-        events.append(("colours", tuple(sorted({tuple(x) for j in jobs for x in j}))))
-        return real_compute(mm, seqs, jobs, *a, **k)
-
-    def model_turn(request, lock):
-        events.append(("waits", request.url.path))
-        return real_turn(request, lock)
-
     monkeypatch.setattr(R, "scan", scan)
-    monkeypatch.setattr(activations, "compute", compute)
-    monkeypatch.setattr(M, "model_turn", model_turn)
     app = create_app(run, log_fn=lambda msg: events.append(("log", msg)))
     lock = app.state.browser.model_lock
     a_later = f"/memory/{la}/{da}/later-panels"
@@ -146,22 +143,9 @@ def test_colours_asked_by_a_page_left_run_no_forward(run, monkeypatch):
     from conftest import serving
     from ffkv.web import activations
     from ffkv.web.app import create_app
-    from ffkv.web.routers import memory as M
 
     (la, da), _ = _pair(run)
-    events: list[tuple] = []
-    real_compute, real_turn = activations.compute, M.model_turn
-
-    def compute(mm, seqs, jobs, *a, **k):
-        events.append(("colours", tuple(sorted({tuple(x) for j in jobs for x in j}))))
-        return real_compute(mm, seqs, jobs, *a, **k)
-
-    def model_turn(request, lock):
-        events.append(("waits", request.url.path))
-        return real_turn(request, lock)
-
-    monkeypatch.setattr(activations, "compute", compute)
-    monkeypatch.setattr(M, "model_turn", model_turn)
+    events = _watched(monkeypatch)
     app = create_app(run, log_fn=lambda msg: events.append(("log", msg)))
     path = f"/api/memory/{la}/{da}/activations"
     compute_lock = activations.cache(app.state).compute

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 from test_web import client, llama, no_traceback, sentences, triggers, web_app, web_run  # noqa: F401
 from test_web_bugs import one_line_4xx
 
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 ATOL, RTOL = 2e-4, 2e-3  # a padded batch and a single sequence round differently
 
 

@@ -5,14 +5,13 @@ box), words of a prefix never break mid-word, layouts hold at 1920 px, and the `
 the keyboard shortcuts."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from test_web import client, index, llama, triggers, web_app, web_run  # noqa: F401  (fixtures)
 
-CHROMIUM = Path("/usr/bin/chromium")
+from conftest import CHROMIUM
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")]
 
