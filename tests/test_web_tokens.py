@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from test_web import client, llama, no_traceback, sentences, triggers, web_app, web_run  # noqa: F401
 from test_web_bugs import one_line_4xx
 
-from conftest import CHROMIUM
 ATOL, RTOL = 2e-4, 2e-3  # a padded batch and a single sequence round differently
 
 
@@ -215,31 +214,17 @@ def served(web_run):  # noqa: F811
         yield url
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    if not CHROMIUM.exists():
-        pytest.skip("needs Debian's chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    from ffkv.report.screenshot import BROWSER_ARGS
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
-        yield b
-        b.close()
-
-
 READ_TOKENS = """() => Array.from(document.querySelectorAll('.ex[data-sid] .tk[data-i]')).map(t => [
   t.closest('.ex').dataset.sid, +t.dataset.i, t.dataset.m === undefined ? null : +t.dataset.m, t.className,
   t.title, t.tagName])"""
 
 
 @pytest.mark.browser
-def test_memory_page_colours_in_chromium(served, chromium, web_run, hf):  # noqa: F811
+def test_memory_page_colours_in_chromium(served, browser, web_run, hf):  # noqa: F811
     model, _ = hf
     sents = sentences(web_run)
     layer, dim = some_keys(web_run, 3)[-1]
-    page = chromium.new_page()
+    page = browser.new_page()
     held = []
     page.route("**/activations*", lambda route: held.append(route))  # held: the page must say so
     page.goto(f"{served}/memory/{layer}/{dim}")
@@ -290,13 +275,13 @@ READ_ROW_TOKENS = """() => Array.from(document.querySelectorAll('.ex[data-memory
 
 @pytest.mark.browser
 @pytest.mark.parametrize("url", ["/search?token=the", "/search?text=the"])
-def test_search_rows_colour_in_chromium(served, chromium, web_run, hf, url):  # noqa: F811
+def test_search_rows_colour_in_chromium(served, browser, web_run, hf, url):  # noqa: F811
     """Every token of every search row is tinted by its own row's memory: the `data-m` values read
     in chromium equal a hooked forward of that memory, and each row's strongest tint is its
     memory's largest |m| shown."""
     model, _ = hf
     sents = sentences(web_run)
-    page = chromium.new_page()
+    page = browser.new_page()
     page.goto(served + url)
     page.wait_for_selector("[data-act-src][data-state=done]", timeout=120_000)
     toks = page.evaluate(READ_ROW_TOKENS)
@@ -325,9 +310,9 @@ def test_search_rows_colour_in_chromium(served, chromium, web_run, hf, url):  # 
 
 
 @pytest.mark.browser
-def test_pages_work_without_javascript(served, chromium, web_run):  # noqa: F811
+def test_pages_work_without_javascript(served, browser, web_run):  # noqa: F811
     layer, dim = some_keys(web_run, 1)[0]
-    ctx = chromium.new_context(java_script_enabled=False)
+    ctx = browser.new_context(java_script_enabled=False)
     page = ctx.new_page()
     page.goto(f"{served}/memory/{layer}/{dim}")
     assert page.locator(".ex mark.tk").count() > 0
