@@ -229,3 +229,19 @@ def test_later_regime_panels_for_routed_and_shared_memories(moe_run):
         later = c.get(f"/memory/{layer}/{dim}/later-panels")
         assert later.status_code == 200 and "could not recompute" not in later.text
         assert all(f'id="regime-{k}"' in later.text for k in CODES)
+
+
+def test_a_shared_expert_whose_activation_loses_the_sign_is_refused(tmp_path_factory, tok_dir):
+    """The shared expert's own activation is checked too (the routed experts' keeps the sign here)."""
+    from ffkv.mine import regimes as R
+
+    _, mm = open_tiny("qwen2_moe", MOE["qwen2_moe"][0], lambda: tmp_path_factory.mktemp("moe"), tok_dir, _BUILT)
+    assert R.refusal(mm) is None
+    shared = mm.arch.module(mm.blocks[1], mm.arch.shared)
+    own = shared.act_fn
+    shared.act_fn = torch.nn.Sigmoid()
+    try:
+        why = R.refusal(mm)
+    finally:
+        shared.act_fn = own
+    assert why and "Sigmoid (its shared expert's) (layer 1) does not keep its input's sign" in why, why

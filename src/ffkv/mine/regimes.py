@@ -75,17 +75,22 @@ def refusal(mm, layers=None) -> str | None:
     why = mm.arch.gate_refusal()
     if why:
         return f"{mm.arch.name} {why}"
+    dev_dt = getattr(mm, "dtype", torch.float32)
+    dts = (torch.float32,) if dev_dt == torch.float32 else (torch.float32, dev_dt)
+    shared = getattr(mm.arch, "shared", None)  # a mixture of experts' shared expert has its own
     for l in sorted(set(range(mm.n_layers) if layers is None else layers)):
-        act = mm.act(l)
-        dev_dt = getattr(mm, "dtype", torch.float32)
-        dts = (torch.float32,) if dev_dt == torch.float32 else (torch.float32, dev_dt)
-        try:
-            ok = keeps_sign(act, dts)
-        except Exception:  # noqa: BLE001  (an activation that takes no plain tensor)
-            ok = False
-        if not ok:
-            return (f"{mm.arch.name}'s activation {mm.act_name} (layer {l}) does not keep its input's sign, "
-                    "so the input's sign cannot be read from m")
+        acts = [(mm.act(l), mm.act_name)]
+        if shared:
+            sh = mm.arch.module(mm.blocks[l], shared).act_fn
+            acts.append((sh, f"{type(sh).__name__} (its shared expert's)"))
+        for act, name in acts:
+            try:
+                ok = keeps_sign(act, dts)
+            except Exception:  # noqa: BLE001  (an activation that takes no plain tensor)
+                ok = False
+            if not ok:
+                return (f"{mm.arch.name}'s activation {name} (layer {l}) does not keep its input's sign, "
+                        "so the input's sign cannot be read from m")
     return None
 
 
