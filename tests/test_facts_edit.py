@@ -187,20 +187,17 @@ def test_the_target_from_the_cached_lower_blocks_is_the_full_forwards(tiny_dirs,
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "gpt_neox"])
-def test_the_target_from_cached_prefixes_is_the_full_forwards(tiny_dirs, name):
-    """v*, ROME's and MEMIT's (δ after the FFN and on the residual), found running only each row's
-    tokens from the subject's last one on, on the cached keys and values of the tokens before it,
-    equals v* found running every token at every step; and those later steps feed the edited block
-    only those tokens."""
-    from ffkv.model.memories import open_model
+def _prefix_target_is_the_full_ones(m, shortcut: bool = True):
+    """v*, ROME's and MEMIT's, found running only each row's tokens from the subject's last one on
+    (on the cached keys and values of the tokens before it) equals v* found running every token at
+    every step; and those later steps feed the edited block only those tokens, and block 0 none.
+    shortcut=False: the model's forward cannot continue the cache, and every step runs whole rows."""
     from ffkv.steps.facts import edit as E
 
-    m = open_model(str(tiny_dirs[name]), device="cpu")
     req = Request("{} is in the city of", "The tower", " the", " of")  # tokens after the subject
     tpl = ["{}", "Once upon a time. {}", "It was a dark and stormy night. {}"]
     hp = {"steps": 6, "clamp": 8.0}
-    for target in (lambda h: E.target_output(m, 1, req, tpl, h)[0], lambda h: E.target_hidden(m, 1, req, tpl, h)):
+    for target in (lambda h: E.target_output(m, 1, req, tpl, h)[0], lambda h: E.memit_target(m, 1, req, tpl, h)):
         seen, handle = _block_rows(m, 1)
         seen0, handle0 = _block_rows(m, 0)
         try:
@@ -214,9 +211,39 @@ def test_the_target_from_cached_prefixes_is_the_full_forwards(tiny_dirs, name):
         # the prompt's forwards, the first step's, the prefix pass, then the check and every later
         # step on the tokens from the subject's last on: shorter than any full row
         suffix = len(m.tok(" is in the city of")["input_ids"]) + 1
-        assert widths[-5:] == [suffix] * 5, widths
-        assert max(widths) > suffix
+        full_width = max(widths)
+        if not shortcut:
+            assert widths[-5:] == [full_width] * 5 or widths[-6:-1] == [full_width] * 5, widths
+            continue
+        # (MEMIT's z behind a post-norm ends with one more forward of the bare prompt)
+        i = widths.index(suffix)
+        assert widths[i:i + 5] == [suffix] * 5 and full_width not in widths[i:], widths
+        assert full_width > suffix
         assert len(seen0) < len(seen) - 3  # and the blocks below it are not run again
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "gpt_neox"])
+def test_the_target_from_cached_prefixes_is_the_full_forwards(tiny_dirs, name):
+    from ffkv.model.memories import open_model
+
+    _prefix_target_is_the_full_ones(open_model(str(tiny_dirs[name]), device="cpu"))
+
+
+@pytest.mark.parametrize("window", [512, 8])
+def test_the_target_from_cached_prefixes_behind_a_post_norm(tmp_path_factory, tok_dir, window):
+    """Gemma 3: δ sought on the raw output before the post-FFN norm, its sliding-window layers
+    continued from the cache. A window shorter than the rows (8 tokens) counts the cache's masked
+    places in it, so the continuation differs from the full forward: the first step's check
+    refuses the shortcut, and v* is still the full one."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    def config(n):
+        c = FAMILIES["gemma3_text"].config(n)
+        c.sliding_window = window
+        return c
+
+    m = open_tiny(f"gemma3_text-w{window}", config, lambda: tmp_path_factory.mktemp("g3p"), tok_dir, _BUILT)[1]
+    _prefix_target_is_the_full_ones(m, shortcut=window > 24)
 
 
 def test_memit_relative_lambda_is_free_of_the_keys_scale():
