@@ -510,3 +510,38 @@ def test_cli_mutate(runs, tmp_path):
     assert code == 2 and "ffkv mine" in err and "Traceback" not in err
     code, stdout, err = cli_inproc("mutate", tmp_path / "nope")
     assert code == 2 and "does not exist" in err
+
+
+def test_prefix_sharing_past_a_sliding_window_runs_in_full(tmp_path_factory, tok_dir):
+    """Gemma 3 with a sliding window of 12 tokens passes the sharing check (9-token sequences) but
+    a cached prefix's masked places would count in the window of a longer sequence: sequences
+    past the window are run in full, and equal lone passes."""
+    from test_families import _BUILT, FAMILIES, open_tiny
+
+    def config(n):
+        c = FAMILIES["gemma3_text"].config(n)
+        c.sliding_window = 12
+        return c
+
+    mm = open_tiny("gemma3_text-w12", config, lambda: tmp_path_factory.mktemp("g3w"), tok_dir, _BUILT)[1]
+    assert R.sharing_ok(mm)
+    rng = random.Random(3)
+    seqs, lays, poss, dims, anchors = [], [], [], [], []
+    for _ in range(4):
+        base = tuple(rng.randrange(5, mm.vocab_size) for _ in range(24))
+        seqs.append(base)
+        lays.append(mm.n_layers - 1)
+        poss.append(len(base) - 1)
+        dims.append(rng.randrange(mm.d_m))
+        anchors.append(-1)
+        a = len(seqs) - 1
+        for j in (3, 5):  # a token removed early: the variant shares only its first j tokens
+            v = base[:j] + base[j + 1:]
+            seqs += [v]
+            lays.append(mm.n_layers - 1)
+            poss.append(len(v) - 1)
+            dims.append(rng.randrange(mm.d_m))
+            anchors.append(a)
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors)
+    want = np.array([_direct(mm, s, l, d, p) for s, l, p, d in zip(seqs, lays, poss, dims)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -33,6 +33,7 @@ from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.errors import FfkvError
 from ffkv.model.onednn import fast_products
 from ffkv.model.prefix import context as _context
+from ffkv.model.prefix import sliding_window
 
 
 @dataclass
@@ -329,6 +330,7 @@ class _Passes:
         self.ratio = tight_ratio(getattr(mm, "device", "cpu"))
         self.fixed = pass_tokens(getattr(mm, "device", "cpu"))
         self.max_pos = _context(mm)
+        self.window = sliding_window(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
         self.run_len = np.array([len(s) for s in self.run_seqs], dtype=np.int64)
@@ -379,8 +381,13 @@ class _Passes:
         kk = torch.as_tensor(self.share[lb], device=device)
         P = int(kk.max())
         ids_new, mask_new = self.mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
-        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in lb], device=device)
         ldeep = int(self.deepest[lb].max())
+        if self.window is not None and P + ids_new.shape[1] > self.window:
+            # past a sliding window the cache's masked places would count in it: run them in full
+            ids, mask = self.mm.batch([list(self.run_seqs[w]) for w in lb])
+            self.forward(lb, ids, mask, np.zeros(len(self.run_seqs), dtype=np.int64), ldeep)
+            return
+        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in lb], device=device)
         past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
                 for l in range(ldeep + 1)]
         kw = continued(past, kk, ids_new, mask_new, self.max_pos)

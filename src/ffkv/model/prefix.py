@@ -14,6 +14,23 @@ import numpy as np
 import torch
 
 
+def sliding_window(mm) -> int | None:
+    """The attention window of the model's sliding-window layers, None where every layer sees its
+    whole past. A continued cache's masked places (a row's columns past its own prefix) take places
+    in such a window, so a continuation is exact only while the cache and the new tokens fit in it."""
+    from ffkv.model.arch import text_config
+
+    hf = getattr(mm, "hf", None)
+    cfg = text_config(hf.config) if hf is not None else None
+    w = getattr(cfg, "sliding_window", None)
+    if not w:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return int(w) if any("sliding" in str(t) for t in types) else None
+    return None if getattr(cfg, "use_sliding_window", True) is False else int(w)
+
+
 def context(mm) -> int:
     """Positions the model has (`MemoryModel.max_length`); a model object without one: no limit."""
     return int(getattr(mm, "max_length", None) or np.iinfo(np.int64).max)
