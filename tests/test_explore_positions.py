@@ -207,22 +207,15 @@ def test_odd_positions_never_500(client):
 
 
 @pytest.mark.browser
-def test_click_a_token_in_a_browser(app, client):
+def test_click_a_token_in_a_browser(app, client, browser):
     """In chromium: clicking a token explains its position (the page's numbers are the API's), its
     text reaches WCAG AA in both colour schemes, and a long text's token strip wraps inside the page
     at 390 px."""
-    from pathlib import Path
-
     from conftest import serving
-    from test_explore_browser import ARGS, CHROMIUM
     from test_web_bugs import CONTRAST_JS
 
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with serving(app, access_log=False) as url, sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    b = browser  # conftest's: Debian's chromium, skipped where it is missing
+    with serving(app, access_log=False) as url:
         page = b.new_page(viewport={"width": 390, "height": 800})
         problems = []
         page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
@@ -246,7 +239,8 @@ def test_click_a_token_in_a_browser(app, client):
         strip = page.eval_on_selector("#tokens", "e => [e.scrollWidth, e.clientWidth, e.getBoundingClientRect().height]")
         assert strip[0] <= strip[1] and strip[2] > 40, strip  # wrapped onto several lines, nothing cut
         assert not problems, problems
-        b.close()
+        page.close()
+        dark.close()
 
 
 def test_cli_explain_takes_the_same_position(tiny_dirs, hooked):

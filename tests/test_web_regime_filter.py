@@ -331,7 +331,7 @@ def test_any_filter_value_is_a_page_or_one_line(client, v, which, path):
 
 
 # ---- layout ------------------------------------------------------------------------------------------
-from test_web_crawl import WIDTHS, browser, crawl, in_chromium  # noqa: E402, F401  (the crawl's fixture and check)
+from test_web_crawl import WIDTHS, crawl, in_chromium  # noqa: E402  (the crawl's check; its browser is conftest's)
 
 
 @in_chromium
