@@ -232,7 +232,7 @@ def create_app(run, *, host: str = "127.0.0.1", allowed_hosts: list[str] | None 
 
     @app.exception_handler(Left)
     async def left(request: Request, exc: Left):
-        say(f"{exc} of {request.url.path} not computed: the page was left before the model was free")
+        say(f"{exc} not computed ({request.url.path}): the page was left before the model was free")
         return Response(status_code=LEFT)
 
     @app.exception_handler(FfkvError)

@@ -3,13 +3,13 @@ coefficients that tint examples, and similar memories."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import RedirectResponse
 
 from ffkv.web import activations, plots
 from ffkv.web.common import no_cross_site_fetch, render, state
 from ffkv.web.panels import later_labels, panel_html, step_panels
 from ffkv.web.params import api, hide_pos0, opt_int, opt_sign, req_int
-from ffkv.web.tables import LEFT, BadQuery, NotFound
+from ffkv.web.tables import BadQuery, Left, NotFound
 from ffkv.web.routers.forms import MAX_SLOTS, annotation_prefixes, form_state
 
 
@@ -100,13 +100,12 @@ def later_panels_page(request: Request, layer: int, dim: int):
     JavaScript needed) and its script fetches this page once the colours are done and moves the
     panels (`[data-later-panels]`'s children) into its placeholder. A request whose client leaves
     before the model is free (the page left: app.js aborts its fetch, the browser closes the
-    connection) runs no forward and answers LEFT (`model_turn`), so a quick `j` does not queue the
+    connection) runs no forward and raises `Left` (a 499 and a log line: `model_turn`), so a quick `j` does not queue the
     next page's colours behind panels nobody will see; a forward already running finishes."""
     b = state(request)
     m = memory_data(request, layer, dim, 25, panels="none")
     if later_labels(b.run, layer, dim) and not model_turn(request, b.model_lock):
-        b.log(f"later panels of memory {layer}/{dim} not computed: the page was left before the model was free")
-        return Response(status_code=LEFT)
+        raise Left(f"later panels of memory {layer}/{dim}")
     m["panels"] = step_panels(b.run, layer, dim, "later")
     return render(request, "memory_later.html", m=m, panel_html=panel_html(m))
 
