@@ -232,9 +232,9 @@ def test_the_target_from_cached_prefixes_is_the_full_forwards(tiny_dirs, name):
 @pytest.mark.parametrize("window", [512, 8])
 def test_the_target_from_cached_prefixes_behind_a_post_norm(tmp_path_factory, tok_dir, window):
     """Gemma 3: δ sought on the raw output before the post-FFN norm, its sliding-window layers
-    continued from the cache. A window shorter than the rows (8 tokens) counts the cache's masked
-    places in it, so the continuation differs from the full forward: the first step's check
-    refuses the shortcut, and v* is still the full one."""
+    continued from the cache. A window shorter than the rows (8 tokens) would count the cache's
+    masked places in it, so the continuation would differ from the full forward: the shortcut is
+    refused (`ffkv.model.prefix.fits`), and v* is still the full one."""
     from test_families import _BUILT, FAMILIES, open_tiny
 
     def config(n):

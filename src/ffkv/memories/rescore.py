@@ -33,7 +33,7 @@ from ffkv.corpus.batching import pack, tight_ratio
 from ffkv.errors import FfkvError
 from ffkv.model.onednn import fast_products
 from ffkv.model.prefix import context as _context
-from ffkv.model.prefix import sliding_window
+from ffkv.model.prefix import fits
 
 
 @dataclass
@@ -268,8 +268,6 @@ def _attach_leaves(run_seqs: list[tuple], rid: np.ndarray, positions: np.ndarray
     return parent, share
 
 
-
-
 def _check_requests(mm, seqs: list[tuple], layers, positions, dims):
     """The requests as int64 arrays; a position outside its sequence or a bad layer raises, and a
     sequence longer than the model's context is refused (FfkvError) before any pass."""
@@ -330,7 +328,6 @@ class _Passes:
         self.ratio = tight_ratio(getattr(mm, "device", "cpu"))
         self.fixed = pass_tokens(getattr(mm, "device", "cpu"))
         self.max_pos = _context(mm)
-        self.window = sliding_window(mm)
         self.run_seqs, self.rid, self.deepest, self.parent, self.share, n_unique = planned
         n_run = len(self.run_seqs)
         self.run_len = np.array([len(s) for s in self.run_seqs], dtype=np.int64)
@@ -382,7 +379,7 @@ class _Passes:
         P = int(kk.max())
         ids_new, mask_new = self.mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
         ldeep = int(self.deepest[lb].max())
-        if self.window is not None and P + ids_new.shape[1] > self.window:
+        if not fits(self.mm, P, ids_new.shape[1]):
             # past a sliding window the cache's masked places would count in it: run them in full
             ids, mask = self.mm.batch([list(self.run_seqs[w]) for w in lb])
             self.forward(lb, ids, mask, np.zeros(len(self.run_seqs), dtype=np.int64), ldeep)

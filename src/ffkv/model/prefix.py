@@ -6,7 +6,8 @@ cache is right-padded: a row's columns past its own k are masked, so rows of dif
 (B, heads, P, hd) tensor per layer and nothing is left-padded. Used where many passes share their
 prefixes: mutate's rescoring (`ffkv.memories.rescore`, rows of other sentences' caches) and the
 edits' target steps (`ffkv.steps.facts.edit`, the same rows every step). Whether a model gives a
-full pass's numbers this way is checked once per model: `ffkv.memories.rescore.sharing_ok`.
+full pass's numbers this way is checked once per model (`ffkv.memories.rescore.sharing_ok`); past
+a sliding window it does not (`fits`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def sliding_window(mm) -> int | None:
     if types is not None:
         return int(w) if any("sliding" in str(t) for t in types) else None
     return None if getattr(cfg, "use_sliding_window", True) is False else int(w)
+
+
+def fits(mm, cached: int, new: int) -> bool:
+    """Whether `new` tokens continued on a cache of `cached` columns give a full pass's numbers as
+    far as the window goes: always without a sliding window, else while both fit in it."""
+    w = sliding_window(mm)
+    return w is None or cached + new <= w
 
 
 def context(mm) -> int:

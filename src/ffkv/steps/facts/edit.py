@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ffkv.errors import FfkvError
-from ffkv.model.prefix import context, continued, prefix_cache
+from ffkv.model.prefix import context, continued, fits, prefix_cache
 from ffkv.steps.facts import GPTJ_D_M, MEMIT_LAMBDA, MEMIT_LAMBDA_REL  # noqa: F401  (MEMIT's λ, one place)
 
 METHODS = ("rome", "memit", "values")
@@ -311,8 +311,10 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
                 # (a row with no token before its subject's last would be wholly masked in the prefix pass)
                 if not hp.get("cache_prefix", True) or int(last.min()) < 1:
                     return False
-                cut["past"] = prefix_cache(mm, ids.to(mm.device), last)
                 cut["ids"], cut["mask"] = mm.batch([ids[r, int(last[r]):int(lens[r])].tolist() for r in rows])
+                if not fits(mm, int(last.max()), cut["ids"].shape[1]):
+                    return False
+                cut["past"] = prefix_cache(mm, ids.to(mm.device), last)
                 cut["want"] = (want - last).to(mm.device)
             elif not hp.get("cache_below", True) or "h" not in (cut if mode == "prefix_upper" else below):
                 return False
