@@ -272,8 +272,8 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
 
     # only those positions through the unembedding (transformers' logits_to_keep, per row), where the
     # model takes it: the rest of the vocabulary product is a sixth of a step's work for SmolLM2
-    keep = ({"logits_to_keep": want[:, None].to(mm.device)}
-            if "logits_to_keep" in inspect.signature(mm.hf.forward).parameters else {})
+    keeps = "logits_to_keep" in inspect.signature(mm.hf.forward).parameters
+    keep = {"logits_to_keep": want[:, None].to(mm.device)} if keeps else {}
     # Each row's tokens before its subject's last token, where δ is added, do not see δ: their keys
     # and values are computed once (`ffkv.model.prefix`) and each later step runs only the tokens
     # from there on (about a third of a templated row's). The blocks below `site` do not see δ
@@ -281,17 +281,16 @@ def _optimize(mm, req: Request, templates: list[str], site: int, add, hp: dict, 
     # `site` on (`_from_block`). Each shortcut is taken once a forward that way has given the first
     # step's log-probabilities again; else every step runs every token through every block.
     below, cut = {}, {}  # block `site`'s recorded input (full rows; the rows' later tokens), the cut rows
-    logits_at = inspect.signature(mm.hf.forward).parameters
 
     def forward(mode: str):
         if mode.startswith("prefix"):
             kw = continued(cut["past"], last, cut["ids"], cut["mask"], context(mm))
-            if "logits_to_keep" in logits_at:
+            if keeps:
                 kw["logits_to_keep"] = cut["want"][:, None]
             run = _from_block(mm, site, cut["h"]) if mode == "prefix_upper" else _input_of(mm, site, cut)
             with run:
                 logits = mm.hf(**kw).logits
-            return logits[:, 0] if "logits_to_keep" in kw else logits[rows, cut["want"]]
+            return logits[:, 0] if keeps else logits[rows, cut["want"]]
         run = _from_block(mm, site, below["h"]) if mode == "upper" else _input_of(mm, site, below)
         with run:
             logits = mm.hf(input_ids=ids.to(mm.device), attention_mask=mask.to(mm.device), use_cache=False,
