@@ -37,8 +37,11 @@ wall time and the server's time per kind and side, and the ratios new/base, are 
 the base does not serve (404: no layer page before issue 26) is said so, with no ratio.
 
 With `--colour` (issue 26's goal: a memory page of the default run fully coloured within 3 s of a
-cold request, at once when cached), one server of this checkout: after the model is loaded (one
-colouring request for another memory), for each of `--pages` random mined memories not asked
+cold request, at once when cached; issue 48 item 8: layers 20–29 too; `--layers 20-29` picks
+only those), two servers of this checkout one after the other, the first running every block
+below each memory (FFKV_STREAM=off), the second starting deep memories from the run's stored
+residual stream (`ffkv.web.residuals`). Each, after the model is loaded (one colouring request
+for another memory) and the server has gone idle, for each of `--pages` random mined memories not asked
 before, the page and then the colours' JSON its `data-act-src` names, as the page's script asks
 for them; the time from sending the page request to the last byte of the colours is that memory's
 "fully coloured" time (the script's painting is not counted: a few hundred class changes). Then
@@ -282,55 +285,76 @@ def base_load(run: Path, a) -> None:
             out(f"{kind:<14}{k:<8}{bb[0]:>10.1f}{nb[0]:>10.1f}{nb[0] / bb[0]:>7.2f}{bb[1]:>10.1f}{nb[1]:>10.1f}{nb[1] / bb[1]:>7.2f}")
 
 
-def colour_times(run: Path, pages: int, seed: int) -> None:
-    """Cold and cached 'fully coloured' times of memory pages (module docstring)."""
+def colour_times(run: Path, pages: int, seed: int, layers: str | None = None) -> None:
+    """Cold and cached 'fully coloured' times of memory pages (module docstring), side by side:
+    a server that runs every block below each memory (FFKV_STREAM=off, as before issue 48 item 8)
+    and one that starts deep memories from the run's residual stream at mid-depth
+    (`ffkv.web.residuals`), each left idle after its first colouring (model, similar memories and
+    the stream, computed once per run and stored, then read)."""
     import html as html_mod
 
     import httpx
     import pyarrow.parquet as pq
 
     man = __import__("json").loads((run / "manifest.json").read_text())
-    D = int(man["model"]["d_m"])
+    D, L = int(man["model"]["d_m"]), int(man["model"]["layers"])
     trig = pq.read_table(run / "triggers.parquet", columns=["layer", "dim"])
     codes = np.unique(trig.column("layer").to_numpy().astype(np.int64) * D + trig.column("dim").to_numpy())
+    if layers:  # e.g. 20-29: only memories of these layers (the first, to load the model, from anywhere)
+        lo, _, hi = layers.partition("-")
+        keep = (codes // D >= int(lo)) & (codes // D <= int(hi or lo))
+        first = codes[~keep][:1] if (~keep).any() else codes[:1]
+        codes = np.concatenate([first, codes[keep]])
     rng = random.Random(seed)
-    mems = [divmod(int(c), D) for c in rng.sample(list(codes), min(pages + 1, len(codes)))]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    p, t0 = start(run, port)
-    rows = {"cold": [], "cached": []}
-    try:
-        with httpx.Client(base_url=url, timeout=600) as c:
-            wait_first_page(c, url, p, t0)
-            t = time.perf_counter()
-            c.get(f"/api/memory/{mems[0][0]}/{mems[0][1]}/activations")  # loads the model (if not yet)
-            out(f"run {run}: first colouring (model load included) {time.perf_counter() - t:.1f} s; "
-                f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-            for kind in ("cold", "cached"):
-                for l, d in mems[1:]:
-                    t = time.perf_counter()
-                    page = c.get(f"/memory/{l}/{d}")
-                    src = re.search(r'data-act-src="([^"]+)"', page.text)
-                    if page.status_code != 200 or not src:
-                        raise SystemExit(f"/memory/{l}/{d}: {page.status_code}, colours {'found' if src else 'absent'}")
-                    j = c.get(html_mod.unescape(src.group(1))).json()
-                    total = time.perf_counter() - t
-                    n = sum(len(e["m"]) for e in j["examples"].values())
-                    rows[kind].append((total, j["seconds"], j["computed"], n, l))
-    finally:
-        p.terminate()
-        p.wait(10)
-    L = int(man["model"]["layers"])
-    for kind, r in rows.items():
-        tot, comp, sents, toks, lay = (np.array(x, dtype=np.float64) for x in zip(*r))
-        out(f"{kind}: {len(r)} memory pages fully coloured in p50 {np.median(tot):.2f} s, max {tot.max():.2f} s "
-            f"(goal ≤ 3 s cold; colours computed in p50 {np.median(comp):.2f} s for a median {np.median(sents):.0f} "
-            f"sentences, {np.median(toks):.0f} tokens); within 3 s: {int((tot <= 3).sum())}/{len(r)}")
-        for a in range(0, L, 10):  # by depth: a deeper memory's forward runs more blocks
-            sel = (lay >= a) & (lay < a + 10)
-            if sel.any():
-                out(f"  layers {a}-{min(a + 9, L - 1)}: {int(sel.sum())} pages, p50 {np.median(tot[sel]):.2f} s, "
-                    f"max {tot[sel].max():.2f} s, within 3 s: {int((tot[sel] <= 3).sum())}/{int(sel.sum())}")
+    mems = [divmod(int(c), D) for c in [codes[0]] + rng.sample(list(codes[1:]), min(pages, len(codes) - 1))]
+    sides = {}
+    for side, env in (("every block (FFKV_STREAM=off)", {"FFKV_STREAM": "off"}), ("from the stream", {})):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        p, t0 = start(run, port, env)
+        rows = {"cold": [], "cached": []}
+        try:
+            with httpx.Client(base_url=url, timeout=600) as c:
+                wait_first_page(c, url, p, t0)
+                t = time.perf_counter()
+                c.get(f"/api/memory/{mems[0][0]}/{mems[0][1]}/activations")  # loads the model (if not yet)
+                out(f"{side}: first colouring (model load included) {time.perf_counter() - t:.1f} s, then "
+                    f"{wait_idle(p.pid):.0f} s until the server was idle; machine load average "
+                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+                for kind in ("cold", "cached"):
+                    for l, d in mems[1:]:
+                        t = time.perf_counter()
+                        page = c.get(f"/memory/{l}/{d}")
+                        src = re.search(r'data-act-src="([^"]+)"', page.text)
+                        if page.status_code != 200 or not src:
+                            raise SystemExit(f"/memory/{l}/{d}: {page.status_code}, colours {'found' if src else 'absent'}")
+                        j = c.get(html_mod.unescape(src.group(1))).json()
+                        total = time.perf_counter() - t
+                        n = sum(len(e["m"]) for e in j["examples"].values())
+                        rows[kind].append((total, j["seconds"], j["computed"], n, l))
+        finally:
+            p.terminate()
+            _, err = p.communicate(timeout=10)
+        for line in (err or "").splitlines():
+            if "residual stream" in line:
+                out(f"  server: {line.strip()}")
+        sides[side] = rows
+        for kind, r in rows.items():
+            tot, comp, sents, toks, lay = (np.array(x, dtype=np.float64) for x in zip(*r))
+            out(f"  {kind}: {len(r)} memory pages fully coloured in p50 {np.median(tot):.2f} s, max {tot.max():.2f} s "
+                f"(goal ≤ 3 s cold; colours computed in p50 {np.median(comp):.2f} s for a median "
+                f"{np.median(sents):.0f} sentences, {np.median(toks):.0f} tokens); within 3 s: "
+                f"{int((tot <= 3).sum())}/{len(r)}")
+            if kind == "cached":
+                continue
+            for a in range(0, L, 10):  # by depth: a deeper memory's forward runs more blocks
+                sel = (lay >= a) & (lay < a + 10)
+                if sel.any():
+                    out(f"    layers {a}-{min(a + 9, L - 1)}: {int(sel.sum())} pages, p50 {np.median(tot[sel]):.2f} s, "
+                        f"max {tot[sel].max():.2f} s, within 3 s: {int((tot[sel] <= 3).sum())}/{int(sel.sum())}")
+    (before, after) = (np.array([r[0] for r in x["cold"]]) for x in sides.values())
+    out(f"cold pages, from the stream / every block: p50 {np.median(after) / np.median(before):.2f}, "
+        f"max {after.max() / before.max():.2f}, per page median {np.median(after / before):.2f}")
 
 
 def wait_first_page(client, url: str, p, t0: float) -> float:
@@ -364,6 +388,7 @@ def main() -> None:
     ap.add_argument("--new", type=Path, default=ROOT, help="the other tree of --base (default: this checkout)")
     ap.add_argument("--requests", type=int, default=10, help="requests per client and kind of --base")
     ap.add_argument("--colour", action="store_true", help="cold and cached per-token colouring of memory pages")
+    ap.add_argument("--layers", help="with --colour: only memories of these layers, e.g. 20-29")
     a = ap.parse_args()
     if not (a.run / "manifest.json").exists():
         raise SystemExit(f"{a.run} is not a run; make one with `ffkv reproduce runs/default` (or pass --run)")
@@ -371,7 +396,7 @@ def main() -> None:
         base_load(a.run.resolve(), a)
         return
     if a.colour:
-        colour_times(a.run.resolve(), a.pages, a.seed)
+        colour_times(a.run.resolve(), a.pages, a.seed, a.layers)
         return
     if a.text_load:
         import pyarrow.parquet as pq

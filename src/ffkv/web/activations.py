@@ -236,14 +236,18 @@ def spans(b, examples) -> dict[int, tuple[int, int]]:
 
 
 # ---- the forward --------------------------------------------------------------------------------
-def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=None) -> list[dict]:
+def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=None, start: int = 0,
+            stream=None) -> list[dict]:
     """m at every token of each sequence, for the memories `jobs[i]` ((layer, dim) pairs) asks
     of sequence i: {(layer, dim): m}. Batched, padded on the right, each forward stopped after
-    the deepest layer its batch needs, each captured layer reduced to its asked dims at once."""
+    the deepest layer its batch needs, each captured layer reduced to its asked dims at once.
+    With `start` > 0, `stream(i)` is sequence i's residual stream entering block `start` (len, d)
+    and blocks below it are skipped (`ffkv.model.stream`; every asked layer is ≥ start)."""
     import torch
 
     from ffkv.corpus.batching import pack
     from ffkv.model.onednn import products_of
+    from ffkv.model.stream import from_stream, padded
 
     out: list[dict] = [{} for _ in seqs]
     for idx in pack([len(s) for s in seqs], batch_tokens=BATCH_TOKENS, max_batch=64, ratio=RATIO):
@@ -259,10 +263,12 @@ def compute(mm, seqs: list[list[int]], jobs: list[list[tuple[int, int]]], lock=N
             got[l] = t[..., dims[l]].float().cpu().numpy()
 
         ids, mask = mm.batch([seqs[i] for i in idx])
+        skip = (from_stream(mm, start, padded([stream(i) for i in idx], ids.shape[1], ids.device, mm.dtype))
+                if start else nullcontext())
         # products with the weights through oneDNN on a CPU (`ffkv.model.onednn`): about 2×
         # MKL's speed here (SmolLM2, 40 sentences to layer 15: 6–8 s against 12–17 s on a busy
         # machine); the values change by float rounding only
-        with (lock or threading.Lock()), torch.no_grad(), products_of(mm):
+        with (lock or threading.Lock()), torch.no_grad(), products_of(mm), skip:
             mm.capture(ids, mask, layers=sorted(dims), what=("m",), callback=keep)
         for j, i in enumerate(idx):
             for layer, dim in jobs[i]:
@@ -308,12 +314,9 @@ def activations_many(b, app_state, items, skip_pos0: bool = False, turn=None) ->
                 for k, sid in missing:
                     end[sid] = max(end.get(sid, 0), need[k][sid][1])
                     jobs.setdefault(sid, []).append(k)
-                sids = list(jobs)
-                seqs = [b.sentence_tokens(b.sentence_row(sid))[:end[sid]].tolist() for sid in sids]
-                for sid, ms in zip(sids, compute(mm, seqs, [jobs[sid] for sid in sids], b.model_lock)):
-                    for k, m in ms.items():
-                        c.put((*k, sid), m)
-                        have[(k, sid)] = m
+                for sid, k, m in _computed(b, mm, jobs, end):
+                    c.put((*k, sid), m)
+                    have[(k, sid)] = m
                 computed = len(missing)
     memories = {}
     for (layer, dim), sp in need.items():
@@ -328,6 +331,30 @@ def activations_many(b, app_state, items, skip_pos0: bool = False, turn=None) ->
         memories[f"{layer}/{dim}"] = {"layer": layer, "dim": dim, "scale": max(pos, neg), "scale_pos": pos,
                                       "scale_neg": neg, "examples": ex}
     return {"memories": memories, "computed": computed, "seconds": round(time.time() - t0, 3)}
+
+
+def _computed(b, mm, jobs: dict[int, list], end: dict[int, int]):
+    """(sentence_id, (layer, dim), m) of every job: memories of layers ≥ K from the run's stream
+    entering block K once the server has it (`ffkv.web.residuals`), the rest from the tokens."""
+    from ffkv.web.residuals import streams
+
+    st = streams(b)
+    st.begin()
+    K = st.start if st.ready() else None
+    parts = {0: {}, K: {}} if K else {0: {}}
+    for sid, ks in jobs.items():
+        for k in ks:
+            parts[K if K and k[0] >= K else 0].setdefault(sid, []).append(k)
+    for start, js in parts.items():
+        sids = list(js)
+        if not sids:
+            continue
+        rows = [b.sentence_row(sid) for sid in sids]
+        seqs = [b.sentence_tokens(r)[:end[sid]].tolist() for r, sid in zip(rows, sids)]
+        fetch = (lambda i: st.rows(rows[i], len(seqs[i]))) if start else None
+        for sid, ms in zip(sids, compute(mm, seqs, [js[sid] for sid in sids], b.model_lock, start, fetch)):
+            for k, m in ms.items():
+                yield sid, k, m
 
 
 TEXT_TOKENS = 256  # tokens of a typed text (the explorer's cap); longer is cut at the side asked, or refused
