@@ -104,6 +104,37 @@ def test_moments_equal_scipy_over_the_full_vocabulary(census_run):
     _classes_follow(df, 10.0, 2.0, d)
 
 
+def test_moments_are_scipys_bit_for_bit():
+    """`_moments` shares scipy's float32 steps among the three statistics: the same bits as
+    scipy.stats.skew / kurtosis and ndarray.var, a zero row and a constant one (NaN) included."""
+    from ffkv.steps.census.compute import SCIPY_ROWS, _moments
+
+    rng = np.random.default_rng(0)
+    C = (rng.standard_t(3, size=(2 * SCIPY_ROWS + 5, 4099)) * 0.05).astype(np.float32)
+    C[3], C[7] = 0.0, 0.25
+    C[9] = np.abs(C[9])  # skewed
+    got = _moments(C)
+    want = (stats.skew(C, axis=1), stats.kurtosis(C, axis=1), C.var(axis=1))
+    for g, w in zip(got, want):
+        assert g.dtype == np.float32
+        np.testing.assert_array_equal(g, w)
+
+
+def test_modes_by_packed_codes_equal_lexsort():
+    """The packed-code `_modes` gives lexsort's keys, totals, modes and tie-breaks (smallest tuple)."""
+    from ffkv.steps.census.compute import _modes, _modes_lexsort
+
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        n = int(rng.integers(1, 300))
+        key = rng.integers(0, int(rng.integers(1, 20)), n) * int(rng.integers(1, 5))
+        prev, tok = rng.integers(-1, int(rng.integers(1, 8)), n), rng.integers(0, 5, n)
+        for cols in ((tok,), (prev, tok)):
+            got, want = _modes(key, *cols), _modes_lexsort(key, *cols)
+            for g, w in zip((*got[:3], *got[3]), (*want[:3], *want[3])):
+                np.testing.assert_array_equal(g, w)
+
+
 def _classes_follow(df, kurtosis, partition, d):
     k, s = df["kurtosis"], df["skew"]
     assert (df.prediction == ((k > kurtosis) & (s > 0))).all()
