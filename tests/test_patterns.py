@@ -339,6 +339,16 @@ TOPICS = {
 
 
 @pytest.mark.slow
+def test_embeddings_do_not_depend_on_the_order_of_the_texts():
+    """The encoder's batches follow the distinct texts (by token count, then text), not the order
+    they come in: the same bits either way."""
+    texts = [t for ts in TOPICS.values() for t in ts] + [t[:n] for t in TOPICS["chemistry"] for n in (9, 17, 30)]
+    a = semantic.Embedder(batch_size=4).embed(texts)
+    b = semantic.Embedder(batch_size=4).embed(texts[::-1])[::-1]
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
 def test_semantic_topics_real_encoder():
     """The real all-MiniLM-L6-v2 finds two planted topics among random Wikipedia prefixes."""
     emb = semantic.Embedder()
