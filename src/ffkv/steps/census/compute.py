@@ -195,7 +195,8 @@ def _moments(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return out[0], out[1], out[2]
 
 
-def weight_stats(mm, layer: int, W, chunk: int = 512, dims=None, advance=None) -> dict[str, np.ndarray]:
+def weight_stats(mm, layer: int, W, chunk: int = 512, dims=None, advance=None, bufs: list | None = None
+                 ) -> dict[str, np.ndarray]:
     """The weight columns of `layer` (all its memories, or `dims`): the vocabulary moments of
     cos(W, v_i) (W from `unembedding_rows`) and the key-value cosines. Chunks of values are
     compared with the vocabulary in turn, scipy's moments of one chunk running in a thread while
@@ -222,7 +223,13 @@ def weight_stats(mm, layer: int, W, chunk: int = 512, dims=None, advance=None) -
         W = W.to(Vn.device)
         chunk = max(1, min(chunk, n))
         # two (chunk, V) float32 buffers, taken in turn: scipy reads one while torch fills the other
-        bufs = [torch.empty(chunk, W.shape[0], dtype=torch.float32, device=Vn.device) for _ in range(2 if n > chunk else 1)]
+        # `bufs`: a list kept by the caller across layers, so the buffers (200 MB for SmolLM2) are
+        # allocated and faulted in once, not once per layer
+        bufs = [] if bufs is None else bufs
+        if (len(bufs) < (2 if n > chunk else 1) or bufs[0].shape != (chunk, W.shape[0])
+                or bufs[0].device != Vn.device):
+            bufs[:] = [torch.empty(chunk, W.shape[0], dtype=torch.float32, device=Vn.device)
+                       for _ in range(2 if n > chunk else 1)]
         pending = []
         with ThreadPoolExecutor(WORKERS) as pool:
             for k, a in enumerate(range(0, n, chunk)):
@@ -628,13 +635,13 @@ def _compute(run, mm, rec: dict, chunk: int, show_progress) -> dict:
     t0 = time.time()
     L, d_m = mm.n_layers, mm.d_m
     W = unembedding_rows(mm, rec["lens"])
-    per = []
+    per, bufs = [], []
     chunk = max(1, min(chunk, d_m))
     with progress(disable=None if show_progress is None else not show_progress) as bar:
         task = bar.add_task(f"census: values against the vocabulary ({rec['lens']} lens)",
                             total=L * math.ceil(d_m / chunk))
         for l in range(L):
-            per.append(weight_stats(mm, l, W, chunk, advance=lambda: bar.advance(task)))
+            per.append(weight_stats(mm, l, W, chunk, advance=lambda: bar.advance(task), bufs=bufs))
     vc = vocab_chance(mm, W, rec["kurtosis"], rec["partition"], rec.get("chance_directions", CHANCE_DIRECTIONS),
                       rec.get("chance_seed", CHANCE_SEED))
     chance = [{**vc, **io_chance(mm, l, rec["cos"], rec.get("chance_seed", CHANCE_SEED))} for l in range(L)]
