@@ -219,6 +219,17 @@ def test_prefix_sharing_equals_direct_forward(tiny_models, arch, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert split.batches > shared.batches and split.tokens_run == shared.tokens_run
     monkeypatch.setattr(R, "PAST_FACTOR", 4)
+    monkeypatch.setattr(R, "POOL_FACTOR", 0)  # each root batch's leaves alone, as before the pool
+    alone = R.RescoreStats()
+    got = R.rescore(mm, seqs, lays, poss, dims, batch_tokens=96, anchors=anchors, stats=alone)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert alone.tokens_run == shared.tokens_run
+
+    def cost(s):  # padded work and a pass's fixed cost (`R.SLACK` tokens): leaves of several root batches share passes
+        return s.padded_layer_tokens + R.SLACK * s.batches
+
+    assert cost(alone) > cost(shared)
+    monkeypatch.setattr(R, "POOL_FACTOR", 4)
     wide, merged = R.RescoreStats(), R.RescoreStats()
     R.rescore(mm, seqs, lays, poss, dims, batch_tokens=4096, anchors=anchors, stats=wide)
     monkeypatch.setattr(R, "pass_tokens", lambda device: R.CUDA_PASS_TOKENS)

@@ -15,7 +15,8 @@ How the work is shared:
   variant drops token r of x_1..x_j: its first r tokens are those of the original, so it is
   computed from the original's cached keys and values, running only its j − r later tokens with
   explicit position ids (about half the tokens of the random variants). The original pass keeps
-  its cache for that, and goes as deep as its deepest variant needs. Checked once per model
+  those tokens' keys and values for that, and goes as deep as its deepest variant needs; on a CPU
+  they wait in a pool, so that variants of many original batches share passes. Checked once per model
   (`sharing_ok`); a model where it does not reproduce a full pass gets full passes.
 - Requests of all keys and all layers share batches; batches are packed by length within groups
   of equal deepest layer, right-padded, and cut so that padding stays under a third
@@ -128,6 +129,7 @@ def _batches(lengths: np.ndarray, deepest: np.ndarray, members: np.ndarray, batc
 
 
 PAST_FACTOR = 4  # a leaf batch's gathered cache: at most this many root batches' worth of tokens
+POOL_FACTOR = 4  # leaves' pasts kept on a CPU before their leaves run: this many root batches' worth
 
 
 def _past_bounded(lb: np.ndarray, share: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
@@ -317,8 +319,9 @@ def rescore(mm, seqs: list[tuple], layers, positions, dims, batch_tokens: int = 
 
 
 class _Passes:
-    """The forward passes of one `rescore` call: roots in full, each root batch keeping its cache
-    for its leaves when it has any; every pass writes its requests' coefficients into `out`."""
+    """The forward passes of one `rescore` call: roots in full, each root batch's leaves' shared
+    prefixes kept from its cache in a pool, whose leaves run together when it is full and at the
+    end; every pass writes its requests' coefficients into `out`."""
 
     def __init__(self, mm, planned: tuple, layers: np.ndarray, positions: np.ndarray, dims: np.ndarray,
                  out: np.ndarray, st: RescoreStats, bar, batch_tokens: int, max_rows: int = MAX_ROWS):
@@ -347,12 +350,27 @@ class _Passes:
     def run(self) -> None:
         zero = np.zeros(len(self.run_seqs), dtype=np.int64)
         roots = np.nonzero(self.parent < 0)[0]
+        self.pool: list[tuple[int, list, int]] = []  # (leaf, its root batch's gathered past, row in it)
+        self.held = 0  # token-layers of the pooled pasts
         for b in _batches(self.run_len, self.deepest, roots, self.batch_tokens, self.max_rows, self.ratio,
                             self.fixed):
             self.root_batch(b, zero)
+            if self.held > self.pool_cap():
+                self.flush()
+        self.flush()
+
+    def pool_cap(self) -> int:
+        """Token-layers of leaves' pasts kept across root batches before their leaves run: on a CPU
+        POOL_FACTOR root batches' worth, so that leaves of many root batches share passes (one root
+        batch's leaves made passes of 4 rows, padded 1.9×, on the default run); on CUDA none,
+        whose batch sizing counts one root batch's cache only."""
+        if str(getattr(self.mm, "device", "cpu")).startswith("cuda"):
+            return 0
+        return POOL_FACTOR * self.batch_tokens * int(self.mm.n_layers)
 
     def root_batch(self, b: np.ndarray, zero: np.ndarray) -> None:
-        """Run sequences `b` in full; then their leaves, from this batch's cache."""
+        """Run sequences `b` in full, keeping for each of their leaves its shared prefix's keys and
+        values (rows gathered from this batch's cache) in the pool."""
         mm = self.mm
         ids, mask = mm.batch([list(self.run_seqs[s]) for s in b])
         deep = int(self.deepest[b].max())
@@ -365,29 +383,60 @@ class _Passes:
         cache = DynamicCache(config=mm.hf.config)
         self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        for lb in _batches(self.new_len, self.deepest, kids, self.batch_tokens, self.max_rows, self.ratio,
+        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in kids], device=ids.device)
+        P, kdeep = int(self.share[kids].max()), int(self.deepest[kids].max())
+        past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P]) for l in range(kdeep + 1)]
+        self.pool += [(int(w), past, j) for j, w in enumerate(kids)]
+        self.held += len(kids) * P * (kdeep + 1)
+
+    def flush(self) -> None:
+        """Run the pooled leaves, batched among themselves whatever their root batch."""
+        if not self.pool:
+            return
+        where = {w: (past, j) for w, past, j in self.pool}
+        leaves = np.array([w for w, _, _ in self.pool], dtype=np.int64)
+        self.pool, self.held = [], 0
+        for lb in _batches(self.new_len, self.deepest, leaves, self.batch_tokens, self.max_rows, self.ratio,
                              self.fixed):
             for part in _past_bounded(lb, self.share, self.batch_tokens):
-                self.leaf_batch(part, cache, row_of_root, ids.device)
+                self.leaf_batch(part, where)
 
-    def leaf_batch(self, lb: np.ndarray, cache, row_of_root: dict[int, int], device) -> None:
+    def leaf_batch(self, lb: np.ndarray, where: dict) -> None:
         """Run the tokens of leaves `lb` after their shared prefix, on their roots' cached keys and
-        values (rows picked from the root batch, cut to the longest shared prefix P)."""
+        values (`where`: each leaf's gathered past and row), cut to the longest shared prefix P;
+        a row's layers past its own deepest are zeros, read by nothing."""
         from ffkv.model.prefix import continued
 
+        mm = self.mm
+        ids_new, mask_new = mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
+        device = ids_new.device
         kk = torch.as_tensor(self.share[lb], device=device)
         P = int(kk.max())
-        ids_new, mask_new = self.mm.batch([list(self.run_seqs[w][self.share[w]:]) for w in lb])
         ldeep = int(self.deepest[lb].max())
-        if not fits(self.mm, P, ids_new.shape[1]):
+        if not fits(mm, P, ids_new.shape[1]):
             # past a sliding window the cache's masked places would count in it: run them in full
-            ids, mask = self.mm.batch([list(self.run_seqs[w]) for w in lb])
+            ids, mask = mm.batch([list(self.run_seqs[w]) for w in lb])
             self.forward(lb, ids, mask, np.zeros(len(self.run_seqs), dtype=np.int64), ldeep)
             return
-        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in lb], device=device)
-        past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P])
-                for l in range(ldeep + 1)]
-        kw = continued(past, kk, ids_new, mask_new, self.max_pos)
+        groups: dict[int, tuple[list, list[int], list[int]]] = {}  # one per root batch: (past, rows, its rows)
+        for i, w in enumerate(lb):
+            past, j = where[int(w)]
+            g = groups.setdefault(id(past), (past, [], []))
+            g[1].append(i)
+            g[2].append(j)
+        k0, v0 = next(iter(groups.values()))[0][0]
+        out = []
+        for l in range(ldeep + 1):
+            K = k0.new_zeros((len(lb), k0.shape[1], P, k0.shape[3]))
+            V = v0.new_zeros((len(lb), v0.shape[1], P, v0.shape[3]))
+            for past, rows, js in groups.values():
+                if l < len(past):
+                    c = min(P, past[l][0].shape[2])
+                    r, j = torch.as_tensor(rows, device=device), torch.as_tensor(js, device=device)
+                    K[r, :, :c] = past[l][0][j, :, :c]
+                    V[r, :, :c] = past[l][1][j, :, :c]
+            out.append((K, V))
+        kw = continued(out, kk, ids_new, mask_new, self.max_pos)
         self.forward(lb, ids_new, kw.pop("attention_mask"), self.share, ldeep,
                      **{k: v for k, v in kw.items() if k != "input_ids"})
 
