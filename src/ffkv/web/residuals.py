@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 VERSION = 1
-BATCH_TOKENS = 4096
+BATCH_TOKENS = 1024  # a build batch holds the model's lock: a page's colours wait at most one (SmolLM2: ~0.6 s)
 DEFAULT_MB = 1024
 MIN_LAYERS = 4  # a smaller model has little to skip
 
