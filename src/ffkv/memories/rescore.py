@@ -383,10 +383,15 @@ class _Passes:
         cache = DynamicCache(config=mm.hf.config)
         self.forward(b, ids, mask, zero, deep, past_key_values=cache, use_cache=True)
         row_of_root = {int(s): k for k, s in enumerate(b)}
-        src = torch.as_tensor([row_of_root[int(self.parent[w])] for w in kids], device=ids.device)
         P, kdeep = int(self.share[kids].max()), int(self.deepest[kids].max())
-        past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P]) for l in range(kdeep + 1)]
-        self.pool += [(int(w), past, j) for j, w in enumerate(kids)]
+        rows = [row_of_root[int(self.parent[w])] for w in kids]
+        if self.pool_cap() == 0:  # run at once: each leaf batch gathers its own rows, bounded by `_past_bounded`
+            past = [(cache.layers[l].keys, cache.layers[l].values) for l in range(kdeep + 1)]
+            self.pool += [(int(w), past, j) for w, j in zip(kids, rows)]
+        else:
+            src = torch.as_tensor(rows, device=ids.device)
+            past = [(cache.layers[l].keys[src, :, :P], cache.layers[l].values[src, :, :P]) for l in range(kdeep + 1)]
+            self.pool += [(int(w), past, j) for j, w in enumerate(kids)]
         self.held += len(kids) * P * (kdeep + 1)
 
     def flush(self) -> None:
