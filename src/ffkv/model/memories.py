@@ -146,6 +146,84 @@ class Lens:
     def top(self, h: torch.Tensor) -> torch.Tensor:
         return self.logits(h).argmax(-1)
 
+    # ---- the top of a sum from its parts' logits ----------------------------------------------
+    def _affine(self, h: torch.Tensor):
+        """(scale (n, 1), offset (V,) or None, unembedded rows (n, d)) with logits(h) = A(h)·scale +
+        offset, A linear in h and the rows what E multiplies; None where the head is not affine."""
+        raise NotImplementedError  # each lens says
+
+    @torch.no_grad()
+    def sum_top(self, parts: list[torch.Tensor], zs: list[torch.Tensor], h: torch.Tensor):
+        """top(h) for h = Σ parts (rows (n, d)), from the parts' own `logits` zs, without projecting
+        h (compose: o = r + y). Returns (top (n,), sure (n,) bool), or None where this lens cannot
+        (a soft-capped head, or a model whose head the check below does not reproduce).
+
+        The parts' logits are summed in the lens's linear space (each undone by its row's scale,
+        redone by h's). Sure where the derived top beats every other token by more than twice the
+        float error bound of both the derived and the direct logits, so that it is exactly
+        `logits(h).argmax(-1)`; the caller projects the other rows (near ties) itself."""
+        if not self.sums_exactly():
+            return None
+        return self._sum_top(parts, zs, h)
+
+    def _sum_top(self, parts, zs, h):
+        zhat, tol = self._derive(parts, zs, h)
+        best = zhat.max(-1)
+        second = zhat.scatter_(-1, best.indices[:, None], float("-inf")).max(-1).values  # the runner-up
+        return best.indices, (best.values - second) > tol[:, 0]
+
+    def _derive(self, parts, zs, h):
+        """(logits of h from its parts' logits (n, V) float32, tol (n, 1)): |derived − direct| ≤ tol/2
+        for every token. The bound: a float product over d terms (and the norm and head around it)
+        is off by at most (d + 16)·u times Σ|terms| ≤ ‖unembedded row‖·max‖E_t‖ (+ the offset);
+        each part's error is carried over by its factor, and so is its scale's."""
+        gamma = (h.shape[-1] + 16) * torch.finfo(zs[0].dtype).eps / 2
+        sh, off, nh = self._affine(h)
+        emax, cmax = self._bounds()
+        zhat = None
+        bound = 2 * (nh.float().norm(dim=-1, keepdim=True) * emax + cmax)  # direct logits of h, twice
+        for p, z in zip(parts, zs):
+            sp, _, npart = self._affine(p)
+            a = sh / sp  # (n, 1)
+            zp = z.float() if off is None else z.float() - off
+            zhat = zp * a if zhat is None else zhat.addcmul_(zp, a)
+            bound = bound + 2 * a.abs() * (npart.float().norm(dim=-1, keepdim=True) * emax + cmax)
+        if off is not None:
+            zhat += off
+        return zhat, 2 * gamma * bound
+
+    @torch.no_grad()
+    def _bounds(self) -> tuple[float, float]:
+        """(max_t ‖E_t‖ times the head's factor, max_t |offset_t|): the scale of every logit's error."""
+        if "_bound_cache" not in self.__dict__:
+            emax = float(self.E.detach().float().norm(dim=-1).max()) * abs(self._head_scale())
+            _, off, _ = self._affine(torch.ones(1, self.E.shape[1], device=self.E.device, dtype=self.E.dtype))
+            self._bound_cache = (emax, 0.0 if off is None else float(off.abs().max()))
+        return self._bound_cache
+
+    def _head_scale(self) -> float:
+        return 1.0
+
+    @torch.no_grad()
+    def sums_exactly(self) -> bool:
+        """Once per lens: the head is affine, and on random sums the derived logits are within the
+        bound of the direct ones (a family whose norm is not the one assumed fails)."""
+        if "_sum_checked" not in self.__dict__:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            r, y = (torch.randn(4, self.E.shape[1], generator=g) * s for s in (3.0, 1.0))
+            r, y = (t.to(self.E.device, self.E.dtype) for t in (r, y))
+            h = r + y
+            # float32 products at full precision only: in bf16, or with TF32 / reduced-precision
+            # float32 products, the bound below does not hold (and near ties are everywhere)
+            full = (torch.finfo(self.E.dtype).bits >= 32 and torch.get_float32_matmul_precision() == "highest"
+                    and not (self.E.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32))
+            ok = full and self._affine(h) is not None
+            if ok:
+                zhat, tol = self._derive([r, y], [self.logits(r), self.logits(y)], h)
+                ok = bool(((zhat - self.logits(h).float()).abs() <= tol / 2).all())
+            self._sum_checked = ok
+        return self._sum_checked
+
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.logits(h).float(), -1)
 
@@ -161,6 +239,10 @@ class NaiveLens(Lens):
 
     def _direction(self, v: torch.Tensor) -> torch.Tensor:
         return v
+
+    def _affine(self, h):
+        one = torch.ones(*h.shape[:-1], 1, device=h.device)
+        return one, (None if self.bias is None else self.bias.detach().float()), h
 
     units = "naive-lens units: m·(v·e_t), no final norm (not the model's logits)"
 
@@ -184,6 +266,26 @@ class NormLens(Lens):
 
     def _direction(self, v: torch.Tensor) -> torch.Tensor:
         return v * self.gain.to(v.dtype)
+
+    def _head_scale(self) -> float:
+        return float(self.mm.arch.head_scale(self.mm.hf.config))
+
+    def _affine(self, h):
+        """head_scale / s(h) (`logit_scale`), and head_scale·(β·E + b) from the norm's and the
+        unembedding's biases; None under a soft-cap (not affine)."""
+        arch, cfg = self.mm.arch, self.mm.hf.config
+        if arch.softcap and getattr(text_config(cfg), arch.softcap, None):
+            return None
+        k = arch.head_scale(cfg)
+        beta = getattr(self.final_norm, "bias", None)
+        off = None
+        if beta is not None:
+            off = self._unembed(beta.detach().to(self.E.dtype)[None])[0].float()
+        elif self.bias is not None:
+            off = self.bias.detach().float()
+        if off is not None:
+            off = off * k
+        return self.logit_scale(h), off, self.final_norm(h.to(self.E.dtype))
 
     @property
     def units(self) -> str:

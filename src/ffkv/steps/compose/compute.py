@@ -370,9 +370,19 @@ def _tops_and_final(lens, ryo: torch.Tensor):
     pw = torch.empty(L, B, device=dev)
     rk = torch.zeros(L, B, dtype=torch.long, device=dev)
     w = None
+    sums = lens.sums_exactly()
     for l in [L - 1] + list(range(L - 1)):
-        z = lens.logits(ryo[l].view(3 * B, d))  # (3B, V): r, y, o rows
+        # below the last layer, top(o) comes from the r and y rows' logits (o = r + y, `Lens.sum_top`),
+        # so o is projected only where r's and y's sum leaves a near tie: a third fewer products
+        derive = w is not None and sums
+        z = lens.logits(ryo[l, :2 if derive else 3].reshape(-1, d))  # (3B or 2B, V): r, y (, o) rows
         t = z.max(-1).indices  # = argmax (the first maximum); a little faster on CPU
+        if derive:
+            to, ok = lens.sum_top([ryo[l, 0], ryo[l, 1]], [z[:B], z[B:]], ryo[l, 2])
+            if not bool(ok.all()):
+                off = (~ok).nonzero()[:, 0]
+                to[off] = lens.logits(ryo[l, 2][off]).max(-1).indices
+            t = torch.cat([t, to])
         tops[:, l] = t.view(3, B)
         if w is None:
             w = t[2 * B:]  # top(o) at the last layer
