@@ -255,14 +255,21 @@ _GGUF_PATCH = threading.Lock()
 def _one_gguf_parse():
     """transformers parses a GGUF's header anew for the tokenizer, the config and the weights, and
     we once more for the cached copy's config: 17 s a parse for Gemma 3's 262k-token vocabulary,
-    most of a first load. One reader per file while loading (it is read-only, over a memmap)."""
+    most of a first load. One reader per file while loading (it is read-only, over a memmap), one
+    parse of its header's values (each caller gets a copy), and one tensor-name map per model."""
     try:
         import gguf
     except Exception:  # noqa: BLE001 - transformers says what is missing
         yield
         return
+    import copy
+
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
     with _GGUF_PATCH:  # one load at a time patches the module: two threads' saves and restores could cross
         orig, readers = gguf.GGUFReader, {}
+        orig_map, maps = gguf.get_tensor_name_map, {}
+        orig_load, headers = hf_gguf.load_gguf_checkpoint, {}
 
         def reader(path, *a, **k):
             key = (str(Path(path).resolve()), a, tuple(sorted(k.items())))
@@ -270,11 +277,24 @@ def _one_gguf_parse():
                 readers[key] = orig(path, *a, **k)
             return readers[key]
 
-        gguf.GGUFReader = reader
+        def name_map(arch, n_blocks):  # built once per submodule of the model (397 times, 5.8 s, for SmolLM2)
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = orig_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        def load(path, return_tensors=False, *a, **k):  # the header, parsed value by value each time (3 s)
+            if return_tensors or a or k:
+                return orig_load(path, return_tensors, *a, **k)
+            key = str(Path(path).resolve())
+            if key not in headers:
+                headers[key] = orig_load(path, return_tensors=False)
+            return copy.deepcopy(headers[key])  # callers may change what they get
+
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, load
         try:
             yield
         finally:
-            gguf.GGUFReader = orig
+            gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = orig, orig_map, orig_load
 
 
 def _load_gguf(path: Path, torch_dtype):
