@@ -111,3 +111,42 @@ def test_pack_defaults_and_padding_share():
     assert [b.tolist() for b in pack(lens, 9)] == [[4, 1, 2], [0], [3]]  # ties keep input order
     assert pack([], 64) == [] and pack([], 64, ratio=1.5) == []
     assert padding_share(lens, pack(lens, 9)) == 1 - 21 / (3 * 3 + 5 + 9)
+
+
+def _cost(lengths, batches, fixed: int) -> int:
+    return sum(fixed + len(b) * int(np.asarray(lengths)[b].max()) for b in batches)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lens=st.lists(st.integers(1, 60), min_size=0, max_size=11), bt=st.integers(1, 400),
+       mb=st.integers(1, 12), fixed=st.integers(0, 100))
+def test_pack_cheapest_is_the_cheapest_split(lens, bt, mb, fixed):
+    """Every index once, within the budget and the row cap (a sequence over the budget alone), and no
+    split of the length-sorted order costs less (all 2^(n-1) of them, brute force); nor does
+    `pack`'s greedy cut."""
+    import itertools
+
+    from ffkv.corpus.batching import pack_cheapest
+
+    out = pack_cheapest(lens, bt, mb, fixed)
+    assert sorted(np.concatenate(out).tolist() if out else []) == list(range(len(lens)))
+    L = np.asarray(lens)
+    for b in out:
+        assert len(b) == 1 or (len(b) <= mb and len(b) * L[b].max() <= bt)
+    order = np.argsort(L, kind="stable")
+    n, best = len(L), None
+    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
+        parts, cur = [], [order[0]] if n else []
+        for i, c in enumerate(cuts, 1):
+            if c:
+                parts.append(np.array(cur))
+                cur = []
+            cur.append(order[i])
+        if cur:
+            parts.append(np.array(cur))
+        if all(len(b) == 1 or (len(b) <= mb and len(b) * L[b].max() <= bt) for b in parts):
+            c = _cost(L, parts, fixed)
+            best = c if best is None else min(best, c)
+    assert _cost(L, out, fixed) == (best or 0)
+    if n:
+        assert _cost(L, out, fixed) <= _cost(L, pack(L, bt, max_batch=mb, ratio=1.5, slack=fixed), fixed)

@@ -15,8 +15,8 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
     tokens whatever the budget; issue 24). compose and mutate pass their own caps.
 
     With `ratio`, a batch also ends when a length exceeds `ratio` × its shortest: padding stays
-    under 1 − 1/ratio (a third for 1.5). `mutate` re-scores with ratio=1.5, max_batch=256: on a
-    CPU padding costs in full, and a small batch costs hardly more per token than a big one.
+    under 1 − 1/ratio (a third for 1.5). (`mutate`'s re-scoring cuts at the cheapest split
+    instead: `pack_cheapest`.)
     A sequence longer than batch_tokens gets a batch of its own. With `slack`, the ratio ends a
     batch only when the next row would add more than `slack` padded tokens (rows × the rise in
     length): short sequences (mutate's cached continuations, a few tokens each) then share
@@ -40,6 +40,32 @@ def pack(lengths, batch_tokens: int = 2048, max_batch: int | None = None,
     if cur:
         batches.append(np.array(cur))
     return batches
+
+
+def pack_cheapest(lengths, batch_tokens: int, max_batch: int, fixed: int) -> list[np.ndarray]:
+    """Index batches of the fewest padded tokens plus `fixed` per batch (a pass's own cost, in
+    tokens), each under max_len × rows ≤ batch_tokens and rows ≤ max_batch: the best split of the
+    length-sorted order, by dynamic programming (a batch is a run of it). Why: `pack`'s greedy
+    cut with a length ratio left mutate's re-scoring batches padded 1.26× to 1.47×.
+    Deterministic: ties in length keep input order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(lengths, kind="stable")
+    srt = lengths[order]
+    n = len(srt)
+    best = np.zeros(n + 1, dtype=np.int64)
+    start = np.zeros(n + 1, dtype=np.int64)  # start[e]: first row of the batch that ends at e
+    for e in range(1, n + 1):
+        m = int(srt[e - 1])
+        rows = max(1, min(int(max_batch), int(batch_tokens) // max(m, 1)))
+        j = np.arange(max(0, e - rows), e)
+        cost = best[j] + (e - j) * m
+        k = int(np.argmin(cost))  # the first minimum: the longest batch among equals
+        best[e], start[e] = cost[k] + fixed, j[k]
+    out, e = [], n
+    while e > 0:
+        out.append(order[start[e]:e])
+        e = int(start[e])
+    return out[::-1]
 
 
 def _by_budget(srt: np.ndarray, order: np.ndarray, bt: int) -> list[np.ndarray]:
