@@ -38,10 +38,7 @@ def _ryo(mm):
 
 
 def _softcapped(mm) -> bool:
-    from ffkv.model.arch import text_config
-
-    cap = mm.arch.softcap
-    return bool(cap and getattr(text_config(mm.hf.config), cap, None))
+    return mm.arch.cap(mm.hf.config) is not None
 
 
 def test_the_derived_top_of_a_sum_is_the_direct_one_on_every_family(tmp_path_factory, tok_dir, tiny_models):

@@ -188,9 +188,14 @@ class Architecture:
         linear and is left out: attributions are then in logits before it."""
         return 1.0
 
+    def cap(self, cfg) -> float | None:
+        """The final logits' soft-cap this model's config sets, or None (the family has none, or
+        this model turns it off)."""
+        return (getattr(text_config(cfg), self.softcap, None) if self.softcap else None) or None
+
     def head(self, cfg, z: torch.Tensor) -> torch.Tensor:
         """What the CausalLM does to the unembedded final state, here a soft-cap if any."""
-        cap = getattr(text_config(cfg), self.softcap, None) if self.softcap else None
+        cap = self.cap(cfg)
         if not cap:
             return z
         import torch

@@ -197,12 +197,15 @@ class Lens:
         """(max_t ‖E_t‖ times the head's factor, max_t |offset_t|): the scale of every logit's error."""
         if "_bound_cache" not in self.__dict__:
             emax = float(self.E.detach().float().norm(dim=-1).max()) * abs(self._head_scale())
-            _, off, _ = self._affine(torch.ones(1, self.E.shape[1], device=self.E.device, dtype=self.E.dtype))
+            off = self._offset()
             self._bound_cache = (emax, 0.0 if off is None else float(off.abs().max()))
         return self._bound_cache
 
     def _head_scale(self) -> float:
         return 1.0
+
+    def _offset(self):
+        return None if self.bias is None else self.bias.detach().float()
 
     @torch.no_grad()
     def sums_exactly(self) -> bool:
@@ -241,8 +244,7 @@ class NaiveLens(Lens):
         return v
 
     def _affine(self, h):
-        one = torch.ones(*h.shape[:-1], 1, device=h.device)
-        return one, (None if self.bias is None else self.bias.detach().float()), h
+        return torch.ones(*h.shape[:-1], 1, device=h.device), self._offset(), h
 
     units = "naive-lens units: m·(v·e_t), no final norm (not the model's logits)"
 
@@ -272,20 +274,24 @@ class NormLens(Lens):
 
     def _affine(self, h):
         """head_scale / s(h) (`logit_scale`), and head_scale·(β·E + b) from the norm's and the
-        unembedding's biases; None under a soft-cap (not affine)."""
-        arch, cfg = self.mm.arch, self.mm.hf.config
-        if arch.softcap and getattr(text_config(cfg), arch.softcap, None):
+        unembedding's biases (`_offset`); None under a soft-cap (not affine)."""
+        if self.mm.arch.cap(self.mm.hf.config):
             return None
-        k = arch.head_scale(cfg)
-        beta = getattr(self.final_norm, "bias", None)
-        off = None
-        if beta is not None:
-            off = self._unembed(beta.detach().to(self.E.dtype)[None])[0].float()
-        elif self.bias is not None:
-            off = self.bias.detach().float()
-        if off is not None:
-            off = off * k
-        return self.logit_scale(h), off, self.final_norm(h.to(self.E.dtype))
+        return self.logit_scale(h), self._offset(), self.final_norm(h.to(self.E.dtype))
+
+    @torch.no_grad()
+    def _offset(self):
+        """head_scale·(β·E + b), or None without biases: a product with E, made once per lens, not
+        once per row batch (`_affine` runs three times per layer in compose)."""
+        if "_offset_cache" not in self.__dict__:
+            beta = getattr(self.final_norm, "bias", None)
+            off = None
+            if beta is not None:
+                off = self._unembed(beta.detach().to(self.E.dtype)[None])[0].float()
+            elif self.bias is not None:
+                off = self.bias.detach().float()
+            self._offset_cache = None if off is None else off * self._head_scale()
+        return self._offset_cache
 
     @property
     def units(self) -> str:
